@@ -1,0 +1,164 @@
+"""The public, FlashMLA-compatible sparse decode API (spec §1).
+
+``get_mla_metadata()`` returns an empty :class:`FlashMLASchedMeta`; the first
+``flash_mla_with_kvcache`` call that uses it plans the call, makes the schedule (on the host when
+the host knows it, else with the device scheduler kernel) and stores it there; later calls with the
+same shapes reuse it (the caller promises the values of ``topk_length`` did not change either, as
+with FlashMLA). The metadata tensors live in the object, at stable addresses, for CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+
+from ..arch import device_arch, device_num_sms
+from ..formats import detect_format
+from ..scheduler import accum_offsets_device, blocks_per_request  # noqa: F401
+from . import dispatch
+from .plan import SparseDecodePlan, check_problem, plan_sparse_decode
+from .validate import KV_CACHE_DTYPES, check_aligned_strides, check_tensor
+
+
+@dataclass
+class FlashMLASchedMeta:
+    """Scheduler state of one decode step, filled by the first call that uses it (FlashMLA's layout).
+
+    ``tile_scheduler_metadata`` (num_sm_parts, 8) int32 and ``num_splits`` (b+1,) int32 are
+    FlashMLA's. ``accum_offsets`` (b+1,) int32 is cute-mla's compact prefix sum of accumulator rows
+    (only split requests own rows); ``plan`` is the call's :class:`SparseDecodePlan`.
+    """
+
+    have_initialized: bool = False
+    config: Optional[Tuple] = None
+    tile_scheduler_metadata: Optional[torch.Tensor] = None
+    num_splits: Optional[torch.Tensor] = None
+    accum_offsets: Optional[torch.Tensor] = None
+    plan: Optional[SparseDecodePlan] = None
+    _keepalive: list = field(default_factory=list, repr=False)
+
+
+def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
+    """FlashMLA-compatible: ignores its arguments; the first decode call fills the returned object."""
+    return FlashMLASchedMeta(), None
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode, FlashMLA's signature. Returns ``out`` (b, s_q, h_q, 512) bf16 and ``lse``
+    (b, h_q, s_q) fp32 natural log (a transposed view, as FlashMLA's). ``block_table`` and
+    ``cache_seqlens`` are ignored in sparse mode (the indices already address the cache)."""
+    kv, b, s_q, h_q, topk = _validate(q, k_cache, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
+                                      causal, is_fp8_kvcache, indices, attn_sink, extra_k_cache,
+                                      extra_indices_in_kvcache, topk_length, extra_topk_length, out)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    sched = tile_scheduler_metadata
+    plan = _schedule(sched, q, b, s_q, h_q, topk, topk_length)
+    if out is None:
+        out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+    dispatch.run(plan, q, kv, indices, topk_length, attn_sink, sched.tile_scheduler_metadata,
+                 sched.accum_offsets, out, lse, scale)
+    return out, lse.transpose(1, 2)
+
+
+def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: int, topk: int,
+              topk_length: Optional[torch.Tensor]) -> SparseDecodePlan:
+    config = (b, s_q, h_q, topk, topk_length is not None, q.device)
+    if sched.have_initialized:
+        if sched.config != config:
+            raise ValueError(
+                "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, topk, has_topk_length, device)="
+                f"{sched.config}, got {config}; use a fresh get_mla_metadata() object per shape")
+        return sched.plan
+    arch = device_arch(q.device)
+    plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=arch, num_sms=device_num_sms(q.device),
+                              has_topk_length=topk_length is not None)
+    if plan.schedule == "host":
+        tile_md, num_splits, offsets = dispatch.host_schedule_tensors(plan, q.device)
+    else:
+        from ..scheduler import plan_splits
+        # blocks per request from the device lengths, clamped to [1, topk] (spec §4.4), no host sync
+        nb = ((topk_length.clamp(0, topk) - 1).clamp_min(0) // 64 + 1).to(torch.int32)
+        tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
+        offsets = accum_offsets_device(num_splits)
+        sched._keepalive.append(nb)
+    sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = tile_md, num_splits, offsets
+    sched.plan, sched.config, sched.have_initialized = plan, config, True
+    return plan
+
+
+def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
+              extra_k_cache, extra_indices, topk_length, extra_topk_length, out):
+    if indices is None:
+        raise NotImplementedError("indices: dense decode (indices=None) is not implemented; cute-mla implements sparse decode, pass indices (b, s_q, topk) int32")
+    if extra_k_cache is not None or extra_indices is not None or extra_topk_length is not None:
+        raise NotImplementedError("extra_k_cache / extra_indices_in_kvcache / extra_topk_length: the extra KV scope (V4 formats) is not implemented yet; pass None")
+    if not isinstance(sched, FlashMLASchedMeta):
+        raise TypeError(f"tile_scheduler_metadata: expected the FlashMLASchedMeta returned by get_mla_metadata(), got {type(sched).__name__}")
+    if num_splits is not None:
+        raise ValueError(f"num_splits: must be None (the schedule lives in tile_scheduler_metadata), got {type(num_splits).__name__}")
+    if causal:
+        raise ValueError("causal: must be False with indices (sparse decode has no causal mask; causality comes from the indices)")
+    if not is_fp8_kvcache:
+        raise ValueError("is_fp8_kvcache: must be True with indices (sparse decode reads the FP8 V3.2 cache)")
+    check_tensor("q", q, dtypes=(torch.bfloat16,), dim=4, shape_doc="(b, s_q, h_q, d_qk)")
+    b, s_q, h_q, d_qk = q.shape
+    if not isinstance(head_dim_v, int) or head_dim_v != 512:
+        raise ValueError(f"head_dim_v: got {head_dim_v!r}, accepted: 512")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
+    check_tensor("indices", indices, dtypes=(torch.int32,), dim=3, shape=(b, s_q, None), device=q.device,
+                 shape_doc="(b, s_q, topk)")
+    topk = indices.shape[-1]
+    check_problem(b, s_q, h_q, d_qk, topk)
+    check_aligned_strides("q", q)
+    check_aligned_strides("indices", indices)
+    check_tensor("k_cache", k_cache, dtypes=KV_CACHE_DTYPES, dim=4, device=q.device,
+                 shape_doc="(num_blocks, page_block_size, 1, bytes_per_token)")
+    num_blocks, page_block_size, h_k, bytes_per_token = k_cache.shape
+    if h_k != 1:
+        raise ValueError(f"k_cache: h_k (dim 2) must be 1 (MLA has one latent KV head), got {h_k}")
+    fmt = detect_format(d_qk, bytes_per_token)
+    if k_cache.stride(1) != bytes_per_token:
+        raise ValueError(f"k_cache: rows inside a page block must be packed: stride(1) must be {bytes_per_token} "
+                         f"(bytes per token), got {k_cache.stride(1)}")
+    if num_blocks * page_block_size >= 2**31:
+        raise ValueError(f"k_cache: {num_blocks}x{page_block_size} tokens do not fit int32 indices")
+    kv = k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
+    if kv.data_ptr() % 16 or kv.stride(0) % 16:
+        raise ValueError(f"k_cache: base pointer and stride(0) must be 16-byte aligned, got offset {kv.data_ptr() % 16} and stride(0)={kv.stride(0)}")
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), dim=1, shape=(h_q,), device=q.device,
+                     contiguous=True, shape_doc="(h_q,)")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), dim=1, shape=(b,), device=q.device,
+                     contiguous=True, shape_doc="(b,)")
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.bfloat16,), dim=4, shape=(b, s_q, h_q, fmt.d_v), device=q.device,
+                     shape_doc=f"(b, s_q, h_q, {fmt.d_v})")
+        check_aligned_strides("out", out)
+    if q.device.type != "cuda":
+        from ..arch import UnsupportedDeviceError
+        raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
+    return kv, b, s_q, h_q, topk

@@ -1,0 +1,82 @@
+"""From a plan to launches: the kernels a plan names, compiled once per config, and the workspace.
+
+This is the only place that allocates the split-KV accumulators, and it allocates exactly
+``plan.accum_rows`` rows, only for the split variant (the tests hold it to that).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ..scheduler import SCHED_ROW_INTS, accum_offsets
+from .plan import SparseDecodePlan
+
+_lock = threading.Lock()
+_host_schedules: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def host_schedule_tensors(plan: SparseDecodePlan, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's host schedule as device tensors (tile_md, num_splits, accum_offsets).
+
+    Cached per (plan, device): every call with the same shapes reads the same, stable addresses
+    (CUDA graphs bake them in). The upload is an asynchronous copy from pinned memory, which is
+    legal inside a graph capture; the pinned source is kept alive with the cache entry.
+    """
+    key = (plan, str(device))
+    with _lock:
+        hit = _host_schedules.get(key)
+        if hit is not None:
+            return hit[:3]
+        s = plan.host_schedule
+        host = torch.tensor([v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
+                            dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        p, b = len(s.rows), len(s.num_splits) - 1
+        tile_md = dev[: p * SCHED_ROW_INTS].view(p, SCHED_ROW_INTS)
+        num_splits = dev[p * SCHED_ROW_INTS: p * SCHED_ROW_INTS + b + 1]
+        offsets = dev[p * SCHED_ROW_INTS + b + 1:]
+        _host_schedules[key] = (tile_md, num_splits, offsets, host)
+        return tile_md, num_splits, offsets
+
+
+def _main_kernel(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool):
+    if plan.arch == "sm_90a":
+        from ..kernels.sm90 import sparse_decode as mod
+        cfg = mod.Sm90SparseDecodeConfig(h_q=plan.h_q, split=plan.split, has_topk_length=has_topk_length,
+                                         has_attn_sink=has_attn_sink)
+    else:
+        from ..kernels.sm100 import sparse_decode as mod
+        cfg = mod.Sm100SparseDecodeConfig(h_q=plan.h_q, split=plan.split, has_topk_length=has_topk_length,
+                                          has_attn_sink=has_attn_sink)
+    return mod, cfg, mod.compile_sparse_decode(cfg)
+
+
+def _combine_kernel(plan: SparseDecodePlan, has_attn_sink: bool):
+    from ..kernels import combine as mod
+    cfg = mod.combine_config(arch=plan.arch, h_q=plan.h_q, has_attn_sink=has_attn_sink, num_sm_parts=plan.num_sm_parts)
+    return mod, cfg, mod.compile_combine(cfg)
+
+
+def allocate_workspace(plan: SparseDecodePlan, device: torch.device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """o_accum (rows, s_q, h_q, d_v) and lse_accum (rows, s_q, h_q) fp32, or (None, None) when nothing is split."""
+    if not plan.split:
+        return None, None
+    o_accum = torch.empty(plan.accum_rows, plan.s_q, plan.h_q, plan.d_v, dtype=torch.float32, device=device)
+    lse_accum = torch.empty(plan.accum_rows, plan.s_q, plan.h_q, dtype=torch.float32, device=device)
+    return o_accum, lse_accum
+
+
+def run(plan: SparseDecodePlan, q, kv, indices, topk_length, attn_sink, tile_md, offsets, out, lse, softmax_scale: float) -> None:
+    """Launch what the plan says: the main kernel, then the combine only for the split variant."""
+    mod, cfg, compiled = _main_kernel(plan, topk_length is not None, attn_sink is not None)
+    o_accum, lse_accum = allocate_workspace(plan, q.device)
+    mod.launch_sparse_decode(compiled, cfg, q, kv, indices, topk_length, attn_sink, tile_md, offsets, out, lse,
+                             o_accum, lse_accum, softmax_scale)
+    if plan.split:
+        cmod, ccfg, ccompiled = _combine_kernel(plan, attn_sink is not None)
+        cmod.launch_combine(ccompiled, ccfg, lse_accum, o_accum, offsets, attn_sink, out, lse)

@@ -1,0 +1,133 @@
+"""The plan of one sparse decode call: which kernel, which variant, and what memory it needs.
+
+The plan is the single source of truth for the workspace rule of cute-mla: the split-KV
+accumulators (``o_accum``, ``lse_accum``) are allocated, their TMA tensor map built and the combine
+launched **only when at least one request is split**.
+
+- num_sm_parts == 1: the scheduler never splits (the budget covers every request), so the
+  no-split kernel runs and the workspace is 0 bytes, whatever topk_length holds.
+- No topk_length: every request has topk/64 blocks, so the host knows the schedule. It runs the
+  scheduler itself; if nothing is split the no-split kernel runs with 0 bytes of workspace, else the
+  accumulators have exactly the real split rows (only split requests own rows, see
+  :func:`cute_mla.scheduler.accum_offsets`).
+- topk_length given (device values the host must not read): the schedule is made on the device and
+  the accumulators are sized for the worst case, ``2 * (num_sm_parts - 1)`` rows, still below
+  FlashMLA's ``b + num_sm_parts``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..formats import detect_format
+from ..scheduler import partition as sched
+
+SUPPORTED_H_Q = (64, 128)
+BLOCK_TOPK = sched.BLOCK_TOPK
+ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus its fp32 lse_accum entry
+
+# TMA tensor maps each kernel variant builds (what the compile tests check in the PTX).
+_TENSOR_MAPS = {
+    ("sm_90a", False): ("q", "out"),
+    ("sm_90a", True): ("q", "out", "o_accum"),
+    ("sm_100a", False): ("q", "kv_nope", "kv_rope", "out"),
+    ("sm_100a", True): ("q", "kv_nope", "kv_rope", "out", "o_accum"),
+}
+_KERNEL = {"sm_90a": "sm90_sparse_decode", "sm_100a": "sm100_sparse_decode"}
+
+
+@dataclass(frozen=True)
+class SparseDecodePlan:
+    arch: str
+    b: int
+    s_q: int
+    h_q: int
+    d_qk: int
+    d_v: int
+    topk: int
+    has_topk_length: bool
+    num_sm_parts: int
+    fixed_overhead: int
+    kernel: str                         # "sm90_sparse_decode" | "sm100_sparse_decode"
+    split: bool                         # the split variant (takes accumulators) runs
+    schedule: str                       # "host" (computed here) | "device" (scheduler kernel)
+    accum_rows: int                     # rows of o_accum / lse_accum (0 when nothing is split)
+    host_schedule: Optional[sched.HostSchedule]
+
+    @property
+    def variant(self) -> str:
+        return "split" if self.split else "no_split"
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.accum_rows * self.s_q * self.h_q * ACCUM_BYTES_PER_HEAD
+
+    @property
+    def tensor_maps(self) -> Tuple[str, ...]:
+        return _TENSOR_MAPS[(self.arch, self.split)]
+
+    @property
+    def launches(self) -> Tuple[str, ...]:
+        out = ("scheduler",) if self.schedule == "device" else ()
+        out += (self.kernel,)
+        return out + (("combine",) if self.split else ())
+
+    @property
+    def flashmla_workspace_bytes(self) -> int:
+        """What FlashMLA allocates for the same call: (b + num_sm_parts) rows, split or not."""
+        return (self.b + self.num_sm_parts) * self.s_q * self.h_q * ACCUM_BYTES_PER_HEAD
+
+    def describe(self) -> str:
+        lines = [
+            f"arch {self.arch}  b={self.b} s_q={self.s_q} h_q={self.h_q} d_qk={self.d_qk} topk={self.topk}"
+            f"{' topk_length' if self.has_topk_length else ''}",
+            f"kernel {self.kernel} ({self.variant})  num_sm_parts={self.num_sm_parts}  schedule on {self.schedule}",
+            f"launches: {', '.join(self.launches)}",
+            f"accumulator rows: {self.accum_rows}  workspace: {self.workspace_bytes} bytes ({self.workspace_bytes / 2**20:.2f} MiB)",
+            f"tensor maps: {', '.join(self.tensor_maps)}",
+            f"FlashMLA would allocate: {self.flashmla_workspace_bytes / 2**20:.2f} MiB",
+        ]
+        return "\n".join(lines)
+
+
+def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int) -> None:
+    """Shape rules shared by the plan and the API (spec §3.1)."""
+    for name, v in (("b", b), ("s_q", s_q), ("topk", topk)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be a positive int, got {v!r}")
+    if h_q not in SUPPORTED_H_Q:
+        raise ValueError(f"h_q: got {h_q}, accepted: 64 or 128 (pad the heads, as vLLM and SGLang do)")
+    if topk % BLOCK_TOPK:
+        raise ValueError(f"topk: got {topk}, accepted: a positive multiple of {BLOCK_TOPK}")
+    if d_qk != 576:
+        if d_qk == 512:
+            raise NotImplementedError("d_qk: 512 (the V4 formats) is not implemented yet; accepted: 576 (V3.2)")
+        raise ValueError(f"d_qk: got {d_qk}, accepted: 576 (V3.2)")
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch: str, num_sms: int,
+                       has_topk_length: bool = False, d_v: int = 512) -> SparseDecodePlan:
+    """Plan one sparse decode call (cached: a plan depends only on its arguments)."""
+    check_problem(b, s_q, h_q, d_qk, topk)
+    if d_v != 512:
+        raise ValueError(f"head_dim_v: got {d_v}, accepted: 512")
+    if arch not in _KERNEL:
+        raise ValueError(f"arch: got {arch!r}, accepted: {', '.join(_KERNEL)}")
+    detect_format(d_qk, 656)
+    parts = sched.num_sm_parts(arch, num_sms, s_q, h_q, d_qk)
+    overhead = sched.fixed_overhead_blocks(arch, h_q, d_qk)
+    host_schedule = None
+    if has_topk_length:
+        schedule = "device"
+        accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts)
+    else:
+        schedule = "host"
+        host_schedule = sched.plan_splits_host(sched.blocks_per_request(topk, b=b), parts, overhead)
+        accum_rows = host_schedule.split_rows
+    return SparseDecodePlan(
+        arch=arch, b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, d_v=d_v, topk=topk, has_topk_length=has_topk_length,
+        num_sm_parts=parts, fixed_overhead=overhead, kernel=_KERNEL[arch], split=accum_rows > 0,
+        schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule)

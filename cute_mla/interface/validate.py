@@ -1,0 +1,52 @@
+"""Host-side argument checks of the public API: every bad input is refused before any launch.
+
+Each check raises ValueError (a wrong value or shape), TypeError (a wrong type or dtype) or
+NotImplementedError (a FlashMLA feature cute-mla has not built yet), naming the argument, what was
+given and what is accepted. Nothing here reads device memory.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+
+
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return f"{type(t).__name__} {t!r}"
+
+
+def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], dim: Optional[int] = None,
+                 shape: Optional[Sequence[Optional[int]]] = None, device: Optional[torch.device] = None,
+                 last_contiguous: bool = True, contiguous: bool = False, shape_doc: str = "") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor{' ' + shape_doc if shape_doc else ''}, got {_desc(t)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: got dtype {t.dtype}, accepted: {', '.join(str(d) for d in dtypes)}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dims {shape_doc}, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                raise ValueError(f"{name}: expected shape {shape_doc or tuple(shape)}, got {tuple(t.shape)} (dim {i} is {got}, expected {want})")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where q is), got one on {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
+    return t
+
+
+def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16) -> None:
+    """TMA and 16-byte vector accesses need every outer stride (in bytes) and the base 16-byte aligned."""
+    es = t.element_size()
+    for i, s in enumerate(t.stride()[:-1]):
+        if t.shape[i] > 1 and (s * es) % align_bytes:
+            raise ValueError(f"{name}: stride {i} is {s} elements ({s * es} bytes), accepted: a multiple of {align_bytes} bytes")
+    if t.data_ptr() % align_bytes:
+        raise ValueError(f"{name}: the data pointer must be {align_bytes}-byte aligned, got an offset of {t.data_ptr() % align_bytes} bytes")

@@ -1,0 +1,56 @@
+"""Split-KV scheduler: the partition count, FlashMLA's greedy partitioning, on host or device."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .partition import (  # noqa: F401
+    BLOCK_TOPK,
+    FIXED_OVERHEAD,
+    SCHED_ROW_INTS,
+    HostSchedule,
+    SchedField,
+    accum_offsets,
+    blocks_per_request,
+    fixed_overhead_blocks,
+    max_accum_rows,
+    num_sm_parts,
+    plan_splits_host,
+)
+
+
+def plan_splits(num_blocks: torch.Tensor, num_sm_parts: int, fixed_overhead: int = FIXED_OVERHEAD) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's scheduler on tensors: ``num_blocks`` (b,) int32 -> (tile_scheduler_metadata (P, 8), num_splits (b+1,)).
+
+    On the CPU the host algorithm runs directly. On a GPU a one-thread CuTe DSL kernel runs the same
+    loop on the device, with no host synchronization (it is capturable in a CUDA graph).
+    """
+    if not isinstance(num_blocks, torch.Tensor) or num_blocks.dim() != 1 or num_blocks.dtype != torch.int32:
+        got = f"{num_blocks.dtype} {tuple(num_blocks.shape)}" if isinstance(num_blocks, torch.Tensor) else type(num_blocks).__name__
+        raise ValueError(f"num_blocks: expected a 1-D int32 tensor (b,), got {got}")
+    if num_sm_parts < 1:
+        raise ValueError(f"num_sm_parts: must be >= 1, got {num_sm_parts}")
+    b = num_blocks.shape[0]
+    if num_blocks.device.type == "cpu":
+        s = plan_splits_host(num_blocks.tolist(), num_sm_parts, fixed_overhead)
+        return (torch.tensor(s.rows, dtype=torch.int32).reshape(num_sm_parts, SCHED_ROW_INTS),
+                torch.tensor(s.num_splits, dtype=torch.int32))
+    from .device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
+    from ..arch import device_arch
+
+    tile_md = torch.empty(num_sm_parts, SCHED_ROW_INTS, dtype=torch.int32, device=num_blocks.device)
+    num_splits = torch.empty(b + 1, dtype=torch.int32, device=num_blocks.device)
+    cfg = SchedulerKernelConfig(arch=device_arch(num_blocks.device))
+    launch_scheduler(compile_scheduler(cfg), num_blocks, tile_md, num_splits, fixed_overhead)
+    return tile_md, num_splits
+
+
+def accum_offsets_device(num_splits: torch.Tensor) -> torch.Tensor:
+    """:func:`accum_offsets` with torch ops on the tensor's device (no host synchronization)."""
+    counts = num_splits[1:] - num_splits[:-1]
+    rows = torch.where(counts > 1, counts, torch.zeros_like(counts))
+    out = torch.zeros_like(num_splits)
+    torch.cumsum(rows, dim=0, out=out[1:])
+    return out

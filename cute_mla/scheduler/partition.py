@@ -1,0 +1,152 @@
+"""The split-KV scheduler (spec §4): how many partitions, and which partition does which blocks.
+
+This module is the host (pure Python) half and the single definition of the algorithm; the
+device half (:mod:`cute_mla.scheduler.device`) runs the same greedy loop in a one-thread CuTe DSL
+kernel so that a GPU call never synchronizes with the host. Both produce FlashMLA's
+``DecodingSchedMeta`` rows and ``num_splits`` prefix sum, entry by entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import List, Sequence, Tuple
+
+BLOCK_TOPK = 64          # tokens per scheduling block (the kernels' top-k tile)
+FIXED_OVERHEAD = 5       # virtual blocks charged per request piece for prologue/epilogue (SM90, SM100 head64)
+
+
+class SchedField(IntEnum):
+    """Columns of one int32 (num_sm_parts, 8) scheduler row (FlashMLA's ``DecodingSchedMeta``)."""
+
+    BEGIN_REQ = 0            # first request of the partition; == b for an empty trailing partition
+    END_REQ = 1              # last request, inclusive
+    BEGIN_BLOCK = 2          # first block of BEGIN_REQ
+    END_BLOCK = 3            # one past the last block of END_REQ
+    BEGIN_SPLIT = 4          # split index of BEGIN_REQ's piece (0 for the others)
+    FIRST_REQ_SPLIT = 5      # BEGIN_REQ is split (its piece here is partial)
+    LAST_REQ_SPLIT = 6       # END_REQ is split
+    PAD = 7
+
+
+SCHED_ROW_INTS = 8
+
+
+def num_sm_parts(arch: str, num_sms: int, s_q: int, h_q: int, d_qk: int = 576) -> int:
+    """Number of scheduler partitions (spec §4.1): the grid is sized so that CTAs ~ num_sms."""
+    if num_sms <= 0 or s_q <= 0 or h_q <= 0:
+        raise ValueError(f"num_sm_parts: num_sms, s_q and h_q must be positive, got {num_sms}, {s_q}, {h_q}")
+    if arch == "sm_90a":
+        return max(num_sms // s_q // (h_q // 64), 1)
+    if arch == "sm_100a":
+        if h_q == 128 and d_qk == 512:      # head128 CTA-pair kernel
+            return max(num_sms // s_q // 2, 1)
+        return max(num_sms // s_q, 1)       # head64 (h_q=128, d_qk=576 runs it on two head halves)
+    raise ValueError(f"arch: got {arch!r}, accepted: 'sm_90a', 'sm_100a'")
+
+
+def fixed_overhead_blocks(arch: str, h_q: int, d_qk: int = 576) -> int:
+    return 3 if (arch == "sm_100a" and h_q == 128 and d_qk == 512) else FIXED_OVERHEAD
+
+
+def blocks_per_request(topk: int, topk_length: Sequence[int] | None = None, b: int | None = None) -> List[int]:
+    """64-token blocks of each request's top-k list (spec §4.4): a zero length still counts as one block."""
+    if topk_length is None:
+        if b is None:
+            raise ValueError("blocks_per_request: give b when topk_length is None")
+        return [max((topk - 1) // BLOCK_TOPK + 1, 1)] * b
+    out = []
+    for n in topk_length:
+        s_k = min(max(int(n), 0), topk)
+        s_k = s_k if s_k > 0 else 1
+        out.append((s_k - 1) // BLOCK_TOPK + 1)
+    return out
+
+
+@dataclass(frozen=True)
+class HostSchedule:
+    """A schedule computed on the host: the rows, the prefix sum and what they imply."""
+
+    rows: Tuple[Tuple[int, ...], ...]   # (num_sm_parts, 8)
+    num_splits: Tuple[int, ...]         # (b + 1,)
+
+    @property
+    def split_rows(self) -> int:
+        """Accumulator rows the split kernel writes: one per piece of every split request."""
+        n = self.num_splits
+        return sum(n[i + 1] - n[i] for i in range(len(n) - 1) if n[i + 1] - n[i] > 1)
+
+    @property
+    def any_split(self) -> bool:
+        n = self.num_splits
+        return any(n[i + 1] - n[i] > 1 for i in range(len(n) - 1))
+
+
+def plan_splits_host(num_blocks: Sequence[int], num_sm_parts: int, fixed_overhead: int = FIXED_OVERHEAD) -> HostSchedule:
+    """FlashMLA's greedy partitioning (spec §4.5), in plain Python.
+
+    Every request costs its blocks plus ``fixed_overhead`` virtual blocks; each partition gets a
+    budget of ``ceil(total / P) + fixed_overhead``. A request is cut only where it crosses a budget
+    boundary; each cut piece pays the overhead again.
+    """
+    b = len(num_blocks)
+    if b == 0:
+        raise ValueError("num_blocks: at least one request is needed")
+    if num_sm_parts < 1:
+        raise ValueError(f"num_sm_parts: must be >= 1, got {num_sm_parts}")
+    nb = [int(x) for x in num_blocks]
+    if min(nb) < 1:
+        raise ValueError(f"num_blocks: every request has at least one block, got min {min(nb)}")
+    total = sum(n + fixed_overhead for n in nb)
+    payload = -(-total // num_sm_parts) + fixed_overhead
+
+    req, block, n_split, cum = 0, 0, 0, 0
+    num_splits = [0] * (b + 1)
+    rows = []
+    for _ in range(num_sm_parts):
+        begin_req, begin_block, begin_split = req, block, n_split
+        first_split = block != 0
+        budget = payload
+        while req < b:
+            remain = nb[req] - block
+            if budget >= remain + fixed_overhead:
+                cum += n_split + 1
+                num_splits[req + 1] = cum
+                budget -= remain + fixed_overhead
+                req, block, n_split = req + 1, 0, 0
+            else:
+                if budget - fixed_overhead > 0:
+                    block += budget - fixed_overhead
+                    n_split += 1
+                    budget = 0
+                break
+        end_req = req if block > 0 else req - 1
+        end_block = block if block > 0 else nb[req - 1]
+        last_split = end_block != nb[end_req]
+        if begin_req == end_req:
+            first_split = last_split = first_split or last_split
+        rows.append((begin_req, end_req, begin_block, end_block, begin_split, int(first_split), int(last_split), 0))
+    assert req == b and block == 0 and n_split == 0, "scheduler: not every request was consumed"
+    return HostSchedule(rows=tuple(rows), num_splits=tuple(num_splits))
+
+
+def accum_offsets(num_splits: Sequence[int]) -> Tuple[int, ...]:
+    """Compact accumulator row offsets (b + 1,): only split requests own rows.
+
+    FlashMLA indexes ``o_accum`` with ``num_splits`` itself, so every request owns a row whether it
+    is split or not, and ``b + num_sm_parts`` rows are allocated. cute-mla hands the kernels this
+    prefix sum instead: request i owns rows ``[off[i], off[i+1])``, an empty range when it is not
+    split. The kernels' row formula (``off[r] + split_idx``) is unchanged, the combine skips any
+    request with fewer than two rows, and the total is the real number of split pieces, at most
+    ``2 * (num_sm_parts - 1)`` (each cut adds one piece and makes at most one more request split).
+    """
+    out = [0]
+    for i in range(len(num_splits) - 1):
+        n = num_splits[i + 1] - num_splits[i]
+        out.append(out[-1] + (n if n > 1 else 0))
+    return tuple(out)
+
+
+def max_accum_rows(num_sm_parts: int) -> int:
+    """Upper bound of the compact accumulator rows for any lengths (used when the host can't know)."""
+    return 2 * (num_sm_parts - 1)
