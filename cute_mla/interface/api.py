@@ -94,13 +94,16 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: 
     arch = device_arch(q.device)
     plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=arch, num_sms=device_num_sms(q.device),
                               has_topk_length=topk_length is not None)
-    if plan.schedule == "host":
+    if plan.host_schedule is not None:
         tile_md, num_splits, offsets = dispatch.host_schedule_tensors(plan, q.device)
     else:
-        from ..scheduler import plan_splits
+        from ..scheduler import per_request_schedule_device, plan_splits
         # blocks per request from the device lengths, clamped to [1, topk] (spec §4.4), no host sync
         nb = ((topk_length.clamp(0, topk) - 1).clamp_min(0) // 64 + 1).to(torch.int32)
-        tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
+        if plan.schedule == "per_request":
+            tile_md, num_splits = per_request_schedule_device(nb)
+        else:
+            tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
         offsets = accum_offsets_device(num_splits)
         sched._keepalive.append(nb)
     sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = tile_md, num_splits, offsets

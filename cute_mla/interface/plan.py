@@ -13,6 +13,7 @@ launched **only when at least one request is split**.
 - topk_length given (device values the host must not read): the schedule is made on the device and
   the accumulators are sized for the worst case, ``2 * (num_sm_parts - 1)`` rows, still below
   FlashMLA's ``b + num_sm_parts``.
+- SM100 with topk <= 640 (FlashMLA's rule): one partition per request, never split, 0 bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from ..formats import detect_format
 from ..scheduler import partition as sched
 
 SUPPORTED_H_Q = (64, 128)
+SM100_NO_SPLIT_MAX_TOPK = 640           # FlashMLA enables split-KV on SM100 only above this top-k
+MAX_GRID_Y = 65535
 BLOCK_TOPK = sched.BLOCK_TOPK
 ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus its fp32 lse_accum entry
 
@@ -52,7 +55,7 @@ class SparseDecodePlan:
     fixed_overhead: int
     kernel: str                         # "sm90_sparse_decode" | "sm100_sparse_decode"
     split: bool                         # the split variant (takes accumulators) runs
-    schedule: str                       # "host" (computed here) | "device" (scheduler kernel)
+    schedule: str                       # "host" (computed here) | "device" (scheduler kernel) | "per_request"
     accum_rows: int                     # rows of o_accum / lse_accum (0 when nothing is split)
     host_schedule: Optional[sched.HostSchedule]
 
@@ -76,7 +79,10 @@ class SparseDecodePlan:
 
     @property
     def flashmla_workspace_bytes(self) -> int:
-        """What FlashMLA allocates for the same call: (b + num_sm_parts) rows, split or not."""
+        """What FlashMLA (vLLM's fork) allocates for the same call: (b + num_sm_parts) rows whenever
+        split-KV is on, i.e. always on SM90 and above top-k 640 on SM100."""
+        if self.arch == "sm_100a" and self.topk <= SM100_NO_SPLIT_MAX_TOPK:
+            return 0
         return (self.b + self.num_sm_parts) * self.s_q * self.h_q * ACCUM_BYTES_PER_HEAD
 
     def describe(self) -> str:
@@ -120,9 +126,14 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     parts = sched.num_sm_parts(arch, num_sms, s_q, h_q, d_qk)
     overhead = sched.fixed_overhead_blocks(arch, h_q, d_qk)
     host_schedule = None
-    if has_topk_length:
+    if arch == "sm_100a" and topk <= SM100_NO_SPLIT_MAX_TOPK and b <= MAX_GRID_Y:
+        schedule, parts, accum_rows = "per_request", b, 0
+        if not has_topk_length:
+            nb = sched.blocks_per_request(topk, b=b)
+            host_schedule = sched.HostSchedule(rows=sched.per_request_rows(nb), num_splits=tuple(range(b + 1)))
+    elif has_topk_length:
         schedule = "device"
-        accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts)
+        accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts, b)
     else:
         schedule = "host"
         host_schedule = sched.plan_splits_host(sched.blocks_per_request(topk, b=b), parts, overhead)

@@ -17,6 +17,7 @@ from .partition import (  # noqa: F401
     fixed_overhead_blocks,
     max_accum_rows,
     num_sm_parts,
+    per_request_rows,
     plan_splits_host,
 )
 
@@ -54,3 +55,15 @@ def accum_offsets_device(num_splits: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(num_splits)
     torch.cumsum(rows, dim=0, out=out[1:])
     return out
+
+
+def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`per_request_rows` with torch ops on the device: (tile_md (b, 8), num_splits (b+1,))."""
+    b = num_blocks.shape[0]
+    ar = torch.arange(b, dtype=torch.int32, device=num_blocks.device)
+    tile_md = torch.zeros(b, SCHED_ROW_INTS, dtype=torch.int32, device=num_blocks.device)
+    tile_md[:, 0] = ar
+    tile_md[:, 1] = ar
+    tile_md[:, 3] = num_blocks
+    num_splits = torch.arange(b + 1, dtype=torch.int32, device=num_blocks.device)
+    return tile_md, num_splits

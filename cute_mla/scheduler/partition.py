@@ -147,6 +147,15 @@ def accum_offsets(num_splits: Sequence[int]) -> Tuple[int, ...]:
     return tuple(out)
 
 
-def max_accum_rows(num_sm_parts: int) -> int:
-    """Upper bound of the compact accumulator rows for any lengths (used when the host can't know)."""
-    return 2 * (num_sm_parts - 1)
+def per_request_rows(num_blocks: Sequence[int]) -> Tuple[Tuple[int, ...], ...]:
+    """One partition per request, nothing split (SM100's no-split schedule for short top-k lists)."""
+    return tuple((i, i, 0, int(n), 0, 0, 0, 0) for i, n in enumerate(num_blocks))
+
+
+def max_accum_rows(num_sm_parts: int, b: int) -> int:
+    """Upper bound of the compact accumulator rows for any lengths (used when the host can't know).
+
+    Every cut adds one piece and makes at most one more request split, so split pieces are at most
+    ``2 * (P - 1)``; they are also at most all pieces, ``b + P - 1``.
+    """
+    return min(2 * (num_sm_parts - 1), b + num_sm_parts - 1)

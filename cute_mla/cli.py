@@ -1,0 +1,125 @@
+"""The ``cute-mla`` command: info, plan, compile, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from importlib import metadata
+
+DEFAULT_NUM_SMS = {"sm_90a": 132, "sm_100a": 148}   # H100/H200, B200
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    from . import __version__
+    from .arch import gpu_summary
+    from .kernels.compile import SUPPORTED_ARCHS
+
+    print(f"cute-mla           {__version__}")
+    print(f"python             {sys.version.split()[0]}")
+    print(f"torch              {torch.__version__}")
+    print(f"nvidia-cutlass-dsl {_version('nvidia-cutlass-dsl')}")
+    print(f"apache-tvm-ffi     {_version('apache-tvm-ffi')}")
+    print(f"gpu                {gpu_summary() or 'none (kernels compile for any arch; running them needs SM90 or SM100)'}")
+    print(f"supported archs    {', '.join(SUPPORTED_ARCHS)}")
+    return 0
+
+
+def _plan_from_args(args, s_q=None):
+    from .interface.plan import plan_sparse_decode
+
+    num_sms = args.num_sms or DEFAULT_NUM_SMS[args.arch]
+    return plan_sparse_decode(args.b, s_q or args.s_q, args.h_q, args.d_qk, args.topk, arch=args.arch,
+                              num_sms=num_sms, has_topk_length=args.topk_length)
+
+
+def cmd_plan(args) -> int:
+    plan = _plan_from_args(args)
+    if args.json:
+        d = {k: getattr(plan, k) for k in ("arch", "b", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "num_sm_parts",
+                                           "kernel", "variant", "schedule", "accum_rows", "workspace_bytes",
+                                           "flashmla_workspace_bytes")}
+        d["tensor_maps"] = list(plan.tensor_maps)
+        d["launches"] = list(plan.launches)
+        print(json.dumps(d, indent=2))
+    else:
+        print(plan.describe())
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from .kernels import registry
+
+    t0 = time.time()
+    report = registry.compile_to_dir(args.kernel, args.arch, args.out, h_q=args.h_q, split=args.split,
+                                     has_topk_length=args.topk_length, has_attn_sink=args.attn_sink)
+    print(f"compiled {args.kernel} for {args.arch} in {time.time() - t0:.1f} s -> {args.out}")
+    for line in report:
+        print(line)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from . import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cute-mla", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    sub.add_parser("info", help="versions, the GPU, supported archs").set_defaults(fn=cmd_info)
+
+    def shape_args(sp, s_q_default=1):
+        sp.add_argument("--b", type=int, default=1)
+        sp.add_argument("--s-q", type=int, default=s_q_default)
+        sp.add_argument("--h-q", type=int, default=64)
+        sp.add_argument("--d-qk", type=int, default=576)
+        sp.add_argument("--topk", type=int, default=2048)
+        sp.add_argument("--topk-length", action="store_true", help="plan for per-request topk_length")
+
+    sp = sub.add_parser("plan", help="print the plan of a call: kernel, variant, workspace, tensor maps")
+    shape_args(sp)
+    sp.add_argument("--arch", default="sm_90a", choices=sorted(DEFAULT_NUM_SMS))
+    sp.add_argument("--num-sms", type=int, default=None, help="default: 132 for sm_90a, 148 for sm_100a")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_plan)
+
+    sp = sub.add_parser("compile", help="compile a kernel for an arch (no GPU needed); write PTX and cubin; print resources")
+    sp.add_argument("--arch", required=True, choices=sorted(DEFAULT_NUM_SMS))
+    sp.add_argument("--kernel", required=True, help="sparse_decode | combine | scheduler")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--h-q", type=int, default=64)
+    sp.add_argument("--split", action="store_true", help="the split variant of sparse_decode")
+    sp.add_argument("--topk-length", action="store_true")
+    sp.add_argument("--attn-sink", action="store_true")
+    sp.set_defaults(fn=cmd_compile)
+
+    sp = sub.add_parser("demo", help="run a realistic sparse decode (GPU) or show plans and the reference (CPU)")
+    sp.add_argument("--quick", action="store_true", help="smaller shapes")
+    sp.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        print(f"cute-mla {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Test-data generation and FlashMLA's comparison rules, shared by tests, benchmarks and the demo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .formats import quantize_v32
+
+
+@dataclass
+class SparseDecodeInputs:
+    q: torch.Tensor              # (b, s_q, h_q, 576) bf16
+    k_cache: torch.Tensor        # (num_blocks, page_block_size, 1, 656) uint8
+    indices: torch.Tensor        # (b, s_q, topk) int32
+    topk_length: Optional[torch.Tensor]
+    attn_sink: Optional[torch.Tensor]
+    softmax_scale: float
+
+
+def make_inputs(b: int, s_q: int, h_q: int, topk: int, *, num_tokens: int = 4096, page_block_size: int = 64,
+                invalid_frac: float = 0.2, out_of_range_frac: float = 0.0, with_topk_length: bool = False,
+                with_sink: bool = False, power_of_two_scales: bool = True, nan_unused: bool = True,
+                all_invalid_rows: int = 0, device="cpu", generator: Optional[torch.Generator] = None,
+                block_stride_pad: int = 1, unique: bool = True) -> SparseDecodeInputs:
+    """Random inputs in FlashMLA's test style (spec §7).
+
+    q ~ N(0,1) clamped to +-1; KV ~ N(0,1)/10 clamped; each (b, s) row gets unique random token
+    indices (spread over a randomly permuted pool of page blocks), a fraction set to -1 and a fraction
+    set out of range; every cache slot no valid index points at is filled with NaN bytes; page blocks
+    are padded (stride(0) = (page_block_size + block_stride_pad) * 656).
+    """
+    g = generator
+    num_blocks = -(-num_tokens // page_block_size)
+    num_tokens = num_blocks * page_block_size
+    q = (torch.randn(b, s_q, h_q, 576, generator=g).clamp(-1, 1)).to(torch.bfloat16)
+    kv = (torch.randn(num_tokens, 576, generator=g) / 10).clamp(-1, 1)
+    raw = quantize_v32(kv, power_of_two_scales=power_of_two_scales)
+    cache = torch.zeros(num_blocks, page_block_size + block_stride_pad, 1, 656, dtype=torch.uint8)
+    cache = cache[:, :page_block_size]
+    cache.copy_(raw.reshape(num_blocks, page_block_size, 1, 656))
+
+    topk_eff = min(topk, num_tokens)
+    if unique:
+        idx = torch.stack([torch.randperm(num_tokens, generator=g)[:topk_eff] for _ in range(b * s_q)]).to(torch.int32)
+    else:  # large benchmark shapes: duplicates are harmless (the reference counts them too)
+        idx = torch.randint(0, num_tokens, (b * s_q, topk_eff), generator=g, dtype=torch.int32)
+    if topk_eff < topk:
+        idx = torch.cat([idx, torch.full((b * s_q, topk - topk_eff), -1, dtype=torch.int32)], dim=1)
+    r = torch.rand(idx.shape, generator=g)
+    idx[r < invalid_frac] = -1
+    if out_of_range_frac:
+        oor = (r >= invalid_frac) & (r < invalid_frac + out_of_range_frac)
+        big = torch.randint(num_tokens, 2**31 - 1, idx.shape, generator=g, dtype=torch.int64).to(torch.int32)
+        idx[oor] = torch.where(torch.rand(idx.shape, generator=g) < 0.5, big, torch.full_like(big, -7))[oor]
+    idx = idx.reshape(b, s_q, topk)
+    if all_invalid_rows:
+        flat = idx.view(b * s_q, topk)
+        for row in torch.randperm(b * s_q, generator=g)[:all_invalid_rows].tolist():
+            flat[row] = -1
+
+    topk_length = None
+    if with_topk_length:
+        topk_length = torch.randint(0, topk + 1, (b,), generator=g, dtype=torch.int32)
+        topk_length[0] = 0 if b > 1 else topk_length[0]
+
+    if nan_unused:
+        used = torch.zeros(num_tokens, dtype=torch.bool)
+        vi = idx.to(torch.int64)
+        valid = (vi >= 0) & (vi < num_tokens)
+        if topk_length is not None:
+            valid &= torch.arange(topk).view(1, 1, topk) < topk_length.view(b, 1, 1).to(torch.int64)
+        used[vi[valid]] = True
+        flat = cache.reshape(num_tokens, 656) if cache.is_contiguous() else None
+        nan_row = torch.full((656,), 0xFF, dtype=torch.uint8)   # 0xFF is NaN in e4m3, fp32 and bf16
+        unused = (~used).nonzero().flatten()
+        blk, row = unused // page_block_size, unused % page_block_size
+        cache[blk, row, 0] = nan_row
+        del flat
+
+    attn_sink = None
+    if with_sink:
+        attn_sink = torch.randn(h_q, generator=g)
+        m = torch.rand(h_q, generator=g)
+        attn_sink[m < 0.31] = float("inf")
+        attn_sink[(m >= 0.31) & (m < 0.62)] = float("-inf")
+
+    dev = torch.device(device)
+    mv = lambda t: None if t is None else t.to(dev)
+    if dev.type != "cpu":
+        # keep the padded page-block stride on the device too
+        big = torch.empty(num_blocks, page_block_size + block_stride_pad, 1, 656, dtype=torch.uint8, device=dev)
+        big[:, :page_block_size].copy_(cache)
+        cache_dev = big[:, :page_block_size]
+    else:
+        cache_dev = cache
+    return SparseDecodeInputs(q=mv(q), k_cache=cache_dev, indices=mv(idx), topk_length=mv(topk_length),
+                              attn_sink=mv(attn_sink), softmax_scale=576 ** -0.55)
+
+
+def check_allclose(name: str, got: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float,
+                   cos_diff_tol: Optional[float] = None) -> None:
+    """FlashMLA's rule (spec §7): per element abs_err < abs_tol or rel_err < rel_tol; inf/NaN
+    positions identical; optionally cosine difference 1 - 2<a,b>/(|a|^2+|b|^2) <= cos_diff_tol."""
+    got = got.double().cpu()
+    ref = ref.double().cpu()
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}"
+    for what, fn in (("nan", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        mism = fn(got) != fn(ref)
+        assert not mism.any(), f"{name}: {what} positions differ at {mism.sum().item()} elements, first {mism.nonzero()[0].tolist()}"
+    finite = torch.isfinite(ref)
+    g, r = got[finite], ref[finite]
+    abs_err = (g - r).abs()
+    rel_err = abs_err / (r.abs() + 1e-6)
+    bad = (abs_err >= abs_tol) & (rel_err >= rel_tol)
+    if bad.any():
+        i = bad.nonzero()[0].item()
+        raise AssertionError(f"{name}: {bad.sum().item()} of {g.numel()} elements out of tolerance "
+                             f"(abs {abs_tol}, rel {rel_tol}); e.g. got {g[i].item()} vs ref {r[i].item()}; "
+                             f"max abs err {abs_err.max().item():.3e}")
+    if cos_diff_tol is not None and g.numel():
+        denom = (g * g + r * r).sum()
+        cos_diff = (1 - 2 * (g * r).sum() / denom).item() if denom > 0 else 0.0
+        assert cos_diff <= cos_diff_tol, f"{name}: cosine difference {cos_diff:.3e} > {cos_diff_tol}"
+
+
+def check_out_lse(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> None:
+    """The sparse decode tolerances of FlashMLA's test suite (spec §7)."""
+    check_allclose("out", out.float(), ref_out, abs_tol=1e-3, rel_tol=2.01 / 128, cos_diff_tol=5e-6)
+    check_allclose("lse", lse.float(), ref_lse, abs_tol=1e-6, rel_tol=8.01 / 65536)

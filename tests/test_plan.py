@@ -1,0 +1,83 @@
+import pytest
+
+from cute_mla import plan_sparse_decode
+from cute_mla.interface.plan import ACCUM_BYTES_PER_HEAD
+from cute_mla.scheduler import accum_offsets
+
+
+@pytest.mark.parametrize("s_q", [1, 8, 128, 1024, 8192, 32768])
+def test_sm90_mixed_batch_workspace(s_q):
+    p = plan_sparse_decode(1, s_q, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    assert p.kernel == "sm90_sparse_decode"
+    if s_q >= 67:   # one partition: nothing can be split
+        assert p.num_sm_parts == 1
+        assert not p.split and p.workspace_bytes == 0 and p.accum_rows == 0
+        assert "o_accum" not in p.tensor_maps and "combine" not in p.launches
+    else:
+        assert p.split and "o_accum" in p.tensor_maps and p.launches[-1] == "combine"
+        # exactly the real split rows of the host schedule
+        off = accum_offsets(p.host_schedule.num_splits)
+        assert p.accum_rows == off[-1] == p.host_schedule.num_splits[-1]
+        assert p.workspace_bytes == p.accum_rows * s_q * 64 * ACCUM_BYTES_PER_HEAD
+    assert p.workspace_bytes <= p.flashmla_workspace_bytes
+
+
+def test_sm90_s_q_1_exact_rows():
+    p = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    assert p.num_sm_parts == 132 and p.accum_rows == 32      # 32 blocks -> 32 one-block pieces
+    assert p.workspace_bytes == 32 * 64 * (2048 + 4)
+
+
+def test_flashmla_seed_numbers():
+    # the seed's table: FlashMLA's dead workspace is (b + P) x s_q x h_q x 2052 bytes
+    p = plan_sparse_decode(1, 32768, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    assert round(p.flashmla_workspace_bytes / 2**20) == 8208 and p.workspace_bytes == 0
+    p = plan_sparse_decode(1, 8192, 128, 576, 2048, arch="sm_90a", num_sms=132)
+    assert round(p.flashmla_workspace_bytes / 2**20, 1) == 4104.0 and p.workspace_bytes == 0
+
+
+def test_decode_batch_no_split_when_requests_fit():
+    p = plan_sparse_decode(128, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    assert not p.split and p.workspace_bytes == 0 and p.num_sm_parts == 132
+
+
+def test_topk_length_plans_device_schedule_with_bounded_workspace():
+    p = plan_sparse_decode(128, 2, 128, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=True)
+    assert p.schedule == "device" and p.launches[0] == "scheduler"
+    assert p.accum_rows == min(2 * (p.num_sm_parts - 1), 128 + p.num_sm_parts - 1)
+    assert p.workspace_bytes < p.flashmla_workspace_bytes
+    p1 = plan_sparse_decode(1, 4096, 64, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=True)
+    assert p1.num_sm_parts == 1 and p1.workspace_bytes == 0 and not p1.split
+
+
+@pytest.mark.parametrize("topk,split", [(64, False), (640, False), (704, True), (2048, True)])
+def test_sm100_no_split_rule(topk, split):
+    p = plan_sparse_decode(4, 1, 64, 576, topk, arch="sm_100a", num_sms=148)
+    assert p.kernel == "sm100_sparse_decode"
+    assert p.split is split
+    if not split:
+        assert p.schedule == "per_request" and p.num_sm_parts == 4 and p.workspace_bytes == 0
+        assert "o_accum" not in p.tensor_maps
+        assert p.host_schedule.rows[3] == (3, 3, 0, topk // 64, 0, 0, 0, 0)
+    else:
+        assert "o_accum" in p.tensor_maps
+
+
+def test_sm100_topk_length_short_topk_is_per_request():
+    p = plan_sparse_decode(4, 3, 128, 576, 512, arch="sm_100a", num_sms=148, has_topk_length=True)
+    assert p.schedule == "per_request" and not p.split and p.host_schedule is None
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(h_q=32), ValueError, "h_q: got 32, accepted: 64 or 128"),
+    (dict(topk=100), ValueError, "topk: got 100, accepted: a positive multiple of 64"),
+    (dict(d_qk=512), NotImplementedError, "d_qk: 512"),
+    (dict(d_qk=600), ValueError, "d_qk: got 600"),
+    (dict(arch="sm_80"), ValueError, "arch: got 'sm_80'"),
+    (dict(b=0), ValueError, "b: must be a positive int"),
+])
+def test_plan_rejects(kw, exc, msg):
+    args = dict(b=1, s_q=1, h_q=64, d_qk=576, topk=2048, arch="sm_90a")
+    args.update(kw)
+    with pytest.raises(exc, match=msg):
+        plan_sparse_decode(args["b"], args["s_q"], args["h_q"], args["d_qk"], args["topk"], arch=args["arch"], num_sms=132)
