@@ -1,0 +1,151 @@
+"""cute-mla vs FlashMLA (vLLM's build) on the H200 grid of the performance issue, in one run.
+
+Inputs as in ../shared/reference/peers-and-limits.md: V3.2 FP8 cache, page block 64, a pool of
+131072 tokens, top-k 2048 with 20% of the indices -1. FLOPs = 2*h*(576+512)*topk per query token.
+Times: CUDA graph replay (median of per-replay events) and eager (median of events around a call).
+Transient = peak allocation during one call beyond out and lse.
+
+    python benchmarks/bench_sparse_decode.py [--rows all|quick] [--json PATH] [--masked 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import cute_mla  # noqa: E402
+from cute_mla.formats import quantize_v32  # noqa: E402
+
+GRID = [(1, 1, 64), (1, 8, 64), (1, 128, 64), (1, 1024, 64), (1, 8192, 64), (1, 32768, 64),
+        (1, 1, 128), (1, 8, 128), (1, 128, 128), (1, 1024, 128), (1, 8192, 128),
+        (128, 2, 128), (64, 2, 64), (128, 1, 64)]
+QUICK = [(1, 1, 64), (1, 8, 64), (1, 1024, 64), (1, 8192, 64), (1, 1024, 128), (128, 2, 128), (64, 2, 64), (128, 1, 64)]
+POOL, PAGE, TOPK = 131072, 64, 2048
+
+
+def flashmla():
+    try:
+        from vllm.third_party.flashmla import flash_mla_interface as fm
+        return fm
+    except Exception as e:  # noqa: BLE001
+        print(f"FlashMLA not importable ({type(e).__name__}: {e}); cute-mla only")
+        return None
+
+
+def make_inputs(b, s_q, h, masked, g):
+    kv = (torch.randn(POOL, 576, device="cuda", generator=g) / 10).clamp(-1, 1)
+    cache = quantize_v32(kv).view(POOL // PAGE, PAGE, 1, 656)
+    q = torch.randn(b, s_q, h, 576, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
+    idx = torch.randint(0, POOL, (b, s_q, TOPK), device="cuda", generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, device="cuda", generator=g) < masked] = -1
+    return q, cache, idx
+
+
+def call(mod, sched, q, cache, idx):
+    return mod.flash_mla_with_kvcache(q, cache, None, None, 512, sched, softmax_scale=576 ** -0.5,
+                                      is_fp8_kvcache=True, indices=idx)
+
+
+def time_one(mod, q, cache, idx, target_s=0.25):
+    sched, _ = mod.get_mla_metadata()
+    out = call(mod, sched, q, cache, idx)          # warm-up: compile, schedule
+    torch.cuda.synchronize()
+    # transient memory of one call
+    del out
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o, l = call(mod, sched, q, cache, idx)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - before - o.nbytes - l.nbytes
+    # eager
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(15)]
+    for a, b_ in ev:
+        a.record(); call(mod, sched, q, cache, idx); b_.record()
+    torch.cuda.synchronize()
+    eager = statistics.median(a.elapsed_time(b_) * 1e3 for a, b_ in ev)
+    # graph replay
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call(mod, sched, q, cache, idx)
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        go, gl = call(mod, sched, q, cache, idx)
+    for _ in range(3):
+        gr.replay()
+    torch.cuda.synchronize()
+    n = max(5, min(200, int(target_s / max(eager * 1e-6, 1e-6))))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b_ in ev:
+        a.record(); gr.replay(); b_.record()
+    torch.cuda.synchronize()
+    replay = statistics.median(a.elapsed_time(b_) * 1e3 for a, b_ in ev)
+    return dict(us=replay, eager_us=eager, transient_mib=transient / 2**20), (go, gl)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="all", choices=["all", "quick"])
+    ap.add_argument("--masked", type=float, default=0.2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    fm = flashmla()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = GRID if args.rows == "all" else QUICK
+    results = []
+    for (b, s_q, h) in rows:
+        q, cache, idx = make_inputs(b, s_q, h, args.masked, g)
+        flop = 2 * h * (576 + 512) * TOPK * b * s_q
+        r = dict(b=b, s_q=s_q, h_q=h)
+        try:
+            ours, (oo, ol) = time_one(cute_mla, q, cache, idx)
+            r.update({f"cute_{k}": v for k, v in ours.items()})
+            r["cute_tflops"] = flop / ours["us"] * 1e-6
+        except Exception as e:  # noqa: BLE001
+            r["cute_error"] = f"{type(e).__name__}: {e}"[:300]
+            oo = None
+        if fm is not None:
+            theirs, (fo, fl) = time_one(fm, q, cache, idx)
+            r.update({f"flashmla_{k}": v for k, v in theirs.items()})
+            r["flashmla_tflops"] = flop / theirs["us"] * 1e-6
+            if oo is not None:
+                r["ratio"] = theirs["us"] / ours["us"]
+                r["max_abs_diff_vs_flashmla"] = (oo.float() - fo.float()).abs().max().item()
+                fin = torch.isfinite(fl)
+                r["lse_max_abs_diff_vs_flashmla"] = (ol[fin] - fl[fin]).abs().max().item() if fin.any() else 0.0
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        del q, cache, idx
+        torch.cuda.empty_cache()
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or os.environ.get("CUTE_MLA_COMMIT", "?")
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=commit, torch=torch.__version__, masked=args.masked, pool=POOL, page_block_size=PAGE, topk=TOPK,
+                command="python benchmarks/bench_sparse_decode.py " + " ".join(sys.argv[1:]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+    print(f"\n{meta['gpu']}  commit {meta['commit']}  masked {args.masked}")
+    print(f"{'b':>4} {'s_q':>6} {'h':>4} | {'cute us':>9} {'eager':>8} {'TF/s':>6} {'MiB':>7} | {'FlashMLA us':>11} {'eager':>8} {'TF/s':>6} {'MiB':>8} | {'ratio':>6} {'maxdiff':>8}")
+    for r in results:
+        if "cute_error" in r:
+            print(f"{r['b']:>4} {r['s_q']:>6} {r['h_q']:>4} | ERROR {r['cute_error'][:90]}")
+            continue
+        fl = lambda k, f: (f % r[k]) if k in r else "-"
+        print(f"{r['b']:>4} {r['s_q']:>6} {r['h_q']:>4} | {r['cute_us']:>9.1f} {r['cute_eager_us']:>8.1f} {r['cute_tflops']:>6.1f} {r['cute_transient_mib']:>7.2f} | "
+              f"{fl('flashmla_us', '%11.1f')} {fl('flashmla_eager_us', '%8.1f')} {fl('flashmla_tflops', '%6.1f')} {fl('flashmla_transient_mib', '%8.1f')} | "
+              f"{fl('ratio', '%6.2f')} {fl('max_abs_diff_vs_flashmla', '%8.1e')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""End-to-end GPU tests of the public API against the fp32 reference (FlashMLA's sweep and
+tolerances, spec §7), CUDA graph replay, and the workspace rule measured with the allocator."""
+
+import math
+
+import pytest
+import torch
+
+from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decode
+from cute_mla.arch import device_arch, device_num_sms
+from cute_mla.reference import sparse_decode_reference
+from cute_mla.testing import check_out_lse, make_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def run_case(x, out=None):
+    sched, _ = get_mla_metadata()
+    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, softmax_scale=x.softmax_scale,
+                                  is_fp8_kvcache=True, indices=x.indices, attn_sink=x.attn_sink,
+                                  topk_length=x.topk_length, out=out)
+    return o, l, sched
+
+
+def check(x, o, l):
+    ro, rl = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, x.attn_sink, x.topk_length)
+    torch.cuda.synchronize()
+    check_out_lse(o, l, ro, rl)
+
+
+SWEEP = [(512, 64, 2), (512, 64, 64), (1024, 576, 61), (2046, 2048, 64), (2046, 2048, 576)]
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("s_k,topk,pbs", SWEEP)
+@pytest.mark.parametrize("b", [4, 74, 321])
+@pytest.mark.parametrize("s_q", [1, 3])
+def test_flashmla_sweep(seed, h_q, s_k, topk, pbs, b, s_q):
+    x = make_inputs(b, s_q, h_q, topk, num_tokens=s_k, page_block_size=pbs, with_sink=True,
+                    out_of_range_frac=0.05, all_invalid_rows=1, device="cuda")
+    o, l, _ = run_case(x)
+    check(x, o, l)
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("b,s_q,topk", [(4, 1, 2048), (74, 3, 576), (1, 2, 2048), (3, 40, 1024)])
+def test_topk_length_and_odd_scales(seed, h_q, b, s_q, topk):
+    x = make_inputs(b, s_q, h_q, topk, num_tokens=4000, page_block_size=61, with_sink=True, with_topk_length=True,
+                    power_of_two_scales=False, out_of_range_frac=0.05, device="cuda")
+    o, l, _ = run_case(x)
+    check(x, o, l)
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("s_q", [1, 128, 1024, 8192])
+def test_mixed_batch(seed, h_q, s_q):
+    if h_q == 128 and s_q == 8192:
+        pytest.skip("covered by the 64-head case; keeps the GPU run short")
+    x = make_inputs(1, s_q, h_q, 2048, num_tokens=65536, page_block_size=64, with_sink=(s_q < 1024),
+                    unique=False, nan_unused=(s_q <= 128), device="cuda")
+    o, l, _ = run_case(x)
+    check(x, o, l)
+
+
+def test_preallocated_out(seed):
+    x = make_inputs(4, 2, 64, 256, num_tokens=1000, device="cuda")
+    out = torch.full((4, 2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o, l, _ = run_case(x, out=out)
+    assert o.data_ptr() == out.data_ptr()
+    check(x, o, l)
+
+
+@pytest.mark.parametrize("b,s_q,h_q,topk_length", [(1, 1, 64, False), (4, 2, 128, False), (128, 1, 64, False), (8, 1, 64, True)])
+def test_cuda_graph_replay_with_new_inputs(seed, b, s_q, h_q, topk_length):
+    x = make_inputs(b, s_q, h_q, 2048, num_tokens=8192, with_sink=True, with_topk_length=topk_length, device="cuda")
+    sched, _ = get_mla_metadata()
+    kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, attn_sink=x.attn_sink, topk_length=x.topk_length)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, indices=x.indices, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, indices=x.indices, **kw)
+    for _ in range(3):
+        y = make_inputs(b, s_q, h_q, 2048, num_tokens=8192, device="cuda")
+        x.q.copy_(y.q)
+        x.indices.copy_(y.indices)
+        x.k_cache.copy_(y.k_cache)
+        o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(x, o, l)
+
+
+def _transient_bytes(x):
+    sched, _ = get_mla_metadata()
+    kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices, topk_length=x.topk_length)
+    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)   # warm-up: compile, schedule
+    del o, l
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    return peak - o.nbytes - l.nbytes, sched.plan
+
+
+@pytest.mark.parametrize("b,s_q,h_q", [(1, 8192, 64), (1, 1024, 128), (128, 1, 64)])
+def test_no_split_allocates_nothing(seed, b, s_q, h_q):
+    x = make_inputs(b, s_q, h_q, 2048, num_tokens=65536, unique=False, nan_unused=False, device="cuda")
+    transient, plan = _transient_bytes(x)
+    assert not plan.split and plan.workspace_bytes == 0
+    print(f"b={b} s_q={s_q} h_q={h_q}: transient {transient / 2**20:.3f} MiB (FlashMLA: {plan.flashmla_workspace_bytes / 2**20:.1f} MiB)")
+    assert transient <= 2**20
+
+
+@pytest.mark.parametrize("b,s_q,h_q,tl", [(1, 1, 64, False), (1, 8, 128, False), (16, 2, 128, True)])
+def test_split_allocates_what_the_plan_says(seed, b, s_q, h_q, tl):
+    x = make_inputs(b, s_q, h_q, 2048, num_tokens=16384, with_topk_length=tl, device="cuda")
+    transient, plan = _transient_bytes(x)
+    assert plan.split
+    print(f"b={b} s_q={s_q} h_q={h_q} topk_length={tl}: transient {transient / 2**20:.3f} MiB, plan {plan.workspace_bytes / 2**20:.3f} MiB, FlashMLA {plan.flashmla_workspace_bytes / 2**20:.3f} MiB")
+    # the accumulators (rounded up by the caching allocator to 512-byte blocks) and nothing else
+    assert plan.workspace_bytes <= transient <= plan.workspace_bytes + 2 * 512 + 4096
+    assert plan.workspace_bytes <= plan.flashmla_workspace_bytes
+
+
+def test_schedule_matches_flashmla():
+    """Our host and device schedules against the metadata FlashMLA itself builds (vLLM's build)."""
+    fm = pytest.importorskip("vllm.third_party.flashmla.flash_mla_interface")
+    if device_arch(torch.device("cuda")) != "sm_90a":
+        pytest.skip("FlashMLA's SM90 schedule")
+    for (b, s_q, h_q, tl) in [(1, 1, 64, False), (1, 10, 64, False), (37, 1, 128, False), (300, 2, 64, False)]:
+        x = make_inputs(b, s_q, h_q, 2048, num_tokens=8192, with_topk_length=False, device="cuda")
+        fsched, _ = fm.get_mla_metadata()
+        fm.flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, fsched, softmax_scale=x.softmax_scale,
+                                  is_fp8_kvcache=True, indices=x.indices)
+        sched, _ = get_mla_metadata()
+        flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, softmax_scale=x.softmax_scale,
+                               is_fp8_kvcache=True, indices=x.indices)
+        got, want = sched.tile_scheduler_metadata[:, :7].cpu(), fsched.tile_scheduler_metadata[:, :7].cpu()
+        assert torch.equal(got, want), f"b={b} s_q={s_q} h_q={h_q}: metadata differs"
+        assert torch.equal(sched.num_splits.cpu(), fsched.num_splits.cpu())
+        # and the device scheduler kernel on the same block counts
+        from cute_mla.scheduler import plan_splits
+        nb = torch.full((b,), 32, dtype=torch.int32, device="cuda")
+        md, ns = plan_splits(nb, sched.plan.num_sm_parts)
+        assert torch.equal(md[:, :7].cpu(), want) and torch.equal(ns.cpu(), fsched.num_splits.cpu())
