@@ -1,0 +1,53 @@
+import json
+import os
+
+import pytest
+
+from cute_mla.cli import main
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "nvidia-cutlass-dsl 4.8.1" in out and "sm_90a, sm_100a" in out
+
+
+@pytest.mark.parametrize("s_q,parts,rows", [(1, 132, 32), (8, 16, 11), (128, 1, 0), (1024, 1, 0), (8192, 1, 0), (32768, 1, 0)])
+def test_plan_acceptance_grid(capsys, s_q, parts, rows):
+    assert main(["plan", "--b", "1", "--s-q", str(s_q), "--h-q", "64", "--topk", "2048", "--arch", "sm_90a", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["num_sm_parts"] == parts and p["accum_rows"] == rows
+    assert p["workspace_bytes"] == rows * s_q * 64 * 2052
+    assert (p["variant"] == "no_split") == (rows == 0)
+    assert ("o_accum" in p["tensor_maps"]) == (rows > 0)
+
+
+def test_plan_human_readable(capsys):
+    assert main(["plan", "--b", "1", "--s-q", "32768", "--h-q", "64", "--topk", "2048", "--arch", "sm_90a"]) == 0
+    out = capsys.readouterr().out
+    assert "workspace: 0 bytes" in out and "FlashMLA would allocate: 8208.00 MiB" in out
+
+
+def test_plan_bad_argument_exit_code(capsys):
+    assert main(["plan", "--h-q", "32"]) == 2
+    assert "h_q: got 32" in capsys.readouterr().err
+
+
+def test_demo_without_gpu(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "No supported GPU" in out and "reference on" in out
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("kernel", ["combine", "scheduler"])
+def test_compile_small_kernels(tmp_path, capsys, arch, kernel):
+    assert main(["compile", "--arch", arch, "--kernel", kernel, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert any(f.endswith(f".{arch}.ptx") for f in os.listdir(tmp_path))
+    assert "registers" in out or "cuobjdump not found" in out
+
+
+def test_compile_unknown_kernel(tmp_path, capsys):
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "nope", "--out", str(tmp_path)]) == 2
+    assert "kernel: got 'nope'" in capsys.readouterr().err
