@@ -1,0 +1,548 @@
+"""SM90 (Hopper, sm_90a) sparse MLA decode main kernel for the DeepSeek V3.2 FP8 cache (656-B rows).
+
+One CTA = 64 query heads of one query token for one scheduler partition. It walks the partition's
+requests (``tile_md`` row) and, inside each request, the 64-token blocks of its top-k list.
+
+Warp-group roles (384 threads, FlashMLA's SM90 split; see shared/reference/sm90-building-blocks.md):
+
+* WG0 ``SOFTMAX``: S = Q K^T with 36 SS wgmma 64x64x16 (K-major Q and K tiles, 576 dims), masks
+  invalid tokens to -inf, online softmax in the log2 domain, keeps bf16 P in registers for the RS
+  wgmma P V[:, 0:256] into its half of O, and hands P + the per-row rescale to WG1 through smem.
+* WG1 ``PV_RIGHT``: SS wgmma P V[:, 256:512] into the other half of O.
+* WG2 ``PRODUCER``: gathers the 656-B rows named by ``indices`` with 128-bit ``ld.global``,
+  dequantizes e4m3 -> bf16 (bit trick + bf16 scale multiply) and writes the SW128 K-major K tile
+  (the V tile is a transposed view of the same bytes). Two K buffers.
+
+Synchronisation (producer -> consumer, arrive counts):
+
+* ``q_full`` mbarrier, count 1: WG0 warp 0 (arrive + expect_tx 73,728 B) -> TMA -> WG0.
+* ``k_full[2]`` mbarriers, count 128: the 128 producer threads arrive after writing a K buffer and
+  ``fence.proxy.async`` -> WG0 and WG1 wait (same phase).
+* ``k_free[2]`` mbarriers, count 256: every WG0 and WG1 thread arrives once its last wgmma reading the
+  buffer has retired -> the producer waits before overwriting (first use passes: parity starts at 1).
+* named barrier ``P_READY`` (256): WG0 arrives after writing sP / row_scale (+ fence) -> WG1 syncs.
+* named barrier ``P_FREE`` (256): WG1 arrives once it no longer reads sP / row_scale -> WG0 syncs
+  before overwriting them. WG1 arrives once up front; WG0 syncs once more at the very end.
+* named barrier ``Q_FREE`` (256): WG1 arrives when its output TMA store has finished reading the
+  staging area (which aliases sQ) -> WG0 syncs before loading the next request's Q. WG0 syncs
+  once more at the end.
+* named barriers ``EPI_SOFTMAX`` / ``EPI_PV_RIGHT`` (128): staging written -> TMA store issued by the
+  warp group's first warp, and store read done -> staging reusable.
+
+Shared memory: Q 72 KiB + 2 K buffers 144 KiB + P 8 KiB + barriers (≈ 225 KiB of 227). The output
+staging (bf16 64x256 or fp32 64x128 per warp group at a time) aliases the Q buffer, which is free
+between the last QK of a request and the next request's Q load.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..compat import LayoutEnum, OperandMajorMode, SmemAllocator, setmaxregister_decrease, setmaxregister_increase
+from ..compat import sm90_utils
+from ..compile import CompiledKernel, compile_cached, compile_options
+from . import ptx
+from .sparse_decode_common import REGS, TILE, Bar, RegisterBudget, Role, ScheduleMixin, Sm90SparseDecodeConfig, Tile  # noqa: F401
+from .sparse_decode_epilogue import LOG2E, EpilogueMixin
+from .sparse_decode_producer import ProducerMixin
+
+__all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "compile_sparse_decode", "launch_sparse_decode"]
+
+
+class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
+    """The kernel object given to ``cute.compile``: host ``__call__`` (layouts, TMA atoms, grid) and device ``kernel``."""
+
+    def __init__(self, cfg: Sm90SparseDecodeConfig):
+        self.cfg = cfg
+        self.n_hblk = cfg.h_q // TILE.heads
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,  # (b, s_q, h_q, 576) bf16
+        kv: cute.Tensor,  # (num_blocks, page_block_size, 656) uint8
+        indices: cute.Tensor,  # (b, s_q, topk) int32
+        topk_length: Optional[cute.Tensor],  # (b,) int32
+        attn_sink: Optional[cute.Tensor],  # (h_q,) fp32
+        tile_md: cute.Tensor,  # (P, 8) int32
+        num_splits: cute.Tensor,  # (b+1,) int32
+        out: cute.Tensor,  # (b, s_q, h_q, 512) bf16
+        lse: cute.Tensor,  # (b, s_q, h_q) fp32
+        o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) fp32
+        lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32
+        softmax_scale: Float32,
+        stream,
+    ):
+        cfg = self.cfg
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (TILE.heads, TILE.tokens)
+        )
+        # P V: A = P (heads x tokens, K-major), B = V = transposed view of the K tile (MN-major).
+        pv_rs_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
+            (TILE.heads, TILE.half_v), warpgroup.OperandSource.RMEM,
+        )
+        pv_ss_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
+            (TILE.heads, TILE.half_v),
+        )
+
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, 1)
+        k_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, TILE.k_bufs
+        )
+        p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
+        # Output staging tiles (SW128 K-major atoms, TMA-storable): bf16 64x256, fp32 64x128.
+        o_layout = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.heads, TILE.half_v), (0, 1)
+        )
+        oacc_layout = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32), (TILE.heads, TILE.half_v // 2), (0, 1)
+        )
+
+        # Q as (h, d, s_q, b) for a (64 heads, 576 dims) box grid: 9 TMA boxes of 64x64 (SW128).
+        q_t = cute.make_tensor(
+            q.iterator,
+            cute.make_layout(
+                (q.shape[2], q.shape[3], q.shape[1], q.shape[0]), stride=(q.stride[2], q.stride[3], q.stride[1], q.stride[0])
+            ),
+        )
+        tma_q, q_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), q_t, cute.slice_(q_layout, (None, None, 0)), (TILE.heads, TILE.d_qk)
+        )
+        out_t = cute.make_tensor(
+            out.iterator,
+            cute.make_layout(
+                (out.shape[2], out.shape[3], out.shape[1], out.shape[0]),
+                stride=(out.stride[2], out.stride[3], out.stride[1], out.stride[0]),
+            ),
+        )
+        tma_out, out_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), out_t, o_layout, (TILE.heads, TILE.half_v)
+        )
+        tma_oacc = None
+        oacc_tma = None
+        if cutlass.const_expr(cfg.split):
+            # The accumulator tensor map exists only in the split variant.
+            oacc_t = cute.make_tensor(
+                o_accum.iterator,
+                cute.make_layout(
+                    (o_accum.shape[2], o_accum.shape[3], o_accum.shape[1], o_accum.shape[0]),
+                    stride=(o_accum.stride[2], o_accum.stride[3], o_accum.stride[1], o_accum.stride[0]),
+                ),
+            )
+            tma_oacc, oacc_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), oacc_t, oacc_layout, (TILE.heads, TILE.half_v // 2)
+            )
+
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[Int64, 1]
+            k_full: cute.struct.MemRange[Int64, TILE.k_bufs]
+            k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
+            valid: cute.struct.MemRange[Uint8, 8 * TILE.k_bufs]  # 64-bit token mask per K buffer
+            row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(k_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(p_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        scale_log2 = softmax_scale * Float32(LOG2E)
+        grid = (q.shape[1] * self.n_hblk, tile_md.shape[0], 1)
+        self.kernel(
+            qk_mma, pv_rs_mma, pv_ss_mma,
+            tma_q, q_tma, tma_out, out_tma, tma_oacc, oacc_tma,
+            kv, indices, topk_length, attn_sink, tile_md, num_splits, lse, lse_accum,
+            scale_log2,
+            q_layout, k_layout, p_layout, o_layout, oacc_layout,
+        ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_rs_mma: cute.TiledMma,
+        pv_ss_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_out: cute.CopyAtom,
+        mOut: cute.Tensor,
+        tma_oacc: Optional[cute.CopyAtom],
+        mOAcc: Optional[cute.Tensor],
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mTopkLen: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],
+        mTileMd: cute.Tensor,
+        mNumSplits: cute.Tensor,
+        mLse: cute.Tensor,
+        mLseAcc: Optional[cute.Tensor],
+        scale_log2: Float32,
+        q_layout: cute.ComposedLayout,
+        k_layout: cute.ComposedLayout,
+        p_layout: cute.ComposedLayout,
+        o_layout: cute.ComposedLayout,
+        oacc_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, part, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // TILE.threads_per_wg)
+        s_idx = bidx // self.n_hblk
+        hblk = bidx % self.n_hblk
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        q_full = storage.q_full.data_ptr()
+        k_full = storage.k_full.data_ptr()
+        k_free = storage.k_free.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(q_full, 1)
+            for i in cutlass.range_constexpr(TILE.k_bufs):
+                cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg)
+                cute.arch.mbarrier_init(k_free + i, 2 * TILE.threads_per_wg)
+        cute.arch.mbarrier_init_fence()
+        if tidx < 32:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_out)
+            if cutlass.const_expr(self.cfg.split):
+                cpasync.prefetch_descriptor(tma_oacc)
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+
+        batch = mIdx.shape[0]
+        topk = mIdx.shape[2]
+        begin_req = mTileMd[part, 0]
+        # An empty trailing partition has begin_req == b: nothing to do.
+        if begin_req < batch:
+            sched = (
+                begin_req,
+                mTileMd[part, 1],  # end_req (inclusive)
+                mTileMd[part, 2],  # begin_block (of begin_req)
+                mTileMd[part, 3],  # end_block (of end_req, exclusive)
+            )
+            if wg == Role.PRODUCER:
+                setmaxregister_decrease(REGS.producer)
+                self.producer(mKV, mIdx, mTopkLen, sched, s_idx, sK, storage)
+            elif wg == Role.SOFTMAX:
+                setmaxregister_increase(REGS.softmax)
+                self.softmax_wg(
+                    qk_mma, pv_rs_mma, tma_q, mQ, tma_out, mOut, tma_oacc, mOAcc, mTopkLen, mSink,
+                    mTileMd, mNumSplits, mLse, mLseAcc, scale_log2, sched, topk, s_idx, hblk, part,
+                    sQ, sK, sP, o_layout, oacc_layout, storage,
+                )
+            else:
+                setmaxregister_decrease(REGS.pv_right)
+                self.pv_right_wg(
+                    pv_ss_mma, tma_out, mOut, tma_oacc, mOAcc, mTopkLen, mTileMd, mNumSplits, sched, topk, s_idx, hblk, part,
+                    sQ, sK, sP, o_layout, oacc_layout, storage,
+                )
+
+    def k_tensors_for_pv(self, sK: cute.Tensor, col_half: int):
+        """V[:, 256*col_half : 256*(col_half+1)] of both K buffers as an MN-major B operand.
+
+        V is the transposed view of the K tile: dims are contiguous inside a 128-B swizzled row
+        (64 dims), 64-dim chunks are 8 KiB apart, tokens 128 B apart, buffers 72 KiB apart. This is
+        the layout make_smem_layout_b(COL_MAJOR, (64, 512, 64)) prints, with the buffer stride of
+        the K tiles (the helper's own stage stride would be 64 KiB).
+        """
+        chunks = TILE.half_v // TILE.chunk
+        outer = cute.make_layout(
+            ((TILE.chunk, chunks), (8, TILE.tokens // 8), TILE.k_bufs),
+            stride=((1, TILE.chunk * TILE.tokens), (TILE.chunk, TILE.chunk * 8), TILE.k_tile_elems),
+        )
+        base = sK.iterator + col_half * chunks * TILE.chunk * TILE.tokens
+        return cute.make_tensor(base, outer)
+
+    # ---------------------------------------------------------------- WG0: QK + softmax + PV left
+    @cute.jit
+    def softmax_wg(
+        self, qk_mma, pv_rs_mma, tma_q, mQ, tma_out, mOut, tma_oacc, mOAcc, mTopkLen, mSink,
+        mTileMd, mNumSplits, mLse, mLseAcc, scale_log2: Float32, sched, topk, s_idx, hblk, part,
+        sQ, sK, sP, o_layout, oacc_layout, storage,
+    ):
+        begin_req, end_req, begin_block, end_block = sched
+        wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+        warp = cute.arch.make_warp_uniform(wtid // 32)
+        lane = wtid % 32
+        row0 = warp * 16 + lane // 4  # accumulator rows of this thread: row0 and row0 + 8
+        q_full = storage.q_full.data_ptr()
+        k_full = storage.k_full.data_ptr()
+        k_free = storage.k_free.data_ptr()
+        valid_base = storage.valid.data_ptr().toint()
+        s_row_scale = storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
+
+        # Q TMA partition: (h, d, s_q, b) -> (64, 576) boxes.
+        gQ = cute.flat_divide(mQ, (TILE.heads, TILE.d_qk))
+        sQ0 = sQ[None, None, 0]
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ0, 0, 2), cute.group_modes(gQ, 0, 2))
+
+        thr_qk = qk_mma.get_slice(wtid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        thr_pv = pv_rs_mma.get_slice(wtid)
+        sV = self.k_tensors_for_pv(sK, 0)
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, TILE.half_v)))
+        acc_s_shape = thr_qk.partition_shape_C((TILE.heads, TILE.tokens))
+        # P (bf16) in the A-operand register layout of the RS wgmma, viewed with the accumulator layout.
+        acc_s_proto = thr_qk.make_fragment_C(acc_s_shape)
+        tOrP = cute.make_rmem_tensor(self.c_layout_to_a_layout(acc_s_proto.layout, pv_rs_mma.tv_layout_A.shape[1]), BFloat16)
+        tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s_proto.layout)
+        tSsP = thr_qk.partition_C(sP[None, None, 0])
+
+        quad = lane % 4
+        n = Int32(0)
+        rq = Int32(0)
+        for req in cutlass.range(begin_req, end_req + 1, unroll=1):
+            start, stop, length = self.request_range(req, sched, mTopkLen, topk)
+            if rq > 0:
+                # WG1's output store of the previous request no longer reads the staging (= sQ).
+                cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=2 * TILE.threads_per_wg)
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * TILE.d_qk * 2)
+                cute.copy(tma_q, tQgQ[None, hblk, 0, s_idx, req], tQsQ, tma_bar_ptr=q_full)
+            m0 = Float32(-1e30)
+            m1 = Float32(-1e30)
+            l0 = Float32(0.0)
+            l1 = Float32(0.0)
+            acc_o.fill(0.0)
+            cute.arch.mbarrier_wait(q_full, rq & 1)
+
+            for blk in cutlass.range(start, stop, unroll=1):
+                buf = n % TILE.k_bufs
+                cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
+                acc_s = thr_qk.make_fragment_C(acc_s_shape)
+                tSrK_b = tSrK[None, None, None, buf]
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(TILE.d_qk // 16):
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                    cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, 0], tSrK_b[None, None, k], acc_s)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # ---- mask + online softmax (log2 domain)
+                vw = ptx.ld_shared_v2(valid_base + buf * 8)
+                w_lo = Uint32(ptx.vec_elem(vw, 0)) >> Uint32(2 * quad)
+                w_hi = Uint32(ptx.vec_elem(vw, 1)) >> Uint32(2 * quad)
+                mx0 = -Float32.inf
+                mx1 = -Float32.inf
+                for v in cutlass.range_constexpr(cute.size(acc_s)):
+                    group = v // 4  # 8-column group
+                    bit = (v % 2) + 8 * (group % 4)
+                    word = w_lo if group < 4 else w_hi
+                    ok = ((word >> bit) & Uint32(1)) != Uint32(0)
+                    t = Float32(cutlass.select_(ok, acc_s[v] * scale_log2, -Float32.inf))
+                    acc_s[v] = t
+                    if cutlass.const_expr((v // 2) % 2 == 0):
+                        mx0 = cute.arch.fmax(mx0, t)
+                    else:
+                        mx1 = cute.arch.fmax(mx1, t)
+                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=1))
+                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=2))
+                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=1))
+                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=2))
+                new_m0 = cute.arch.fmax(m0, mx0)
+                new_m1 = cute.arch.fmax(m1, mx1)
+                sc0 = cute.math.exp2(m0 - new_m0, fastmath=True)
+                sc1 = cute.math.exp2(m1 - new_m1, fastmath=True)
+                m0 = new_m0
+                m1 = new_m1
+                sum0 = Float32(0.0)
+                sum1 = Float32(0.0)
+                for v in cutlass.range_constexpr(cute.size(acc_s)):
+                    if cutlass.const_expr((v // 2) % 2 == 0):
+                        p = cute.math.exp2(acc_s[v] - new_m0, fastmath=True)
+                        sum0 += p
+                        acc_s[v] = p
+                    else:
+                        p = cute.math.exp2(acc_s[v] - new_m1, fastmath=True)
+                        sum1 += p
+                        acc_s[v] = p
+                l0 = l0 * sc0 + sum0
+                l1 = l1 * sc1 + sum1
+                tOrP_as_c.store(acc_s.load().to(BFloat16))
+
+                # ---- hand P and the row factors to WG1
+                cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+                if quad == 0:
+                    s_row_scale[row0] = sc0
+                    s_row_scale[row0 + 8] = sc1
+                cute.autovec_copy(tOrP_as_c, tSsP)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+
+                # ---- O_left = O_left * sc + P V[:, :256]
+                self.scale_rows(acc_o, sc0, sc1)
+                warpgroup.fence()
+                pv_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(pv_rs_mma, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(k_free + buf)
+                n += 1
+
+            # ---- epilogue of this request
+            l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
+            l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
+            l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
+            l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
+            is_split = self.request_is_split(req, begin_req, end_req, mTileMd, part)
+            o_scale0, lse0 = self.finalize_row(l0, m0, is_split, mSink, hblk * TILE.heads + row0)
+            o_scale1, lse1 = self.finalize_row(l1, m1, is_split, mSink, hblk * TILE.heads + row0 + 8)
+            cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+            if quad == 0:
+                s_row_scale[row0] = o_scale0
+                s_row_scale[row0 + 8] = o_scale1
+            cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+            self.scale_rows(acc_o, o_scale0, o_scale1)
+            head0 = hblk * TILE.heads + row0
+            if is_split:
+                if cutlass.const_expr(self.cfg.split):
+                    acc_row = self.split_row(req, begin_req, mTileMd, mNumSplits, part)
+                    if quad == 0:
+                        mLseAcc[acc_row, s_idx, head0] = lse0
+                        mLseAcc[acc_row, s_idx, head0 + 8] = lse1
+                    self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, 0, warp, hblk, s_idx, acc_row, Bar.EPI_SOFTMAX)
+            else:
+                if quad == 0:
+                    mLse[req, s_idx, head0] = lse0
+                    mLse[req, s_idx, head0 + 8] = lse1
+                self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, 0, warp, hblk, s_idx, req, Bar.EPI_SOFTMAX)
+            rq += 1
+
+        # Balance the barriers WG1 arrived on once more than WG0 synced.
+        cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+        cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=2 * TILE.threads_per_wg)
+
+    # ---------------------------------------------------------------- WG1: PV right
+    @cute.jit
+    def pv_right_wg(
+        self, pv_ss_mma, tma_out, mOut, tma_oacc, mOAcc, mTopkLen, mTileMd, mNumSplits, sched, topk, s_idx, hblk, part,
+        sQ, sK, sP, o_layout, oacc_layout, storage,
+    ):
+        begin_req, end_req, begin_block, end_block = sched
+        wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+        warp = cute.arch.make_warp_uniform(wtid // 32)
+        lane = wtid % 32
+        row0 = warp * 16 + lane // 4
+        k_full = storage.k_full.data_ptr()
+        k_free = storage.k_free.data_ptr()
+        s_row_scale = storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
+
+        thr_pv = pv_ss_mma.get_slice(wtid)
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+        sV = self.k_tensors_for_pv(sK, 1)
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, TILE.half_v)))
+
+        # sP / row_scale start out free.
+        cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+        n = Int32(0)
+        for req in cutlass.range(begin_req, end_req + 1, unroll=1):
+            start, stop, length = self.request_range(req, sched, mTopkLen, topk)
+            acc_o.fill(0.0)
+            for blk in cutlass.range(start, stop, unroll=1):
+                buf = n % TILE.k_bufs
+                cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+                sc0 = s_row_scale[row0]
+                sc1 = s_row_scale[row0 + 8]
+                # WG0 already waited for this buffer; waiting on the same phase here gives WG1 its own
+                # acquire of the producer's writes (the producer cannot refill it before WG1 releases).
+                cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
+                self.scale_rows(acc_o, sc0, sc1)
+                warpgroup.fence()
+                pv_ss_mma.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(pv_ss_mma, acc_o, tOrP[None, None, None, 0], tOrV[None, None, None, buf], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+                cute.arch.mbarrier_arrive(k_free + buf)
+                n += 1
+
+            cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+            o_scale0 = s_row_scale[row0]
+            o_scale1 = s_row_scale[row0 + 8]
+            cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+            self.scale_rows(acc_o, o_scale0, o_scale1)
+            is_split = self.request_is_split(req, begin_req, end_req, mTileMd, part)
+            if is_split:
+                if cutlass.const_expr(self.cfg.split):
+                    acc_row = self.split_row(req, begin_req, mTileMd, mNumSplits, part)
+                    self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, 1, warp, hblk, s_idx, acc_row, Bar.EPI_PV_RIGHT)
+            else:
+                self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, 1, warp, hblk, s_idx, req, Bar.EPI_PV_RIGHT)
+            # The staging (aliasing sQ) is no longer read: WG0 may load the next Q.
+            cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=2 * TILE.threads_per_wg)
+
+# --------------------------------------------------------------------------------------------------
+# Compile + launch (the dispatcher's contract)
+# --------------------------------------------------------------------------------------------------
+
+
+def _fake_arguments(cfg: Sm90SparseDecodeConfig):
+    """Fake tensors with symbolic dims/strides so one compile serves every shape (no GPU needed)."""
+    rt = cute.runtime
+    b, s_q = cute.sym_int(), cute.sym_int()
+    topk = cute.sym_int(divisibility=64)
+    num_blocks, page = cute.sym_int(), cute.sym_int()
+    parts, b1, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def s64(div):
+        return cute.sym_int64(divisibility=div)
+
+    q = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, cfg.d_qk), stride=(s64(8), s64(8), s64(8), 1), assumed_align=16)
+    kv = rt.make_fake_tensor(Uint8, (num_blocks, page, TILE.row_bytes), stride=(s64(16), TILE.row_bytes, 1), assumed_align=16)
+    indices = rt.make_fake_tensor(Int32, (b, s_q, topk), stride=(s64(1), s64(1), 1), assumed_align=4)
+    topk_length = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4) if cfg.has_topk_length else None
+    attn_sink = rt.make_fake_compact_tensor(Float32, (cfg.h_q,), assumed_align=4) if cfg.has_attn_sink else None
+    tile_md = rt.make_fake_compact_tensor(Int32, (parts, 8), stride_order=(1, 0), assumed_align=16)
+    num_splits = rt.make_fake_compact_tensor(Int32, (b1,), assumed_align=4)
+    out = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, cfg.d_v), stride=(s64(8), s64(8), s64(8), 1), assumed_align=16)
+    lse = rt.make_fake_compact_tensor(Float32, (b, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
+    o_accum = lse_accum = None
+    if cfg.split:
+        o_accum = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q, cfg.d_v), stride_order=(3, 2, 1, 0), assumed_align=16)
+        lse_accum = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
+    stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return (q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum, lse_accum, Float32(1.0), stream)
+
+
+def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
+    """Compile (once per ``cfg``) the SM90 sparse decode kernel against fake tensors."""
+
+    def build(dd):
+        return cute.compile(Sm90SparseDecodeKernel(cfg), *_fake_arguments(cfg), options=compile_options(cfg.arch, dd))
+
+    return compile_cached(("sm90_sparse_decode", cfg), build, dump_dir)
+
+
+def launch_sparse_decode(
+    compiled: CompiledKernel, cfg: Sm90SparseDecodeConfig, q, kv, indices, topk_length, attn_sink, tile_md, num_splits,
+    out, lse, o_accum, lse_accum, softmax_scale: float,
+) -> None:
+    """Launch on torch's current stream. No host sync, no allocation.
+
+    Absent optionals are passed as None (the compiled signature keeps a None slot for them).
+    Grid: x = s_q * (h_q // 64), y = tile_md.shape[0] (one CTA per 64 heads x token x partition).
+    """
+    compiled.fn(
+        q, kv, indices,
+        topk_length if cfg.has_topk_length else None,
+        attn_sink if cfg.has_attn_sink else None,
+        tile_md, num_splits, out, lse,
+        o_accum if cfg.split else None,
+        lse_accum if cfg.split else None,
+        float(softmax_scale),
+    )

@@ -1,0 +1,161 @@
+"""Static configuration, roles, barrier ids and the partition walk of the SM90 sparse decode kernel.
+
+Split out of ``sparse_decode.py`` so each module stays readable; ``sparse_decode`` re-exports
+:class:`Sm90SparseDecodeConfig` (the dispatcher's import).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@dataclass(frozen=True)
+class Sm90SparseDecodeConfig:
+    h_q: int  # 64 or 128 (128 = two 64-head CTAs side by side in grid x)
+    split: bool  # True: takes o_accum / lse_accum (+ their TMA map); False: no accumulator at all
+    has_topk_length: bool
+    has_attn_sink: bool
+    d_qk: int = 576
+    d_v: int = 512
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if self.h_q not in (64, 128):
+            raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
+        if (self.d_qk, self.d_v) != (576, 512):
+            raise ValueError(f"(d_qk, d_v): got {(self.d_qk, self.d_v)}, accepted: (576, 512) (V3.2 cache)")
+        if self.arch != "sm_90a":
+            raise ValueError(f"arch: got {self.arch!r}, accepted: 'sm_90a'")
+
+
+class Role(IntEnum):
+    """Warp-group index -> role."""
+
+    SOFTMAX = 0
+    PV_RIGHT = 1
+    PRODUCER = 2
+
+
+@dataclass(frozen=True)
+class RegisterBudget:
+    """setmaxnreg targets. 384 threads enter with 168 each; the targets must sum to <= 504.
+
+    216/160/128 was measured clean (no serialized wgmma, no spill) and fastest; 192/160/152
+    serializes every wgmma, 240/160/112 hangs (sm90-building-blocks.md §3.4).
+    """
+
+    softmax: int = 216
+    pv_right: int = 160
+    producer: int = 128
+
+    def __post_init__(self):
+        assert self.softmax + self.pv_right + self.producer <= 504
+
+
+class Bar(IntEnum):
+    """Named-barrier ids (0 is __syncthreads)."""
+
+    P_READY = 1  # WG0 -> WG1, 256 threads
+    P_FREE = 2  # WG1 -> WG0, 256 threads
+    Q_FREE = 3  # WG1 -> WG0, 256 threads
+    EPI_SOFTMAX = 4  # WG0 only, 128 threads
+    EPI_PV_RIGHT = 5  # WG1 only, 128 threads
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tile geometry (all compile-time)."""
+
+    heads: int = 64  # BLOCK_M: heads per CTA
+    tokens: int = 64  # TOPK_BLOCK: tokens per K tile
+    d_qk: int = 576
+    d_v: int = 512
+    chunk: int = 64  # dims per 128-B swizzle row
+    k_bufs: int = 2
+    row_bytes: int = 656  # V3.2 cache row
+    nope_bytes: int = 512
+    scale_offset: int = 512
+    rope_offset: int = 528
+    threads_per_wg: int = 128
+    num_wgs: int = 3
+
+    @property
+    def k_tile_bytes(self) -> int:
+        return self.tokens * self.d_qk * 2  # 73,728
+
+    @property
+    def k_tile_elems(self) -> int:
+        return self.tokens * self.d_qk
+
+    @property
+    def chunk_bytes(self) -> int:  # one 64-dim column block of the K tile
+        return self.tokens * self.chunk * 2  # 8,192
+
+    @property
+    def half_v(self) -> int:
+        return self.d_v // 2  # 256 columns of O per MMA warp group
+
+    @property
+    def stage_bytes(self) -> int:  # output staging per MMA warp group (aliases sQ)
+        return 32 * 1024
+
+
+TILE = Tile()
+REGS = RegisterBudget()
+
+
+
+class ScheduleMixin:
+    """Walk of one ``tile_md`` partition, identical in the three warp groups.
+
+    Partition row: [begin_req, end_req (incl), begin_block (of begin_req), end_block (excl, of
+    end_req), begin_split_idx, is_first_req_splitted, is_last_req_splitted, pad]. A request has
+    topk/64 blocks, or max(ceil(min(topk_length, topk)/64), 1) with ``topk_length``.
+    """
+
+    @cute.jit
+    def request_blocks(self, req: Int32, mTopkLen: Optional[cute.Tensor], topk: Int32):
+        """(number of 64-token blocks, effective top-k length) of request ``req``."""
+        n_blocks = topk // TILE.tokens
+        length = topk
+        if cutlass.const_expr(self.cfg.has_topk_length):
+            length = cutlass.min(mTopkLen[req], topk)
+            n_blocks = cutlass.max((length + (TILE.tokens - 1)) // TILE.tokens, 1)
+        return n_blocks, length
+
+    @cute.jit
+    def request_range(self, req: Int32, sched, mTopkLen: Optional[cute.Tensor], topk: Int32):
+        """[start, stop) blocks of ``req`` in this partition and its effective top-k length."""
+        begin_req, end_req, begin_block, end_block = sched
+        n_blocks, length = self.request_blocks(req, mTopkLen, topk)
+        start = Int32(0)
+        stop = n_blocks
+        if req == begin_req:
+            start = begin_block
+        if req == end_req:
+            stop = end_block
+        return start, stop, length
+
+    @cute.jit
+    def request_is_split(self, req: Int32, begin_req: Int32, end_req: Int32, mTileMd: cute.Tensor, part: Int32):
+        """A request is a split piece in this partition iff it is the first request and
+        is_first_req_splitted, or the last one and is_last_req_splitted. The no-split variant only
+        runs on schedules without split pieces."""
+        split = cutlass.Boolean(False)
+        if cutlass.const_expr(self.cfg.split):
+            split = ((req == begin_req) & (mTileMd[part, 5] != 0)) | ((req == end_req) & (mTileMd[part, 6] != 0))
+        return split
+
+    @cute.jit
+    def split_row(self, req: Int32, begin_req: Int32, mTileMd: cute.Tensor, mNumSplits: cute.Tensor, part: Int32):
+        row = mNumSplits[req]
+        if req == begin_req:
+            row = row + mTileMd[part, 4]
+        return row
+

@@ -1,0 +1,127 @@
+"""Row scaling, final softmax normalisation and output stores of the SM90 sparse decode kernel."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+
+from .sparse_decode_common import TILE
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+class EpilogueMixin:
+    @staticmethod
+    def c_layout_to_a_layout(c_layout, a_value_shape):
+        """Register layout of a 64xK accumulator re-read as the A operand of an RS wgmma (16-bit).
+
+        The accumulator value mode is (2 cols, 2 rows, K/8 column groups); the A operand of one
+        k-block (16 columns) is (2, 2, 2): the same registers, two column groups per k-block. For
+        16-bit P no lane shuffle is needed (only 8-bit A operands need one).
+        """
+        return cute.make_layout(
+            (a_value_shape, c_layout.shape[1], (c_layout.shape[2], cute.size(c_layout, mode=[0]) // cute.size(a_value_shape))),
+            stride=(
+                c_layout.stride[0],
+                c_layout.stride[1],
+                (c_layout.stride[2], cute.size(a_value_shape, mode=[2]) * c_layout.stride[0][2]),
+            ),
+        )
+
+    @cute.jit
+    def scale_rows(self, acc: cute.Tensor, s0: Float32, s1: Float32):
+        """acc *= s0 on this thread's first accumulator row, s1 on its second (row + 8)."""
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            if cutlass.const_expr((v // 2) % 2 == 0):
+                acc[v] = acc[v] * s0
+            else:
+                acc[v] = acc[v] * s1
+
+    @cute.jit
+    def finalize_row(self, l_sum: Float32, m: Float32, is_split, mSink: Optional[cute.Tensor], head: Int32):
+        """(O factor, lse) of one row (spec §3.3).
+
+        Split piece: O/L and log2(L) + m (base 2, no sink; -inf if L == 0).
+        Otherwise:   O/(L + 2^(sink*log2e - m)) and ln(L) + m*ln2 (+inf if L == 0; sink not in lse).
+        """
+        empty = l_sum == Float32(0.0)
+        log2_l = cute.math.log2(cutlass.select_(empty, Float32(1.0), l_sum)) + m
+        o_scale = Float32(0.0)
+        lse = Float32(0.0)
+        if is_split:
+            o_scale = Float32(cutlass.select_(empty, Float32(0.0), Float32(1.0) / l_sum))
+            lse = Float32(cutlass.select_(empty, -Float32.inf, log2_l))
+        else:
+            denom = l_sum
+            if cutlass.const_expr(self.cfg.has_attn_sink):
+                denom = l_sum + cute.math.exp2(mSink[head] * Float32(LOG2E) - m, fastmath=True)
+            o_scale = Float32(cutlass.select_(empty, Float32(0.0), Float32(1.0) / denom))
+            lse = Float32(cutlass.select_(empty, Float32.inf, log2_l * Float32(LN2)))
+        return o_scale, lse
+
+    @cute.jit
+    def store_out(self, acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col_half: int, warp, hblk, s_idx, req, bar_id: int):
+        """bf16 O half (64 x 256, already scaled) -> staging in sQ -> TMA store to out[req, s, heads, cols]."""
+        stage = cute.make_tensor(
+            cute.recast_ptr(sQ.iterator + col_half * (TILE.stage_bytes // 2), o_layout.inner, BFloat16), o_layout.outer
+        )
+        r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
+        r_o.store(acc_o.load().to(BFloat16))
+        cute.autovec_copy(r_o, thr_pv.partition_C(stage))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+        if warp == 0:
+            g_o = cute.flat_divide(mOut, (TILE.heads, TILE.half_v))
+            t_s, t_g = cpasync.tma_partition(tma_out, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2), cute.group_modes(g_o, 0, 2))
+            # TMA stores are not elected by cute.copy (loads are): one lane issues, commits and waits.
+            with cute.arch.elect_one():
+                cute.copy(tma_out, t_s, t_g[None, hblk, col_half, s_idx, req])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def store_o_accum(self, acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col_half: int, warp, hblk, s_idx, acc_row, bar_id: int):
+        """fp32 O half (already divided by L) -> o_accum[acc_row, s, heads, cols] in two 64x128 passes.
+
+        A pass stages 32 KiB (fp32 64x128, SW128) in this warp group's half of sQ; the view below
+        maps accumulator columns c and c+128 onto the same staging element, so pass p copies the
+        fragment entries of columns [128p, 128p+128) (fragment entries [64p, 64p+64)).
+        """
+        stage_ptr = cute.recast_ptr(sQ.iterator + col_half * (TILE.stage_bytes // 2), oacc_layout.inner, Float32)
+        stage = cute.make_tensor(stage_ptr, oacc_layout.outer)
+        aliased = cute.make_tensor(
+            stage_ptr,
+            cute.composition(
+                oacc_layout.outer,
+                cute.make_layout((TILE.heads, (TILE.half_v // 2, 2)), stride=(1, (TILE.heads, 0))),
+            ),
+        )
+        t_stage = thr_pv.partition_C(aliased)
+        g_o = cute.flat_divide(mOAcc, (TILE.heads, TILE.half_v // 2))
+        per_pass = cute.size(acc_o) // 2
+        for p in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(per_pass):
+                t_stage[p * per_pass + i] = acc_o[p * per_pass + i]
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+            if warp == 0:
+                t_s, t_g = cpasync.tma_partition(
+                    tma_oacc, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2), cute.group_modes(g_o, 0, 2)
+                )
+                with cute.arch.elect_one():
+                    cute.copy(tma_oacc, t_s, t_g[None, hblk, 2 * col_half + p, s_idx, acc_row])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            if cutlass.const_expr(p == 0):
+                # Pass 1 overwrites the staging: wait until the pass-0 store has read it.
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+
+

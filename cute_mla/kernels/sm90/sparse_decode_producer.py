@@ -1,0 +1,166 @@
+"""Producer warp group (WG2) of the SM90 sparse decode kernel: gather + FP8 dequant into K tiles."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint8, Uint32
+
+from . import ptx
+from .sparse_decode_common import TILE
+
+
+class ProducerMixin:
+    @cute.jit
+    def producer(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32, sK: cute.Tensor, storage):
+        """Gather + dequantize 64-token K tiles into the two K buffers (half-tile software pipeline).
+
+        Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` and the 16-dim
+        slice ``l//8`` of every 64-dim chunk: 8 x 16 B of fp8, 16 B of scales, 2 x 16 B of RoPE
+        = 11 x 16-B loads per half tile. The loads of the next half tile are in flight while the
+        current one is converted and stored; the indices are fetched one tile ahead.
+        """
+        begin_req, end_req, begin_block, end_block = sched
+        ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+        warp = ptid // 32
+        lane = ptid % 32
+        sub = lane // 8
+        tok_in_half = warp * 8 + lane % 8
+        swz = lane % 8  # (token & 7): the SW128 XOR phase of this thread's rows
+
+        topk = mIdx.shape[2]
+        topk_blocks = topk // TILE.tokens
+        kv_base = mKV.iterator.toint()
+        stride0 = Int64(mKV.stride[0])
+        page = Int32(mKV.shape[1])
+        num_tokens = Int64(mKV.shape[0]) * Int64(page)
+        sk_base = sK.iterator.toint()
+        valid_base = storage.valid.data_ptr().toint()
+        k_full = storage.k_full.data_ptr()
+        k_free = storage.k_free.data_ptr()
+
+        reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+        reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+
+        # ---- prologue: indices of the first tile, loads of its first half
+        start0, stop0, len0 = self.request_range(begin_req, sched, mTopkLen, topk)
+        idx_a, ok_a = self.fetch_index(mIdx, begin_req, s_idx, start0, 0, tok_in_half, len0, topk_blocks, num_tokens)
+        idx_b, ok_b = self.fetch_index(mIdx, begin_req, s_idx, start0, 1, tok_in_half, len0, topk_blocks, num_tokens)
+        self.issue_row_loads(reg_a, kv_base, stride0, page, idx_a, sub)
+
+        n = Int32(0)
+        for req in cutlass.range(begin_req, end_req + 1, unroll=1):
+            start, stop, length = self.request_range(req, sched, mTopkLen, topk)
+            next_len = length
+            if req + 1 <= end_req:
+                _, next_len = self.request_blocks(req + 1, mTopkLen, topk)
+            for blk in cutlass.range(start, stop, unroll=1):
+                buf = n % TILE.k_bufs
+                # next tile: (req, blk+1) or (req+1, 0)
+                has_next = (blk + 1 < stop) | (req + 1 <= end_req)
+                nreq = req
+                nblk = blk + 1
+                nlen = length
+                if blk + 1 >= stop:
+                    nreq = req + 1
+                    nblk = Int32(0)
+                    nlen = next_len
+                nidx_a = Int32(0)
+                nok_a = cutlass.Boolean(False)
+                nidx_b = Int32(0)
+                nok_b = cutlass.Boolean(False)
+                if has_next:
+                    nidx_a, nok_a = self.fetch_index(mIdx, nreq, s_idx, nblk, 0, tok_in_half, nlen, topk_blocks, num_tokens)
+                    nidx_b, nok_b = self.fetch_index(mIdx, nreq, s_idx, nblk, 1, tok_in_half, nlen, topk_blocks, num_tokens)
+
+                self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
+                # Wait for both MMA warp groups to release this buffer (first use passes).
+                cute.arch.mbarrier_wait(k_free + buf, ((n // TILE.k_bufs) & 1) ^ 1)
+                tile_base = sk_base + buf * TILE.k_tile_bytes
+                self.convert_and_store(reg_a, ok_a, tile_base, tok_in_half, sub, swz)
+                if has_next:
+                    self.issue_row_loads(reg_a, kv_base, stride0, page, nidx_a, sub)
+                self.convert_and_store(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz)
+
+                # 64-bit validity mask of the tile: byte (half*4 + warp), bit (token & 7).
+                bal_a = cute.arch.vote_ballot_sync(ok_a)
+                bal_b = cute.arch.vote_ballot_sync(ok_b)
+                if lane == 0:
+                    vptr = cute.make_ptr(Uint8, valid_base + buf * 8 + warp, cute.AddressSpace.smem, assumed_align=1)
+                    cute.arch.store(vptr, Uint8(bal_a & 0xFF))
+                    vptr_b = cute.make_ptr(Uint8, valid_base + buf * 8 + 4 + warp, cute.AddressSpace.smem, assumed_align=1)
+                    cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
+                # Generic-proxy st.shared -> visible to the wgmma (async proxy) readers.
+                cute.arch.fence_view_async_shared()
+                cute.arch.mbarrier_arrive(k_full + buf)
+
+                idx_a = nidx_a
+                ok_a = nok_a
+                idx_b = nidx_b
+                ok_b = nok_b
+                n += 1
+
+    @cute.jit
+    def fetch_index(
+        self, mIdx: cute.Tensor, req: Int32, s_idx: Int32, blk: Int32, half: int, tok_in_half: Int32,
+        length: Int32, topk_blocks: Int32, num_tokens: Int64,
+    ):
+        """(clamped token index, valid) of this thread's token in block ``blk`` of ``req``.
+
+        Invalid: -1 or any index outside [0, num_blocks*page_block_size), or a position past the
+        request's top-k length. Invalid tokens are clamped to token 0 so that the row loads stay legal.
+        """
+        kpos = blk * TILE.tokens + half * 32 + tok_in_half
+        raw = Int32(-1)
+        if blk < topk_blocks:
+            raw = mIdx[req, s_idx, kpos]
+        ok = (kpos < length) & (raw >= 0) & (Int64(raw) < num_tokens)
+        return ptx.select_i32(ok, raw, 0), ok
+
+    @cute.jit
+    def issue_row_loads(self, regs: cute.Tensor, kv_base: Int64, stride0: Int64, page: Int32, idx: Int32, sub: Int32):
+        """11 x 128-bit loads of this thread's slice of one 656-B row into ``regs`` (44 x i32)."""
+        blk = Uint32(idx) // Uint32(page)
+        row = Uint32(idx) - blk * Uint32(page)
+        addr = kv_base + Int64(blk) * stride0 + Int64(row) * TILE.row_bytes
+        for c in cutlass.range_constexpr(8):
+            v = ptx.ld_global_v4(addr + (c * TILE.chunk + sub * 16))
+            for e in cutlass.range_constexpr(4):
+                regs[c * 4 + e] = ptx.vec_elem(v, e)
+        v = ptx.ld_global_v4(addr + TILE.scale_offset)
+        for e in cutlass.range_constexpr(4):
+            regs[32 + e] = ptx.vec_elem(v, e)
+        for r in cutlass.range_constexpr(2):
+            v = ptx.ld_global_v4(addr + (TILE.rope_offset + sub * 32 + r * 16))
+            for e in cutlass.range_constexpr(4):
+                regs[36 + r * 4 + e] = ptx.vec_elem(v, e)
+
+    @cute.jit
+    def convert_and_store(self, regs: cute.Tensor, ok, half_base: Int32, tok_in_half: Int32, sub: Int32, swz: Int32):
+        """Dequantize one thread's slice of a row and write it into the SW128 K-major tile.
+
+        Byte offset of 16-B chunk j of 64-dim column block c of token t:
+        ``c*8192 + t*128 + ((j ^ (t & 7)) << 4)`` (= make_smem_layout_b(ROW_MAJOR, (64, 64, 576))).
+        Invalid rows get zero scales and zero RoPE (the bit trick never makes NaN/Inf, so fp8 NaN
+        bytes times 0 are 0), so their V rows are zero and cannot poison P V.
+        """
+        row_base = half_base + tok_in_half * 128
+        off0 = ((2 * sub) ^ swz) << 4
+        off1 = ((2 * sub + 1) ^ swz) << 4
+        s2 = [Int32(0)] * 4
+        for k in cutlass.range_constexpr(4):
+            s2[k] = ptx.scale_to_bf16x2_times_2pow120(ptx.select_i32(ok, regs[32 + k], 0))
+        for c in cutlass.range_constexpr(8):
+            o = [Int32(0)] * 8
+            for e in cutlass.range_constexpr(4):
+                o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_scaled(regs[c * 4 + e], s2[c // 2])
+            cbase = row_base + c * TILE.chunk_bytes
+            ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+            ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+        rbase = row_base + 8 * TILE.chunk_bytes
+        r = [Int32(0)] * 8
+        for e in cutlass.range_constexpr(8):
+            r[e] = ptx.select_i32(ok, regs[36 + e], 0)
+        ptx.st_shared_v4(rbase + off0, r[0], r[1], r[2], r[3])
+        ptx.st_shared_v4(rbase + off1, r[4], r[5], r[6], r[7])
+

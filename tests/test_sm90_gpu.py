@@ -1,0 +1,204 @@
+"""GPU (SM90): the sparse decode main kernel against the fp32 torch reference.
+
+Fresh random inputs in FlashMLA's test style (cute_mla.testing.make_inputs): unused cache slots are
+NaN bytes, -1 and out-of-range indices, sinks with +inf/-inf, random topk_length including 0,
+all-invalid rows, non-power-of-two scales, page block sizes 2/61/64/576, h_q 64/128, s_q 1/3,
+b 4/74, both kernel variants. The split variant runs on FlashMLA's greedy schedule and its partial
+results are merged here in torch (the combine kernel has its own tests).
+
+``python tests/test_sm90_gpu.py --bench`` prints CUDA-event timings (median of 20).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from cute_mla.reference import sparse_decode_reference
+from cute_mla.scheduler import accum_offsets, blocks_per_request, num_sm_parts, plan_splits_host
+from cute_mla.testing import check_out_lse, make_inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+
+NUM_SMS = 132
+
+
+def _kernel(h_q, split, has_topk_length, has_attn_sink):
+    from cute_mla.kernels.sm90.sparse_decode import Sm90SparseDecodeConfig, compile_sparse_decode
+
+    cfg = Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink)
+    return cfg, compile_sparse_decode(cfg)
+
+
+def _schedule(topk, topk_length, b, parts, device):
+    nb = blocks_per_request(topk, None if topk_length is None else topk_length.tolist(), b)
+    s = plan_splits_host(nb, parts)
+    tile_md = torch.tensor(s.rows, dtype=torch.int32, device=device).reshape(parts, 8)
+    offsets = accum_offsets(s.num_splits)
+    return s, tile_md, torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def run_kernel(inp, split, parts):
+    """Launch the main kernel on ``inp``; for the split variant merge the partials in torch (fp32).
+
+    Returns (out (b, s_q, h, 512) fp32, lse (b, h, s_q) fp32, schedule)."""
+    from cute_mla.kernels.sm90.sparse_decode import launch_sparse_decode
+
+    q, dev = inp.q, inp.q.device
+    b, s_q, h_q, _ = q.shape
+    topk = inp.indices.shape[-1]
+    kv = inp.k_cache.squeeze(2)
+    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None)
+    sched, tile_md, offsets = _schedule(topk, inp.topk_length, b, parts, dev)
+    if not split:
+        assert not sched.any_split, "the no-split variant only runs on schedules without split pieces"
+    out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    lse = torch.full((b, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
+    o_acc = lse_acc = None
+    rows = max(sched.split_rows, 1)
+    if split:
+        o_acc = torch.full((rows, s_q, h_q, 512), float("nan"), dtype=torch.float32, device=dev)
+        lse_acc = torch.full((rows, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
+    launch_sparse_decode(compiled, cfg, q, kv, inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets,
+                         out, lse, o_acc, lse_acc, inp.softmax_scale)
+    torch.cuda.synchronize()
+    out = out.float()
+    if split:
+        out, lse = _merge(out, lse, o_acc, lse_acc, sched, inp.attn_sink)
+    return out, lse.transpose(1, 2), sched
+
+
+def _merge(out, lse, o_acc, lse_acc, sched, sink):
+    """Combine in torch (spec §5.3): base-2 partial lse, weights 2^(lse_i - G), sink applied once."""
+    ns = sched.num_splits
+    offs = accum_offsets(ns)
+    for r in range(len(ns) - 1):
+        n = ns[r + 1] - ns[r]
+        if n == 1:
+            continue
+        L = lse_acc[offs[r]: offs[r] + n].double()          # (n, s_q, h)
+        O = o_acc[offs[r]: offs[r] + n].double()            # (n, s_q, h, 512)
+        mx = L.max(dim=0).values
+        mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
+        tot = torch.exp2(L - mx).sum(dim=0)
+        G = torch.where(tot == 0, torch.full_like(tot, math.inf), torch.log2(tot) + mx)
+        w = torch.where(torch.isinf(G), torch.zeros_like(L), torch.exp2(L - G))
+        o = (w[..., None] * O).sum(dim=0)
+        lse_nat = G * math.log(2.0)
+        if sink is not None:
+            f = torch.sigmoid(lse_nat - sink.double().view(1, -1))
+            f = torch.where(torch.isposinf(lse_nat), torch.zeros_like(f), f)
+            o = o * f[..., None]
+        out[r] = o.float()
+        lse[r] = lse_nat.float()
+    return out, lse
+
+
+def _diagnose(out, lse, ref_out, ref_lse, sched):
+    """Where the errors are (printed on failure): per request / token / head."""
+    err = (out - ref_out).abs().nan_to_num(1e9).amax(dim=-1)          # (b, s_q, h)
+    lerr = (lse - ref_lse).abs().nan_to_num(1e9).transpose(1, 2)      # (b, s_q, h)
+    bad = (err > 1e-2) | (lerr > 1e-3)
+    if bad.any():
+        idx = bad.nonzero()
+        ns = sched.num_splits
+        split_req = {r for r in range(len(ns) - 1) if ns[r + 1] - ns[r] > 1}
+        reqs = sorted(set(idx[:, 0].tolist()))
+        print(f"DIAG bad rows {int(bad.sum())}/{bad.numel()}; requests {reqs[:20]} (split: {sorted(split_req & set(reqs))[:20]}); "
+              f"tokens {sorted(set(idx[:, 1].tolist()))[:8]}; heads {sorted(set(idx[:, 2].tolist()))[:16]}...")
+        i = idx[0].tolist()
+        print(f"DIAG first bad {i}: out {out[i[0], i[1], i[2], :4].tolist()} ref {ref_out[i[0], i[1], i[2], :4].tolist()}; "
+              f"lse {lse[i[0], i[2], i[1]].item()} ref {ref_lse[i[0], i[2], i[1]].item()}")
+
+
+# name: (b, s_q, h_q, topk, page_block_size, split, topk_length, sink, pow2 scales, all-invalid rows, out-of-range frac)
+CASES = {
+    "tiny_nosplit": (1, 1, 64, 64, 64, False, False, False, True, 0, 0.0),
+    "b4_h64_split_pbs2": (4, 1, 64, 1024, 2, True, False, True, False, 0, 0.05),
+    "b4_s3_h128_nosplit_pbs61": (4, 3, 128, 576, 61, False, True, True, False, 1, 0.05),
+    "b74_h128_split_pbs64": (74, 1, 128, 2048, 64, True, False, True, True, 0, 0.05),
+    "b74_s3_h64_split_pbs576": (74, 3, 64, 2048, 576, True, True, False, False, 5, 0.05),
+    "b4_s3_h64_split_invalid": (4, 3, 64, 576, 2, True, True, True, False, 4, 0.1),
+    "b74_h64_nosplit_pbs64": (74, 1, 64, 576, 64, False, True, True, True, 3, 0.05),
+    "b74_s3_h128_split_pbs61": (74, 3, 128, 576, 61, True, True, True, False, 2, 0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sparse_decode_matches_reference(name, seed):
+    b, s_q, h_q, topk, page, split, tl, sink, pow2, all_invalid, oor = CASES[name]
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(b, s_q, h_q, topk, num_tokens=max(4096, 2 * topk), page_block_size=page, invalid_frac=0.15,
+                      out_of_range_frac=oor, with_topk_length=tl, with_sink=sink, power_of_two_scales=pow2,
+                      all_invalid_rows=all_invalid, device="cuda", generator=g)
+    parts = num_sm_parts("sm_90a", NUM_SMS, s_q, h_q) if split else 1
+    out, lse, sched = run_kernel(inp, split, parts)
+    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
+                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
+    if split:
+        assert sched.any_split, "the split case should exercise split pieces"
+    try:
+        check_out_lse(out, lse, ref_out, ref_lse)
+    except AssertionError:
+        _diagnose(out, lse, ref_out, ref_lse, sched)
+        raise
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def _bench_inputs(b, s_q, h_q, topk, num_tokens, page=64):
+    from cute_mla.formats import quantize_v32
+
+    dev = "cuda"
+    q = torch.randn(b, s_q, h_q, 576, device=dev).clamp(-1, 1).to(torch.bfloat16)
+    blocks = num_tokens // page
+    big = torch.empty(blocks, page + 1, 656, dtype=torch.uint8, device=dev)
+    kv = big[:, :page]
+    kv.copy_(quantize_v32((torch.randn(num_tokens, 576, device=dev) / 10).clamp(-1, 1)).view(blocks, page, 656))
+    idx = torch.randint(0, num_tokens, (b, s_q, topk), dtype=torch.int32, device=dev)
+    return q, kv, idx
+
+
+def bench(b, s_q, h_q, topk, num_tokens, iters=20):
+    from cute_mla.kernels.sm90.sparse_decode import launch_sparse_decode
+
+    q, kv, idx = _bench_inputs(b, s_q, h_q, topk, num_tokens)
+    parts = num_sm_parts("sm_90a", NUM_SMS, s_q, h_q)
+    sched, tile_md, offsets = _schedule(topk, None, b, parts, q.device)
+    split = sched.any_split
+    cfg, compiled = _kernel(h_q, split, False, False)
+    out = torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+    rows = max(sched.split_rows, 1)
+    o_acc = torch.empty(rows, s_q, h_q, 512, dtype=torch.float32, device=q.device) if split else None
+    lse_acc = torch.empty(rows, s_q, h_q, dtype=torch.float32, device=q.device) if split else None
+
+    def go():
+        launch_sparse_decode(compiled, cfg, q, kv, idx, None, None, tile_md, offsets, out, lse, o_acc, lse_acc, 576 ** -0.5)
+
+    for _ in range(3):
+        go()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        go()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    t = sorted(times)[len(times) // 2]
+    tokens = b * s_q * topk
+    flops = 2 * h_q * tokens * (576 + 512)
+    print(f"b={b} s_q={s_q} h_q={h_q} topk={topk} P={parts} split={split}: {t:.1f} us "
+          f"({flops / t / 1e6:.0f} TFLOPS, {tokens * 656 / t / 1e6:.2f} TB/s gathered)")
+    return t
+
+
+if __name__ == "__main__" and "--bench" in sys.argv:
+    bench(1, 8192, 64, 2048, 65536)   # FlashMLA: 6732 us
+    bench(128, 2, 128, 2048, 32768)   # FlashMLA: 447.5 us
