@@ -31,3 +31,16 @@ setmaxregister_increase = cute.arch.setmaxregister_increase
 setmaxregister_decrease = cute.arch.setmaxregister_decrease
 
 DSL_VERSION = getattr(cutlass, "__version__", "4.8.1")
+
+# tcgen05 ordering fences (no public cute.arch wrapper in 4.8.1; the NVVM op is stable).
+from cutlass._mlir.dialects import nvvm as _nvvm  # noqa: E402
+
+
+def tcgen05_fence_before_thread_sync() -> None:
+    """``tcgen05.fence::before_thread_sync``: order prior tcgen05 ops (ld/st/mma) before an arrive."""
+    _nvvm.tcgen05_fence(kind=_nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+
+
+def tcgen05_fence_after_thread_sync() -> None:
+    """``tcgen05.fence::after_thread_sync``: order later tcgen05 ops after a completed wait."""
+    _nvvm.tcgen05_fence(kind=_nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)

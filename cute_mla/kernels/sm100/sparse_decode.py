@@ -1,0 +1,1147 @@
+"""SM100 (Blackwell, sm_100a) sparse MLA decode main kernel for the DeepSeek V3.2 FP8 cache (656-B rows).
+
+NOT RUN ON HARDWARE. No Blackwell GPU was available while this was written: it is verified by CPU
+compile tests (PTX checks, layout and budget asserts) only. ``tests/test_sm100_gpu.py`` is the test
+to run first on a B200; ``docs/sm100.md`` lists what to look at.
+
+One CTA = 64 query heads of one query token for one scheduler partition (``tile_md`` row). It walks
+the partition's requests and, inside each request, the 32-token tiles of its top-k list (one
+64-token scheduler block = two tiles). h_q = 128 runs two 64-head CTAs side by side in grid x
+(FlashMLA's head64x2, in one launch).
+
+Warp roles (12 warps, 384 threads, one CTA per SM; FlashMLA SM100 head64 in spirit, §6.2):
+
+* warps 0-3 ``SOFTMAX`` (warpgroup 0): reads S from tensor memory, masks invalid tokens, online
+  softmax in the log2 domain with FlashMLA's lazy rescale (O is rescaled in TMEM only when a row
+  max grows by more than 2^6), writes bf16 P to shared memory, and runs the epilogue (O / L, sink,
+  lse; bf16 ``out`` or fp32 ``o_accum`` through TMA stores).
+* warps 4-7 ``DEQUANT`` (warpgroup 1): fp8 NoPE + fp32 scales (raw rows in shared memory) -> bf16
+  K tile in the SW128 K-major UMMA layout, ``bf16(fp8 * scale)`` with the full fp32 scale.
+* warp 8 ``MMA``: issues every tcgen05.mma (QK: M=64 heads, N=32 tokens, K=576; PV: two M=64
+  N=256 K=32 halves of O) and the tcgen05.commits that release buffers. Also allocates TMEM.
+* warp 9 ``GATHER``: TMA. Q (regular tiled TMA, 9 SW128 boxes) once per request; per tile two
+  ``tile::gather4`` streams over the cache seen as a 2-D table of 656-B rows: the raw NoPE+scale
+  bytes (8 x 4 rows x 544 B) and the bf16 RoPE straight into its MMA-ready SW128 tile (8 x 4 x 128 B).
+* warp 10 ``INDEX``: indices -> TMA row coordinates (``block * stride0/656 + row``, -1 for an
+  invalid token so the TMA zero-fills it) + a 32-bit valid mask per tile.
+* warp 11: spare (keeps the three warpgroups whole for setmaxnreg).
+
+Pipelines (producer -> consumer, arrive counts per phase); each is a CUTLASS pipeline object:
+
+* ``index`` (PipelineAsync, 4 stages): INDEX (32 thread arrivals) -> GATHER + SOFTMAX
+  (32 + 128 thread arrivals on empty).
+* ``q`` (PipelineTmaUmma, 1 stage): GATHER (1 arrive + 73,728 tx bytes) -> MMA (tcgen05.commit
+  after the request's last QK).
+* ``raw`` (PipelineTmaAsync, 3 stages): GATHER (1 arrive + 17,408 tx bytes) -> DEQUANT (one
+  arrive per warp after __syncwarp: 4).
+* ``rope`` (PipelineTmaUmma, 3 stages, same stage index as raw): GATHER (1 arrive + 4,096 tx)
+  -> MMA (tcgen05.commit after the tile's QK).
+* ``kbuf`` (PipelineAsyncUmma, 2 stages): DEQUANT (128 thread arrivals after fence.proxy.async)
+  -> MMA (tcgen05.commit after the tile's PV: K is read by QK and, as V, by PV).
+* ``s`` (PipelineUmmaAsync, 2 stages, TMEM): MMA (tcgen05.commit after QK) -> SOFTMAX (128 thread
+  arrivals after tcgen05.wait::ld).
+* ``p`` (PipelineAsyncUmma, 1 stage): SOFTMAX (128 arrivals: P in smem, O rescaled in TMEM) -> MMA
+  (tcgen05.commit after PV). Its empty phase doubles as "PV done": the softmax waits on it before
+  it rescales O, before it rewrites P and before the epilogue reads O.
+
+Tensor memory (512 columns allocated, 320 used): O (64 x 512 fp32) is two M=64 N=256 accumulators
+interleaved in lanes (tcgen05 data-path layout F: rows 16w..16w+15 of warp w's 32-lane slab; dims
+0-255 in lanes 0-15, dims 256-511 in lanes 16-31), columns [0, 256). S stage j: columns
+[256 + 32j, 288 + 32j), lanes 0-15 of each slab.
+
+Shared memory (smem_bytes(cfg), asserted <= 227 KiB): Q 72 KiB, K 2 x 32 KiB, RoPE 3 x 4 KiB,
+raw 3 x 17 KiB, P 4 KiB, output staging 16 KiB, index ring, barriers.
+"""
+
+
+import functools
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+from ..compat import (
+    OperandMajorMode,
+    SmemAllocator,
+    TmemAllocator,
+    setmaxregister_decrease,
+    setmaxregister_increase,
+    tcgen05_fence_after_thread_sync,
+    tcgen05_fence_before_thread_sync,
+)
+from ..compile import CompiledKernel, compile_cached, compile_options
+from . import ptx
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+SMEM_LIMIT = 227 * 1024  # bytes of dynamic shared memory one SM100 CTA may use
+TMEM_COLUMNS = 512
+
+
+# --------------------------------------------------------------------------------------------------
+# Static configuration
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sm100SparseDecodeConfig:
+    h_q: int  # 64, or 128 (two 64-head CTAs side by side in grid x)
+    split: bool  # True: takes o_accum / lse_accum (+ their TMA map); False: no accumulator at all
+    has_topk_length: bool
+    has_attn_sink: bool
+    d_qk: int = 576
+    d_v: int = 512
+    arch: str = "sm_100a"
+
+    def __post_init__(self):
+        if self.h_q not in (64, 128):
+            raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
+        if (self.d_qk, self.d_v) != (576, 512):
+            raise ValueError(f"(d_qk, d_v): got {(self.d_qk, self.d_v)}, accepted: (576, 512) (V3.2 cache)")
+        if self.arch != "sm_100a":
+            raise ValueError(f"arch: got {self.arch!r}, accepted: 'sm_100a'")
+
+    @property
+    def head_groups(self) -> int:
+        return self.h_q // TILE.heads
+
+    @property
+    def cache_key(self):
+        return ("sm100_sparse_decode", self)
+
+
+class Warp(IntEnum):
+    """Warp index -> role. Warps 0-3 and 4-7 are whole warpgroups (TMEM lane slabs, setmaxnreg)."""
+
+    SOFTMAX = 0  # warps 0..3
+    DEQUANT = 4  # warps 4..7
+    MMA = 8
+    GATHER = 9
+    INDEX = 10
+    SPARE = 11
+
+
+@dataclass(frozen=True)
+class WarpSchedule:
+    softmax_warps: int = 4
+    dequant_warps: int = 4
+    num_warps: int = 12
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def softmax_threads(self) -> int:
+        return 32 * self.softmax_warps
+
+    @property
+    def dequant_threads(self) -> int:
+        return 32 * self.dequant_warps
+
+
+@dataclass(frozen=True)
+class RegisterBudget:
+    """setmaxnreg targets per warpgroup. 384 threads enter with 168 registers each; the targets must
+    sum to <= 3 x 168 = 504 or the increase waits forever (measured on SM90, same rule on SM100).
+    The producer warpgroup (MMA, GATHER, INDEX, spare) needs few; the softmax warpgroup holds 32 S
+    values, 32 O values and its row statistics; the dequant warpgroup keeps the default."""
+
+    softmax: int = 208
+    dequant: int = 168
+    producers: int = 128
+
+    def __post_init__(self):
+        assert self.softmax + self.dequant + self.producers <= 504
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in (self.softmax, self.dequant, self.producers))
+
+
+class Bar(IntEnum):
+    """Named-barrier ids (0 is __syncthreads)."""
+
+    TMEM = 1  # SOFTMAX + MMA (160 threads): TMEM address published / all TMEM use done before dealloc
+    EPILOGUE = 2  # SOFTMAX (128): output staging written / previous TMA store has read it
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tile geometry (all compile-time)."""
+
+    heads: int = 64  # M of both MMAs: query heads per CTA
+    tokens: int = 32  # tokens per K tile: N of QK, K of PV
+    sched_block: int = 64  # tokens per scheduler block (spec §4): two tiles
+    d_qk: int = 576
+    d_v: int = 512
+    d_nope: int = 512
+    d_rope: int = 64
+    chunk: int = 64  # bf16 dims per 128-B swizzle row
+    row_bytes: int = 656  # V3.2 cache row
+    scale_offset: int = 512
+    rope_offset: int = 528
+    # Gathered raw bytes per token: NoPE (512) + scales (16) + 16 bytes of RoPE nobody reads, so a
+    # gather4 box (4 rows) is 2,176 B and every box lands 128-B aligned in shared memory.
+    raw_row_bytes: int = 544
+    epi_cols: int = 32  # O columns per thread per epilogue step (one tcgen05.ld 32x32b.x32)
+
+    @property
+    def tiles_per_block(self) -> int:
+        return self.sched_block // self.tokens
+
+    @property
+    def raw_row_words(self) -> int:
+        return self.raw_row_bytes // 4
+
+    @property
+    def raw_stage_bytes(self) -> int:
+        return self.tokens * self.raw_row_bytes  # 17,408
+
+    @property
+    def k_stage_elems(self) -> int:
+        return self.tokens * self.d_nope  # 16,384 bf16 = 32 KiB
+
+    @property
+    def rope_stage_elems(self) -> int:
+        return self.tokens * self.d_rope  # 2,048 bf16 = 4 KiB
+
+    @property
+    def q_elems(self) -> int:
+        return self.heads * self.d_qk  # 36,864 bf16 = 72 KiB
+
+    @property
+    def p_elems(self) -> int:
+        return self.heads * self.tokens  # 2,048 bf16 = 4 KiB
+
+    @property
+    def half_v(self) -> int:
+        return self.d_v // 2  # N of one PV MMA
+
+    @property
+    def epi_stage_bytes(self) -> int:
+        return 2 * self.heads * self.epi_cols * 4  # two fp32 64x32 boxes (one per O half) = 16 KiB
+
+
+@dataclass(frozen=True)
+class Stages:
+    index: int = 4  # coordinate / valid-mask ring (tiles)
+    gather: int = 3  # raw NoPE+scale and RoPE ring (tiles in flight from global memory)
+    kbuf: int = 2  # dequantized bf16 K tiles (read by QK and, transposed, by PV)
+    s: int = 2  # S accumulators in TMEM (QK of tile i+1 overlaps the softmax of tile i)
+    p: int = 1
+    q: int = 1
+
+
+@dataclass(frozen=True)
+class TmemPlan:
+    """Tensor-memory columns (32-bit cells, 128 lanes). See the module docstring for the lanes."""
+
+    o_col: int = 0
+    o_cols: int = 256  # 64 x 512 fp32 = two M=64 N=256 accumulators sharing columns (lane halves)
+    s_col: int = 256
+    s_cols: int = 32  # one 64 x 32 fp32 S tile (M=64 layout: lanes 0-15 of each slab)
+    alloc: int = TMEM_COLUMNS
+
+    def used(self, s_stages: int) -> int:
+        return self.s_col + s_stages * self.s_cols
+
+    @property
+    def o_upper_lane_offset(self) -> int:
+        return 16 << 16  # TMEM address of lane +16 (address = lane << 16 | column)
+
+
+TILE = Tile()
+STAGES = Stages()
+WARPS = WarpSchedule()
+REGS = RegisterBudget()
+TMEM = TmemPlan()
+LAZY_RESCALE_LOG2 = 6.0  # FlashMLA's threshold: P may grow to 2^6 in bf16 before O is rescaled
+MAX_INIT = -1.0e30  # finite running-max start: never (-inf) - (-inf)
+
+assert TMEM.used(STAGES.s) <= TMEM.alloc <= TMEM_COLUMNS
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_storage():
+    """The CTA's shared memory, one struct (its size is what the launch requests)."""
+
+    @cute.struct
+    class SharedStorage:
+        q_bar: cute.struct.MemRange[Int64, 2 * STAGES.q]
+        index_bar: cute.struct.MemRange[Int64, 2 * STAGES.index]
+        raw_bar: cute.struct.MemRange[Int64, 2 * STAGES.gather]
+        rope_bar: cute.struct.MemRange[Int64, 2 * STAGES.gather]
+        kbuf_bar: cute.struct.MemRange[Int64, 2 * STAGES.kbuf]
+        s_bar: cute.struct.MemRange[Int64, 2 * STAGES.s]
+        p_bar: cute.struct.MemRange[Int64, 2 * STAGES.p]
+        tmem_holding: Int32
+        valid: cute.struct.MemRange[Uint32, STAGES.index]
+        coord: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.index * TILE.tokens], 16]
+        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.q_elems], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.kbuf * TILE.k_stage_elems], 1024]
+        sRope: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.gather * TILE.rope_stage_elems], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.p_elems], 1024]
+        sEpi: cute.struct.Align[cute.struct.MemRange[Uint8, TILE.epi_stage_bytes], 1024]
+        sRaw: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.gather * TILE.raw_stage_bytes // 4], 128]
+
+    return SharedStorage
+
+
+def smem_bytes(cfg: Sm100SparseDecodeConfig) -> int:
+    """Dynamic shared memory of one CTA, from the kernel's own struct (same for both variants)."""
+    del cfg
+    return _shared_storage().size_in_bytes()
+
+
+def tmem_columns(cfg: Sm100SparseDecodeConfig) -> int:
+    """Tensor-memory columns the kernel allocates (a power of two >= what its accumulators use)."""
+    del cfg
+    return TMEM.alloc
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+
+class Sm100SparseDecodeKernel:
+    def __init__(self, cfg: Sm100SparseDecodeConfig):
+        self.cfg = cfg
+        self.n_hg = cfg.head_groups
+
+    # ------------------------------------------------------------------------------ host side
+    @cute.jit
+    def host_no_split(self, q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse,
+                      softmax_scale: Float32, stream):
+        self._host(q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, None, None,
+                   softmax_scale, stream)
+
+    @cute.jit
+    def host_split(self, q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum,
+                   lse_accum, softmax_scale: Float32, stream):
+        self._host(q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum, lse_accum,
+                   softmax_scale, stream)
+
+    @cute.jit
+    def _host(
+        self,
+        q: cute.Tensor,  # (b, s_q, h_q, 576) bf16
+        kv: cute.Tensor,  # (num_blocks, page_block_size, 656) uint8, stride(0) % 656 == 0
+        indices: cute.Tensor,  # (b, s_q, topk) int32
+        topk_length: Optional[cute.Tensor],  # (b,) int32
+        attn_sink: Optional[cute.Tensor],  # (h_q,) fp32
+        tile_md: cute.Tensor,  # (P, 8) int32
+        num_splits: cute.Tensor,  # (b+1,) int32: accumulator row offsets
+        out: cute.Tensor,  # (b, s_q, h_q, 512) bf16
+        lse: cute.Tensor,  # (b, s_q, h_q) fp32
+        o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) fp32
+        lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32
+        softmax_scale: Float32,
+        stream,
+    ):
+        cfg = self.cfg
+        cta = tcgen05.CtaGroup.ONE
+        # QK: S (64 heads x 32 tokens) = Q (K-major) . K (K-major), 576 = 36 x 16.
+        qk_mma = sm100_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, cta, (TILE.heads, TILE.tokens)
+        )
+        # PV: O_half (64 x 256) += P (64 x 32, K-major) . V_half; V = the K tile read MN-major.
+        pv_mma = sm100_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, cta, (TILE.heads, TILE.half_v)
+        )
+        q_layout = sm100_utils.make_smem_layout_a(qk_mma, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, STAGES.q)
+        k_layout = sm100_utils.make_smem_layout_b(qk_mma, (TILE.heads, TILE.tokens, TILE.d_nope), BFloat16, STAGES.kbuf)
+        rope_layout = sm100_utils.make_smem_layout_b(
+            qk_mma, (TILE.heads, TILE.tokens, TILE.d_rope), BFloat16, STAGES.gather
+        )
+        p_layout = sm100_utils.make_smem_layout_a(pv_mma, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, STAGES.p)
+        # V of one PV half: the MN-major B layout over the same bytes as the K-major K tile (same
+        # SW128 atoms: dim d at element (d % 64) + 2048 (d // 64), token t at 64 t). Two more modes
+        # address the O half (+8192 elements = 4 column blocks) and the K stage (+16384).
+        v_one = sm100_utils.make_smem_layout_b(pv_mma, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
+        v_outer = cute.append(
+            cute.append(cute.select(v_one.outer, mode=[0, 1, 2]), cute.make_layout(2, stride=TILE.k_stage_elems // 2)),
+            cute.make_layout(STAGES.kbuf, stride=TILE.k_stage_elems),
+        )
+        # The 2-D (row, column) views the TMA copies see: RoPE tile (32 x 64 bf16, SW128), output
+        # boxes (64 heads x 32 dims): bf16 SW64 for out, fp32 SW128 for o_accum.
+        rope_tma_layout = cute.tile_to_shape(
+            tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.tokens, TILE.d_rope), (0, 1)
+        )
+        out_box_layout = cute.tile_to_shape(
+            tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW64, BFloat16), (TILE.heads, TILE.epi_cols), (0, 1)
+        )
+        oacc_box_layout = cute.tile_to_shape(
+            tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, Float32), (TILE.heads, TILE.epi_cols), (0, 1)
+        )
+        raw_layout = cute.make_layout((TILE.tokens, TILE.raw_row_words), stride=(TILE.raw_row_words, 1))
+
+        # ---- TMA atoms (tensor maps): q, kv_nope, kv_rope, out (+ o_accum in the split variant)
+        q_t = cute.make_tensor(
+            q.iterator,
+            cute.make_layout((q.shape[2], q.shape[3], q.shape[1], q.shape[0]),
+                             stride=(q.stride[2], q.stride[3], q.stride[1], q.stride[0])),
+        )
+        tma_q, q_tma = cute.nvgpu.make_tiled_tma_atom_A(
+            cpasync.CopyBulkTensorTileG2SOp(cta), q_t, cute.select(q_layout, mode=[0, 1, 2]),
+            (TILE.heads, TILE.tokens, TILE.d_qk), qk_mma,
+        )
+        # The cache as a 2-D table of 656-B rows: row = block * (stride0 / 656) + row_in_block.
+        rows_per_block = Int32(kv.stride[0] // TILE.row_bytes)
+        num_rows = kv.shape[0] * rows_per_block
+        nope_t = cute.make_tensor(
+            cute.recast_ptr(kv.iterator, dtype=Int32),
+            cute.make_layout((num_rows, TILE.raw_row_words), stride=(TILE.row_bytes // 4, 1)),
+        )
+        rope_t = cute.make_tensor(
+            cute.recast_ptr(kv.iterator + TILE.rope_offset, dtype=BFloat16),
+            cute.make_layout((num_rows, TILE.d_rope), stride=(TILE.row_bytes // 2, 1)),
+        )
+        # gather4 needs an index tensor only for its layout here: mode 0 carries the row indices,
+        # mode 1 (the row's columns) is broadcast. The kernel points it at the shared coordinate ring.
+        nope_coord = cute.make_tensor(indices.iterator, cute.make_layout((TILE.tokens, TILE.raw_row_words), stride=(1, 0)))
+        rope_coord = cute.make_tensor(indices.iterator, cute.make_layout((TILE.tokens, TILE.d_rope), stride=(1, 0)))
+        tma_nope, nope_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensor2DGather4G2SOp(), nope_t, raw_layout, (TILE.tokens, TILE.raw_row_words),
+            gmem_coord_tensor=nope_coord,
+        )
+        tma_rope, rope_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensor2DGather4G2SOp(), rope_t, rope_tma_layout, (TILE.tokens, TILE.d_rope),
+            gmem_coord_tensor=rope_coord,
+        )
+        out_t = cute.make_tensor(
+            out.iterator,
+            cute.make_layout((out.shape[2], out.shape[3], out.shape[1], out.shape[0]),
+                             stride=(out.stride[2], out.stride[3], out.stride[1], out.stride[0])),
+        )
+        tma_out, out_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), out_t, out_box_layout, (TILE.heads, TILE.epi_cols)
+        )
+        tma_oacc = None
+        oacc_tma = None
+        if cutlass.const_expr(cfg.split):
+            # The accumulator tensor map exists only in the split variant.
+            oacc_t = cute.make_tensor(
+                o_accum.iterator,
+                cute.make_layout((o_accum.shape[2], o_accum.shape[3], o_accum.shape[1], o_accum.shape[0]),
+                                 stride=(o_accum.stride[2], o_accum.stride[3], o_accum.stride[1], o_accum.stride[0])),
+            )
+            tma_oacc, oacc_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), oacc_t, oacc_box_layout, (TILE.heads, TILE.epi_cols)
+            )
+
+        scale_log2 = softmax_scale * Float32(LOG2E)
+        grid = (q.shape[1] * self.n_hg, tile_md.shape[0], 1)
+        self.kernel(
+            qk_mma, pv_mma,
+            tma_q, q_tma, tma_nope, nope_tma, tma_rope, rope_tma, tma_out, out_tma, tma_oacc, oacc_tma,
+            kv, indices, topk_length, attn_sink, tile_md, num_splits, lse, lse_accum,
+            rows_per_block, scale_log2,
+            q_layout, k_layout, rope_layout, p_layout, v_outer, v_one.inner, rope_tma_layout, out_box_layout,
+            oacc_box_layout, raw_layout,
+        ).launch(grid=grid, block=[WARPS.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_nope: cute.CopyAtom,
+        mNope: cute.Tensor,
+        tma_rope: cute.CopyAtom,
+        mRope: cute.Tensor,
+        tma_out: cute.CopyAtom,
+        mOut: cute.Tensor,
+        tma_oacc: Optional[cute.CopyAtom],
+        mOAcc: Optional[cute.Tensor],
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mTopkLen: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],
+        mTileMd: cute.Tensor,
+        mNumSplits: cute.Tensor,
+        mLse: cute.Tensor,
+        mLseAcc: Optional[cute.Tensor],
+        rows_per_block: Int32,
+        scale_log2: Float32,
+        q_layout: cute.ComposedLayout,
+        k_layout: cute.ComposedLayout,
+        rope_layout: cute.ComposedLayout,
+        p_layout: cute.ComposedLayout,
+        v_outer: cute.Layout,
+        v_swizzle,
+        rope_tma_layout: cute.ComposedLayout,
+        out_box_layout: cute.ComposedLayout,
+        oacc_box_layout: cute.ComposedLayout,
+        raw_layout: cute.Layout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, part, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        s_idx = bidx // self.n_hg
+        hg = bidx % self.n_hg
+
+        smem = SmemAllocator()
+        storage = smem.allocate(_shared_storage())
+
+        # ---- pipelines (mbarriers initialised by warp 0, one fence + CTA sync below)
+        thr = pipeline.Agent.Thread
+        idx_pipe = pipeline.PipelineAsync.create(
+            num_stages=STAGES.index,
+            producer_group=pipeline.CooperativeGroup(thr, 32),
+            consumer_group=pipeline.CooperativeGroup(thr, 32 + WARPS.softmax_threads),
+            barrier_storage=storage.index_bar.data_ptr(),
+            defer_sync=True,
+        )
+        q_pipe = pipeline.PipelineTmaUmma.create(
+            num_stages=STAGES.q,
+            producer_group=pipeline.CooperativeGroup(thr),
+            consumer_group=pipeline.CooperativeGroup(thr),
+            tx_count=TILE.q_elems * 2,
+            barrier_storage=storage.q_bar.data_ptr(),
+            defer_sync=True,
+        )
+        raw_pipe = pipeline.PipelineTmaAsync.create(
+            num_stages=STAGES.gather,
+            producer_group=pipeline.CooperativeGroup(thr),
+            consumer_group=pipeline.CooperativeGroup(thr, WARPS.dequant_warps),
+            tx_count=TILE.raw_stage_bytes,
+            barrier_storage=storage.raw_bar.data_ptr(),
+            defer_sync=True,
+        )
+        rope_pipe = pipeline.PipelineTmaUmma.create(
+            num_stages=STAGES.gather,
+            producer_group=pipeline.CooperativeGroup(thr),
+            consumer_group=pipeline.CooperativeGroup(thr),
+            tx_count=TILE.rope_stage_elems * 2,
+            barrier_storage=storage.rope_bar.data_ptr(),
+            defer_sync=True,
+        )
+        k_pipe = pipeline.PipelineAsyncUmma.create(
+            num_stages=STAGES.kbuf,
+            producer_group=pipeline.CooperativeGroup(thr, WARPS.dequant_threads),
+            consumer_group=pipeline.CooperativeGroup(thr),
+            barrier_storage=storage.kbuf_bar.data_ptr(),
+            defer_sync=True,
+        )
+        s_pipe = pipeline.PipelineUmmaAsync.create(
+            num_stages=STAGES.s,
+            producer_group=pipeline.CooperativeGroup(thr),
+            consumer_group=pipeline.CooperativeGroup(thr, WARPS.softmax_threads),
+            barrier_storage=storage.s_bar.data_ptr(),
+            defer_sync=True,
+        )
+        p_pipe = pipeline.PipelineAsyncUmma.create(
+            num_stages=STAGES.p,
+            producer_group=pipeline.CooperativeGroup(thr, WARPS.softmax_threads),
+            consumer_group=pipeline.CooperativeGroup(thr),
+            barrier_storage=storage.p_bar.data_ptr(),
+            defer_sync=True,
+        )
+
+        if warp == Warp.GATHER:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_nope)
+            cpasync.prefetch_descriptor(tma_rope)
+        if warp == Warp.SOFTMAX:
+            cpasync.prefetch_descriptor(tma_out)
+            if cutlass.const_expr(self.cfg.split):
+                cpasync.prefetch_descriptor(tma_oacc)
+
+        tmem = TmemAllocator(
+            storage.tmem_holding.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Bar.TMEM, num_threads=WARPS.softmax_threads + 32),
+            allocator_warp_id=Warp.MMA,
+        )
+        tmem.allocate(TMEM.alloc)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # ---- shared-memory tensors
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sRope = storage.sRope.get_tensor(rope_layout.outer, swizzle=rope_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), v_swizzle, dtype=BFloat16), v_outer)
+        sCoord = storage.coord.get_tensor(cute.make_layout(STAGES.index * TILE.tokens))
+        sValid = storage.valid.get_tensor(cute.make_layout(STAGES.index))
+
+        # ---- the partition (scheduler row); an empty trailing partition has begin_req == b
+        sched = _Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2])
+
+        if warp >= Warp.MMA:
+            setmaxregister_decrease(REGS.producers)
+            if warp == Warp.MMA:
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                tmem.relinquish_alloc_permit()
+                self.mma_role(sched, mTopkLen, qk_mma, pv_mma, sQ, sK, sRope, sP, sV, tmem_ptr,
+                              q_pipe, rope_pipe, k_pipe, s_pipe, p_pipe)
+                # Every tcgen05 op has completed once the softmax warpgroup (which waits for the
+                # last PV and reads O last) reaches this barrier.
+                cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
+                tmem.free(tmem_ptr)
+            if warp == Warp.GATHER:
+                self.gather_role(sched, mTopkLen, s_idx, hg, qk_mma, tma_q, mQ, sQ, tma_nope, mNope, tma_rope, mRope,
+                                 storage, raw_layout, rope_tma_layout, q_pipe, idx_pipe, raw_pipe, rope_pipe)
+            if warp == Warp.INDEX:
+                self.index_role(sched, mTopkLen, s_idx, mIdx, mKV, rows_per_block, sCoord, sValid, idx_pipe)
+        elif warp >= Warp.DEQUANT:
+            self.dequant_role(sched, mTopkLen, storage, raw_pipe, k_pipe)
+        else:
+            setmaxregister_increase(REGS.softmax)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.softmax_role(sched, mTopkLen, s_idx, hg, tmem_ptr, sValid, storage, idx_pipe, s_pipe, p_pipe,
+                              tma_out, mOut, tma_oacc, mOAcc, out_box_layout, oacc_box_layout,
+                              mNumSplits, mLse, mLseAcc, mSink, scale_log2)
+            cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
+
+    # ------------------------------------------------------------------------------ INDEX warp
+    @cute.jit
+    def index_role(self, sched, mTopkLen, s_idx: Int32, mIdx: cute.Tensor, mKV: cute.Tensor, rows_per_block: Int32,
+                   sCoord: cute.Tensor, sValid: cute.Tensor, idx_pipe):
+        """indices -> TMA row coordinates (-1 = zero-fill) and a 32-bit valid mask, one tile per stage."""
+        lane = cute.arch.lane_idx()
+        page = mKV.shape[1]
+        num_tokens = mKV.shape[0] * page
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.index)
+        for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
+            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            for t in cutlass.range(t0, t1, unroll=1):
+                idx_pipe.producer_acquire(state)
+                pos = t * TILE.tokens + lane
+                raw = mIdx[req, s_idx, pos]
+                ok = (raw >= 0) & (raw < num_tokens) & (pos < topk_len)
+                blk = raw // page
+                coord = blk * rows_per_block + (raw - blk * page)
+                sCoord[state.index * TILE.tokens + lane] = cutlass.select_(ok, coord, Int32(-1))
+                mask = cute.arch.vote_ballot_sync(ok)
+                if lane == 0:
+                    sValid[state.index] = Uint32(mask)
+                idx_pipe.producer_commit(state)
+                state.advance()
+
+    # ------------------------------------------------------------------------------ GATHER warp
+    @cute.jit
+    def gather_role(self, sched, mTopkLen, s_idx: Int32, hg: Int32, qk_mma: cute.TiledMma, tma_q: cute.CopyAtom,
+                    mQ: cute.Tensor, sQ: cute.Tensor, tma_nope: cute.CopyAtom, mNope: cute.Tensor,
+                    tma_rope: cute.CopyAtom, mRope: cute.Tensor, storage, raw_layout: cute.Layout,
+                    rope_tma_layout: cute.ComposedLayout, q_pipe, idx_pipe, raw_pipe, rope_pipe):
+        """TMA: Q once per request; per tile the raw NoPE+scale rows and the RoPE rows by gather4."""
+        thr_mma = qk_mma.get_slice(0)
+        coord_ptr = storage.coord.data_ptr()
+        raw_ptr = storage.sRaw.data_ptr()
+        rope_ptr = storage.sRope.data_ptr()
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.q)
+        g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.gather)
+        i_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.index)
+        for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
+            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            # Q (64 heads x 576) of this request: waits until the previous request's last QK is done.
+            gQ = cute.local_tile(mQ[None, None, s_idx, req], (TILE.heads, TILE.d_qk), (hg, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                cute.group_modes(thr_mma.partition_A(gQ), 0, 3),
+            )
+            q_pipe.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            q_state.advance()
+            for t in cutlass.range(t0, t1, unroll=1):
+                idx_pipe.consumer_wait(i_state)
+                coords = coord_ptr + i_state.index * TILE.tokens
+                raw_pipe.producer_acquire(g_state)
+                sRawStage = cute.make_tensor(raw_ptr + g_state.index * (TILE.raw_stage_bytes // 4), raw_layout)
+                self.issue_gather4(tma_nope, mNope, coords, sRawStage, TILE.raw_row_words,
+                                   raw_pipe.producer_get_barrier(g_state))
+                rope_pipe.producer_acquire(g_state)
+                sRopeStage = cute.make_tensor(
+                    cute.recast_ptr(rope_ptr + g_state.index * TILE.rope_stage_elems, rope_tma_layout.inner,
+                                    dtype=BFloat16),
+                    rope_tma_layout.outer,
+                )
+                self.issue_gather4(tma_rope, mRope, coords, sRopeStage, TILE.d_rope,
+                                   rope_pipe.producer_get_barrier(g_state))
+                # The coordinates were read (by the lane that issued the copies) before this arrive.
+                idx_pipe.consumer_release(i_state)
+                i_state.advance()
+                g_state.advance()
+
+    @cute.jit
+    def issue_gather4(self, atom: cute.CopyAtom, mData: cute.Tensor, coords, sDst: cute.Tensor, cols: cutlass.Constexpr,
+                      bar):
+        """8 x ``tile::gather4`` (4 rows each) of one 32-token tile; coordinates read from shared memory."""
+        gI = cute.make_tensor(coords, cute.make_layout((TILE.tokens, cols), stride=(1, 0)))
+        tS, tG, tI = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(sDst, 0, 2),
+            [cute.zipped_divide(mData, (TILE.tokens, cols)), cute.zipped_divide(gI, (TILE.tokens, cols))],
+        )
+        cute.copy(atom, [tG[None, 0], tI[None, 0]], tS, tma_bar_ptr=bar)
+
+    # ------------------------------------------------------------------------------ DEQUANT warpgroup
+    @cute.jit
+    def dequant_role(self, sched, mTopkLen, storage, raw_pipe, k_pipe):
+        """Raw fp8 rows -> bf16 K tile. Lane = token, warp w of the group = dims [128 w, 128 w + 128)
+        (exactly one fp32 scale). Reads are conflict-free 16-B loads; writes follow SW128."""
+        lane = cute.arch.lane_idx()
+        dw = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - Warp.DEQUANT
+        raw_base = ptx.smem_addr(storage.sRaw.data_ptr())
+        k_base = ptx.smem_addr(storage.sK.data_ptr())
+        g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.gather)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.kbuf)
+        for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
+            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            for t in cutlass.range(t0, t1, unroll=1):
+                raw_pipe.consumer_wait(g_state)
+                row = raw_base + g_state.index * TILE.raw_stage_bytes + lane * TILE.raw_row_bytes
+                words = cute.make_rmem_tensor(cute.make_layout(32), Int32)
+                for k in cutlass.range_constexpr(8):
+                    v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
+                    for e in cutlass.range_constexpr(4):
+                        words[4 * k + e] = ptx.vec_elem(v, e)
+                scale = ptx.bits_f32(ptx.ld_shared_b32(row + TILE.scale_offset + dw * 4))
+                # Invalid tokens were zero-filled by the TMA (coordinate -1): scale 0, fp8 0 -> K = 0.
+                cute.arch.sync_warp()
+                raw_pipe.consumer_release(g_state)
+                g_state.advance()
+
+                k_pipe.producer_acquire(k_state)
+                # SW128 K-major tile: dim d of token t at byte 4096 (d // 64) + 128 t + 16 (j ^ (t % 8)),
+                # j = (d % 64) // 8 (16-B chunk in the 128-B row).
+                k_stage = k_base + k_state.index * (TILE.k_stage_elems * 2)
+                swz = lane % 8
+                for k in cutlass.range_constexpr(8):  # 16 dims per step
+                    d0 = 16 * k  # dims offset inside this warp's 128 dims
+                    out = []
+                    for e in cutlass.range_constexpr(4):
+                        lo, hi = ptx.fp8x4_to_bf16x4_scaled(words[4 * k + e], scale)
+                        out.append(lo)
+                        out.append(hi)
+                    chunk = 2 * dw + d0 // 64
+                    j0 = (d0 % 64) // 8
+                    a0 = k_stage + chunk * 4096 + lane * 128 + ((j0 ^ swz) * 16)
+                    a1 = k_stage + chunk * 4096 + lane * 128 + (((j0 + 1) ^ swz) * 16)
+                    ptx.st_shared_v4(a0, out[0], out[1], out[2], out[3])
+                    ptx.st_shared_v4(a1, out[4], out[5], out[6], out[7])
+                # Generic-proxy writes -> visible to the tensor core (async proxy) before the arrive.
+                cute.arch.fence_view_async_shared()
+                k_pipe.producer_commit(k_state)
+                k_state.advance()
+
+    # ------------------------------------------------------------------------------ MMA warp
+    @cute.jit
+    def mma_role(self, sched, mTopkLen, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor,
+                 sRope: cute.Tensor, sP: cute.Tensor, sV: cute.Tensor, tmem_ptr, q_pipe, rope_pipe, k_pipe,
+                 s_pipe, p_pipe):
+        """QK(i) is issued before PV(i-1), so the tensor core computes the next S while the softmax
+        warpgroup works on the current one (two S stages in TMEM)."""
+        tCrQ = qk_mma.make_fragment_A(sQ)  # (MMA, 1, 36, 1)
+        tCrK = qk_mma.make_fragment_B(sK)  # (MMA, 1, 32, kbuf)
+        tCrR = qk_mma.make_fragment_B(sRope)  # (MMA, 1, 4, gather)
+        tOrP = pv_mma.make_fragment_A(sP)  # (MMA, 1, 2, 1)
+        tOrV = pv_mma.make_fragment_B(sV)  # (MMA, 1, 2, half, kbuf)
+        s_layout = qk_mma.make_fragment_C(qk_mma.partition_shape_C((TILE.heads, TILE.tokens))).layout
+        o_layout = pv_mma.make_fragment_C(pv_mma.partition_shape_C((TILE.heads, TILE.half_v))).layout
+        n_nope_k = TILE.d_nope // 16
+        n_rope_k = TILE.d_rope // 16
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.q)
+        g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.gather)
+        kq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.kbuf)
+        kp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.kbuf)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.s)
+        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.p)
+        for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
+            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            n = t1 - t0
+            q_pipe.consumer_wait(q_state)
+            for i in cutlass.range(n, unroll=1):
+                # ---- S = Q K^T for tile i
+                k_pipe.consumer_wait(kq_state)
+                rope_pipe.consumer_wait(g_state)
+                s_pipe.producer_acquire(s_state)
+                tStS = cute.make_tensor(tmem_ptr + TMEM.s_col + s_state.index * TMEM.s_cols, s_layout)
+                for kb in cutlass.range_constexpr(n_nope_k):
+                    qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(qk_mma, tStS, tCrQ[None, None, kb, 0], tCrK[None, None, kb, kq_state.index], tStS)
+                for kb in cutlass.range_constexpr(n_rope_k):
+                    qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    cute.gemm(qk_mma, tStS, tCrQ[None, None, n_nope_k + kb, 0], tCrR[None, None, kb, g_state.index],
+                              tStS)
+                s_pipe.producer_commit(s_state)
+                rope_pipe.consumer_release(g_state)
+                if i == n - 1:
+                    q_pipe.consumer_release(q_state)
+                s_state.advance()
+                g_state.advance()
+                kq_state.advance()
+                # ---- O += P V for tile i - 1
+                if i > 0:
+                    pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, i == 1, kp_state, p_state, k_pipe, p_pipe)
+                    kp_state.advance()
+                    p_state.advance()
+            pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, n == 1, kp_state, p_state, k_pipe, p_pipe)
+            kp_state.advance()
+            p_state.advance()
+            q_state.advance()
+
+    @cute.jit
+    def issue_pv(self, pv_mma: cute.TiledMma, tOrP: cute.Tensor, tOrV: cute.Tensor, tmem_ptr, o_layout: cute.Layout,
+                 first, kp_state, p_state, k_pipe, p_pipe):
+        """Both O halves (N=256 each, lanes 0-15 / 16-31 of each slab) += P V; then release P and K."""
+        p_pipe.consumer_wait(p_state)
+        tcgen05_fence_after_thread_sync()  # O may have been rescaled by the softmax warps (tcgen05.st)
+        for h in cutlass.range_constexpr(2):
+            tOtO = cute.make_tensor(tmem_ptr + TMEM.o_col + h * TMEM.o_upper_lane_offset, o_layout)
+            for kb in cutlass.range_constexpr(TILE.tokens // 16):
+                if cutlass.const_expr(kb == 0):
+                    pv_mma.set(tcgen05.Field.ACCUMULATE, not first)
+                else:
+                    pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+                cute.gemm(pv_mma, tOtO, tOrP[None, None, kb, 0], tOrV[None, None, kb, h, kp_state.index], tOtO)
+        p_pipe.consumer_release(p_state)
+        k_pipe.consumer_release(kp_state)
+        # Returned so the caller rebinds it: the ACCUMULATE field is state the loop must carry.
+        return pv_mma
+
+    # ------------------------------------------------------------------------------ SOFTMAX warpgroup
+    @cute.jit
+    def softmax_role(self, sched, mTopkLen, s_idx: Int32, hg: Int32, tmem_ptr, sValid: cute.Tensor, storage, idx_pipe, s_pipe,
+                     p_pipe, tma_out: cute.CopyAtom, mOut: cute.Tensor, tma_oacc, mOAcc, out_box_layout,
+                     oacc_box_layout, mNumSplits: cute.Tensor, mLse: cute.Tensor, mLseAcc, mSink, scale_log2: Float32):
+        """Thread (warp w, lane l) owns TMEM lane 32 w + l: row r = 16 w + l % 16 of S (lanes < 16)
+        and of O, dims 256 (l // 16) + [0, 256). Row statistics live in lane l % 16; lanes >= 16
+        fetch them by shuffle."""
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        wq = tidx // 32
+        row = 16 * wq + lane % 16
+        upper = lane >= 16
+        src_lane = lane % 16
+
+        # TMEM <-> registers: 32x32b.x32 = one TMEM lane per thread, 32 consecutive columns.
+        view = cute.make_tensor(tmem_ptr, cute.make_layout((128, TILE.epi_cols), stride=(1 << 16, 1)))
+        ld_copy = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32), view)
+        st_copy = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), Float32), view)
+        thr_ld = ld_copy.get_slice(tidx)
+        thr_st = st_copy.get_slice(tidx)
+        tL = thr_ld.partition_S(view)
+        tSt = thr_st.partition_D(view)
+        cS = thr_ld.partition_D(cute.make_identity_tensor((128, TILE.epi_cols)))
+        rS = cute.make_rmem_tensor(cS.shape, Float32)
+        rO = cute.make_rmem_tensor(cS.shape, Float32)
+
+        p_base = ptx.smem_addr(storage.sP.data_ptr())
+        epi_base = ptx.smem_addr(storage.sEpi.data_ptr())
+
+        i_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.index)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.s)
+        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.p)
+        for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
+            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            m_run = Float32(MAX_INIT)
+            l_run = Float32(0.0)
+            for i in cutlass.range(t1 - t0, unroll=1):
+                # ---- S tile -> registers, release the TMEM stage
+                s_pipe.consumer_wait(s_state)
+                tcgen05_fence_after_thread_sync()
+                cute.copy(ld_copy, cute.make_tensor(tL.iterator + TMEM.s_col + s_state.index * TMEM.s_cols, tL.layout), rS)
+                cute.arch.fence_view_async_tmem_load()
+                tcgen05_fence_before_thread_sync()
+                s_pipe.consumer_release(s_state)
+                s_state.advance()
+                idx_pipe.consumer_wait(i_state)
+                valid = sValid[i_state.index]
+                idx_pipe.consumer_release(i_state)
+                i_state.advance()
+
+                # ---- mask, scale to log2 units, row max (a thread holds its whole row)
+                m_tile = -Float32.inf
+                for j in cutlass.range_constexpr(cute.size(rS)):
+                    col = cS[j][1]
+                    ok = ((valid >> Uint32(col)) & Uint32(1)) != Uint32(0)
+                    t = cutlass.select_(ok, rS[j] * scale_log2, -Float32.inf)
+                    rS[j] = t
+                    m_tile = cute.arch.fmax(m_tile, t)
+                # Lazy rescale: keep the running max unless the tile max exceeds it by > 2^6.
+                need = m_tile > m_run + Float32(LAZY_RESCALE_LOG2)
+                m_new = cutlass.select_(need, m_tile, m_run)
+                factor = cute.math.exp2(m_run - m_new, fastmath=True)
+                row_sum = Float32(0.0)
+                for j in cutlass.range_constexpr(cute.size(rS)):
+                    p = cute.math.exp2(rS[j] - m_new, fastmath=True)
+                    rS[j] = p
+                    row_sum += p
+                l_run = l_run * factor + row_sum
+                m_run = m_new
+                need_any = cute.arch.vote_any_sync(need & (lane < 16))
+                factor_row = cute.arch.shuffle_sync(factor, src_lane)
+
+                # ---- wait for PV(i-1): P buffer free and O stable
+                p_pipe.producer_acquire(p_state)
+                tcgen05_fence_after_thread_sync()
+                if need_any & (i > 0):
+                    for c in cutlass.range_constexpr(TMEM.o_cols // TILE.epi_cols):
+                        cute.copy(ld_copy, cute.make_tensor(tL.iterator + TMEM.o_col + c * TILE.epi_cols, tL.layout), rO)
+                        cute.arch.fence_view_async_tmem_load()
+                        for j in cutlass.range_constexpr(cute.size(rO)):
+                            rO[j] = rO[j] * factor_row
+                        cute.copy(st_copy, rO, cute.make_tensor(tSt.iterator + TMEM.o_col + c * TILE.epi_cols, tSt.layout))
+                    cute.arch.fence_view_async_tmem_store()
+                # ---- P (bf16) -> sP row r: SW64 K-major, 64-B rows, chunk j at 16 (j ^ ((r / 2) % 4))
+                if lane < 16:
+                    for c in cutlass.range_constexpr(TILE.tokens // 8):
+                        w = [ptx.pack_bf16x2(rS[8 * c + 2 * e], rS[8 * c + 2 * e + 1]) for e in range(4)]
+                        addr = p_base + row * 64 + ((c ^ ((row // 2) % 4)) * 16)
+                        ptx.st_shared_v4(addr, w[0], w[1], w[2], w[3])
+                cute.arch.fence_view_async_shared()
+                tcgen05_fence_before_thread_sync()
+                p_pipe.producer_commit(p_state)
+                p_state.advance()
+
+            # ---- epilogue: wait for the last PV (same phase the next request's first P waits on)
+            p_pipe.producer_acquire(p_state)
+            tcgen05_fence_after_thread_sync()
+            self.epilogue(sched, req, s_idx, hg, row, upper, src_lane, m_run, l_run, ld_copy, tL, rO, epi_base,
+                          tma_out, mOut, tma_oacc, mOAcc, out_box_layout, oacc_box_layout, storage, mNumSplits, mLse,
+                          mLseAcc, mSink)
+
+    @cute.jit
+    def epilogue(self, sched, req: Int32, s_idx: Int32, hg: Int32, row: Int32, upper, src_lane: Int32, m_run: Float32,
+                 l_run: Float32, ld_copy, tL: cute.Tensor, rO: cute.Tensor, epi_base: Int32, tma_out: cute.CopyAtom,
+                 mOut: cute.Tensor, tma_oacc, mOAcc, out_box_layout, oacc_box_layout, storage, mNumSplits: cute.Tensor,
+                 mLse: cute.Tensor, mLseAcc, mSink):
+        """O / L (+ sink) -> bf16 ``out`` and natural-log ``lse``, or (split piece) fp32 O / L ->
+        ``o_accum`` and base-2 ``lse_accum``. O leaves through TMA stores of 64 x 32 boxes."""
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        head = hg * TILE.heads + row
+        l_row = cute.arch.shuffle_sync(l_run, src_lane)
+        m_row = cute.arch.shuffle_sync(m_run, src_lane)
+        is_split = sched.request_is_split(req)
+        if cutlass.const_expr(not self.cfg.split):
+            is_split = False
+        empty = l_row == Float32(0.0)
+
+        o_scale = Float32(0.0)
+        lse_val = Float32(0.0)
+        if is_split:
+            if not empty:
+                o_scale = Float32(1.0) / l_row
+            lse_val = cutlass.select_(empty, -Float32.inf, cute.math.log2(l_row, fastmath=True) + m_row)
+        else:
+            if not empty:
+                denom = l_row
+                if cutlass.const_expr(self.cfg.has_attn_sink):
+                    # The sink is a logit with no value: it only enlarges the denominator.
+                    denom = l_row + cute.math.exp2(mSink[head] * Float32(LOG2E) - m_row, fastmath=True)
+                o_scale = Float32(1.0) / denom
+            lse_val = cutlass.select_(empty, Float32.inf, (cute.math.log2(l_row, fastmath=True) + m_row) * Float32(LN2))
+
+        half = cutlass.select_(upper, Int32(1), Int32(0))
+        for c in cutlass.range_constexpr(TMEM.o_cols // TILE.epi_cols):
+            cute.copy(ld_copy, cute.make_tensor(tL.iterator + TMEM.o_col + c * TILE.epi_cols, tL.layout), rO)
+            cute.arch.fence_view_async_tmem_load()
+            # The staging boxes are free once the previous TMA store has read them (thread 0 waited).
+            cute.arch.barrier(barrier_id=Bar.EPILOGUE, number_of_threads=WARPS.softmax_threads)
+            if is_split:
+                # fp32 box, SW128: row r at 128 r, 16-B chunk j at 16 (j ^ (r % 8)); one box per O half.
+                box = epi_base + half * (TILE.heads * TILE.epi_cols * 4)
+                for j in cutlass.range_constexpr(TILE.epi_cols // 4):
+                    addr = box + row * 128 + ((j ^ (row % 8)) * 16)
+                    ptx.st_shared_v4(addr, ptx.f32_bits(rO[4 * j] * o_scale), ptx.f32_bits(rO[4 * j + 1] * o_scale),
+                                     ptx.f32_bits(rO[4 * j + 2] * o_scale), ptx.f32_bits(rO[4 * j + 3] * o_scale))
+            else:
+                # bf16 box, SW64: row r at 64 r, 16-B chunk j at 16 (j ^ ((r / 2) % 4)).
+                box = epi_base + half * (TILE.heads * TILE.epi_cols * 2)
+                for j in cutlass.range_constexpr(TILE.epi_cols // 8):
+                    w = [ptx.pack_bf16x2(rO[8 * j + 2 * e] * o_scale, rO[8 * j + 2 * e + 1] * o_scale) for e in range(4)]
+                    addr = box + row * 64 + ((j ^ ((row // 2) % 4)) * 16)
+                    ptx.st_shared_v4(addr, w[0], w[1], w[2], w[3])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=Bar.EPILOGUE, number_of_threads=WARPS.softmax_threads)
+            if tidx == 0:
+                for h in cutlass.range_constexpr(2):
+                    dchunk = (h * TILE.half_v) // TILE.epi_cols + c
+                    if is_split:
+                        if cutlass.const_expr(self.cfg.split):
+                            acc_row = sched.split_row(req, mNumSplits)
+                            sBox = cute.make_tensor(
+                                cute.recast_ptr(storage.sEpi.data_ptr() + h * (TILE.heads * TILE.epi_cols * 4),
+                                                oacc_box_layout.inner, dtype=Float32),
+                                oacc_box_layout.outer,
+                            )
+                            gBox = cute.local_tile(mOAcc[None, None, s_idx, acc_row], (TILE.heads, TILE.epi_cols),
+                                                   (hg, dchunk))
+                            tS, tG = cpasync.tma_partition(tma_oacc, 0, cute.make_layout(1),
+                                                           cute.group_modes(sBox, 0, 2), cute.group_modes(gBox, 0, 2))
+                            cute.copy(tma_oacc, tS, tG)
+                    else:
+                        sBox = cute.make_tensor(
+                            cute.recast_ptr(storage.sEpi.data_ptr() + h * (TILE.heads * TILE.epi_cols * 2),
+                                            out_box_layout.inner, dtype=BFloat16),
+                            out_box_layout.outer,
+                        )
+                        gBox = cute.local_tile(mOut[None, None, s_idx, req], (TILE.heads, TILE.epi_cols), (hg, dchunk))
+                        tS, tG = cpasync.tma_partition(tma_out, 0, cute.make_layout(1),
+                                                       cute.group_modes(sBox, 0, 2), cute.group_modes(gBox, 0, 2))
+                        cute.copy(tma_out, tS, tG)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+        if lane < 16:
+            if is_split:
+                if cutlass.const_expr(self.cfg.split):
+                    mLseAcc[sched.split_row(req, mNumSplits), s_idx, head] = lse_val
+            else:
+                mLse[req, s_idx, head] = lse_val
+
+
+class _Sched:
+    """One scheduler row (spec §4.2) and the per-request tile ranges every role walks identically.
+
+    A plain bag of Int32 values that the DSL can carry through dynamic loops; the optional
+    ``topk_length`` tensor is passed to :meth:`request_tiles` by the caller.
+    """
+
+    _FIELDS = ("batch", "topk", "begin_req", "end_req", "begin_blk", "end_blk", "begin_split", "first_split",
+               "last_split")
+
+    def __init__(self, *values):
+        for name, v in zip(self._FIELDS, values):
+            setattr(self, name, v)
+
+    @staticmethod
+    def load(mTileMd: cute.Tensor, part, batch, topk) -> "_Sched":
+        begin = mTileMd[part, 0]
+        # An empty trailing partition has begin_req == b: give it an empty request range.
+        end = cutlass.select_(begin < batch, mTileMd[part, 1], begin - 1)
+        return _Sched(Int32(batch), Int32(topk), begin, end, mTileMd[part, 2], mTileMd[part, 3], mTileMd[part, 4],
+                      mTileMd[part, 5], mTileMd[part, 6])
+
+    def __extract_mlir_values__(self):
+        return [Int32(getattr(self, n)).ir_value() for n in self._FIELDS]
+
+    def __new_from_mlir_values__(self, values):
+        return _Sched(*[Int32(v) for v in values])
+
+    @cute.jit
+    def request_tiles(self, req: Int32, mTopkLen: Optional[cute.Tensor]):
+        """(first tile, end tile, valid top-k length) of ``req`` in this partition."""
+        topk_len = self.topk
+        nblk = self.topk // TILE.sched_block
+        if cutlass.const_expr(mTopkLen is not None):
+            topk_len = cutlass.min(cutlass.max(mTopkLen[req], Int32(0)), self.topk)
+            nblk = (cutlass.max(topk_len, Int32(1)) - 1) // TILE.sched_block + 1
+        start = cutlass.select_(req == self.begin_req, self.begin_blk, Int32(0))
+        stop = cutlass.select_(req == self.end_req, self.end_blk, nblk)
+        return start * TILE.tiles_per_block, stop * TILE.tiles_per_block, topk_len
+
+    @cute.jit
+    def request_is_split(self, req: Int32):
+        return ((req == self.begin_req) & (self.first_split != 0)) | ((req == self.end_req) & (self.last_split != 0))
+
+    @cute.jit
+    def split_row(self, req: Int32, mNumSplits: cute.Tensor):
+        return mNumSplits[req] + cutlass.select_(req == self.begin_req, self.begin_split, Int32(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Compile and launch
+# --------------------------------------------------------------------------------------------------
+
+
+def _fake_args(cfg: Sm100SparseDecodeConfig):
+    """Fake tensors with symbolic dims (shared where the launch must agree) for the CPU compile."""
+    b, s_q, topk, nblk, page, parts, b1, rows = (cute.sym_int() for _ in range(8))
+    h = cfg.h_q
+    i64 = lambda d: cute.sym_int64(divisibility=d)  # noqa: E731
+    q = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_qk), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
+    kv = make_fake_tensor(Uint8, (nblk, page, TILE.row_bytes), stride=(i64(16), TILE.row_bytes, 1), assumed_align=16)
+    indices = make_fake_tensor(Int32, (b, s_q, topk), stride=(i64(1), i64(1), 1), assumed_align=4)
+    topk_length = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4) if cfg.has_topk_length else None
+    attn_sink = make_fake_tensor(Float32, (h,), stride=(1,), assumed_align=4) if cfg.has_attn_sink else None
+    tile_md = make_fake_tensor(Int32, (parts, 8), stride=(8, 1), assumed_align=16)
+    num_splits = make_fake_tensor(Int32, (b1,), stride=(1,), assumed_align=4)
+    out = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_v), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
+    lse = make_fake_tensor(Float32, (b, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
+    args = [q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse]
+    if cfg.split:
+        o_accum = make_fake_tensor(Float32, (rows, s_q, h, cfg.d_v), stride=(i64(4), i64(4), i64(4), 1),
+                                   assumed_align=16)
+        lse_accum = make_fake_tensor(Float32, (rows, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
+        args += [o_accum, lse_accum]
+    return args
+
+
+def compile_sparse_decode(cfg: Sm100SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
+    """Compile (once per config) the SM100 sparse decode kernel. Needs no GPU."""
+    assert smem_bytes(cfg) <= SMEM_LIMIT, f"shared memory {smem_bytes(cfg)} B > {SMEM_LIMIT} B"
+    assert tmem_columns(cfg) <= TMEM_COLUMNS
+
+    def build(dump: Optional[str]):
+        k = Sm100SparseDecodeKernel(cfg)
+        host = k.host_split if cfg.split else k.host_no_split
+        return cute.compile(
+            host,
+            *_fake_args(cfg),
+            Float32(1.0),
+            make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=compile_options(cfg.arch, dump),
+        )
+
+    return compile_cached(cfg.cache_key, build, dump_dir)
+
+
+def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm100SparseDecodeConfig, q, kv, indices, topk_length,
+                         attn_sink, tile_md, num_splits, out, lse, o_accum, lse_accum, softmax_scale: float) -> None:
+    """Run the kernel on torch's current stream. No sync, no allocation.
+
+    ``num_splits`` is the accumulator row prefix sum the dispatcher hands over (split row =
+    ``num_splits[r] + begin_split_idx`` for the partition's first request). Shapes, dtypes, devices
+    and base alignment are checked by the compiled function itself (TVM-FFI names a bad argument);
+    checked here is what it cannot see.
+    """
+    if cfg.has_topk_length != (topk_length is not None):
+        raise ValueError(f"sm100 sparse decode: compiled with has_topk_length={cfg.has_topk_length}, "
+                         f"got topk_length={'a tensor' if topk_length is not None else None}")
+    if cfg.has_attn_sink != (attn_sink is not None):
+        raise ValueError(f"sm100 sparse decode: compiled with has_attn_sink={cfg.has_attn_sink}, "
+                         f"got attn_sink={'a tensor' if attn_sink is not None else None}")
+    if cfg.split != (o_accum is not None) or cfg.split != (lse_accum is not None):
+        raise ValueError(f"sm100 sparse decode: the {'split' if cfg.split else 'no-split'} variant "
+                         f"{'needs' if cfg.split else 'takes no'} o_accum / lse_accum")
+    if kv.dim() != 3 or kv.stride(1) != TILE.row_bytes or kv.stride(2) != 1 or kv.stride(0) % TILE.row_bytes:
+        raise ValueError(f"sm100 sparse decode: kv must be (num_blocks, page_block_size, 656) uint8 with stride(1) == 656 "
+                         f"and stride(0) % 656 == 0 (a 2-D table of rows for the gather4 TMA), got strides {tuple(kv.stride())}")
+    if kv.shape[0] * (kv.stride(0) // TILE.row_bytes) >= 2**31:
+        raise ValueError("sm100 sparse decode: the cache has more than 2^31 - 1 rows of 656 bytes (TMA coordinates are int32)")
+    if indices.shape[-1] % TILE.sched_block:
+        raise ValueError(f"sm100 sparse decode: topk must be a multiple of {TILE.sched_block}, got {indices.shape[-1]}")
+    if tile_md.dim() != 2 or tile_md.shape[1] != 8 or not tile_md.is_contiguous():
+        raise ValueError(f"sm100 sparse decode: tile_md must be a contiguous (P, 8) int32 tensor, got {tuple(tile_md.shape)}")
+    if tile_md.shape[0] > 65535:
+        raise ValueError(f"sm100 sparse decode: {tile_md.shape[0]} partitions exceed grid.y (65535)")
+    for name, t in (("q", q), ("out", out)):
+        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]):
+            raise ValueError(f"sm100 sparse decode: {name} needs stride(-1) == 1 and other strides % 8 == 0 "
+                             f"(16-byte TMA strides), got {tuple(t.stride())}")
+    if lse.stride(-1) != 1 or indices.stride(-1) != 1:
+        raise ValueError("sm100 sparse decode: lse and indices need a contiguous last dim")
+    args = [q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse]
+    if cfg.split:
+        if o_accum.stride(-1) != 1 or any(st % 4 for st in o_accum.stride()[:-1]) or lse_accum.stride(-1) != 1:
+            raise ValueError("sm100 sparse decode: o_accum needs stride(-1) == 1 and 16-byte strides; lse_accum a contiguous last dim")
+        args += [o_accum, lse_accum]
+    compiled.fn(*args, float(softmax_scale))
