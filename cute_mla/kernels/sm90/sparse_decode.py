@@ -47,19 +47,35 @@ from ..compat import LayoutEnum, OperandMajorMode, SmemAllocator, setmaxregister
 from ..compat import sm90_utils
 from ..compile import CompiledKernel, compile_cached, compile_options
 from . import ptx
-from .sparse_decode_common import REGS, TILE, Bar, RegisterBudget, Role, ScheduleMixin, Sm90SparseDecodeConfig, Tile  # noqa: F401
+from .sparse_decode_common import DEFAULT_TUNING, REGS, TILE, Bar, Role, ScheduleMixin, Sm90SparseDecodeConfig, Tuning
 from .sparse_decode_epilogue import LOG2E, EpilogueMixin
 from .sparse_decode_producer import ProducerMixin
 
-__all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "compile_sparse_decode", "launch_sparse_decode"]
+__all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "Tuning", "DEFAULT_TUNING", "REGS", "compile_sparse_decode",
+           "launch_sparse_decode"]
 
 
 class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
     """The kernel object given to ``cute.compile``: host ``__call__`` (layouts, TMA atoms, grid) and device ``kernel``."""
 
-    def __init__(self, cfg: Sm90SparseDecodeConfig):
+    def __init__(self, cfg: Sm90SparseDecodeConfig, tuning: Tuning = DEFAULT_TUNING):
         self.cfg = cfg
+        self.tuning = tuning
         self.n_hblk = cfg.h_q // TILE.heads
+
+    @staticmethod
+    def issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf):
+        """S = Q K^T: 36 chained SS wgmma 64x64x16 over the 576 dims of K buffer ``buf`` (committed, not waited).
+
+        ``qk_mma`` accumulates (ACCUMULATE set once, outside every staged region: a ``set`` inside a
+        branch would leave the atom defined in that branch), so S is zeroed first.
+        """
+        tSrK_b = tSrK[None, None, None, buf]
+        acc_s.fill(0.0)
+        warpgroup.fence()
+        for k in range(TILE.d_qk // 16):  # plain function: a trace-time (unrolled) loop
+            cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, 0], tSrK_b[None, None, k], acc_s)
+        warpgroup.commit_group()
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -287,6 +303,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
         sQ0 = sQ[None, None, 0]
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ0, 0, 2), cute.group_modes(gQ, 0, 2))
 
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
         thr_qk = qk_mma.get_slice(wtid)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
@@ -296,9 +314,9 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, TILE.half_v)))
         acc_s_shape = thr_qk.partition_shape_C((TILE.heads, TILE.tokens))
         # P (bf16) in the A-operand register layout of the RS wgmma, viewed with the accumulator layout.
-        acc_s_proto = thr_qk.make_fragment_C(acc_s_shape)
-        tOrP = cute.make_rmem_tensor(self.c_layout_to_a_layout(acc_s_proto.layout, pv_rs_mma.tv_layout_A.shape[1]), BFloat16)
-        tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s_proto.layout)
+        acc_s = thr_qk.make_fragment_C(acc_s_shape)
+        tOrP = cute.make_rmem_tensor(self.c_layout_to_a_layout(acc_s.layout, pv_rs_mma.tv_layout_A.shape[1]), BFloat16)
+        tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
         tSsP = thr_qk.partition_C(sP[None, None, 0])
 
         quad = lane % 4
@@ -320,17 +338,17 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
             acc_o.fill(0.0)
             cute.arch.mbarrier_wait(q_full, rq & 1)
 
+            if cutlass.const_expr(self.tuning.overlap_qk_pv):
+                if start < stop:
+                    cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
+                    self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, n % TILE.k_bufs)
+                    warpgroup.wait_group(0)
             for blk in cutlass.range(start, stop, unroll=1):
                 buf = n % TILE.k_bufs
-                cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
-                acc_s = thr_qk.make_fragment_C(acc_s_shape)
-                tSrK_b = tSrK[None, None, None, buf]
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(TILE.d_qk // 16):
-                    qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                    cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, 0], tSrK_b[None, None, k], acc_s)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                if cutlass.const_expr(not self.tuning.overlap_qk_pv):
+                    cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
+                    self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf)
+                    warpgroup.wait_group(0)
 
                 # ---- mask + online softmax (log2 domain)
                 vw = ptx.ld_shared_v2(valid_base + buf * 8)
@@ -386,11 +404,24 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
                 # ---- O_left = O_left * sc + P V[:, :256]
                 self.scale_rows(acc_o, sc0, sc1)
                 warpgroup.fence()
-                pv_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
                 cute.gemm(pv_rs_mma, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
                 warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(k_free + buf)
+                if cutlass.const_expr(self.tuning.overlap_qk_pv):
+                    # Issue the next tile's QK behind this PV: the tensor core gets the next chain
+                    # while this one drains; P (registers) and S (acc_s) are distinct registers.
+                    if blk + 1 < stop:
+                        nbuf = (n + 1) % TILE.k_bufs
+                        cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)
+                        self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, nbuf)
+                        warpgroup.wait_group(1)
+                        cute.arch.mbarrier_arrive(k_free + buf)
+                        warpgroup.wait_group(0)
+                    else:
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(k_free + buf)
+                else:
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(k_free + buf)
                 n += 1
 
             # ---- epilogue of this request
@@ -441,6 +472,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
         k_free = storage.k_free.data_ptr()
         s_row_scale = storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
 
+        pv_ss_mma.set(warpgroup.Field.ACCUMULATE, True)
         thr_pv = pv_ss_mma.get_slice(wtid)
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
         sV = self.k_tensors_for_pv(sK, 1)
@@ -463,7 +495,6 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
                 cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
                 self.scale_rows(acc_o, sc0, sc1)
                 warpgroup.fence()
-                pv_ss_mma.set(warpgroup.Field.ACCUMULATE, True)
                 cute.gemm(pv_ss_mma, acc_o, tOrP[None, None, None, 0], tOrV[None, None, None, buf], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
@@ -519,13 +550,14 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig):
     return (q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum, lse_accum, Float32(1.0), stream)
 
 
-def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
-    """Compile (once per ``cfg``) the SM90 sparse decode kernel against fake tensors."""
+def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None,
+                          tuning: Tuning = DEFAULT_TUNING) -> CompiledKernel:
+    """Compile (once per ``cfg``, ``tuning``) the SM90 sparse decode kernel against fake tensors."""
 
     def build(dd):
-        return cute.compile(Sm90SparseDecodeKernel(cfg), *_fake_arguments(cfg), options=compile_options(cfg.arch, dd))
+        return cute.compile(Sm90SparseDecodeKernel(cfg, tuning), *_fake_arguments(cfg), options=compile_options(cfg.arch, dd))
 
-    return compile_cached(("sm90_sparse_decode", cfg), build, dump_dir)
+    return compile_cached(("sm90_sparse_decode", cfg, tuning), build, dump_dir)
 
 
 def launch_sparse_decode(

@@ -106,7 +106,16 @@ class Tile:
         return 32 * 1024
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Schedule knobs that do not change results (part of the compile key)."""
+
+    # WG0 issues tile n+1's QK right behind tile n's PV (waits for PV with wait_group(1)).
+    overlap_qk_pv: bool = True
+
+
 TILE = Tile()
+DEFAULT_TUNING = Tuning()
 REGS = RegisterBudget()
 
 

@@ -18,7 +18,7 @@ class ProducerMixin:
         Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` and the 16-dim
         slice ``l//8`` of every 64-dim chunk: 8 x 16 B of fp8, 16 B of scales, 2 x 16 B of RoPE
         = 11 x 16-B loads per half tile. The loads of the next half tile are in flight while the
-        current one is converted and stored; the indices are fetched one tile ahead.
+        current one is converted and stored; the indices are fetched two tiles ahead.
         """
         begin_req, end_req, begin_block, end_block = sched
         ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
@@ -42,44 +42,50 @@ class ProducerMixin:
         reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
 
-        # ---- prologue: indices of the first tile, loads of its first half
+        # ---- prologue: indices of tiles 0 and 1, loads of tile 0's first half
         start0, stop0, len0 = self.request_range(begin_req, sched, mTopkLen, topk)
         idx_a, ok_a = self.fetch_index(mIdx, begin_req, s_idx, start0, 0, tok_in_half, len0, topk_blocks, num_tokens)
         idx_b, ok_b = self.fetch_index(mIdx, begin_req, s_idx, start0, 1, tok_in_half, len0, topk_blocks, num_tokens)
+        la_req, la_blk, la_has = self.next_tile(begin_req, start0, stop0, end_req)
+        la_idx_a = Int32(0)
+        la_ok_a = cutlass.Boolean(False)
+        la_idx_b = Int32(0)
+        la_ok_b = cutlass.Boolean(False)
+        if la_has:
+            _, la_len = self.request_blocks(la_req, mTopkLen, topk)
+            la_idx_a, la_ok_a = self.fetch_index(mIdx, la_req, s_idx, la_blk, 0, tok_in_half, la_len, topk_blocks, num_tokens)
+            la_idx_b, la_ok_b = self.fetch_index(mIdx, la_req, s_idx, la_blk, 1, tok_in_half, la_len, topk_blocks, num_tokens)
         self.issue_row_loads(reg_a, kv_base, stride0, page, idx_a, sub)
 
         n = Int32(0)
         for req in cutlass.range(begin_req, end_req + 1, unroll=1):
             start, stop, length = self.request_range(req, sched, mTopkLen, topk)
-            next_len = length
-            if req + 1 <= end_req:
-                _, next_len = self.request_blocks(req + 1, mTopkLen, topk)
             for blk in cutlass.range(start, stop, unroll=1):
                 buf = n % TILE.k_bufs
-                # next tile: (req, blk+1) or (req+1, 0)
-                has_next = (blk + 1 < stop) | (req + 1 <= end_req)
-                nreq = req
-                nblk = blk + 1
-                nlen = length
-                if blk + 1 >= stop:
-                    nreq = req + 1
-                    nblk = Int32(0)
-                    nlen = next_len
-                nidx_a = Int32(0)
-                nok_a = cutlass.Boolean(False)
-                nidx_b = Int32(0)
-                nok_b = cutlass.Boolean(False)
-                if has_next:
-                    nidx_a, nok_a = self.fetch_index(mIdx, nreq, s_idx, nblk, 0, tok_in_half, nlen, topk_blocks, num_tokens)
-                    nidx_b, nok_b = self.fetch_index(mIdx, nreq, s_idx, nblk, 1, tok_in_half, nlen, topk_blocks, num_tokens)
+                # Indices two tiles ahead: their (dependent) DRAM latency is hidden behind a whole tile
+                # instead of half of one (the row loads of tile n+1 need them mid-iteration).
+                f_req = Int32(0)
+                f_blk = Int32(0)
+                f_has = cutlass.Boolean(False)
+                f_idx_a = Int32(0)
+                f_ok_a = cutlass.Boolean(False)
+                f_idx_b = Int32(0)
+                f_ok_b = cutlass.Boolean(False)
+                if la_has:
+                    _, la_stop, _ = self.request_range(la_req, sched, mTopkLen, topk)
+                    f_req, f_blk, f_has = self.next_tile(la_req, la_blk, la_stop, end_req)
+                    if f_has:
+                        _, f_len = self.request_blocks(f_req, mTopkLen, topk)
+                        f_idx_a, f_ok_a = self.fetch_index(mIdx, f_req, s_idx, f_blk, 0, tok_in_half, f_len, topk_blocks, num_tokens)
+                        f_idx_b, f_ok_b = self.fetch_index(mIdx, f_req, s_idx, f_blk, 1, tok_in_half, f_len, topk_blocks, num_tokens)
 
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
                 # Wait for both MMA warp groups to release this buffer (first use passes).
                 cute.arch.mbarrier_wait(k_free + buf, ((n // TILE.k_bufs) & 1) ^ 1)
                 tile_base = sk_base + buf * TILE.k_tile_bytes
                 self.convert_and_store(reg_a, ok_a, tile_base, tok_in_half, sub, swz)
-                if has_next:
-                    self.issue_row_loads(reg_a, kv_base, stride0, page, nidx_a, sub)
+                if la_has:
+                    self.issue_row_loads(reg_a, kv_base, stride0, page, la_idx_a, sub)
                 self.convert_and_store(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz)
 
                 # 64-bit validity mask of the tile: byte (half*4 + warp), bit (token & 7).
@@ -94,11 +100,30 @@ class ProducerMixin:
                 cute.arch.fence_view_async_shared()
                 cute.arch.mbarrier_arrive(k_full + buf)
 
-                idx_a = nidx_a
-                ok_a = nok_a
-                idx_b = nidx_b
-                ok_b = nok_b
+                idx_a = la_idx_a
+                ok_a = la_ok_a
+                idx_b = la_idx_b
+                ok_b = la_ok_b
+                la_req = f_req
+                la_blk = f_blk
+                la_has = f_has
+                la_idx_a = f_idx_a
+                la_ok_a = f_ok_a
+                la_idx_b = f_idx_b
+                la_ok_b = f_ok_b
                 n += 1
+
+    @cute.jit
+    def next_tile(self, req: Int32, blk: Int32, stop: Int32, end_req: Int32):
+        """The tile after (req, blk): (req, blk+1), else block 0 of the next request, else none."""
+        nreq = req
+        nblk = blk + 1
+        has = cutlass.Boolean(True)
+        if blk + 1 >= stop:
+            nreq = req + 1
+            nblk = Int32(0)
+            has = req + 1 <= end_req
+        return nreq, nblk, has
 
     @cute.jit
     def fetch_index(
@@ -147,13 +172,14 @@ class ProducerMixin:
         row_base = half_base + tok_in_half * 128
         off0 = ((2 * sub) ^ swz) << 4
         off1 = ((2 * sub + 1) ^ swz) << 4
-        s2 = [Int32(0)] * 4
+        s_hi = [Int32(0)] * 4
+        s_lo = [Int32(0)] * 4
         for k in cutlass.range_constexpr(4):
-            s2[k] = ptx.scale_to_bf16x2_times_2pow120(ptx.select_i32(ok, regs[32 + k], 0))
+            s_hi[k], s_lo[k] = ptx.scale_hi_lo_bf16x2(ptx.select_i32(ok, regs[32 + k], 0))
         for c in cutlass.range_constexpr(8):
             o = [Int32(0)] * 8
             for e in cutlass.range_constexpr(4):
-                o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_scaled(regs[c * 4 + e], s2[c // 2])
+                o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_scaled(regs[c * 4 + e], s_hi[c // 2], s_lo[c // 2])
             cbase = row_base + c * TILE.chunk_bytes
             ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
             ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
