@@ -267,6 +267,85 @@ MAX_INIT = -1.0e30  # finite running-max start: never (-inf) - (-inf)
 assert TMEM.used(STAGES.s) <= TMEM.alloc <= TMEM_COLUMNS
 
 
+# --------------------------------------------------------------------------------------------------
+# Layouts. The MMAs and TMAs read CuTe layouts; the warps that write shared memory with plain 16-B
+# stores use the byte formulas below. tests/test_sm100_compile.py checks every formula against the
+# CuTe layout it stands for, element by element (swizzles act on byte addresses: S<B,4,3> XORs
+# address bits [4, 4+B) with bits [7, 7+B); every tile base is 1024-B aligned).
+# --------------------------------------------------------------------------------------------------
+
+
+def swizzle_bytes(b: int, bits: int) -> int:
+    """CuTe's ``Swizzle<bits, 4, 3>`` applied to a byte offset (SW64: bits=2, SW128: bits=3)."""
+    return b ^ (((b >> 7) & ((1 << bits) - 1)) << 4)
+
+
+def k_tile_byte(t, d):
+    """Byte offset of bf16 K[t, d] (d % 8 == 0) in one SW128 K-major K stage: 64-dim column blocks
+    of 4 KiB (32 tokens x 128 B), 16-B chunk j = (d % 64) / 8 of row t at j ^ (t % 8)."""
+    return 4096 * (d // 64) + 128 * t + 16 * (((d % 64) // 8) ^ (t % 8))
+
+
+def p_tile_byte(r, tok):
+    """Byte offset of bf16 P[r, tok] (tok % 8 == 0) in the SW64 K-major P tile (64-B rows)."""
+    return 64 * r + 16 * ((tok // 8) ^ ((r // 2) % 4))
+
+
+def out_box_byte(r, col):
+    """Byte offset of bf16 out[r, col] (col % 8 == 0) in one 64 x 32 SW64 staging box."""
+    return 64 * r + 16 * ((col // 8) ^ ((r // 2) % 4))
+
+
+def oacc_box_byte(r, col):
+    """Byte offset of fp32 o_accum[r, col] (col % 4 == 0) in one 64 x 32 SW128 staging box."""
+    return 128 * r + 16 * ((col // 4) ^ (r % 8))
+
+
+def tiled_mmas():
+    """(QK, PV) tiled MMAs (call inside a DSL trace). Both 1-CTA, M = 64 heads (data-path layout F)."""
+    cta = tcgen05.CtaGroup.ONE
+    # QK: S (64 heads x 32 tokens) = Q (K-major) . K (K-major), 576 = 36 x 16.
+    qk = sm100_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, cta, (TILE.heads, TILE.tokens)
+    )
+    # PV: O_half (64 x 256) += P (64 x 32, K-major) . V_half; V = the K tile read MN-major.
+    pv = sm100_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, cta, (TILE.heads, TILE.half_v)
+    )
+    return qk, pv
+
+
+def smem_layouts(qk, pv) -> dict:
+    """Every shared-memory layout of the kernel (call inside a DSL trace)."""
+    L = {}
+    L["q"] = sm100_utils.make_smem_layout_a(qk, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, STAGES.q)
+    L["k"] = sm100_utils.make_smem_layout_b(qk, (TILE.heads, TILE.tokens, TILE.d_nope), BFloat16, STAGES.kbuf)
+    L["rope"] = sm100_utils.make_smem_layout_b(qk, (TILE.heads, TILE.tokens, TILE.d_rope), BFloat16, STAGES.gather)
+    L["p"] = sm100_utils.make_smem_layout_a(pv, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, STAGES.p)
+    # V of one PV half: the MN-major B layout over the same bytes as the K-major K tile (same SW128
+    # atoms: dim d at element (d % 64) + 2048 (d // 64), token t at 64 t). Two more modes address
+    # the O half (+8192 elements = 4 column blocks) and the K stage (+16384).
+    v_one = sm100_utils.make_smem_layout_b(pv, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
+    L["v_swizzle"] = v_one.inner
+    L["v_outer"] = cute.append(
+        cute.append(cute.select(v_one.outer, mode=[0, 1, 2]), cute.make_layout(2, stride=TILE.k_stage_elems // 2)),
+        cute.make_layout(STAGES.kbuf, stride=TILE.k_stage_elems),
+    )
+    # The 2-D (row, column) views the TMA copies see: RoPE tile (32 x 64 bf16, SW128), output boxes
+    # (64 heads x 32 dims): bf16 SW64 for out, fp32 SW128 for o_accum; raw rows (no swizzle).
+    L["rope_tma"] = cute.tile_to_shape(
+        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.tokens, TILE.d_rope), (0, 1)
+    )
+    L["out_box"] = cute.tile_to_shape(
+        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW64, BFloat16), (TILE.heads, TILE.epi_cols), (0, 1)
+    )
+    L["oacc_box"] = cute.tile_to_shape(
+        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, Float32), (TILE.heads, TILE.epi_cols), (0, 1)
+    )
+    L["raw"] = cute.make_layout((TILE.tokens, TILE.raw_row_words), stride=(TILE.raw_row_words, 1))
+    return L
+
+
 @functools.lru_cache(maxsize=None)
 def _shared_storage():
     """The CTA's shared memory, one struct (its size is what the launch requests)."""
@@ -347,40 +426,10 @@ class Sm100SparseDecodeKernel:
     ):
         cfg = self.cfg
         cta = tcgen05.CtaGroup.ONE
-        # QK: S (64 heads x 32 tokens) = Q (K-major) . K (K-major), 576 = 36 x 16.
-        qk_mma = sm100_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, cta, (TILE.heads, TILE.tokens)
-        )
-        # PV: O_half (64 x 256) += P (64 x 32, K-major) . V_half; V = the K tile read MN-major.
-        pv_mma = sm100_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, cta, (TILE.heads, TILE.half_v)
-        )
-        q_layout = sm100_utils.make_smem_layout_a(qk_mma, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, STAGES.q)
-        k_layout = sm100_utils.make_smem_layout_b(qk_mma, (TILE.heads, TILE.tokens, TILE.d_nope), BFloat16, STAGES.kbuf)
-        rope_layout = sm100_utils.make_smem_layout_b(
-            qk_mma, (TILE.heads, TILE.tokens, TILE.d_rope), BFloat16, STAGES.gather
-        )
-        p_layout = sm100_utils.make_smem_layout_a(pv_mma, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, STAGES.p)
-        # V of one PV half: the MN-major B layout over the same bytes as the K-major K tile (same
-        # SW128 atoms: dim d at element (d % 64) + 2048 (d // 64), token t at 64 t). Two more modes
-        # address the O half (+8192 elements = 4 column blocks) and the K stage (+16384).
-        v_one = sm100_utils.make_smem_layout_b(pv_mma, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
-        v_outer = cute.append(
-            cute.append(cute.select(v_one.outer, mode=[0, 1, 2]), cute.make_layout(2, stride=TILE.k_stage_elems // 2)),
-            cute.make_layout(STAGES.kbuf, stride=TILE.k_stage_elems),
-        )
-        # The 2-D (row, column) views the TMA copies see: RoPE tile (32 x 64 bf16, SW128), output
-        # boxes (64 heads x 32 dims): bf16 SW64 for out, fp32 SW128 for o_accum.
-        rope_tma_layout = cute.tile_to_shape(
-            tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.tokens, TILE.d_rope), (0, 1)
-        )
-        out_box_layout = cute.tile_to_shape(
-            tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW64, BFloat16), (TILE.heads, TILE.epi_cols), (0, 1)
-        )
-        oacc_box_layout = cute.tile_to_shape(
-            tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, Float32), (TILE.heads, TILE.epi_cols), (0, 1)
-        )
-        raw_layout = cute.make_layout((TILE.tokens, TILE.raw_row_words), stride=(TILE.raw_row_words, 1))
+        qk_mma, pv_mma = tiled_mmas()
+        L = smem_layouts(qk_mma, pv_mma)
+        q_layout, k_layout, rope_layout, p_layout = L["q"], L["k"], L["rope"], L["p"]
+        rope_tma_layout, out_box_layout, oacc_box_layout, raw_layout = L["rope_tma"], L["out_box"], L["oacc_box"], L["raw"]
 
         # ---- TMA atoms (tensor maps): q, kv_nope, kv_rope, out (+ o_accum in the split variant)
         q_t = cute.make_tensor(
@@ -443,7 +492,7 @@ class Sm100SparseDecodeKernel:
             tma_q, q_tma, tma_nope, nope_tma, tma_rope, rope_tma, tma_out, out_tma, tma_oacc, oacc_tma,
             kv, indices, topk_length, attn_sink, tile_md, num_splits, lse, lse_accum,
             rows_per_block, scale_log2,
-            q_layout, k_layout, rope_layout, p_layout, v_outer, v_one.inner, rope_tma_layout, out_box_layout,
+            q_layout, k_layout, rope_layout, p_layout, L["v_outer"], L["v_swizzle"], rope_tma_layout, out_box_layout,
             oacc_box_layout, raw_layout,
         ).launch(grid=grid, block=[WARPS.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -715,23 +764,16 @@ class Sm100SparseDecodeKernel:
                 g_state.advance()
 
                 k_pipe.producer_acquire(k_state)
-                # SW128 K-major tile: dim d of token t at byte 4096 (d // 64) + 128 t + 16 (j ^ (t % 8)),
-                # j = (d % 64) // 8 (16-B chunk in the 128-B row).
                 k_stage = k_base + k_state.index * (TILE.k_stage_elems * 2)
-                swz = lane % 8
-                for k in cutlass.range_constexpr(8):  # 16 dims per step
-                    d0 = 16 * k  # dims offset inside this warp's 128 dims
+                for k in cutlass.range_constexpr(8):  # 16 dims = 4 words = two 16-B chunks per step
                     out = []
                     for e in cutlass.range_constexpr(4):
                         lo, hi = ptx.fp8x4_to_bf16x4_scaled(words[4 * k + e], scale)
                         out.append(lo)
                         out.append(hi)
-                    chunk = 2 * dw + d0 // 64
-                    j0 = (d0 % 64) // 8
-                    a0 = k_stage + chunk * 4096 + lane * 128 + ((j0 ^ swz) * 16)
-                    a1 = k_stage + chunk * 4096 + lane * 128 + (((j0 + 1) ^ swz) * 16)
-                    ptx.st_shared_v4(a0, out[0], out[1], out[2], out[3])
-                    ptx.st_shared_v4(a1, out[4], out[5], out[6], out[7])
+                    d = 128 * dw + 16 * k
+                    ptx.st_shared_v4(k_stage + k_tile_byte(lane, d), out[0], out[1], out[2], out[3])
+                    ptx.st_shared_v4(k_stage + k_tile_byte(lane, d + 8), out[4], out[5], out[6], out[7])
                 # Generic-proxy writes -> visible to the tensor core (async proxy) before the arrive.
                 cute.arch.fence_view_async_shared()
                 k_pipe.producer_commit(k_state)
@@ -769,6 +811,7 @@ class Sm100SparseDecodeKernel:
                 k_pipe.consumer_wait(kq_state)
                 rope_pipe.consumer_wait(g_state)
                 s_pipe.producer_acquire(s_state)
+                tcgen05_fence_after_thread_sync()  # the softmax's tcgen05.ld of this stage is ordered before
                 tStS = cute.make_tensor(tmem_ptr + TMEM.s_col + s_state.index * TMEM.s_cols, s_layout)
                 for kb in cutlass.range_constexpr(n_nope_k):
                     qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
@@ -786,25 +829,27 @@ class Sm100SparseDecodeKernel:
                 kq_state.advance()
                 # ---- O += P V for tile i - 1
                 if i > 0:
-                    pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, i == 1, kp_state, p_state, k_pipe, p_pipe)
+                    pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, i > 1, kp_state, p_state, k_pipe, p_pipe)
                     kp_state.advance()
                     p_state.advance()
-            pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, n == 1, kp_state, p_state, k_pipe, p_pipe)
+            pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, n > 1, kp_state, p_state, k_pipe, p_pipe)
             kp_state.advance()
             p_state.advance()
             q_state.advance()
 
     @cute.jit
     def issue_pv(self, pv_mma: cute.TiledMma, tOrP: cute.Tensor, tOrV: cute.Tensor, tmem_ptr, o_layout: cute.Layout,
-                 first, kp_state, p_state, k_pipe, p_pipe):
-        """Both O halves (N=256 each, lanes 0-15 / 16-31 of each slab) += P V; then release P and K."""
+                 accumulate, kp_state, p_state, k_pipe, p_pipe):
+        """Both O halves (N=256 each, lanes 0-15 / 16-31 of each slab) += P V; then release P and K.
+        ``accumulate`` is False for the request's first tile: O starts from P V (no zeroing pass, and
+        the previous request's O, already read by the epilogue, is overwritten)."""
         p_pipe.consumer_wait(p_state)
         tcgen05_fence_after_thread_sync()  # O may have been rescaled by the softmax warps (tcgen05.st)
         for h in cutlass.range_constexpr(2):
             tOtO = cute.make_tensor(tmem_ptr + TMEM.o_col + h * TMEM.o_upper_lane_offset, o_layout)
             for kb in cutlass.range_constexpr(TILE.tokens // 16):
                 if cutlass.const_expr(kb == 0):
-                    pv_mma.set(tcgen05.Field.ACCUMULATE, not first)
+                    pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
                 else:
                     pv_mma.set(tcgen05.Field.ACCUMULATE, True)
                 cute.gemm(pv_mma, tOtO, tOrP[None, None, kb, 0], tOrV[None, None, kb, h, kp_state.index], tOtO)
@@ -899,12 +944,11 @@ class Sm100SparseDecodeKernel:
                             rO[j] = rO[j] * factor_row
                         cute.copy(st_copy, rO, cute.make_tensor(tSt.iterator + TMEM.o_col + c * TILE.epi_cols, tSt.layout))
                     cute.arch.fence_view_async_tmem_store()
-                # ---- P (bf16) -> sP row r: SW64 K-major, 64-B rows, chunk j at 16 (j ^ ((r / 2) % 4))
+                # ---- P (bf16) -> sP row r (SW64 K-major)
                 if lane < 16:
                     for c in cutlass.range_constexpr(TILE.tokens // 8):
                         w = [ptx.pack_bf16x2(rS[8 * c + 2 * e], rS[8 * c + 2 * e + 1]) for e in range(4)]
-                        addr = p_base + row * 64 + ((c ^ ((row // 2) % 4)) * 16)
-                        ptx.st_shared_v4(addr, w[0], w[1], w[2], w[3])
+                        ptx.st_shared_v4(p_base + p_tile_byte(row, 8 * c), w[0], w[1], w[2], w[3])
                 cute.arch.fence_view_async_shared()
                 tcgen05_fence_before_thread_sync()
                 p_pipe.producer_commit(p_state)
@@ -926,6 +970,7 @@ class Sm100SparseDecodeKernel:
         ``o_accum`` and base-2 ``lse_accum``. O leaves through TMA stores of 64 x 32 boxes."""
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
+        warp0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == Warp.SOFTMAX
         head = hg * TILE.heads + row
         l_row = cute.arch.shuffle_sync(l_run, src_lane)
         m_row = cute.arch.shuffle_sync(m_run, src_lane)
@@ -933,15 +978,16 @@ class Sm100SparseDecodeKernel:
         if cutlass.const_expr(not self.cfg.split):
             is_split = False
         empty = l_row == Float32(0.0)
+        nonempty = l_row != Float32(0.0)
 
         o_scale = Float32(0.0)
         lse_val = Float32(0.0)
         if is_split:
-            if not empty:
+            if nonempty:
                 o_scale = Float32(1.0) / l_row
             lse_val = cutlass.select_(empty, -Float32.inf, cute.math.log2(l_row, fastmath=True) + m_row)
         else:
-            if not empty:
+            if nonempty:
                 denom = l_row
                 if cutlass.const_expr(self.cfg.has_attn_sink):
                     # The sink is a logit with no value: it only enlarges the denominator.
@@ -956,22 +1002,22 @@ class Sm100SparseDecodeKernel:
             # The staging boxes are free once the previous TMA store has read them (thread 0 waited).
             cute.arch.barrier(barrier_id=Bar.EPILOGUE, number_of_threads=WARPS.softmax_threads)
             if is_split:
-                # fp32 box, SW128: row r at 128 r, 16-B chunk j at 16 (j ^ (r % 8)); one box per O half.
+                # fp32 box (SW128), one per O half.
                 box = epi_base + half * (TILE.heads * TILE.epi_cols * 4)
                 for j in cutlass.range_constexpr(TILE.epi_cols // 4):
-                    addr = box + row * 128 + ((j ^ (row % 8)) * 16)
-                    ptx.st_shared_v4(addr, ptx.f32_bits(rO[4 * j] * o_scale), ptx.f32_bits(rO[4 * j + 1] * o_scale),
+                    ptx.st_shared_v4(box + oacc_box_byte(row, 4 * j), ptx.f32_bits(rO[4 * j] * o_scale), ptx.f32_bits(rO[4 * j + 1] * o_scale),
                                      ptx.f32_bits(rO[4 * j + 2] * o_scale), ptx.f32_bits(rO[4 * j + 3] * o_scale))
             else:
-                # bf16 box, SW64: row r at 64 r, 16-B chunk j at 16 (j ^ ((r / 2) % 4)).
+                # bf16 box (SW64), one per O half.
                 box = epi_base + half * (TILE.heads * TILE.epi_cols * 2)
                 for j in cutlass.range_constexpr(TILE.epi_cols // 8):
                     w = [ptx.pack_bf16x2(rO[8 * j + 2 * e] * o_scale, rO[8 * j + 2 * e + 1] * o_scale) for e in range(4)]
-                    addr = box + row * 64 + ((j ^ ((row // 2) % 4)) * 16)
-                    ptx.st_shared_v4(addr, w[0], w[1], w[2], w[3])
+                    ptx.st_shared_v4(box + out_box_byte(row, 8 * j), w[0], w[1], w[2], w[3])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=Bar.EPILOGUE, number_of_threads=WARPS.softmax_threads)
-            if tidx == 0:
+            # Warp 0 issues the two box stores (cute.copy elects one lane: elect.sync needs the whole
+            # warp, so the branch is warp-uniform), then waits until the TMA has read the staging.
+            if warp0:
                 for h in cutlass.range_constexpr(2):
                     dchunk = (h * TILE.half_v) // TILE.epi_cols + c
                     if is_split:

@@ -1,0 +1,283 @@
+"""CPU-only checks of the SM100 (sm_100a) sparse decode kernel: it compiles in every variant, its PTX
+has the Blackwell instructions the design relies on, its budgets fit, and every hand-written
+shared-memory byte formula matches the CuTe layout the tensor core / TMA reads, element by element.
+
+Nothing here runs the kernel: no Blackwell GPU was available. tests/test_sm100_gpu.py is the
+numerical test (B200).
+"""
+
+import glob
+import os
+import re
+
+import pytest
+
+cute = pytest.importorskip("cutlass.cute")
+
+from cute_mla.kernels.compile import CompiledKernel  # noqa: E402
+from cute_mla.kernels.sm100 import sparse_decode as sd  # noqa: E402
+from cute_mla.kernels.sm100.sparse_decode import (  # noqa: E402
+    SMEM_LIMIT,
+    STAGES,
+    TILE,
+    TMEM,
+    Sm100SparseDecodeConfig,
+    compile_sparse_decode,
+    smem_bytes,
+    tmem_columns,
+)
+
+VARIANTS = [
+    # (h_q, split, has_topk_length, has_attn_sink)
+    (64, False, False, False),
+    (64, True, False, False),
+    (64, True, True, True),
+    (128, False, True, True),
+    (128, True, False, True),
+]
+
+_INSTR = [
+    "tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.relinquish_alloc_permit", "tcgen05.ld", "tcgen05.st",
+    "tcgen05.commit", "tcgen05.wait", "tcgen05.fence", "tile::gather4", "cp.async.bulk.tensor", "mbarrier.try_wait",
+    "setmaxnreg", "elect.sync", "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "ex2.approx", "st.shared::cta.v4",
+    "ld.shared.v4", "fence.proxy.async", "bar.sync",
+]
+
+
+def _ptx(dump_dir):
+    files = glob.glob(os.path.join(dump_dir, "*.sm_100a.ptx"))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        return f.read()
+
+
+def _tensor_map_params(ptx: str) -> int:
+    """Kernel parameters that are TMA descriptors (CUtensorMap: 128 bytes, 64-byte aligned)."""
+    entry = ptx[ptx.index(".entry"):]
+    params = entry[: entry.index(")")]
+    return len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", params))
+
+
+def _counts(ptx: str) -> dict:
+    return {k: ptx.count(k) for k in _INSTR}
+
+
+_COMPILED = {}
+
+
+def _compile(variant, tmp_path_factory):
+    if variant not in _COMPILED:
+        h_q, split, tl, sink = variant
+        cfg = Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink)
+        d = str(tmp_path_factory.mktemp(f"sm100_{h_q}_{int(split)}{int(tl)}{int(sink)}"))
+        compiled = compile_sparse_decode(cfg, dump_dir=d)
+        _COMPILED[variant] = (cfg, compiled, _ptx(d), d)
+    return _COMPILED[variant]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"h{v[0]}-{'split' if v[1] else 'nosplit'}-tl{int(v[2])}-sink{int(v[3])}")
+def test_compiles_with_blackwell_ptx(variant, tmp_path_factory):
+    cfg, compiled, ptx, d = _compile(variant, tmp_path_factory)
+    assert isinstance(compiled, CompiledKernel)
+    c = _counts(ptx)
+    print(f"\n{cfg}: smem {smem_bytes(cfg)} B, TMEM {tmem_columns(cfg)} columns ({TMEM.used(STAGES.s)} used), "
+          f"{_tensor_map_params(ptx)} tensor maps\n  " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    assert ".target sm_100a" in ptx
+    assert ptx.count(".entry") == 1
+    assert f".reqntid {sd.WARPS.threads}, 1, 1" in ptx
+    # tcgen05: 36 QK MMAs (32 NoPE + 4 RoPE k-steps of 16) and 2 x (2 halves x 2 k-steps) PV MMAs
+    # (PV of tile i-1 inside the loop, PV of the last tile after it).
+    assert c["tcgen05.mma"] == TILE.d_qk // 16 + 2 * 2 * (TILE.tokens // 16)
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx
+    assert c["tcgen05.alloc"] == 1 and c["tcgen05.dealloc"] == 1 and c["tcgen05.relinquish_alloc_permit"] == 1
+    assert "tcgen05.ld.sync.aligned.32x32b.x32" in ptx and "tcgen05.st.sync.aligned.32x32b.x32" in ptx
+    # Two gather4 streams (NoPE+scales, RoPE), 8 instructions of 4 rows each per 32-token tile.
+    assert c["tile::gather4"] == 2 * TILE.tokens // 4
+    assert "cp.async.bulk.tensor.2d.shared::cta.global.tile::gather4.mbarrier::complete_tx::bytes" in ptx
+    # The exact fp8 dequantization: e4m3x2 -> f16x2, f32 multiply by the fp32 scale, one rounding to bf16.
+    assert c["cvt.rn.f16x2.e4m3x2"] == 2 * 32 and "mul.rn.f32" in ptx
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+208;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+128;", ptx)
+    # Every TMA (load or store) and every tcgen05.mma / commit is issued under elect.sync by a whole warp.
+    assert c["elect.sync"] >= c["cp.async.bulk.tensor"] // 8
+
+
+def test_split_variant_has_one_more_tensor_map(tmp_path_factory):
+    for h_q in (64, 128):
+        base = (h_q, False, False, False) if h_q == 64 else (128, False, True, True)
+        split = (64, True, False, False) if h_q == 64 else (128, True, False, True)
+        _, _, p_no, _ = _compile(base, tmp_path_factory)
+        _, _, p_sp, _ = _compile(split, tmp_path_factory)
+        # q, kv_nope, kv_rope, out (+ o_accum): the no-split variant has no accumulator tensor map.
+        assert _tensor_map_params(p_no) == 4
+        assert _tensor_map_params(p_sp) == _tensor_map_params(p_no) + 1
+        # TMA stores: out boxes (2 halves x 8 column chunks), plus the o_accum boxes in the split variant.
+        assert p_no.count("cp.async.bulk.tensor.2d.global.shared::cta") + p_no.count("cp.async.bulk.tensor.4d.global.shared::cta") == 16
+        assert p_sp.count("cp.async.bulk.tensor.4d.global.shared::cta") + p_sp.count("cp.async.bulk.tensor.2d.global.shared::cta") == 32
+
+
+def test_budgets_from_the_kernels_own_sizes():
+    for h_q, split, tl, sink in VARIANTS:
+        cfg = Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink)
+        smem = smem_bytes(cfg)
+        assert smem == sd._shared_storage().size_in_bytes()
+        assert smem <= 227 * 1024 == SMEM_LIMIT, f"shared memory {smem} B"
+        # The big pieces are really in the struct (a layout change shows up here).
+        big = (TILE.q_elems * 2 + STAGES.kbuf * TILE.k_stage_elems * 2 + STAGES.gather * TILE.rope_stage_elems * 2
+               + TILE.p_elems * 2 + TILE.epi_stage_bytes + STAGES.gather * TILE.raw_stage_bytes)
+        assert big < smem < big + 4096
+        assert tmem_columns(cfg) <= 512
+        assert TMEM.used(STAGES.s) <= tmem_columns(cfg)
+        assert tmem_columns(cfg) in (32, 64, 128, 256, 512), "tcgen05.alloc takes a power of two >= 32"
+    print(f"\nshared memory {smem_bytes(cfg)} B of {SMEM_LIMIT}; TMEM {TMEM.used(STAGES.s)} of {tmem_columns(cfg)} columns")
+
+
+def test_cubin_resources(tmp_path_factory):
+    """Registers / stack / static shared memory from the cubin (cuobjdump from the nvidia wheels)."""
+    from cute_mla.kernels.registry import find_tool, resource_usage
+
+    _, _, _, d = _compile((64, True, True, True), tmp_path_factory)
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    cubin = glob.glob(os.path.join(d, "*.cubin"))
+    assert cubin
+    usage = resource_usage(cubin[0])
+    print("\n" + "\n".join(usage))
+    m = re.search(r"shared (\d+) B", usage[0])
+    # The static part is the 1 KiB the driver reserves; the kernel's memory is all dynamic.
+    assert m and int(m.group(1)) <= 1024
+    assert smem_bytes(None) + int(m.group(1)) <= 228 * 1024
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout checks: the formulas the warps write with == the layouts the MMAs / TMAs read
+# ------------------------------------------------------------------------------------------------
+
+
+_LAYOUT_FACTS = {}
+
+
+def _collect_layout_facts(L, s_frag, o_frag, o_full_frag):
+    """Plain Python (not traced): static crd2idx on static layouts returns ints."""
+    f = {}
+    k = L["k"].outer
+    f["k"] = [
+        (t, d, cute.crd2idx(((t, d % 16), 0, ((d // 16) % 4, d // 64), 0), k))
+        for t in range(TILE.tokens) for d in range(TILE.d_nope)
+    ]
+    f["k_stage1"] = cute.crd2idx(((0, 0), 0, (0, 0), 1), k)
+    v = L["v_outer"]
+    f["v"] = [
+        (h, d, t, cute.crd2idx((((d % 64, d // 64), t % 16), 0, t // 16, h, 0), v))
+        for h in range(2) for d in range(0, TILE.half_v, 3) for t in range(TILE.tokens)
+    ]
+    f["v_stage1"] = cute.crd2idx((((0, 0), 0), 0, 0, 0, 1), v)
+    f["rope_mma"] = [cute.crd2idx(((t, d % 16), 0, d // 16, 0), L["rope"].outer) for t in range(TILE.tokens) for d in range(TILE.d_rope)]
+    f["rope_tma"] = [cute.crd2idx((t, d), L["rope_tma"].outer) for t in range(TILE.tokens) for d in range(TILE.d_rope)]
+    f["p"] = [(r, tok, cute.crd2idx(((r, tok % 16), 0, tok // 16, 0), L["p"].outer))
+              for r in range(TILE.heads) for tok in range(TILE.tokens)]
+    f["out_box"] = [(r, c, cute.crd2idx((r, c), L["out_box"].outer)) for r in range(TILE.heads) for c in range(TILE.epi_cols)]
+    f["oacc_box"] = [(r, c, cute.crd2idx((r, c), L["oacc_box"].outer)) for r in range(TILE.heads) for c in range(TILE.epi_cols)]
+    f["swizzles"] = {n: str(L[n].inner) for n in ("q", "k", "rope", "p", "rope_tma", "out_box", "oacc_box")}
+    f["v_swizzle"] = str(L["v_swizzle"])
+    # TMEM accumulators: address = lane << 16 | column (units of 32-bit cells)
+    f["s_tmem"] = [(r, c, cute.crd2idx(((r, c), 0, 0), s_frag)) for r in range(TILE.heads) for c in range(TILE.tokens)]
+    f["o_tmem"] = [(r, c, cute.crd2idx(((r, c), 0, 0), o_frag)) for r in range(TILE.heads) for c in range(0, TILE.half_v, 5)]
+    f["o_full_tmem"] = [(r, c, cute.crd2idx(((r, c % TILE.half_v), 0, c // TILE.half_v), o_full_frag))
+                        for r in range(TILE.heads) for c in range(0, TILE.d_v, 7)]
+    _LAYOUT_FACTS.update(f)
+
+
+@cute.jit
+def _trace_layouts():
+    qk, pv = sd.tiled_mmas()
+    L = sd.smem_layouts(qk, pv)
+    s_frag = qk.make_fragment_C(qk.partition_shape_C((TILE.heads, TILE.tokens))).layout
+    o_frag = pv.make_fragment_C(pv.partition_shape_C((TILE.heads, TILE.half_v))).layout
+    o_full = pv.make_fragment_C(pv.partition_shape_C((TILE.heads, TILE.d_v))).layout
+    _collect_layout_facts(L, s_frag, o_frag, o_full)
+
+
+@pytest.fixture(scope="module")
+def facts():
+    if not _LAYOUT_FACTS:
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
+        _trace_layouts()
+    return _LAYOUT_FACTS
+
+
+def test_layout_swizzles(facts):
+    sw = facts["swizzles"]
+    for name in ("q", "k", "rope", "rope_tma", "oacc_box"):
+        assert sw[name] == "S<3,4,3>", (name, sw[name])  # SW128
+    for name in ("p", "out_box"):
+        assert sw[name] == "S<2,4,3>", (name, sw[name])  # SW64
+    assert facts["v_swizzle"] == "S<3,4,3>"
+
+
+def test_k_tile_formula_matches_layout(facts):
+    """Dequant warps write K[t, d] at k_tile_byte(t, d): the UMMA's K-major SW128 operand."""
+    bad = [(t, d) for t, d, e in facts["k"]
+           if sd.swizzle_bytes(2 * e, 3) != sd.k_tile_byte(t, d - d % 8) + 2 * (d % 8)]
+    assert not bad, bad[:5]
+    assert facts["k_stage1"] == TILE.k_stage_elems  # stage stride used for the dequant writes
+
+
+def test_v_view_is_the_k_tile(facts):
+    """PV reads V[t, 256 h + d] through the MN-major view: the same element as K[t, 256 h + d]."""
+    k = {(t, d): e for t, d, e in facts["k"]}
+    bad = [(h, d, t) for h, d, t, e in facts["v"] if e != k[(t, TILE.half_v * h + d)]]
+    assert not bad, bad[:5]
+    assert facts["v_stage1"] == TILE.k_stage_elems
+
+
+def test_rope_tma_view_is_the_mma_tile(facts):
+    assert facts["rope_tma"] == facts["rope_mma"]
+
+
+def test_p_and_staging_formulas_match_layouts(facts):
+    bad = [(r, t) for r, t, e in facts["p"] if sd.swizzle_bytes(2 * e, 2) != sd.p_tile_byte(r, t - t % 8) + 2 * (t % 8)]
+    assert not bad, bad[:5]
+    bad = [(r, c) for r, c, e in facts["out_box"] if sd.swizzle_bytes(2 * e, 2) != sd.out_box_byte(r, c - c % 8) + 2 * (c % 8)]
+    assert not bad, bad[:5]
+    bad = [(r, c) for r, c, e in facts["oacc_box"] if sd.swizzle_bytes(4 * e, 3) != sd.oacc_box_byte(r, c - c % 4) + 4 * (c % 4)]
+    assert not bad, bad[:5]
+
+
+def _tmem_lane_col(addr):
+    return addr >> 16, addr & 0xFFFF
+
+
+def test_tmem_accumulator_layouts(facts):
+    """M=64 accumulators (data-path layout F): row r in lane 32 (r // 16) + r % 16; the softmax
+    thread of TMEM lane 32 w + l (l < 16) therefore owns row 16 w + l of S and of O[:, 0:256]; the
+    second N=256 half of O sits 16 lanes up in the same columns (the lanes l >= 16)."""
+    for r, c, a in facts["s_tmem"]:
+        assert _tmem_lane_col(a) == (32 * (r // 16) + r % 16, c)
+    for r, c, a in facts["o_tmem"]:
+        assert _tmem_lane_col(a) == (32 * (r // 16) + r % 16, c)
+    for r, c, a in facts["o_full_tmem"]:
+        half = c // TILE.half_v
+        assert _tmem_lane_col(a) == (32 * (r // 16) + r % 16 + 16 * half, c % TILE.half_v)
+    assert TMEM.o_upper_lane_offset == 16 << 16
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="h_q"):
+        Sm100SparseDecodeConfig(h_q=32, split=False, has_topk_length=False, has_attn_sink=False)
+    with pytest.raises(ValueError, match="d_qk"):
+        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=512)
+    with pytest.raises(ValueError, match="arch"):
+        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, arch="sm_90a")
+
+
+def test_compile_is_cached():
+    cfg = Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False)
+    assert compile_sparse_decode(cfg) is compile_sparse_decode(cfg)
+
+
+def test_register_budget_and_roles():
+    r = sd.REGS
+    assert r.softmax + r.dequant + r.producers <= 504
+    assert sd.WARPS.threads == 384
+    assert int(sd.Warp.DEQUANT) == 4 and int(sd.Warp.MMA) == 8, "warpgroups 0 and 1 are whole (TMEM lane slabs)"
+    assert TILE.sched_block % TILE.tokens == 0 and TILE.raw_row_bytes * 4 % 128 == 0
