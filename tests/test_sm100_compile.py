@@ -13,6 +13,8 @@ import re
 import pytest
 
 cute = pytest.importorskip("cutlass.cute")
+import cutlass  # noqa: E402
+from cutlass.cute.nvgpu import tcgen05  # noqa: E402
 
 from cute_mla.kernels.compile import CompiledKernel  # noqa: E402
 from cute_mla.kernels.sm100 import sparse_decode as sd  # noqa: E402
@@ -156,9 +158,9 @@ def test_cubin_resources(tmp_path_factory):
 _LAYOUT_FACTS = {}
 
 
-def _collect_layout_facts(L, s_frag, o_frag, o_full_frag):
+def _collect_layout_facts(L, s_frag, o_frag, o_full_frag, tmem_thread_coords):
     """Plain Python (not traced): static crd2idx on static layouts returns ints."""
-    f = {}
+    f = {"tmem_thread_coords": tmem_thread_coords}
     k = L["k"].outer
     f["k"] = [
         (t, d, cute.crd2idx(((t, d % 16), 0, ((d // 16) % 4, d // 64), 0), k))
@@ -194,7 +196,15 @@ def _trace_layouts():
     s_frag = qk.make_fragment_C(qk.partition_shape_C((TILE.heads, TILE.tokens))).layout
     o_frag = pv.make_fragment_C(pv.partition_shape_C((TILE.heads, TILE.half_v))).layout
     o_full = pv.make_fragment_C(pv.partition_shape_C((TILE.heads, TILE.d_v))).layout
-    _collect_layout_facts(L, s_frag, o_frag, o_full)
+    # The softmax warpgroup's TMEM view and copy (the same construction as in softmax_role).
+    ptr = cute.make_ptr(cutlass.Float32, 0, cute.AddressSpace.tmem, assumed_align=16)
+    view = cute.make_tensor(ptr, cute.make_layout((128, TILE.epi_cols), stride=(1 << 16, 1)))
+    ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), cutlass.Float32), view)
+    coords = {}
+    for t in (0, 5, 16, 37, 80, 127):
+        c = ld.get_slice(t).partition_D(cute.make_identity_tensor((128, TILE.epi_cols)))
+        coords[t] = [c[j] for j in range(TILE.epi_cols)]
+    _collect_layout_facts(L, s_frag, o_frag, o_full, coords)
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +269,13 @@ def test_tmem_accumulator_layouts(facts):
         half = c // TILE.half_v
         assert _tmem_lane_col(a) == (32 * (r // 16) + r % 16 + 16 * half, c % TILE.half_v)
     assert TMEM.o_upper_lane_offset == 16 << 16
+
+
+def test_softmax_thread_owns_its_tmem_lane(facts):
+    """tcgen05.ld 32x32b.x32 through the softmax view: thread t (warp t // 32) reads TMEM lane t,
+    register j = column j (the P and output writes rely on this order)."""
+    for t, coords in facts["tmem_thread_coords"].items():
+        assert [tuple(int(x) for x in c) for c in coords] == [(t, j) for j in range(TILE.epi_cols)], t
 
 
 def test_config_validation():
