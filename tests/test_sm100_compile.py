@@ -98,7 +98,9 @@ def test_compiles_with_blackwell_ptx(variant, tmp_path_factory):
     assert "cp.async.bulk.tensor.2d.shared::cta.global.tile::gather4.mbarrier::complete_tx::bytes" in ptx
     # The exact fp8 dequantization: e4m3x2 -> f16x2, f32 multiply by the fp32 scale, one rounding to bf16.
     assert c["cvt.rn.f16x2.e4m3x2"] == 2 * 32 and "mul.rn.f32" in ptx
-    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+208;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+128;", ptx)
+    assert re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{sd.REGS.softmax};", ptx)
+    assert re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{sd.REGS.dequant};", ptx)
+    assert re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{sd.REGS.producers};", ptx)
     # Every TMA (load or store) and every tcgen05.mma / commit is issued under elect.sync by a whole warp.
     assert c["elect.sync"] >= c["cp.async.bulk.tensor"] // 8
 

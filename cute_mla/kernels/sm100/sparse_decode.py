@@ -151,16 +151,21 @@ class WarpSchedule:
 @dataclass(frozen=True)
 class RegisterBudget:
     """setmaxnreg targets per warpgroup. 384 threads enter with 168 registers each; the targets must
-    sum to <= 3 x 168 = 504 or the increase waits forever (measured on SM90, same rule on SM100).
-    The producer warpgroup (MMA, GATHER, INDEX, spare) needs few; the softmax warpgroup holds 32 S
-    values, 32 O values and its row statistics; the dequant warpgroup keeps the default."""
+    sum to <= 3 x 168 = 504 or an increase waits forever (measured on SM90; the same register-pool
+    rule holds on SM100). Chosen from the cubin (cuobjdump --dump-resource-usage, no GPU): the MMA
+    warp keeps ~40 live smem descriptors (128 spilled them), ptxas converts a whole 128-value
+    dequant slice at once (it wants > 168), the softmax warpgroup holds 32 S + 32 O values. With
+    176/184/144 the no-split variant has no stack at all; the split variant spills 64 B (dequant
+    addresses). Re-tune on hardware (docs/sm100.md)."""
 
-    softmax: int = 208
-    dequant: int = 168
-    producers: int = 128
+    softmax: int = 176
+    dequant: int = 184
+    producers: int = 144
+
+    entry: int = 168  # what every thread starts with: 65,536 / 384 rounded down to a multiple of 8
 
     def __post_init__(self):
-        assert self.softmax + self.dequant + self.producers <= 504
+        assert self.softmax + self.dequant + self.producers <= 3 * self.entry
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (self.softmax, self.dequant, self.producers))
 
 
@@ -624,11 +629,11 @@ class Sm100SparseDecodeKernel:
         sCoord = storage.coord.get_tensor(cute.make_layout(STAGES.index * TILE.tokens))
         sValid = storage.valid.get_tensor(cute.make_layout(STAGES.index))
 
-        # ---- the partition (scheduler row); an empty trailing partition has begin_req == b
-        sched = _Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2])
-
+        # The partition (scheduler row) is read by each role after its setmaxnreg, so that nothing
+        # computed here stays live across the register reconfiguration (ptxas would spill it).
         if warp >= Warp.MMA:
             setmaxregister_decrease(REGS.producers)
+            sched = _Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2])
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -645,9 +650,15 @@ class Sm100SparseDecodeKernel:
             if warp == Warp.INDEX:
                 self.index_role(sched, mTopkLen, s_idx, mIdx, mKV, rows_per_block, sCoord, sValid, idx_pipe)
         elif warp >= Warp.DEQUANT:
+            if cutlass.const_expr(REGS.dequant > REGS.entry):
+                setmaxregister_increase(REGS.dequant)
+            if cutlass.const_expr(REGS.dequant < REGS.entry):
+                setmaxregister_decrease(REGS.dequant)
+            sched = _Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2])
             self.dequant_role(sched, mTopkLen, storage, raw_pipe, k_pipe)
         else:
             setmaxregister_increase(REGS.softmax)
+            sched = _Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2])
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.softmax_role(sched, mTopkLen, s_idx, hg, tmem_ptr, sValid, storage, idx_pipe, s_pipe, p_pipe,
