@@ -66,7 +66,8 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
     assert sorted(regs["dec"]) == sorted([REGS.pv_right, REGS.producer])
     assert REGS.softmax + REGS.pv_right + REGS.producer <= 504, "setmaxnreg targets must fit 3 x 168"
     assert "ld.global.L1::evict_last.L2::256B.v4" in ptx, "128-bit gather loads with cache hints"
-    assert "fma.rn.bf16x2" in ptx, "FP8 -> bf16 bit trick with the split (hi + lo) bf16 scale"
+    assert "mul.rn.bf16x2" in ptx, "FP8 -> bf16 bit trick (power-of-two scales)"
+    assert "cvt.rn.f16x2.e4m3x2" in ptx, "exact fp32 dequant path (any other scale)"
 
 
 def test_accumulator_tensor_map_only_in_split_variant(artifacts):

@@ -153,7 +153,7 @@ def test_sparse_decode_matches_reference(name, seed):
 # ------------------------------------------------------------------------------------------ timing
 
 
-def _bench_inputs(b, s_q, h_q, topk, num_tokens, page=64):
+def _bench_inputs(b, s_q, h_q, topk, num_tokens, page=64, pow2=True):
     from cute_mla.formats import quantize_v32
 
     dev = "cuda"
@@ -161,15 +161,16 @@ def _bench_inputs(b, s_q, h_q, topk, num_tokens, page=64):
     blocks = num_tokens // page
     big = torch.empty(blocks, page + 1, 656, dtype=torch.uint8, device=dev)
     kv = big[:, :page]
-    kv.copy_(quantize_v32((torch.randn(num_tokens, 576, device=dev) / 10).clamp(-1, 1)).view(blocks, page, 656))
+    kv.copy_(quantize_v32((torch.randn(num_tokens, 576, device=dev) / 10).clamp(-1, 1), power_of_two_scales=pow2)
+             .view(blocks, page, 656))
     idx = torch.randint(0, num_tokens, (b, s_q, topk), dtype=torch.int32, device=dev)
     return q, kv, idx
 
 
-def bench(b, s_q, h_q, topk, num_tokens, iters=20, tuning=None):
+def bench(b, s_q, h_q, topk, num_tokens, iters=20, tuning=None, pow2=True):
     from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING, Sm90SparseDecodeConfig, compile_sparse_decode, launch_sparse_decode
 
-    q, kv, idx = _bench_inputs(b, s_q, h_q, topk, num_tokens)
+    q, kv, idx = _bench_inputs(b, s_q, h_q, topk, num_tokens, pow2=pow2)
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, h_q)
     sched, tile_md, offsets = _schedule(topk, None, b, parts, q.device)
     split = sched.any_split
@@ -199,7 +200,7 @@ def bench(b, s_q, h_q, topk, num_tokens, iters=20, tuning=None):
     t = sorted(times)[len(times) // 2]
     tokens = b * s_q * topk
     flops = 2 * h_q * tokens * (576 + 512)
-    print(f"b={b} s_q={s_q} h_q={h_q} topk={topk} P={parts} split={split} {tuning}: {t:.1f} us "
+    print(f"b={b} s_q={s_q} h_q={h_q} topk={topk} P={parts} split={split} pow2_scales={pow2} {tuning}: {t:.1f} us "
           f"({flops / t / 1e6:.0f} TFLOPS, {tokens * 656 / t / 1e6:.2f} TB/s gathered)")
     return t
 
@@ -211,3 +212,6 @@ if __name__ == "__main__" and "--bench" in sys.argv:
     for tu in tunings:
         bench(1, 8192, 64, 2048, 65536, tuning=tu)   # FlashMLA: 6732 us
         bench(128, 2, 128, 2048, 32768, tuning=tu)   # FlashMLA: 447.5 us
+    # non-power-of-two scales take the exact fp32 dequant path
+    bench(1, 8192, 64, 2048, 65536, pow2=False)
+    bench(128, 2, 128, 2048, 32768, pow2=False)

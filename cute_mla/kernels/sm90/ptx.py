@@ -56,18 +56,12 @@ def vec_elem(v, i: int) -> Int32:
     return Int32(vector.extract(v, [], [i]))
 
 
-def scale_hi_lo_bf16x2(scale_bits: Int32):
-    """(hi, lo) bf16x2 pair with hi + lo = scale * 2^120 to ~16 bits (both halves of each equal).
+def scale_to_bf16x2_times_2pow120(scale_bits: Int32) -> Int32:
+    """bf16x2(scale * 2^120) from the fp32 bits of a V3.2 scale (both halves equal).
 
-    hi = bf16(scale * 2^120) and lo = bf16(scale * 2^120 - hi). Multiplying by hi alone is
-    FlashMLA's SM90 numerics (scale rounded to bf16): exact for power-of-two scales, but a
-    non-power-of-two scale then carries up to 2^-9 relative error into every key and value of its
-    128-wide group, which costs about 3x in output cosine error against an fp32 dequantization
-    (measured 6e-6 vs 2e-6, over the 5e-6 tolerance). With fma(x, hi, x*lo) the key is
-    bf16(fp8 * scale) to within double rounding, for one extra bf16x2 op per pair.
-    Scales >= 2^8 overflow the bf16 range after the 2^120 bias and are not supported.
+    Used only on the fast path, for power-of-two scales below 2^8, where it is exact.
     """
-    hi = Int32(
+    return Int32(
         llvm.inline_asm(
             T.i32(),
             [Int32(scale_bits).ir_value()],
@@ -79,34 +73,49 @@ def scale_hi_lo_bf16x2(scale_bits: Int32):
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
-    lo = Int32(
+
+
+def _fp8x2_to_bf16x2_pow2(word: Int32, scale2: Int32, selector: str) -> Int32:
+    # prmt puts each selected byte in a 16-bit lane with the sign replicated into the upper byte,
+    # shl 4 + and 0x87F087F0 keeps sign / 4 exponent bits / 3 mantissa bits at their bf16
+    # positions (a bf16 of value fp8 * 2^-120, subnormals included, never NaN/Inf), and the bf16x2
+    # multiply applies scale * 2^120. 4 SASS ops per pair vs 6 for the cvt path (§2.3). Exact
+    # (bit-identical to bf16(float(fp8) * scale)) when the scale is a power of two.
+    return Int32(
         llvm.inline_asm(
             T.i32(),
-            [Int32(scale_bits).ir_value(), hi.ir_value()],
-            "{\n.reg .f32 f, h;\n.reg .b32 hb;\nmov.b32 f, $1;\nmul.f32 f, f, " + _TWO_POW_120_F32_HEX + ";\n"
-            "shl.b32 hb, $2, 16;\nmov.b32 h, hb;\nsub.f32 f, f, h;\ncvt.rn.bf16x2.f32 $0, f, f;\n}",
+            [Int32(word).ir_value(), Int32(scale2).ir_value()],
+            "{\n.reg .b32 t;\nprmt.b32 t, $1, $1, " + selector + ";\nshl.b32 t, t, 4;\n"
+            "and.b32 t, t, 0x87F087F0;\nmul.rn.bf16x2 $0, t, $2;\n}",
             "=r,r,r",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
-    return hi, lo
 
 
-def _fp8x2_to_bf16x2_scaled(word: Int32, s_hi: Int32, s_lo: Int32, selector: str) -> Int32:
-    # prmt puts each selected byte in a 16-bit lane with the sign replicated into the upper byte,
-    # shl 4 + and 0x87F087F0 keeps sign / 4 exponent bits / 3 mantissa bits at their bf16
-    # positions (a bf16 of value fp8 * 2^-120, subnormals included, never NaN/Inf); then
-    # fma(x, hi, x * lo) applies scale * 2^120 with one final rounding. 5 SASS ops per pair
-    # (the cvt path needs 6, see sm90-building-blocks.md §2.3).
+def fp8x4_to_bf16x4_pow2(word: Int32, scale2: Int32):
+    """Four e4m3 values (one i32) -> two bf16x2 words (low pair, high pair) times a power-of-two scale."""
+    return (
+        _fp8x2_to_bf16x2_pow2(word, scale2, "0x9180"),
+        _fp8x2_to_bf16x2_pow2(word, scale2, "0xB3A2"),
+    )
+
+
+def _fp8x2_to_bf16x2_exact(word: Int32, scale_bits: Int32, half: str) -> Int32:
+    # e4m3x2 -> f16x2 (exact) -> 2 x f32 (exact) -> fp32 multiply (RN) -> bf16x2 (RNE): the very
+    # operations of torch's float(fp8) * scale then .to(bfloat16), so any fp32 scale gives
+    # bit-identical keys. 6 SASS ops per pair.
     return Int32(
         llvm.inline_asm(
             T.i32(),
-            [Int32(word).ir_value(), Int32(s_hi).ir_value(), Int32(s_lo).ir_value()],
-            "{\n.reg .b32 t, p;\nprmt.b32 t, $1, $1, " + selector + ";\nshl.b32 t, t, 4;\n"
-            "and.b32 t, t, 0x87F087F0;\nmul.rn.bf16x2 p, t, $3;\nfma.rn.bf16x2 $0, t, $2, p;\n}",
-            "=r,r,r,r",
+            [Int32(word).ir_value(), Int32(scale_bits).ir_value()],
+            "{\n.reg .b16 l, h, h0, h1;\n.reg .b32 p;\n.reg .f32 f0, f1, s;\n"
+            "mov.b32 {l, h}, $1;\ncvt.rn.f16x2.e4m3x2 p, " + half + ";\nmov.b32 {h0, h1}, p;\n"
+            "cvt.f32.f16 f0, h0;\ncvt.f32.f16 f1, h1;\nmov.b32 s, $2;\n"
+            "mul.rn.f32 f0, f0, s;\nmul.rn.f32 f1, f1, s;\ncvt.rn.bf16x2.f32 $0, f1, f0;\n}",
+            "=r,r,r",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -114,12 +123,14 @@ def _fp8x2_to_bf16x2_scaled(word: Int32, s_hi: Int32, s_lo: Int32, selector: str
     )
 
 
-def fp8x4_to_bf16x4_scaled(word: Int32, s_hi: Int32, s_lo: Int32):
-    """Four e4m3 values (one i32) -> two bf16x2 words (low pair, high pair), times the scale."""
-    return (
-        _fp8x2_to_bf16x2_scaled(word, s_hi, s_lo, "0x9180"),
-        _fp8x2_to_bf16x2_scaled(word, s_hi, s_lo, "0xB3A2"),
-    )
+def fp8x4_to_bf16x4_exact(word: Int32, scale_bits: Int32):
+    """Four e4m3 values (one i32) -> two bf16x2 words times any fp32 scale (given as its bits)."""
+    return _fp8x2_to_bf16x2_exact(word, scale_bits, "l"), _fp8x2_to_bf16x2_exact(word, scale_bits, "h")
+
+
+def is_fast_scale(scale_bits: Int32):
+    """Power of two (or zero) below 2^8: the bit-trick path is exact for it."""
+    return ((scale_bits & 0x007FFFFF) == 0) & (((scale_bits >> 23) & 0xFF) <= 127 + 7)
 
 
 def bf16x2_pack(lo: Float32, hi: Float32) -> Int32:

@@ -249,7 +249,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
             )
             if wg == Role.PRODUCER:
                 setmaxregister_decrease(REGS.producer)
-                self.producer(mKV, mIdx, mTopkLen, sched, s_idx, sK, storage)
+                self.producer(mKV, mIdx, mTopkLen, sched, s_idx)
             elif wg == Role.SOFTMAX:
                 setmaxregister_increase(REGS.softmax)
                 self.softmax_wg(

@@ -12,7 +12,7 @@ from .sparse_decode_common import TILE
 
 class ProducerMixin:
     @cute.jit
-    def producer(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32, sK: cute.Tensor, storage):
+    def producer(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
         """Gather + dequantize 64-token K tiles into the two K buffers (half-tile software pipeline).
 
         Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` and the 16-dim
@@ -34,7 +34,12 @@ class ProducerMixin:
         stride0 = Int64(mKV.stride[0])
         page = Int32(mKV.shape[1])
         num_tokens = Int64(mKV.shape[0]) * Int64(page)
-        sk_base = sK.iterator.toint()
+        # The shared-storage struct rebuilt from the dynamic-smem symbol (the allocator put it at
+        # offset 0, 1024-aligned). The allocator's own base pointer is a warp shuffle, which ptxas
+        # can neither rematerialize nor keep in this 128-register warp group, so it spilled it;
+        # the symbol address is a constant it can re-create anywhere.
+        storage = self.shared_storage(cute.arch.get_dyn_smem(Uint8, alignment=1024))
+        sk_base = storage.sK.data_ptr().toint()
         valid_base = storage.valid.data_ptr().toint()
         k_full = storage.k_full.data_ptr()
         k_free = storage.k_free.data_ptr()
@@ -62,8 +67,8 @@ class ProducerMixin:
             start, stop, length = self.request_range(req, sched, mTopkLen, topk)
             for blk in cutlass.range(start, stop, unroll=1):
                 buf = n % TILE.k_bufs
-                # Indices two tiles ahead: their (dependent) DRAM latency is hidden behind a whole tile
-                # instead of half of one (the row loads of tile n+1 need them mid-iteration).
+                # Indices of tile n+2: a whole tile of work before the row loads that need them
+                # (a dependent DRAM round trip; one tile ahead left it exposed mid-iteration).
                 f_req = Int32(0)
                 f_blk = Int32(0)
                 f_has = cutlass.Boolean(False)
@@ -167,22 +172,40 @@ class ProducerMixin:
         Byte offset of 16-B chunk j of 64-dim column block c of token t:
         ``c*8192 + t*128 + ((j ^ (t & 7)) << 4)`` (= make_smem_layout_b(ROW_MAJOR, (64, 64, 576))).
         Invalid rows get zero scales and zero RoPE (the bit trick never makes NaN/Inf, so fp8 NaN
-        bytes times 0 are 0), so their V rows are zero and cannot poison P V.
+        bytes times 0 are 0; the exact path zeroes the fp8 words too), so their V rows are zero and
+        cannot poison P V. Both paths give bf16(float(fp8) * scale) bit for bit, as the reference.
         """
         row_base = half_base + tok_in_half * 128
         off0 = ((2 * sub) ^ swz) << 4
         off1 = ((2 * sub + 1) ^ swz) << 4
-        s_hi = [Int32(0)] * 4
-        s_lo = [Int32(0)] * 4
+        sc = [Int32(0)] * 4
+        fast = cutlass.Boolean(True)
         for k in cutlass.range_constexpr(4):
-            s_hi[k], s_lo[k] = ptx.scale_hi_lo_bf16x2(ptx.select_i32(ok, regs[32 + k], 0))
-        for c in cutlass.range_constexpr(8):
-            o = [Int32(0)] * 8
-            for e in cutlass.range_constexpr(4):
-                o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_scaled(regs[c * 4 + e], s_hi[c // 2], s_lo[c // 2])
-            cbase = row_base + c * TILE.chunk_bytes
-            ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
-            ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+            sc[k] = ptx.select_i32(ok, regs[32 + k], 0)
+            fast = fast & ptx.is_fast_scale(sc[k])
+        # Warp-uniform choice: caches written with FlashMLA's recipe (power-of-two scales) take the
+        # 4-op bit trick; any other scale takes the exact fp32 path (6 ops) for the whole warp.
+        if cute.arch.vote_all_sync(fast):
+            s2 = [Int32(0)] * 4
+            for k in cutlass.range_constexpr(4):
+                s2[k] = ptx.scale_to_bf16x2_times_2pow120(sc[k])
+            for c in cutlass.range_constexpr(8):
+                o = [Int32(0)] * 8
+                for e in cutlass.range_constexpr(4):
+                    o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_pow2(regs[c * 4 + e], s2[c // 2])
+                cbase = row_base + c * TILE.chunk_bytes
+                ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+                ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+        else:
+            for c in cutlass.range_constexpr(8):
+                o = [Int32(0)] * 8
+                for e in cutlass.range_constexpr(4):
+                    # fp8 NaN bytes of an invalid (clamped) row would survive a zero scale here.
+                    w = ptx.select_i32(ok, regs[c * 4 + e], 0)
+                    o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_exact(w, sc[c // 2])
+                cbase = row_base + c * TILE.chunk_bytes
+                ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+                ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
         rbase = row_base + 8 * TILE.chunk_bytes
         r = [Int32(0)] * 8
         for e in cutlass.range_constexpr(8):
