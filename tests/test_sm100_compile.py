@@ -300,3 +300,41 @@ def test_register_budget_and_roles():
     assert sd.WARPS.threads == 384
     assert int(sd.Warp.DEQUANT) == 4 and int(sd.Warp.MMA) == 8, "warpgroups 0 and 1 are whole (TMEM lane slabs)"
     assert TILE.sched_block % TILE.tokens == 0 and TILE.raw_row_bytes * 4 % 128 == 0
+
+
+def test_launcher_rejects_what_the_kernel_cannot_take():
+    """Checks made in Python before the compiled function is called (CPU tensors suffice)."""
+    import torch
+
+    from cute_mla.kernels.sm100.sparse_decode import launch_sparse_decode
+
+    cfg = Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False)
+    dummy = CompiledKernel(key="dummy", fn=lambda *a: pytest.fail("must not be called"))
+    b, s_q, topk = 2, 1, 128
+    q = torch.zeros(b, s_q, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 3, 656, dtype=torch.uint8)
+    idx = torch.zeros(b, s_q, topk, dtype=torch.int32)
+    tile_md = torch.zeros(b, 8, dtype=torch.int32)
+    ns = torch.arange(b + 1, dtype=torch.int32)
+    out = torch.zeros(b, s_q, 64, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(b, s_q, 64)
+
+    def call(**kw):
+        a = dict(q=q, kv=kv, indices=idx, topk_length=None, attn_sink=None, tile_md=tile_md, num_splits=ns, out=out,
+                 lse=lse, o_accum=None, lse_accum=None, softmax_scale=0.1)
+        a.update(kw)
+        launch_sparse_decode(dummy, cfg, **a)
+
+    with pytest.raises(ValueError, match="has_attn_sink"):
+        call(attn_sink=torch.zeros(64))
+    with pytest.raises(ValueError, match="has_topk_length"):
+        call(topk_length=torch.zeros(b, dtype=torch.int32))
+    with pytest.raises(ValueError, match="o_accum"):
+        call(o_accum=torch.zeros(1, s_q, 64, 512), lse_accum=torch.zeros(1, s_q, 64))
+    padded = torch.zeros(4, 3 * 656 + 8, dtype=torch.uint8)[:, : 3 * 656].view(4, 3, 656)
+    with pytest.raises(ValueError, match="stride"):
+        call(kv=padded)  # stride(0) not a multiple of 656: no 2-D table of rows for gather4
+    with pytest.raises(ValueError, match="multiple of 64"):
+        call(indices=torch.zeros(b, s_q, 96, dtype=torch.int32))
+    with pytest.raises(ValueError, match="16-byte"):
+        call(q=torch.zeros(b, s_q, 64, 580, dtype=torch.bfloat16)[..., :576])
