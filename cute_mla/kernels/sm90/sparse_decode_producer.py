@@ -49,40 +49,45 @@ class ProducerMixin:
 
         # ---- prologue: indices of tiles 0 and 1, loads of tile 0's first half
         start0, stop0, len0 = self.request_range(begin_req, sched, mTopkLen, topk)
-        idx_a, ok_a = self.fetch_index(mIdx, begin_req, s_idx, start0, 0, tok_in_half, len0, topk_blocks, num_tokens)
-        idx_b, ok_b = self.fetch_index(mIdx, begin_req, s_idx, start0, 1, tok_in_half, len0, topk_blocks, num_tokens)
+        raw_a, pos_a = self.fetch_index(mIdx, begin_req, s_idx, start0, 0, tok_in_half, len0, topk_blocks)
+        raw_b, pos_b = self.fetch_index(mIdx, begin_req, s_idx, start0, 1, tok_in_half, len0, topk_blocks)
         la_req, la_blk, la_has = self.next_tile(begin_req, start0, stop0, end_req)
-        la_idx_a = Int32(0)
-        la_ok_a = cutlass.Boolean(False)
-        la_idx_b = Int32(0)
-        la_ok_b = cutlass.Boolean(False)
+        la_raw_a = Int32(-1)
+        la_pos_a = cutlass.Boolean(False)
+        la_raw_b = Int32(-1)
+        la_pos_b = cutlass.Boolean(False)
         if la_has:
             _, la_len = self.request_blocks(la_req, mTopkLen, topk)
-            la_idx_a, la_ok_a = self.fetch_index(mIdx, la_req, s_idx, la_blk, 0, tok_in_half, la_len, topk_blocks, num_tokens)
-            la_idx_b, la_ok_b = self.fetch_index(mIdx, la_req, s_idx, la_blk, 1, tok_in_half, la_len, topk_blocks, num_tokens)
-        self.issue_row_loads(reg_a, kv_base, stride0, page, idx_a, sub)
+            la_raw_a, la_pos_a = self.fetch_index(mIdx, la_req, s_idx, la_blk, 0, tok_in_half, la_len, topk_blocks)
+            la_raw_b, la_pos_b = self.fetch_index(mIdx, la_req, s_idx, la_blk, 1, tok_in_half, la_len, topk_blocks)
+        idx0, _ = self.resolve_index(raw_a, pos_a, num_tokens)
+        self.issue_row_loads(reg_a, kv_base, stride0, page, idx0, sub)
 
         n = Int32(0)
         for req in cutlass.range(begin_req, end_req + 1, unroll=1):
             start, stop, length = self.request_range(req, sched, mTopkLen, topk)
             for blk in cutlass.range(start, stop, unroll=1):
                 buf = n % TILE.k_bufs
-                # Indices of tile n+2: a whole tile of work before the row loads that need them
-                # (a dependent DRAM round trip; one tile ahead left it exposed mid-iteration).
+                # Raw indices are carried and checked only where they are used: the check is the
+                # first consumer of the index load, so checking at fetch time would stall the warp
+                # for the whole index round trip right here (as the SASS showed).
+                idx_b, ok_b = self.resolve_index(raw_b, pos_b, num_tokens)
+                _, ok_a = self.resolve_index(raw_a, pos_a, num_tokens)
+                # Indices of tile n+2: their round trip is hidden behind a whole tile of work.
                 f_req = Int32(0)
                 f_blk = Int32(0)
                 f_has = cutlass.Boolean(False)
-                f_idx_a = Int32(0)
-                f_ok_a = cutlass.Boolean(False)
-                f_idx_b = Int32(0)
-                f_ok_b = cutlass.Boolean(False)
+                f_raw_a = Int32(-1)
+                f_pos_a = cutlass.Boolean(False)
+                f_raw_b = Int32(-1)
+                f_pos_b = cutlass.Boolean(False)
                 if la_has:
                     _, la_stop, _ = self.request_range(la_req, sched, mTopkLen, topk)
                     f_req, f_blk, f_has = self.next_tile(la_req, la_blk, la_stop, end_req)
                     if f_has:
                         _, f_len = self.request_blocks(f_req, mTopkLen, topk)
-                        f_idx_a, f_ok_a = self.fetch_index(mIdx, f_req, s_idx, f_blk, 0, tok_in_half, f_len, topk_blocks, num_tokens)
-                        f_idx_b, f_ok_b = self.fetch_index(mIdx, f_req, s_idx, f_blk, 1, tok_in_half, f_len, topk_blocks, num_tokens)
+                        f_raw_a, f_pos_a = self.fetch_index(mIdx, f_req, s_idx, f_blk, 0, tok_in_half, f_len, topk_blocks)
+                        f_raw_b, f_pos_b = self.fetch_index(mIdx, f_req, s_idx, f_blk, 1, tok_in_half, f_len, topk_blocks)
 
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
                 # Wait for both MMA warp groups to release this buffer (first use passes).
@@ -90,6 +95,7 @@ class ProducerMixin:
                 tile_base = sk_base + buf * TILE.k_tile_bytes
                 self.convert_and_store(reg_a, ok_a, tile_base, tok_in_half, sub, swz)
                 if la_has:
+                    la_idx_a, _ = self.resolve_index(la_raw_a, la_pos_a, num_tokens)
                     self.issue_row_loads(reg_a, kv_base, stride0, page, la_idx_a, sub)
                 self.convert_and_store(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz)
 
@@ -105,17 +111,17 @@ class ProducerMixin:
                 cute.arch.fence_view_async_shared()
                 cute.arch.mbarrier_arrive(k_full + buf)
 
-                idx_a = la_idx_a
-                ok_a = la_ok_a
-                idx_b = la_idx_b
-                ok_b = la_ok_b
+                raw_a = la_raw_a
+                pos_a = la_pos_a
+                raw_b = la_raw_b
+                pos_b = la_pos_b
                 la_req = f_req
                 la_blk = f_blk
                 la_has = f_has
-                la_idx_a = f_idx_a
-                la_ok_a = f_ok_a
-                la_idx_b = f_idx_b
-                la_ok_b = f_ok_b
+                la_raw_a = f_raw_a
+                la_pos_a = f_pos_a
+                la_raw_b = f_raw_b
+                la_pos_b = f_pos_b
                 n += 1
 
     @cute.jit
@@ -133,18 +139,24 @@ class ProducerMixin:
     @cute.jit
     def fetch_index(
         self, mIdx: cute.Tensor, req: Int32, s_idx: Int32, blk: Int32, half: int, tok_in_half: Int32,
-        length: Int32, topk_blocks: Int32, num_tokens: Int64,
+        length: Int32, topk_blocks: Int32,
     ):
-        """(clamped token index, valid) of this thread's token in block ``blk`` of ``req``.
+        """(raw index, position valid) of this thread's token in block ``blk`` of ``req``.
 
-        Invalid: -1 or any index outside [0, num_blocks*page_block_size), or a position past the
-        request's top-k length. Invalid tokens are clamped to token 0 so that the row loads stay legal.
+        The load is issued here; nothing consumes it until :meth:`resolve_index`. A position past
+        the request's top-k length (or past topk) is invalid and is not loaded.
         """
         kpos = blk * TILE.tokens + half * 32 + tok_in_half
         raw = Int32(-1)
         if blk < topk_blocks:
             raw = mIdx[req, s_idx, kpos]
-        ok = (kpos < length) & (raw >= 0) & (Int64(raw) < num_tokens)
+        return raw, (kpos < length) & (blk < topk_blocks)
+
+    @cute.jit
+    def resolve_index(self, raw: Int32, pos_ok, num_tokens: Int64):
+        """(clamped token index, valid): -1 or any index outside [0, num_blocks*page_block_size) is
+        invalid, like a position past the top-k length; invalid tokens read token 0 (a legal row)."""
+        ok = pos_ok & (raw >= 0) & (Int64(raw) < num_tokens)
         return ptx.select_i32(ok, raw, 0), ok
 
     @cute.jit
