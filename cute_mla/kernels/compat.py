@@ -21,10 +21,10 @@ try:  # 4.8: one enum for wgmma and tcgen05
 except ImportError:  # pragma: no cover
     from cutlass.cute.nvgpu.warpgroup import OperandMajorMode  # type: ignore # noqa: F401
 
-try:
-    from cutlass.utils import LayoutEnum  # noqa: F401
-except ImportError:  # pragma: no cover
-    from cutlass.tensor_utils import LayoutEnum  # type: ignore # noqa: F401
+try:  # 4.8: moved to cutlass.tensor_utils (cutlass.utils.LayoutEnum warns on every use)
+    from cutlass.tensor_utils import LayoutEnum  # noqa: F401
+except ImportError:  # pragma: no cover - older DSL
+    from cutlass.utils import LayoutEnum  # type: ignore # noqa: F401
 
 # 4.4+: setmaxnreg wrappers (warpgroup_reg_alloc/dealloc are deprecated aliases)
 setmaxregister_increase = cute.arch.setmaxregister_increase
