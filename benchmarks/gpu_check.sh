@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One whole GPU check in one device call: GPU tests, the demo, then the benchmark against FlashMLA.
-#   source .gpu/activate.sh && export PYTHONPATH=$PWD:$PYTHONPATH && CUTE_MLA_COMMIT=<sha> bash benchmarks/gpu_check.sh [TEST_TIMEOUT] [BENCH_ARGS...]
+#   [TESTS="tests/x.py ..."] source .gpu/activate.sh && export PYTHONPATH=$PWD:$PYTHONPATH && CUTE_MLA_COMMIT=<sha> bash benchmarks/gpu_check.sh [TEST_TIMEOUT] [BENCH_ARGS...]
 # Logs and the results JSON go to $OUT (or ./artifacts).
 set -u
 OUT=${OUT:-artifacts}; mkdir -p "$OUT"
 T=${1:-330}; shift || true
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "== GPU tests (timeout ${T}s)"
-timeout "$T" python3 -m pytest -q -p no:cacheprovider --durations=8 -m gpu tests 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR|slowest|s call" | tail -40
+timeout "$T" python3 -m pytest -q -p no:cacheprovider --durations=8 -m gpu ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR|slowest|s call" | tail -40
 echo "== demo"
 timeout 120 python3 -m cute_mla.cli demo 2>&1 | tee "$OUT/demo.log" | tail -14
 echo "== benchmark"
