@@ -151,3 +151,21 @@ def test_schedule_matches_flashmla():
         nb = torch.full((b,), 32, dtype=torch.int32, device="cuda")
         md, ns = plan_splits(nb, sched.plan.num_sm_parts)
         assert torch.equal(md[:, :7].cpu(), want) and torch.equal(ns.cpu(), fsched.num_splits.cpu())
+
+
+def test_mixed_batch_beyond_65535_tokens(seed):
+    """No grid dimension caps s_q: 100k query tokens in one call (rows past 65535 checked)."""
+    s_q, h_q, topk, pool = 100_000, 64, 128, 65536
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    from cute_mla.formats import quantize_v32
+    kv = (torch.randn(pool, 576, device="cuda", generator=g) / 10).clamp(-1, 1)
+    k_cache = quantize_v32(kv).view(pool // 64, 64, 1, 656)
+    q = torch.randn(1, s_q, h_q, 576, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
+    idx = torch.randint(0, pool, (1, s_q, topk), device="cuda", generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, device="cuda", generator=g) < 0.2] = -1
+    sched, _ = get_mla_metadata()
+    o, l = flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, softmax_scale=0.05, is_fp8_kvcache=True, indices=idx)
+    assert not sched.plan.split
+    rows = torch.cat([torch.arange(0, 64), torch.arange(65500, 65600), torch.arange(s_q - 64, s_q)]).cuda()
+    ro, rl = sparse_decode_reference(q[:, rows], k_cache, idx[:, rows], 0.05)
+    check_out_lse(o[:, rows], l[:, :, rows], ro, rl)
