@@ -39,6 +39,7 @@ class FlashMLASchedMeta:
     accum_offsets: Optional[torch.Tensor] = None
     plan: Optional[SparseDecodePlan] = None
     _keepalive: list = field(default_factory=list, repr=False)
+    _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> dispatch.Launcher
 
 
 def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
@@ -73,24 +74,27 @@ def flash_mla_with_kvcache(
                                       extra_indices_in_kvcache, topk_length, extra_topk_length, out)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     sched = tile_scheduler_metadata
-    plan = _schedule(sched, q, b, s_q, h_q, topk, topk_length)
+    launcher = _schedule(sched, q, b, s_q, h_q, topk, topk_length, attn_sink is not None)
     if out is None:
         out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-    dispatch.run(plan, q, kv, indices, topk_length, attn_sink, sched.tile_scheduler_metadata,
-                 sched.accum_offsets, out, lse, scale)
+    launcher(q, kv, indices, topk_length, attn_sink, sched.tile_scheduler_metadata, sched.accum_offsets, out, lse, scale)
     return out, lse.transpose(1, 2)
 
 
 def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: int, topk: int,
-              topk_length: Optional[torch.Tensor]) -> SparseDecodePlan:
+              topk_length: Optional[torch.Tensor], has_attn_sink: bool = False) -> "dispatch.Launcher":
+    """The call's launcher; the first call of a FlashMLASchedMeta also plans and makes the schedule."""
     config = (b, s_q, h_q, topk, topk_length is not None, q.device)
     if sched.have_initialized:
         if sched.config != config:
             raise ValueError(
                 "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, topk, has_topk_length, device)="
                 f"{sched.config}, got {config}; use a fresh get_mla_metadata() object per shape")
-        return sched.plan
+        launcher = sched._launchers.get(has_attn_sink)
+        if launcher is None:
+            launcher = sched._launchers[has_attn_sink] = dispatch.Launcher(sched.plan, topk_length is not None, has_attn_sink)
+        return launcher
     arch = device_arch(q.device)
     plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=arch, num_sms=device_num_sms(q.device),
                               has_topk_length=topk_length is not None)
@@ -108,7 +112,8 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: 
         sched._keepalive.append(nb)
     sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = tile_md, num_splits, offsets
     sched.plan, sched.config, sched.have_initialized = plan, config, True
-    return plan
+    launcher = sched._launchers[has_attn_sink] = dispatch.Launcher(plan, topk_length is not None, has_attn_sink)
+    return launcher
 
 
 def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,

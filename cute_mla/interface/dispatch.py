@@ -66,17 +66,37 @@ def allocate_workspace(plan: SparseDecodePlan, device: torch.device) -> Tuple[Op
     """o_accum (rows, s_q, h_q, d_v) and lse_accum (rows, s_q, h_q) fp32, or (None, None) when nothing is split."""
     if not plan.split:
         return None, None
-    o_accum = torch.empty(plan.accum_rows, plan.s_q, plan.h_q, plan.d_v, dtype=torch.float32, device=device)
-    lse_accum = torch.empty(plan.accum_rows, plan.s_q, plan.h_q, dtype=torch.float32, device=device)
+    # one allocation for both (fewer allocator calls on the launch path); o_accum first, so both
+    # views stay 16-byte aligned
+    rows_heads = plan.accum_rows * plan.s_q * plan.h_q
+    buf = torch.empty(rows_heads * (plan.d_v + 1), dtype=torch.float32, device=device)
+    o_accum = buf[: rows_heads * plan.d_v].view(plan.accum_rows, plan.s_q, plan.h_q, plan.d_v)
+    lse_accum = buf[rows_heads * plan.d_v:].view(plan.accum_rows, plan.s_q, plan.h_q)
     return o_accum, lse_accum
 
 
-def run(plan: SparseDecodePlan, q, kv, indices, topk_length, attn_sink, tile_md, offsets, out, lse, softmax_scale: float) -> None:
-    """Launch what the plan says: the main kernel, then the combine only for the split variant."""
-    mod, cfg, compiled = _main_kernel(plan, topk_length is not None, attn_sink is not None)
-    o_accum, lse_accum = allocate_workspace(plan, q.device)
-    mod.launch_sparse_decode(compiled, cfg, q, kv, indices, topk_length, attn_sink, tile_md, offsets, out, lse,
-                             o_accum, lse_accum, softmax_scale)
-    if plan.split:
-        cmod, ccfg, ccompiled = _combine_kernel(plan, attn_sink is not None)
-        cmod.launch_combine(ccompiled, ccfg, lse_accum, o_accum, offsets, attn_sink, out, lse)
+class Launcher:
+    """Everything a plan's launches need, resolved once (modules, configs, compiled kernels).
+
+    Built by the first call of a decode step and kept in its ``FlashMLASchedMeta``, so that every
+    later call (every layer) only allocates its outputs and launches: the host work between the
+    main kernel and the combine is one Python call.
+    """
+
+    __slots__ = ("plan", "main_mod", "main_cfg", "main_compiled", "combine_mod", "combine_cfg", "combine_compiled")
+
+    def __init__(self, plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool):
+        self.plan = plan
+        self.main_mod, self.main_cfg, self.main_compiled = _main_kernel(plan, has_topk_length, has_attn_sink)
+        self.combine_mod = self.combine_cfg = self.combine_compiled = None
+        if plan.split:
+            self.combine_mod, self.combine_cfg, self.combine_compiled = _combine_kernel(plan, has_attn_sink)
+
+    def __call__(self, q, kv, indices, topk_length, attn_sink, tile_md, offsets, out, lse, softmax_scale: float) -> None:
+        """Launch what the plan says: the main kernel, then the combine only for the split variant."""
+        o_accum, lse_accum = allocate_workspace(self.plan, q.device)
+        self.main_mod.launch_sparse_decode(self.main_compiled, self.main_cfg, q, kv, indices, topk_length, attn_sink,
+                                           tile_md, offsets, out, lse, o_accum, lse_accum, softmax_scale)
+        if o_accum is not None:
+            self.combine_mod.launch_combine(self.combine_compiled, self.combine_cfg, lse_accum, o_accum, offsets,
+                                            attn_sink, out, lse)
