@@ -120,6 +120,11 @@ def _combine_host(
         grid=(grid_x, (h_q + HEADS_PER_CTA - 1) // HEADS_PER_CTA, 1),
         block=(THREADS_PER_CTA, 1, 1),
         stream=stream,
+        # Programmatic dependent launch: the combine is launched while the decode kernel still
+        # runs (its launch latency hides behind it); every warp that reads the accumulators
+        # first waits in griddepcontrol.wait. A launched combine always has a split request, so
+        # some of its warps wait and the combine cannot complete before the decode kernel.
+        use_pdl=True,
     )
 
 
