@@ -114,6 +114,10 @@ def test_split_variant_has_one_more_tensor_map(tmp_path_factory):
         # q, kv_nope, kv_rope, out (+ o_accum): the no-split variant has no accumulator tensor map.
         assert _tensor_map_params(p_no) == 4
         assert _tensor_map_params(p_sp) == _tensor_map_params(p_no) + 1
+        # the plan lists exactly the tensor maps the compiled variant builds
+        from cute_mla import plan_sparse_decode
+        assert len(plan_sparse_decode(4, 1, h_q, 576, 512, arch="sm_100a", num_sms=148).tensor_maps) == _tensor_map_params(p_no)
+        assert len(plan_sparse_decode(4, 1, h_q, 576, 2048, arch="sm_100a", num_sms=148).tensor_maps) == _tensor_map_params(p_sp)
         # TMA stores: out boxes (2 halves x 8 column chunks), plus the o_accum boxes in the split variant.
         assert p_no.count("cp.async.bulk.tensor.2d.global.shared::cta") + p_no.count("cp.async.bulk.tensor.4d.global.shared::cta") == 16
         assert p_sp.count("cp.async.bulk.tensor.4d.global.shared::cta") + p_sp.count("cp.async.bulk.tensor.2d.global.shared::cta") == 32

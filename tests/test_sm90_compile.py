@@ -77,6 +77,12 @@ def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     assert maps["nosplit_tl_sink"] == 2, maps
     assert maps["split_tl_sink"] == maps["nosplit_tl_sink"] + 1, maps
     assert maps["split_h128"] == 3, maps
+    # ... and the plan lists exactly the tensor maps the compiled variant builds
+    from cute_mla import plan_sparse_decode
+    no_split = plan_sparse_decode(1, 8192, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    split = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    assert (no_split.split, split.split) == (False, True)
+    assert len(no_split.tensor_maps) == maps["nosplit"] and len(split.tensor_maps) == maps["split_tl_sink"]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
