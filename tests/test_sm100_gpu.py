@@ -19,7 +19,6 @@ below runs the real dispatcher, combine included).
 ``python tests/test_sm100_gpu.py --bench`` prints CUDA-event timings (median of 20).
 """
 
-import math
 import sys
 
 import pytest
@@ -28,7 +27,7 @@ import torch
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.scheduler import accum_offsets, blocks_per_request, num_sm_parts, per_request_rows, plan_splits_host
 from cute_mla.scheduler.partition import HostSchedule
-from cute_mla.testing import check_out_lse, make_inputs
+from cute_mla.testing import check_out_lse, make_inputs, diagnose, merge_splits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm100]
 
@@ -82,57 +81,8 @@ def run_kernel(inp, split):
     torch.cuda.synchronize()
     out = out.float()
     if split:
-        out, lse = _merge(out, lse, o_acc, lse_acc, sched, inp.attn_sink)
+        out, lse = merge_splits(out, lse, o_acc, lse_acc, sched, inp.attn_sink)
     return out, lse.transpose(1, 2), sched
-
-
-def _merge(out, lse, o_acc, lse_acc, sched, sink):
-    """Combine in float64 torch (spec §5.3): base-2 partial lse, weights 2^(lse_i - G), sink once."""
-    ns = sched.num_splits
-    offs = accum_offsets(ns)
-    for r in range(len(ns) - 1):
-        n = ns[r + 1] - ns[r]
-        if n == 1:
-            continue
-        L = lse_acc[offs[r]: offs[r] + n].double()          # (n, s_q, h)
-        O = o_acc[offs[r]: offs[r] + n].double()            # (n, s_q, h, 512)
-        mx = L.max(dim=0).values
-        mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
-        tot = torch.exp2(L - mx).sum(dim=0)
-        G = torch.where(tot == 0, torch.full_like(tot, math.inf), torch.log2(tot) + mx)
-        w = torch.where(torch.isinf(G), torch.zeros_like(L), torch.exp2(L - G))
-        o = (w[..., None] * O).sum(dim=0)
-        lse_nat = G * math.log(2.0)
-        if sink is not None:
-            f = torch.sigmoid(lse_nat - sink.double().view(1, -1))
-            f = torch.where(torch.isposinf(lse_nat), torch.zeros_like(f), f)
-            o = o * f[..., None]
-        out[r] = o.float()
-        lse[r] = lse_nat.float()
-    return out, lse
-
-
-def _diagnose(out, lse, ref_out, ref_lse, sched):
-    """Where the errors are (printed on failure): per request / query token / head."""
-    def diff(a, r):
-        return torch.where(a == r, torch.zeros_like(a), (a - r).abs().nan_to_num(1e9))
-
-    err = diff(out, ref_out).amax(dim=-1)                              # (b, s_q, h)
-    lerr = diff(lse, ref_lse).transpose(1, 2)                          # (b, s_q, h)
-    bad = (err > 1e-2) | (lerr > 1e-3)
-    if bad.any():
-        idx = bad.nonzero()
-        ns = sched.num_splits
-        split_req = {r for r in range(len(ns) - 1) if ns[r + 1] - ns[r] > 1}
-        reqs = sorted(set(idx[:, 0].tolist()))
-        heads = sorted(set(idx[:, 2].tolist()))
-        print(f"DIAG bad rows {int(bad.sum())}/{bad.numel()}; requests {reqs[:20]} (split: {sorted(split_req & set(reqs))[:20]}); "
-              f"query tokens {sorted(set(idx[:, 1].tolist()))[:8]}; heads {heads[:16]}... "
-              f"(rows 16w..16w+15 share a TMEM slab; heads >= 64 are the second CTA)")
-        i = idx[0].tolist()
-        print(f"DIAG first bad {i}: out {out[i[0], i[1], i[2], :4].tolist()} ref {ref_out[i[0], i[1], i[2], :4].tolist()}; "
-              f"out[256:260] {out[i[0], i[1], i[2], 256:260].tolist()} ref {ref_out[i[0], i[1], i[2], 256:260].tolist()}; "
-              f"lse {lse[i[0], i[2], i[1]].item()} ref {ref_lse[i[0], i[2], i[1]].item()}")
 
 
 def _check(inp, split):
@@ -142,7 +92,7 @@ def _check(inp, split):
     try:
         check_out_lse(out, lse, ref_out, ref_lse)
     except AssertionError:
-        _diagnose(out, lse, ref_out, ref_lse, sched)
+        diagnose(out, lse, ref_out, ref_lse, sched)
         raise
     return sched
 

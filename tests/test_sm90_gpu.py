@@ -11,7 +11,6 @@ results are merged here in torch (the combine kernel has its own tests).
 
 from __future__ import annotations
 
-import math
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.scheduler import accum_offsets, blocks_per_request, num_sm_parts, plan_splits_host
-from cute_mla.testing import check_out_lse, make_inputs
+from cute_mla.testing import check_out_lse, make_inputs, diagnose, merge_splits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -67,54 +66,8 @@ def run_kernel(inp, split, parts):
     torch.cuda.synchronize()
     out = out.float()
     if split:
-        out, lse = _merge(out, lse, o_acc, lse_acc, sched, inp.attn_sink)
+        out, lse = merge_splits(out, lse, o_acc, lse_acc, sched, inp.attn_sink)
     return out, lse.transpose(1, 2), sched
-
-
-def _merge(out, lse, o_acc, lse_acc, sched, sink):
-    """Combine in torch (spec §5.3): base-2 partial lse, weights 2^(lse_i - G), sink applied once."""
-    ns = sched.num_splits
-    offs = accum_offsets(ns)
-    for r in range(len(ns) - 1):
-        n = ns[r + 1] - ns[r]
-        if n == 1:
-            continue
-        L = lse_acc[offs[r]: offs[r] + n].double()          # (n, s_q, h)
-        O = o_acc[offs[r]: offs[r] + n].double()            # (n, s_q, h, 512)
-        mx = L.max(dim=0).values
-        mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
-        tot = torch.exp2(L - mx).sum(dim=0)
-        G = torch.where(tot == 0, torch.full_like(tot, math.inf), torch.log2(tot) + mx)
-        w = torch.where(torch.isinf(G), torch.zeros_like(L), torch.exp2(L - G))
-        o = (w[..., None] * O).sum(dim=0)
-        lse_nat = G * math.log(2.0)
-        if sink is not None:
-            f = torch.sigmoid(lse_nat - sink.double().view(1, -1))
-            f = torch.where(torch.isposinf(lse_nat), torch.zeros_like(f), f)
-            o = o * f[..., None]
-        out[r] = o.float()
-        lse[r] = lse_nat.float()
-    return out, lse
-
-
-def _diagnose(out, lse, ref_out, ref_lse, sched):
-    """Where the errors are (printed on failure): per request / token / head."""
-    def diff(a, r):
-        return torch.where(a == r, torch.zeros_like(a), (a - r).abs().nan_to_num(1e9))
-
-    err = diff(out, ref_out).amax(dim=-1)                              # (b, s_q, h)
-    lerr = diff(lse, ref_lse).transpose(1, 2)                          # (b, s_q, h)
-    bad = (err > 1e-2) | (lerr > 1e-3)
-    if bad.any():
-        idx = bad.nonzero()
-        ns = sched.num_splits
-        split_req = {r for r in range(len(ns) - 1) if ns[r + 1] - ns[r] > 1}
-        reqs = sorted(set(idx[:, 0].tolist()))
-        print(f"DIAG bad rows {int(bad.sum())}/{bad.numel()}; requests {reqs[:20]} (split: {sorted(split_req & set(reqs))[:20]}); "
-              f"tokens {sorted(set(idx[:, 1].tolist()))[:8]}; heads {sorted(set(idx[:, 2].tolist()))[:16]}...")
-        i = idx[0].tolist()
-        print(f"DIAG first bad {i}: out {out[i[0], i[1], i[2], :4].tolist()} ref {ref_out[i[0], i[1], i[2], :4].tolist()}; "
-              f"lse {lse[i[0], i[2], i[1]].item()} ref {ref_lse[i[0], i[2], i[1]].item()}")
 
 
 # name: (b, s_q, h_q, topk, page_block_size, split, topk_length, sink, pow2 scales, all-invalid rows, out-of-range frac)
@@ -146,7 +99,7 @@ def test_sparse_decode_matches_reference(name, seed):
     try:
         check_out_lse(out, lse, ref_out, ref_lse)
     except AssertionError:
-        _diagnose(out, lse, ref_out, ref_lse, sched)
+        diagnose(out, lse, ref_out, ref_lse, sched)
         raise
 
 
