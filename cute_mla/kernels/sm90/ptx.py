@@ -23,19 +23,36 @@ def _vec4_i32_type():
     return ir.VectorType.get([4], T.i32())
 
 
-def ld_global_v4(addr: Int64):
+def ld_global_v4(addr: Int64, l1: str = "evict_last", l2: str = "size_256b"):
     """128-bit ``ld.global`` with L1::evict_last and L2::256B prefetch (SASS ``LDG.E.EL.LTC256B.128``).
 
     The 656-byte cache rows are re-read by the ``h_q/64`` CTAs of one token and their 256-B L2
     neighbours are usually requested by the sibling threads of the same row; both hints were
     measured to help in the gather micro-benchmark (§1.3). ``.nc`` was not faster, so it is not used.
+    ``l1`` / ``l2``: the L1 eviction priority and L2 prefetch size (``cute.arch.load`` literals;
+    ``""`` leaves the hint out), a :class:`Tuning` knob.
     """
     p = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16)
     return cute.arch.load(
         p,
         _vec4_i32_type(),
-        level1_eviction_priority="evict_last",
-        level_prefetch_size="size_256b",
+        level1_eviction_priority=l1 or None,
+        level_prefetch_size=l2 or None,
+    )
+
+
+def prefetch_l2_bulk(addr: Int64, size: int) -> None:
+    """``cp.async.bulk.prefetch.L2.global [addr], size``: pull ``size`` bytes (a multiple of 16, 16-B
+    aligned address) into L2 through the TMA unit; no registers, no L1 line, no completion to wait on."""
+    assert size % 16 == 0 and size > 0
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value()],
+        f"cp.async.bulk.prefetch.L2.global [$0], {size};",
+        "l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 

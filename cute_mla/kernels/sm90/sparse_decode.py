@@ -58,11 +58,11 @@ from ..compat import LayoutEnum, OperandMajorMode, SmemAllocator, setmaxregister
 from ..compat import sm90_utils
 from ..compile import CompiledKernel, compile_cached, compile_options
 from . import ptx
-from .sparse_decode_common import DEFAULT_TUNING, REGS, TILE, Bar, Role, ScheduleMixin, Sm90SparseDecodeConfig, Tuning
+from .sparse_decode_common import DEFAULT_TUNING, REGS, TILE, Bar, Role, ScheduleMixin, Sm90SparseDecodeConfig, Streaming, Tuning
 from .sparse_decode_epilogue import LOG2E, EpilogueMixin
 from .sparse_decode_producer import ProducerMixin
 
-__all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "Tuning", "DEFAULT_TUNING", "REGS", "compile_sparse_decode",
+__all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "Streaming", "Tuning", "DEFAULT_TUNING", "REGS", "compile_sparse_decode",
            "launch_sparse_decode"]
 
 

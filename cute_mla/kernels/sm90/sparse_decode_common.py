@@ -106,12 +106,35 @@ class Tile:
         return 32 * 1024
 
 
+class Streaming(IntEnum):
+    """When the producer issues the row loads of the next tile (registers: one 44-word set per half).
+
+    OFF: half-tile pipeline: B(n) at the top of tile n, A(n+1) once A(n) is converted.
+    FIRST_HALF: each 16-B load of A(n+1) goes into the registers that A(n)'s conversion has just
+    consumed (chunk by chunk); B(n) as in OFF.
+    BOTH: the same for B(n+1) during B(n)'s conversion, so both halves of tile n+1 are in flight
+    while tile n is converted.
+    """
+
+    OFF = 0
+    FIRST_HALF = 1
+    BOTH = 2
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Schedule knobs that do not change results (part of the compile key)."""
 
     # WG0 issues tile n+1's QK right behind tile n's PV (waits for PV with wait_group(1)).
     overlap_qk_pv: bool = True
+    # Producer: when the loads of tile n+1 are issued (see Streaming).
+    streaming: Streaming = Streaming.OFF
+    # Producer: bulk-prefetch the rows of tile n+2 into L2 once tile n is handed over (one
+    # cp.async.bulk.prefetch.L2 of 656 B per row), so the loads issued a tile later hit L2.
+    prefetch_rows: bool = False
+    # Gather load hints: L1 eviction priority and L2 prefetch size (cute.arch.load literals, "" = none).
+    gather_l1: str = "evict_last"
+    gather_l2: str = "size_256b"
 
 
 TILE = Tile()

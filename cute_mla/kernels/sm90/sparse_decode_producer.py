@@ -7,7 +7,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
 
 from . import ptx
-from .sparse_decode_common import TILE
+from .sparse_decode_common import TILE, Streaming
 
 
 class ProducerMixin:
@@ -20,6 +20,14 @@ class ProducerMixin:
         = 11 x 16-B loads per half tile. The loads of the next half tile are in flight while the
         current one is converted and stored; the indices are fetched two tiles ahead.
         """
+        if cutlass.const_expr(self.tuning.streaming != Streaming.OFF):
+            self.producer_streamed(mKV, mIdx, mTopkLen, sched, s_idx)
+        else:
+            self.producer_half_pipelined(mKV, mIdx, mTopkLen, sched, s_idx)
+
+    @cute.jit
+    def producer_half_pipelined(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
+        """The half-tile software pipeline (``Streaming.OFF``): see :meth:`producer`."""
         begin_req, end_req, begin_block, end_block = sched
         ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
         warp = ptid // 32
@@ -62,6 +70,7 @@ class ProducerMixin:
             la_raw_b, la_pos_b = self.fetch_index(mIdx, la_req, s_idx, la_blk, 1, tok_in_half, la_len, topk_blocks)
         idx0, _ = self.resolve_index(raw_a, pos_a, num_tokens)
         self.issue_row_loads(reg_a, kv_base, stride0, page, idx0, sub)
+        self.prefetch_tile_rows(la_raw_a, la_pos_a, la_raw_b, la_pos_b, sub, kv_base, stride0, page, num_tokens)
 
         n = Int32(0)
         for req in cutlass.range(begin_req, end_req + 1, unroll=1):
@@ -110,6 +119,8 @@ class ProducerMixin:
                 # Generic-proxy st.shared -> visible to the wgmma (async proxy) readers.
                 cute.arch.fence_view_async_shared()
                 cute.arch.mbarrier_arrive(k_full + buf)
+                # Rows of tile n+2 (their indices were fetched a whole tile ago).
+                self.prefetch_tile_rows(f_raw_a, f_pos_a, f_raw_b, f_pos_b, sub, kv_base, stride0, page, num_tokens)
 
                 raw_a = la_raw_a
                 pos_a = la_pos_a
@@ -123,6 +134,191 @@ class ProducerMixin:
                 la_raw_b = f_raw_b
                 la_pos_b = f_pos_b
                 n += 1
+
+    @cute.jit
+    def producer_streamed(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
+        """Gather + dequantize with the loads streamed (``Streaming.FIRST_HALF`` / ``BOTH``).
+
+        Same thread map, index look-ahead and hand-off as the half-tile pipeline, but half A (and
+        with BOTH half B) of tile n+1 is loaded *while* the same half of tile n is converted: each
+        16-B load goes into the registers the conversion has just consumed
+        (:meth:`convert_store_reload`), so those 44 registers are in flight almost all the time
+        instead of idling through a half tile's conversion. With FIRST_HALF, B(n) is issued at the
+        top of tile n as in the half-tile pipeline. A thread with no next tile re-reads row 0 (a
+        legal row, never stored).
+        """
+        both = self.tuning.streaming == Streaming.BOTH
+        begin_req, end_req, begin_block, end_block = sched
+        ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+        warp = ptid // 32
+        lane = ptid % 32
+        sub = lane // 8
+        tok_in_half = warp * 8 + lane % 8
+        swz = lane % 8
+
+        topk = mIdx.shape[2]
+        topk_blocks = topk // TILE.tokens
+        kv_base = mKV.iterator.toint()
+        stride0 = Int64(mKV.stride[0])
+        page = Int32(mKV.shape[1])
+        num_tokens = Int64(mKV.shape[0]) * Int64(page)
+        storage = self.shared_storage(cute.arch.get_dyn_smem(Uint8, alignment=1024))
+        sk_base = storage.sK.data_ptr().toint()
+        valid_base = storage.valid.data_ptr().toint()
+        k_full = storage.k_full.data_ptr()
+        k_free = storage.k_free.data_ptr()
+
+        reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+        reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+
+        # ---- prologue: indices of tiles 0 and 1, both halves of tile 0 in flight
+        start0, stop0, len0 = self.request_range(begin_req, sched, mTopkLen, topk)
+        raw_a, pos_a = self.fetch_index(mIdx, begin_req, s_idx, start0, 0, tok_in_half, len0, topk_blocks)
+        raw_b, pos_b = self.fetch_index(mIdx, begin_req, s_idx, start0, 1, tok_in_half, len0, topk_blocks)
+        la_req, la_blk, la_has = self.next_tile(begin_req, start0, stop0, end_req)
+        la_raw_a = Int32(-1)
+        la_pos_a = cutlass.Boolean(False)
+        la_raw_b = Int32(-1)
+        la_pos_b = cutlass.Boolean(False)
+        if la_has:
+            _, la_len = self.request_blocks(la_req, mTopkLen, topk)
+            la_raw_a, la_pos_a = self.fetch_index(mIdx, la_req, s_idx, la_blk, 0, tok_in_half, la_len, topk_blocks)
+            la_raw_b, la_pos_b = self.fetch_index(mIdx, la_req, s_idx, la_blk, 1, tok_in_half, la_len, topk_blocks)
+        idx0_a, _ = self.resolve_index(raw_a, pos_a, num_tokens)
+        self.issue_row_loads(reg_a, kv_base, stride0, page, idx0_a, sub)
+        if cutlass.const_expr(both):
+            idx0_b, _ = self.resolve_index(raw_b, pos_b, num_tokens)
+            self.issue_row_loads(reg_b, kv_base, stride0, page, idx0_b, sub)
+        self.prefetch_tile_rows(la_raw_a, la_pos_a, la_raw_b, la_pos_b, sub, kv_base, stride0, page, num_tokens)
+
+        n = Int32(0)
+        for req in cutlass.range(begin_req, end_req + 1, unroll=1):
+            start, stop, length = self.request_range(req, sched, mTopkLen, topk)
+            for blk in cutlass.range(start, stop, unroll=1):
+                buf = n % TILE.k_bufs
+                _, ok_a = self.resolve_index(raw_a, pos_a, num_tokens)
+                idx_b, ok_b = self.resolve_index(raw_b, pos_b, num_tokens)
+                # Rows of tile n+1 (fetched one tile ago; -1 / not a position -> row 0 when none).
+                nidx_a, _ = self.resolve_index(la_raw_a, la_pos_a, num_tokens)
+                naddr_a = self.row_address(kv_base, stride0, page, nidx_a)
+                naddr_b = naddr_a
+                if cutlass.const_expr(both):
+                    nidx_b, _ = self.resolve_index(la_raw_b, la_pos_b, num_tokens)
+                    naddr_b = self.row_address(kv_base, stride0, page, nidx_b)
+                # Indices of tile n+2: their round trip is hidden behind a whole tile of work.
+                f_req = Int32(0)
+                f_blk = Int32(0)
+                f_has = cutlass.Boolean(False)
+                f_raw_a = Int32(-1)
+                f_pos_a = cutlass.Boolean(False)
+                f_raw_b = Int32(-1)
+                f_pos_b = cutlass.Boolean(False)
+                if la_has:
+                    _, la_stop, _ = self.request_range(la_req, sched, mTopkLen, topk)
+                    f_req, f_blk, f_has = self.next_tile(la_req, la_blk, la_stop, end_req)
+                    if f_has:
+                        _, f_len = self.request_blocks(f_req, mTopkLen, topk)
+                        f_raw_a, f_pos_a = self.fetch_index(mIdx, f_req, s_idx, f_blk, 0, tok_in_half, f_len, topk_blocks)
+                        f_raw_b, f_pos_b = self.fetch_index(mIdx, f_req, s_idx, f_blk, 1, tok_in_half, f_len, topk_blocks)
+
+                if cutlass.const_expr(not both):
+                    self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
+                # Wait for both MMA warp groups to release this buffer (first use passes).
+                cute.arch.mbarrier_wait(k_free + buf, ((n // TILE.k_bufs) & 1) ^ 1)
+                tile_base = sk_base + buf * TILE.k_tile_bytes
+                self.convert_store_reload(reg_a, ok_a, tile_base, tok_in_half, sub, swz, naddr_a)
+                if cutlass.const_expr(both):
+                    self.convert_store_reload(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz, naddr_b)
+                else:
+                    self.convert_and_store(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz)
+
+                bal_a = cute.arch.vote_ballot_sync(ok_a)
+                bal_b = cute.arch.vote_ballot_sync(ok_b)
+                if lane == 0:
+                    vptr = cute.make_ptr(Uint8, valid_base + buf * 8 + warp, cute.AddressSpace.smem, assumed_align=1)
+                    cute.arch.store(vptr, Uint8(bal_a & 0xFF))
+                    vptr_b = cute.make_ptr(Uint8, valid_base + buf * 8 + 4 + warp, cute.AddressSpace.smem, assumed_align=1)
+                    cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
+                cute.arch.fence_view_async_shared()
+                cute.arch.mbarrier_arrive(k_full + buf)
+                # Rows of tile n+2 (their indices were fetched a whole tile ago).
+                self.prefetch_tile_rows(f_raw_a, f_pos_a, f_raw_b, f_pos_b, sub, kv_base, stride0, page, num_tokens)
+
+                raw_a = la_raw_a
+                pos_a = la_pos_a
+                raw_b = la_raw_b
+                pos_b = la_pos_b
+                la_req = f_req
+                la_blk = f_blk
+                la_has = f_has
+                la_raw_a = f_raw_a
+                la_pos_a = f_pos_a
+                la_raw_b = f_raw_b
+                la_pos_b = f_pos_b
+                n += 1
+
+    @cute.jit
+    def convert_store_reload(
+        self, regs: cute.Tensor, ok, half_base: Int32, tok_in_half: Int32, sub: Int32, swz: Int32, next_addr: Int64,
+    ):
+        """:meth:`convert_and_store`, re-loading each 16-B slot from the row at ``next_addr`` as
+        soon as its registers are consumed: RoPE first (stored as is), then the scales (once read),
+        then each fp8 chunk right after its conversion. Same bytes in shared memory."""
+        row_base = half_base + tok_in_half * 128
+        off0 = ((2 * sub) ^ swz) << 4
+        off1 = ((2 * sub + 1) ^ swz) << 4
+        rbase = row_base + 8 * TILE.chunk_bytes
+        r = [Int32(0)] * 8
+        for e in cutlass.range_constexpr(8):
+            r[e] = ptx.select_i32(ok, regs[36 + e], 0)
+        ptx.st_shared_v4(rbase + off0, r[0], r[1], r[2], r[3])
+        ptx.st_shared_v4(rbase + off1, r[4], r[5], r[6], r[7])
+        for q in cutlass.range_constexpr(2):
+            self.load_slot(regs, 9 + q, next_addr, sub)
+        sc = [Int32(0)] * 4
+        fast = cutlass.Boolean(True)
+        for k in cutlass.range_constexpr(4):
+            sc[k] = ptx.select_i32(ok, regs[32 + k], 0)
+            fast = fast & ptx.is_fast_scale(sc[k])
+        all_fast = cute.arch.vote_all_sync(fast)
+        s2 = [Int32(0)] * 4
+        for k in cutlass.range_constexpr(4):
+            s2[k] = ptx.scale_to_bf16x2_times_2pow120(sc[k])
+        self.load_slot(regs, 8, next_addr, sub)
+        # Warp-uniform choice, as in convert_and_store.
+        if all_fast:
+            for c in cutlass.range_constexpr(8):
+                o = [Int32(0)] * 8
+                for e in cutlass.range_constexpr(4):
+                    o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_pow2(regs[c * 4 + e], s2[c // 2])
+                self.load_slot(regs, c, next_addr, sub)
+                cbase = row_base + c * TILE.chunk_bytes
+                ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+                ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+        else:
+            for c in cutlass.range_constexpr(8):
+                o = [Int32(0)] * 8
+                for e in cutlass.range_constexpr(4):
+                    w = ptx.select_i32(ok, regs[c * 4 + e], 0)
+                    o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_exact(w, sc[c // 2])
+                self.load_slot(regs, c, next_addr, sub)
+                cbase = row_base + c * TILE.chunk_bytes
+                ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+                ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+
+    @cute.jit
+    def prefetch_tile_rows(self, raw_a: Int32, pos_a, raw_b: Int32, pos_b, sub: Int32, kv_base: Int64, stride0: Int64,
+                           page: Int32, num_tokens: Int64):
+        """L2 bulk prefetch of one tile's rows (``Tuning.prefetch_rows``): the ``sub`` 0 thread of a
+        token prefetches its half-A row, the ``sub`` 1 thread its half-B row; invalid tokens none."""
+        if cutlass.const_expr(self.tuning.prefetch_rows):
+            idx_a, ok_a = self.resolve_index(raw_a, pos_a, num_tokens)
+            idx_b, ok_b = self.resolve_index(raw_b, pos_b, num_tokens)
+            first = sub == 0
+            idx = ptx.select_i32(first, idx_a, idx_b)
+            ok = (first & ok_a) | ((sub == 1) & ok_b)
+            if ok:
+                ptx.prefetch_l2_bulk(self.row_address(kv_base, stride0, page, idx), TILE.row_bytes)
 
     @cute.jit
     def next_tile(self, req: Int32, blk: Int32, stop: Int32, end_req: Int32):
@@ -162,20 +358,39 @@ class ProducerMixin:
     @cute.jit
     def issue_row_loads(self, regs: cute.Tensor, kv_base: Int64, stride0: Int64, page: Int32, idx: Int32, sub: Int32):
         """11 x 128-bit loads of this thread's slice of one 656-B row into ``regs`` (44 x i32)."""
+        addr = self.row_address(kv_base, stride0, page, idx)
+        for c in cutlass.range_constexpr(8):
+            self.load_slot(regs, c, addr, sub)
+        self.load_slot(regs, 8, addr, sub)
+        for r in cutlass.range_constexpr(2):
+            self.load_slot(regs, 9 + r, addr, sub)
+
+    @cute.jit
+    def row_address(self, kv_base: Int64, stride0: Int64, page: Int32, idx: Int32):
+        """Global byte address of cache row ``idx`` (token index, already clamped to a legal row)."""
         blk = Uint32(idx) // Uint32(page)
         row = Uint32(idx) - blk * Uint32(page)
-        addr = kv_base + Int64(blk) * stride0 + Int64(row) * TILE.row_bytes
-        for c in cutlass.range_constexpr(8):
-            v = ptx.ld_global_v4(addr + (c * TILE.chunk + sub * 16))
-            for e in cutlass.range_constexpr(4):
-                regs[c * 4 + e] = ptx.vec_elem(v, e)
-        v = ptx.ld_global_v4(addr + TILE.scale_offset)
-        for e in cutlass.range_constexpr(4):
-            regs[32 + e] = ptx.vec_elem(v, e)
-        for r in cutlass.range_constexpr(2):
-            v = ptx.ld_global_v4(addr + (TILE.rope_offset + sub * 32 + r * 16))
-            for e in cutlass.range_constexpr(4):
-                regs[36 + r * 4 + e] = ptx.vec_elem(v, e)
+        return kv_base + Int64(blk) * stride0 + Int64(row) * TILE.row_bytes
+
+    def load_slot(self, regs: cute.Tensor, slot: int, addr: Int64, sub: Int32):
+        """One 16-B load of this thread's slice of the row at ``addr`` into ``regs``.
+
+        slot 0-7: fp8 bytes ``[64*slot + 16*sub, +16)`` -> regs[4*slot, +4); slot 8: the 4 scales
+        -> regs[32, +4); slot 9/10: RoPE bytes ``[528 + 32*sub + 16*(slot-9), +16)`` -> regs[36 + 4*(slot-9), +4).
+        (A plain function: inlined at trace time, ``slot`` is a Python int.)
+        """
+        if slot < 8:
+            off = slot * TILE.chunk + sub * 16
+            base = slot * 4
+        elif slot == 8:
+            off = TILE.scale_offset
+            base = 32
+        else:
+            off = TILE.rope_offset + sub * 32 + (slot - 9) * 16
+            base = 36 + (slot - 9) * 4
+        v = ptx.ld_global_v4(addr + off, self.tuning.gather_l1, self.tuning.gather_l2)
+        for e in range(4):
+            regs[base + e] = ptx.vec_elem(v, e)
 
     @cute.jit
     def convert_and_store(self, regs: cute.Tensor, ok, half_base: Int32, tok_in_half: Int32, sub: Int32, swz: Int32):

@@ -1,0 +1,173 @@
+"""Check and time Tuning variants of the SM90 sparse decode kernel against each other, in one device call.
+
+Correctness comes first and gates the timings:
+1. edge cases (cute_mla.testing inputs: non-power-of-two scales, topk_length, sink, page block 61,
+   invalid / out-of-range indices, all-invalid rows): every variant must give out/lse bit-identical
+   to the default's, and the default must pass the fp32-reference tolerances;
+2. on each benchmark row (bench_sparse_decode.py's inputs) every variant must match the default bit
+   for bit (the variants only reschedule work, so any difference is a bug).
+Then CUDA-graph replay times of the public API (main kernel, + combine where the plan splits), the
+variants interleaved round by round, median per variant.
+
+    python benchmarks/sm90_variants.py [--json PATH] [--variants a,b,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import cute_mla  # noqa: E402
+from cute_mla.kernels.sm90 import sparse_decode as sd  # noqa: E402
+from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING, Streaming, Tuning  # noqa: E402
+
+S = Streaming
+VARIANTS = {
+    "default": DEFAULT_TUNING,
+    "base": Tuning(streaming=S.OFF, prefetch_rows=False),
+    "stream_ab": Tuning(streaming=S.BOTH),
+    "pf": Tuning(prefetch_rows=True),
+    "stream_a_pf": Tuning(streaming=S.FIRST_HALF, prefetch_rows=True),
+    "stream_ab_pf": Tuning(streaming=S.BOTH, prefetch_rows=True),
+    "stream_ab_pf_noov": Tuning(streaming=S.BOTH, prefetch_rows=True, overlap_qk_pv=False),
+    "stream_ab_pf_noalloc": Tuning(streaming=S.BOTH, prefetch_rows=True, gather_l1="evict_no_allocate"),
+}
+ROWS = [(1, 1024, 64), (128, 2, 128), (1, 1024, 128)]
+
+
+class use_tuning:
+    """Make the dispatcher compile with ``tuning`` (compile_sparse_decode's default argument)."""
+
+    def __init__(self, tuning):
+        self.tuning = tuning
+
+    def __enter__(self):
+        self.orig = sd.compile_sparse_decode
+        sd.compile_sparse_decode = functools.partial(self.orig, tuning=self.tuning)
+
+    def __exit__(self, *exc):
+        sd.compile_sparse_decode = self.orig
+
+
+def edge_check(names):
+    from test_sm90_gpu import run_kernel
+    from cute_mla.reference import sparse_decode_reference
+    from cute_mla.testing import check_out_lse, make_inputs
+
+    g = torch.Generator().manual_seed(1234)
+    inp = make_inputs(74, 2, 64, 576, num_tokens=4096, page_block_size=61, invalid_frac=0.15, out_of_range_frac=0.05,
+                      with_topk_length=True, with_sink=True, power_of_two_scales=False, all_invalid_rows=3,
+                      device="cuda", generator=g)
+    res = {}
+    for name in names:
+        with use_tuning(VARIANTS[name]):
+            out, lse, _ = run_kernel(inp, False, 1)
+        res[name] = (out, lse)
+    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
+                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
+    check_out_lse(res["default"][0], res["default"][1], ref_out, ref_lse)
+    bad = []
+    for name in names:
+        o, l = res[name]
+        same = torch.equal(o, res["default"][0]) and torch.equal(l.nan_to_num(7.0), res["default"][1].nan_to_num(7.0))
+        if not same:
+            bad.append(name)
+    print(f"edge check (b=74 s_q=2 h=64 topk_length sink pbs=61 non-pow2 scales): default vs reference OK; "
+          f"bit-identical to default: {[n for n in names if n not in bad]}; DIFFERENT: {bad}", flush=True)
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    if "default" not in names:
+        names.insert(0, "default")
+    from bench_sparse_decode import TOPK, make_inputs, call
+
+    t0 = time.time()
+    bad = set(edge_check(names))
+    print(f"[{time.time() - t0:.0f} s]", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for (b, s_q, h) in ROWS:
+        q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
+        flop = 2 * h * (576 + 512) * TOPK * b * s_q
+        graphs, outs = {}, {}
+        for name in names:
+            if name in bad:
+                continue
+            sched, _ = cute_mla.get_mla_metadata()
+            with use_tuning(VARIANTS[name]):
+                o, l = call(cute_mla, sched, q, cache, idx)   # compiles (cached per tuning) and plans
+            torch.cuda.synchronize()
+            outs[name] = (o.clone(), l.clone())
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                call(cute_mla, sched, q, cache, idx)
+            torch.cuda.current_stream().wait_stream(s)
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                call(cute_mla, sched, q, cache, idx)
+            graphs[name] = gr
+        ok = [n for n in graphs if torch.equal(outs[n][0], outs["default"][0]) and torch.equal(outs[n][1], outs["default"][1])]
+        for n in list(graphs):
+            if n not in ok:
+                print(f"  b={b} s_q={s_q} h={h}: {n} DIFFERS from default: max |d out| "
+                      f"{(outs[n][0].float() - outs['default'][0].float()).abs().max().item():.3e}; not timed", flush=True)
+                del graphs[n]
+        for gr in graphs.values():
+            for _ in range(2):
+                gr.replay()
+        torch.cuda.synchronize()
+        one = None
+        times = {n: [] for n in graphs}
+        for r in range(args.rounds):
+            for n, gr in graphs.items():
+                k = 6
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(k)]
+                for a, e in ev:
+                    a.record(); gr.replay(); e.record()
+                torch.cuda.synchronize()
+                times[n] += [a.elapsed_time(e) * 1e3 for a, e in ev]
+        base_us = statistics.median(times["default"])
+        for n in graphs:
+            us = statistics.median(times[n])
+            rr = dict(b=b, s_q=s_q, h_q=h, variant=n, us=us, tflops=flop / us * 1e-6, speedup_vs_default=base_us / us,
+                      spread_us=statistics.pstdev(times[n]))
+            results.append(rr)
+            print(f"  {b:>4} {s_q:>5} {h:>4} {n:<22} {us:9.1f} us {rr['tflops']:6.1f} TF/s  x{rr['speedup_vs_default']:.3f}", flush=True)
+        del q, cache, idx, graphs, outs
+        torch.cuda.empty_cache()
+        print(f"[{time.time() - t0:.0f} s]", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), variants={n: repr(VARIANTS[n]) for n in names},
+                           edge_bad=sorted(bad), results=results), f, indent=1)
+    print("\nvariant                  " + "  ".join(f"{b}x{s}x{h}".rjust(12) for b, s, h in ROWS))
+    for n in names:
+        cells = []
+        for (b, s_q, h) in ROWS:
+            m = [r for r in results if r["variant"] == n and (r["b"], r["s_q"], r["h_q"]) == (b, s_q, h)]
+            cells.append(f"{m[0]['us']:7.1f} x{m[0]['speedup_vs_default']:.3f}" if m else "         -   ")
+        print(f"{n:<24} " + "  ".join(c.rjust(12) for c in cells))
+
+
+if __name__ == "__main__":
+    main()
