@@ -36,13 +36,15 @@ from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING, Streaming, Tunin
 S = Streaming
 VARIANTS = {
     "default": DEFAULT_TUNING,
-    "base": Tuning(streaming=S.OFF, prefetch_rows=False),
-    "stream_ab": Tuning(streaming=S.BOTH),
-    "pf": Tuning(prefetch_rows=True),
+    "no_pf": Tuning(prefetch_rows=False),   # the kernel before the L2 row prefetch (307058f)
+    "pf_noov": Tuning(prefetch_rows=True, overlap_qk_pv=False),
+    "pf_l1_normal": Tuning(prefetch_rows=True, gather_l1="evict_normal"),
+    "pf_l1_first": Tuning(prefetch_rows=True, gather_l1="evict_first"),
+    "pf_l2_none": Tuning(prefetch_rows=True, gather_l2=""),
+    # measured slower (NOTES.md), kept for re-tests
     "stream_a_pf": Tuning(streaming=S.FIRST_HALF, prefetch_rows=True),
     "stream_ab_pf": Tuning(streaming=S.BOTH, prefetch_rows=True),
-    "stream_ab_pf_noov": Tuning(streaming=S.BOTH, prefetch_rows=True, overlap_qk_pv=False),
-    "stream_ab_pf_noalloc": Tuning(streaming=S.BOTH, prefetch_rows=True, gather_l1="evict_no_allocate"),
+    "pf_noalloc": Tuning(prefetch_rows=True, gather_l1="evict_no_allocate"),
 }
 ROWS = [(1, 1024, 64), (128, 2, 128), (1, 1024, 128)]
 

@@ -68,6 +68,7 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
     assert "ld.global.L1::evict_last.L2::256B.v4" in ptx, "128-bit gather loads with cache hints"
     assert "mul.rn.bf16x2" in ptx, "FP8 -> bf16 bit trick (power-of-two scales)"
     assert "cvt.rn.f16x2.e4m3x2" in ptx, "exact fp32 dequant path (any other scale)"
+    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == DEFAULT_TUNING.prefetch_rows, "L2 row prefetch (Tuning knob)"
 
 
 def test_accumulator_tensor_map_only_in_split_variant(artifacts):

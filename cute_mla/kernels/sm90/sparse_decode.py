@@ -10,8 +10,9 @@ Warp-group roles (384 threads, FlashMLA's SM90 split; see shared/reference/sm90-
   wgmma P V[:, 0:256] into its half of O, and hands P + the per-row rescale to WG1 through smem.
 * WG1 ``PV_RIGHT``: SS wgmma P V[:, 256:512] into the other half of O.
 * WG2 ``PRODUCER``: gathers the 656-B rows named by ``indices`` with 128-bit ``ld.global``
-  (half-tile software pipeline, indices two tiles ahead), dequantizes e4m3 -> bf16 and writes the
-  SW128 K-major K tile (the V tile is a transposed view of the same bytes). Two K buffers.
+  (half-tile software pipeline, indices two tiles ahead, and each row of tile n+2 bulk-prefetched
+  into L2 once tile n is handed over), dequantizes e4m3 -> bf16 and writes the SW128 K-major K
+  tile (the V tile is a transposed view of the same bytes). Two K buffers.
   Keys are bit-identical to bf16(float(fp8) * scale): power-of-two scales (FlashMLA's recipe) take
   the 4-op bit trick, any other fp32 scale the exact fp32 path (warp-uniform choice). Rounding the
   scale to bf16 instead (FlashMLA SM90) failed the cosine and lse tolerances with such scales.
@@ -43,6 +44,9 @@ Measured on one H200 (CUDA events, median of 20, main kernel only, power-of-two 
 b=1, s_q=8192, h=64, topk=2048: 5,770 us (FlashMLA 6,732 us); b=128, s_q=2, h=128: 355.5 us
 (FlashMLA 447.5 us, with its combine). Non-power-of-two scales (exact path) were ~8 % slower
 (measured one commit earlier, before the index-latency fix: 6,625 vs 6,141 us and 423 vs 392 us).
+The L2 row prefetch (``Tuning.prefetch_rows``) took the CUDA-graph times of the public API from
+759.5 to 724.9 us (b=1, s_q=1024, h=64), 375.4 to 352.8 us (b=128, s_q=2, h=128) and 1477.6 to
+1419.8 us (b=1, s_q=1024, h=128); benchmarks/sm90_variants.py, NOTES.md.
 """
 
 from __future__ import annotations

@@ -114,6 +114,9 @@ class Streaming(IntEnum):
     consumed (chunk by chunk); B(n) as in OFF.
     BOTH: the same for B(n+1) during B(n)'s conversion, so both halves of tile n+1 are in flight
     while tile n is converted.
+
+    Measured on the H200 (benchmarks/NOTES.md, with and without ``prefetch_rows``): FIRST_HALF
+    1-3 % and BOTH 3-4.5 % *slower* than OFF, so OFF stays the default.
     """
 
     OFF = 0
@@ -131,8 +134,10 @@ class Tuning:
     streaming: Streaming = Streaming.OFF
     # Producer: bulk-prefetch the rows of tile n+2 into L2 once tile n is handed over (one
     # cp.async.bulk.prefetch.L2 of 656 B per row), so the loads issued a tile later hit L2.
-    prefetch_rows: bool = False
+    # Measured +4 to +6.5 % on the H200 benchmark rows (NOTES.md).
+    prefetch_rows: bool = True
     # Gather load hints: L1 eviction priority and L2 prefetch size (cute.arch.load literals, "" = none).
+    # L1::no_allocate measured 35 % slower than evict_last.
     gather_l1: str = "evict_last"
     gather_l2: str = "size_256b"
 
