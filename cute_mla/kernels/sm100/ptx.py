@@ -11,8 +11,10 @@ from __future__ import annotations
 from cutlass import Float32, Int32
 import cutlass.cute as cute
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, vector
+from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
+
+from ..ptx_common import pack_bf16x2, st_shared_v4, vec_elem  # noqa: F401  (shared helpers)
 
 
 def _vec_i32(n: int):
@@ -33,18 +35,6 @@ def ld_shared_v4(addr: Int32):
 def ld_shared_b32(addr: Int32) -> Int32:
     p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=4)
     return Int32(cute.arch.load(p, Int32))
-
-
-def st_shared_v4(addr: Int32, w0, w1, w2, w3) -> None:
-    """``st.shared.v4.b32`` of four i32 values at a 16-B aligned shared address."""
-    p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=16)
-    vals = [Int32(w).ir_value() for w in (w0, w1, w2, w3)]
-    cute.arch.store(p, vector.from_elements(_vec_i32(4), vals))
-
-
-def vec_elem(v, i: int) -> Int32:
-    """Element ``i`` (compile-time) of an i32 vector as a DSL ``Int32``."""
-    return Int32(vector.extract(v, [], [i]))
 
 
 def f32_bits(x: Float32) -> Int32:
@@ -96,15 +86,3 @@ def fp8x4_to_bf16x4_scaled(word: Int32, scale: Float32):
     return Int32(llvm.extractvalue(T.i32(), res, [0])), Int32(llvm.extractvalue(T.i32(), res, [1]))
 
 
-def pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
-    """``cvt.rn.bf16x2.f32``: ``lo`` in the low half (the lower address once stored)."""
-    res = llvm.inline_asm(
-        T.i32(),
-        [Float32(hi).ir_value(), Float32(lo).ir_value()],
-        "cvt.rn.bf16x2.f32 $0, $1, $2;",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(res)

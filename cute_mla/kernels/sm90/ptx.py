@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, vector
+from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
+
+from ..ptx_common import pack_bf16x2 as bf16x2_pack, st_shared_v4, vec_elem  # noqa: F401  (shared helpers)
 
 # 2^120 as fp32 bits: the FP8 bit trick below produces value * 2^-120 (e4m3 bias 7 read with the
 # bf16 bias 127), so the per-128-value scale is pre-multiplied by 2^120 once.
@@ -59,18 +61,6 @@ def prefetch_l2_bulk(addr: Int64, size: int) -> None:
 def ld_shared_v2(addr: Int32):
     p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=8)
     return cute.arch.load(p, ir.VectorType.get([2], T.i32()))
-
-
-def st_shared_v4(addr: Int32, w0, w1, w2, w3) -> None:
-    """``st.shared.v4.b32`` of four i32 values at a 16-B aligned shared address."""
-    p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=16)
-    vals = [Int32(w).ir_value() for w in (w0, w1, w2, w3)]
-    cute.arch.store(p, vector.from_elements(_vec4_i32_type(), vals))
-
-
-def vec_elem(v, i: int) -> Int32:
-    """Element ``i`` (compile-time) of an i32 vector as a DSL ``Int32``."""
-    return Int32(vector.extract(v, [], [i]))
 
 
 def scale_to_bf16x2_times_2pow120(scale_bits: Int32) -> Int32:
@@ -148,21 +138,6 @@ def fp8x4_to_bf16x4_exact(word: Int32, scale_bits: Int32):
 def is_fast_scale(scale_bits: Int32):
     """Power of two (or zero) below 2^8: the bit-trick path is exact for it."""
     return ((scale_bits & 0x007FFFFF) == 0) & (((scale_bits >> 23) & 0xFF) <= 127 + 7)
-
-
-def bf16x2_pack(lo: Float32, hi: Float32) -> Int32:
-    """``cvt.rn.bf16x2.f32``: lo goes to the low half (lower address), hi to the upper half."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(hi).ir_value(), Float32(lo).ir_value()],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
 
 
 def select_i32(pred, a, b) -> Int32:
