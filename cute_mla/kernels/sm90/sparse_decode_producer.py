@@ -12,6 +12,61 @@ from .sparse_decode_common import TILE, Streaming
 
 class ProducerMixin:
     @cute.jit
+    def producer_setup(self, mKV: cute.Tensor, mIdx: cute.Tensor):
+        """The producer's thread map, cache geometry and shared-memory addresses (both pipelines).
+
+        Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` and the 16-dim
+        slice ``l//8``; ``swz = token & 7`` is the SW128 XOR phase of this thread's rows.
+        """
+        ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+        warp = ptid // 32
+        lane = ptid % 32
+        sub = lane // 8
+        tok_in_half = warp * 8 + lane % 8
+        swz = lane % 8
+
+        topk = mIdx.shape[2]
+        topk_blocks = topk // TILE.tokens
+        kv_base = mKV.iterator.toint()
+        stride0 = Int64(mKV.stride[0])
+        page = Int32(mKV.shape[1])
+        num_tokens = Int64(mKV.shape[0]) * Int64(page)
+        # The shared-storage struct rebuilt from the dynamic-smem symbol (the allocator put it at
+        # offset 0, 1024-aligned). The allocator's own base pointer is a warp shuffle, which ptxas
+        # can neither rematerialize nor keep in this 128-register warp group, so it spilled it;
+        # the symbol address is a constant it can re-create anywhere.
+        storage = self.shared_storage(cute.arch.get_dyn_smem(Uint8, alignment=1024))
+        sk_base = storage.sK.data_ptr().toint()
+        valid_base = storage.valid.data_ptr().toint()
+        k_full = storage.k_full.data_ptr()
+        k_free = storage.k_free.data_ptr()
+        return (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
+                sk_base, valid_base, k_full, k_free)
+
+    @cute.jit
+    def fetch_tile_after(self, has: cutlass.Boolean, req: Int32, blk: Int32, sched, mTopkLen, mIdx: cute.Tensor,
+                         s_idx: Int32, tok_in_half: Int32, topk: Int32, topk_blocks: Int32, end_req: Int32):
+        """The tile after (req, blk) when ``has`` (else none) and its two halves' raw indices.
+
+        Returns (req, blk, has, raw_a, pos_a, raw_b, pos_b); raw -1 / pos False when there is none.
+        """
+        f_req = Int32(0)
+        f_blk = Int32(0)
+        f_has = cutlass.Boolean(False)
+        f_raw_a = Int32(-1)
+        f_pos_a = cutlass.Boolean(False)
+        f_raw_b = Int32(-1)
+        f_pos_b = cutlass.Boolean(False)
+        if has:
+            _, stop, _ = self.request_range(req, sched, mTopkLen, topk)
+            f_req, f_blk, f_has = self.next_tile(req, blk, stop, end_req)
+            if f_has:
+                _, f_len = self.request_blocks(f_req, mTopkLen, topk)
+                f_raw_a, f_pos_a = self.fetch_index(mIdx, f_req, s_idx, f_blk, 0, tok_in_half, f_len, topk_blocks)
+                f_raw_b, f_pos_b = self.fetch_index(mIdx, f_req, s_idx, f_blk, 1, tok_in_half, f_len, topk_blocks)
+        return f_req, f_blk, f_has, f_raw_a, f_pos_a, f_raw_b, f_pos_b
+
+    @cute.jit
     def producer(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
         """Gather + dequantize 64-token K tiles into the two K buffers (half-tile software pipeline).
 
@@ -29,28 +84,8 @@ class ProducerMixin:
     def producer_half_pipelined(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
         """The half-tile software pipeline (``Streaming.OFF``): see :meth:`producer`."""
         begin_req, end_req, begin_block, end_block = sched
-        ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
-        warp = ptid // 32
-        lane = ptid % 32
-        sub = lane // 8
-        tok_in_half = warp * 8 + lane % 8
-        swz = lane % 8  # (token & 7): the SW128 XOR phase of this thread's rows
-
-        topk = mIdx.shape[2]
-        topk_blocks = topk // TILE.tokens
-        kv_base = mKV.iterator.toint()
-        stride0 = Int64(mKV.stride[0])
-        page = Int32(mKV.shape[1])
-        num_tokens = Int64(mKV.shape[0]) * Int64(page)
-        # The shared-storage struct rebuilt from the dynamic-smem symbol (the allocator put it at
-        # offset 0, 1024-aligned). The allocator's own base pointer is a warp shuffle, which ptxas
-        # can neither rematerialize nor keep in this 128-register warp group, so it spilled it;
-        # the symbol address is a constant it can re-create anywhere.
-        storage = self.shared_storage(cute.arch.get_dyn_smem(Uint8, alignment=1024))
-        sk_base = storage.sK.data_ptr().toint()
-        valid_base = storage.valid.data_ptr().toint()
-        k_full = storage.k_full.data_ptr()
-        k_free = storage.k_free.data_ptr()
+        (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
+         sk_base, valid_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
 
         reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
@@ -83,20 +118,8 @@ class ProducerMixin:
                 idx_b, ok_b = self.resolve_index(raw_b, pos_b, num_tokens)
                 _, ok_a = self.resolve_index(raw_a, pos_a, num_tokens)
                 # Indices of tile n+2: their round trip is hidden behind a whole tile of work.
-                f_req = Int32(0)
-                f_blk = Int32(0)
-                f_has = cutlass.Boolean(False)
-                f_raw_a = Int32(-1)
-                f_pos_a = cutlass.Boolean(False)
-                f_raw_b = Int32(-1)
-                f_pos_b = cutlass.Boolean(False)
-                if la_has:
-                    _, la_stop, _ = self.request_range(la_req, sched, mTopkLen, topk)
-                    f_req, f_blk, f_has = self.next_tile(la_req, la_blk, la_stop, end_req)
-                    if f_has:
-                        _, f_len = self.request_blocks(f_req, mTopkLen, topk)
-                        f_raw_a, f_pos_a = self.fetch_index(mIdx, f_req, s_idx, f_blk, 0, tok_in_half, f_len, topk_blocks)
-                        f_raw_b, f_pos_b = self.fetch_index(mIdx, f_req, s_idx, f_blk, 1, tok_in_half, f_len, topk_blocks)
+                f_req, f_blk, f_has, f_raw_a, f_pos_a, f_raw_b, f_pos_b = self.fetch_tile_after(
+                    la_has, la_req, la_blk, sched, mTopkLen, mIdx, s_idx, tok_in_half, topk, topk_blocks, end_req)
 
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
                 # Wait for both MMA warp groups to release this buffer (first use passes).
@@ -149,24 +172,8 @@ class ProducerMixin:
         """
         both = self.tuning.streaming == Streaming.BOTH
         begin_req, end_req, begin_block, end_block = sched
-        ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
-        warp = ptid // 32
-        lane = ptid % 32
-        sub = lane // 8
-        tok_in_half = warp * 8 + lane % 8
-        swz = lane % 8
-
-        topk = mIdx.shape[2]
-        topk_blocks = topk // TILE.tokens
-        kv_base = mKV.iterator.toint()
-        stride0 = Int64(mKV.stride[0])
-        page = Int32(mKV.shape[1])
-        num_tokens = Int64(mKV.shape[0]) * Int64(page)
-        storage = self.shared_storage(cute.arch.get_dyn_smem(Uint8, alignment=1024))
-        sk_base = storage.sK.data_ptr().toint()
-        valid_base = storage.valid.data_ptr().toint()
-        k_full = storage.k_full.data_ptr()
-        k_free = storage.k_free.data_ptr()
+        (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
+         sk_base, valid_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
 
         reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
@@ -206,20 +213,8 @@ class ProducerMixin:
                     nidx_b, _ = self.resolve_index(la_raw_b, la_pos_b, num_tokens)
                     naddr_b = self.row_address(kv_base, stride0, page, nidx_b)
                 # Indices of tile n+2: their round trip is hidden behind a whole tile of work.
-                f_req = Int32(0)
-                f_blk = Int32(0)
-                f_has = cutlass.Boolean(False)
-                f_raw_a = Int32(-1)
-                f_pos_a = cutlass.Boolean(False)
-                f_raw_b = Int32(-1)
-                f_pos_b = cutlass.Boolean(False)
-                if la_has:
-                    _, la_stop, _ = self.request_range(la_req, sched, mTopkLen, topk)
-                    f_req, f_blk, f_has = self.next_tile(la_req, la_blk, la_stop, end_req)
-                    if f_has:
-                        _, f_len = self.request_blocks(f_req, mTopkLen, topk)
-                        f_raw_a, f_pos_a = self.fetch_index(mIdx, f_req, s_idx, f_blk, 0, tok_in_half, f_len, topk_blocks)
-                        f_raw_b, f_pos_b = self.fetch_index(mIdx, f_req, s_idx, f_blk, 1, tok_in_half, f_len, topk_blocks)
+                f_req, f_blk, f_has, f_raw_a, f_pos_a, f_raw_b, f_pos_b = self.fetch_tile_after(
+                    la_has, la_req, la_blk, sched, mTopkLen, mIdx, s_idx, tok_in_half, topk, topk_blocks, end_req)
 
                 if cutlass.const_expr(not both):
                     self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
