@@ -51,3 +51,15 @@ def test_compile_small_kernels(tmp_path, capsys, arch, kernel):
 def test_compile_unknown_kernel(tmp_path, capsys):
     assert main(["compile", "--arch", "sm_90a", "--kernel", "nope", "--out", str(tmp_path)]) == 2
     assert "kernel: got 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch,extra", [("sm_90a", []), ("sm_90a", ["--split", "--h-q", "128"]), ("sm_100a", ["--split"])])
+def test_compile_sparse_decode(tmp_path, capsys, arch, extra):
+    assert main(["compile", "--arch", arch, "--kernel", "sparse_decode", "--out", str(tmp_path)] + extra) == 0
+    out = capsys.readouterr().out
+    ptx = [f for f in os.listdir(tmp_path) if f.endswith(f".{arch}.ptx")]
+    assert ptx
+    text = open(os.path.join(tmp_path, ptx[0])).read()
+    assert ("wgmma.mma_async" in text) if arch == "sm_90a" else ("tcgen05.mma" in text)
+    if "registers" in out:
+        assert "local 0 B" in out
