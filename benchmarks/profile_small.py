@@ -1,0 +1,68 @@
+"""Where the time of a small decode call goes: per-kernel device time (torch profiler / CUPTI) of
+cute-mla and FlashMLA under CUDA graph replay, for the latency rows of the performance issue.
+
+    python benchmarks/profile_small.py
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import cute_mla  # noqa: E402
+from bench_sparse_decode import call, flashmla, make_inputs  # noqa: E402
+
+ROWS = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128), (128, 1, 64)]
+
+
+def graph_of(mod, q, cache, idx):
+    sched, _ = mod.get_mla_metadata()
+    call(mod, sched, q, cache, idx)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call(mod, sched, q, cache, idx)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call(mod, sched, q, cache, idx)
+    return g
+
+
+def kernel_times(g, reps=20):
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    acc = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.device_time > 0:
+            acc[e.name[:48]].append(e.device_time)
+    return {k: (sum(v) / reps, len(v) // reps) for k, v in acc.items()}
+
+
+def main():
+    fm = flashmla()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for (b, s_q, h) in ROWS:
+        q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
+        for name, mod in (("cute-mla", cute_mla), ("FlashMLA", fm)):
+            if mod is None:
+                continue
+            t = kernel_times(graph_of(mod, q, cache, idx))
+            total = sum(v[0] for v in t.values())
+            parts = ", ".join(f"{k} {v[0]:.1f} us x{v[1]}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
+            print(f"b={b} s_q={s_q} h={h} {name:8s}: kernels {total:.1f} us = {parts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
