@@ -22,7 +22,6 @@ SHAPES = [  # (name, b, s_q, h_q)
 
 def _gpu(args) -> int:
     from . import flash_mla_with_kvcache, get_mla_metadata
-    from .arch import device_arch, device_num_sms
     from .reference import sparse_decode_reference
     from .testing import check_out_lse, make_inputs
 
@@ -54,7 +53,7 @@ def _gpu(args) -> int:
         tflops = 2 * h * (576 + 512) * 2048 * b * s_q / us * 1e-6
         plan = sched.plan
         print(f"\n{name}: b={b} s_q={s_q} h_q={h} topk=2048  ->  {plan.kernel} ({plan.variant}), {plan.num_sm_parts} partitions")
-        print(f"  matches the fp32 reference (FlashMLA's tolerances)")
+        print("  matches the fp32 reference (FlashMLA's tolerances)")
         print(f"  {us:.1f} us per call ({tflops:.0f} TFLOP/s), first call {first:.2f} s (compile)")
         print(f"  transient memory {transient / 2**20:.2f} MiB (plan: {plan.workspace_bytes / 2**20:.2f} MiB; "
               f"FlashMLA allocates {plan.flashmla_workspace_bytes / 2**20:.1f} MiB here)")

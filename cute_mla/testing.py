@@ -184,3 +184,19 @@ def diagnose(out, lse, ref_out, ref_lse, sched):
         print(f"DIAG first bad {i}: out {out[i[0], i[1], i[2], :4].tolist()} ref {ref_out[i[0], i[1], i[2], :4].tolist()}; "
               f"out[256:260] {out[i[0], i[1], i[2], 256:260].tolist()} ref {ref_out[i[0], i[1], i[2], 256:260].tolist()}; "
               f"lse {lse[i[0], i[2], i[1]].item()} ref {ref_lse[i[0], i[2], i[1]].item()}")
+
+
+def median_event_us(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median device time of ``fn()`` in µs: CUDA events around each call, synchronized per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return sorted(times)[len(times) // 2]

@@ -1,7 +1,5 @@
 """CPU-only: the split-KV combine compiles for both archs; PTX sanity; config and launcher checks."""
 
-import glob
-import os
 
 import pytest
 import torch
@@ -15,15 +13,9 @@ from cute_mla.kernels.combine import (
     launch_combine,
 )
 from cute_mla.kernels.compile import CompiledKernel
+from cute_mla.kernels.inspect import read_ptx
 
 ARCHS = ("sm_90a", "sm_100a")
-
-
-def _ptx(dump_dir):
-    files = glob.glob(os.path.join(dump_dir, "*.ptx"))
-    assert len(files) == 1, files
-    with open(files[0]) as f:
-        return f.read()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -32,7 +24,7 @@ def _ptx(dump_dir):
 def test_compiles_with_expected_ptx(arch, h_q, has_attn_sink, tmp_path):
     cfg = CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=160, arch=arch)
     compile_combine(cfg, dump_dir=str(tmp_path))
-    ptx = _ptx(str(tmp_path))
+    ptx = read_ptx(str(tmp_path))
     assert f".target {arch}" in ptx
     assert ptx.count(".entry") == 1
     assert ".reqntid 256, 1, 1" in ptx, "8 warps, one head each"
@@ -52,7 +44,7 @@ def test_compiles_with_expected_ptx(arch, h_q, has_attn_sink, tmp_path):
 @pytest.mark.parametrize("max_splits", [32, 256])
 def test_compiles_every_bucket_edge(max_splits, tmp_path):
     compile_combine(CombineConfig(h_q=64, has_attn_sink=True, max_splits=max_splits, arch="sm_90a"), dump_dir=str(tmp_path))
-    ptx = _ptx(str(tmp_path))
+    ptx = read_ptx(str(tmp_path))
     # One lse load per register slot (max_splits / 32 per lane), besides num_splits and the sink.
     assert ptx.count("ld.global.b32") == max_splits // 32 + 2 + 1
 

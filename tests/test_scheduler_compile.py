@@ -1,28 +1,20 @@
 """CPU-only: the device scheduler compiles for both archs, and its launcher rejects bad shapes."""
 
-import glob
-import os
 
 import pytest
 import torch
 
 from cute_mla.kernels.compile import CompiledKernel
+from cute_mla.kernels.inspect import read_ptx
 from cute_mla.scheduler.device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
 
 ARCHS = ("sm_90a", "sm_100a")
 
 
-def _ptx(dump_dir):
-    files = glob.glob(os.path.join(dump_dir, "*.ptx"))
-    assert len(files) == 1, files
-    with open(files[0]) as f:
-        return f.read()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiles_with_expected_ptx(arch, tmp_path):
     compile_scheduler(SchedulerKernelConfig(arch=arch), dump_dir=str(tmp_path))
-    ptx = _ptx(str(tmp_path))
+    ptx = read_ptx(str(tmp_path))
     assert f".target {arch}" in ptx
     assert ptx.count(".entry") == 1
     assert ".reqntid 32, 1, 1" in ptx, "one warp per CTA"

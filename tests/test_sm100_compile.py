@@ -17,6 +17,7 @@ import cutlass  # noqa: E402
 from cutlass.cute.nvgpu import tcgen05  # noqa: E402
 
 from cute_mla.kernels.compile import CompiledKernel  # noqa: E402
+from cute_mla.kernels.inspect import find_tool, read_ptx, resource_usage, tensor_map_params  # noqa: E402
 from cute_mla.kernels.sm100 import sparse_decode as sd  # noqa: E402
 from cute_mla.kernels.sm100.sparse_decode import (  # noqa: E402
     SMEM_LIMIT,
@@ -46,20 +47,6 @@ _INSTR = [
 ]
 
 
-def _ptx(dump_dir):
-    files = glob.glob(os.path.join(dump_dir, "*.sm_100a.ptx"))
-    assert len(files) == 1, files
-    with open(files[0]) as f:
-        return f.read()
-
-
-def _tensor_map_params(ptx: str) -> int:
-    """Kernel parameters that are TMA descriptors (CUtensorMap: 128 bytes, 64-byte aligned)."""
-    entry = ptx[ptx.index(".entry"):]
-    params = entry[: entry.index(")")]
-    return len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", params))
-
-
 def _counts(ptx: str) -> dict:
     return {k: ptx.count(k) for k in _INSTR}
 
@@ -73,7 +60,7 @@ def _compile(variant, tmp_path_factory):
         cfg = Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink)
         d = str(tmp_path_factory.mktemp(f"sm100_{h_q}_{int(split)}{int(tl)}{int(sink)}"))
         compiled = compile_sparse_decode(cfg, dump_dir=d)
-        _COMPILED[variant] = (cfg, compiled, _ptx(d), d)
+        _COMPILED[variant] = (cfg, compiled, read_ptx(d, "sm_100a"), d)
     return _COMPILED[variant]
 
 
@@ -83,7 +70,7 @@ def test_compiles_with_blackwell_ptx(variant, tmp_path_factory):
     assert isinstance(compiled, CompiledKernel)
     c = _counts(ptx)
     print(f"\n{cfg}: smem {smem_bytes(cfg)} B, TMEM {tmem_columns(cfg)} columns ({TMEM.used(STAGES.s)} used), "
-          f"{_tensor_map_params(ptx)} tensor maps\n  " + ", ".join(f"{k} {v}" for k, v in c.items()))
+          f"{tensor_map_params(ptx)} tensor maps\n  " + ", ".join(f"{k} {v}" for k, v in c.items()))
     assert ".target sm_100a" in ptx
     assert ptx.count(".entry") == 1
     assert f".reqntid {sd.WARPS.threads}, 1, 1" in ptx
@@ -112,12 +99,12 @@ def test_split_variant_has_one_more_tensor_map(tmp_path_factory):
         _, _, p_no, _ = _compile(base, tmp_path_factory)
         _, _, p_sp, _ = _compile(split, tmp_path_factory)
         # q, kv_nope, kv_rope, out (+ o_accum): the no-split variant has no accumulator tensor map.
-        assert _tensor_map_params(p_no) == 4
-        assert _tensor_map_params(p_sp) == _tensor_map_params(p_no) + 1
+        assert tensor_map_params(p_no) == 4
+        assert tensor_map_params(p_sp) == tensor_map_params(p_no) + 1
         # the plan lists exactly the tensor maps the compiled variant builds
         from cute_mla import plan_sparse_decode
-        assert len(plan_sparse_decode(4, 1, h_q, 576, 512, arch="sm_100a", num_sms=148).tensor_maps) == _tensor_map_params(p_no)
-        assert len(plan_sparse_decode(4, 1, h_q, 576, 2048, arch="sm_100a", num_sms=148).tensor_maps) == _tensor_map_params(p_sp)
+        assert len(plan_sparse_decode(4, 1, h_q, 576, 512, arch="sm_100a", num_sms=148).tensor_maps) == tensor_map_params(p_no)
+        assert len(plan_sparse_decode(4, 1, h_q, 576, 2048, arch="sm_100a", num_sms=148).tensor_maps) == tensor_map_params(p_sp)
         # TMA stores: out boxes (2 halves x 8 column chunks), plus the o_accum boxes in the split variant.
         assert p_no.count("cp.async.bulk.tensor.2d.global.shared::cta") + p_no.count("cp.async.bulk.tensor.4d.global.shared::cta") == 16
         assert p_sp.count("cp.async.bulk.tensor.4d.global.shared::cta") + p_sp.count("cp.async.bulk.tensor.2d.global.shared::cta") == 32
@@ -141,19 +128,16 @@ def test_budgets_from_the_kernels_own_sizes():
 
 def test_cubin_resources(tmp_path_factory):
     """Registers / stack / static shared memory from the cubin (cuobjdump from the nvidia wheels)."""
-    from cute_mla.kernels.registry import find_tool, resource_usage
-
     _, _, _, d = _compile((64, True, True, True), tmp_path_factory)
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not installed")
     cubin = glob.glob(os.path.join(d, "*.cubin"))
     assert cubin
     usage = resource_usage(cubin[0])
-    print("\n" + "\n".join(usage))
-    m = re.search(r"shared (\d+) B", usage[0])
+    print(f"\n{usage}")
     # The static part is the 1 KiB the driver reserves; the kernel's memory is all dynamic.
-    assert m and int(m.group(1)) <= 1024
-    assert smem_bytes(None) + int(m.group(1)) <= 228 * 1024
+    assert usage["SHARED"] <= 1024
+    assert smem_bytes(None) + usage["SHARED"] <= 228 * 1024
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.scheduler import accum_offsets, blocks_per_request, num_sm_parts, per_request_rows, plan_splits_host
 from cute_mla.scheduler.partition import HostSchedule
-from cute_mla.testing import check_out_lse, make_inputs, diagnose, merge_splits
+from cute_mla.testing import check_out_lse, make_inputs, diagnose, median_event_us, merge_splits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm100]
 
@@ -185,18 +185,7 @@ def bench(b, s_q, h_q, topk, num_tokens, iters=20):
     def go():
         launch_sparse_decode(compiled, cfg, q, kv, idx, None, None, tile_md, offsets, out, lse, o_acc, lse_acc, 576 ** -0.5)
 
-    for _ in range(3):
-        go()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        go()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3)
-    t = sorted(times)[len(times) // 2]
+    t = median_event_us(go, iters)
     tokens = b * s_q * topk
     flops = 2 * h_q * tokens * (576 + 512)
     print(f"b={b} s_q={s_q} h_q={h_q} topk={topk} P={tile_md.shape[0]} split={split}: {t:.1f} us "

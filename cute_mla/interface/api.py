@@ -17,7 +17,7 @@ import torch
 
 from ..arch import device_arch, device_num_sms
 from ..formats import detect_format
-from ..scheduler import accum_offsets_device, blocks_per_request  # noqa: F401
+from ..scheduler import accum_offsets_device
 from . import dispatch
 from .plan import SparseDecodePlan, check_problem, plan_sparse_decode
 from .validate import KV_CACHE_DTYPES, check_aligned_strides, check_tensor

@@ -26,6 +26,15 @@ def find_artifacts(dump_dir: str, arch: str = "sm_90a") -> Tuple[Optional[str], 
     return newest("ptx"), newest("cubin")
 
 
+def read_ptx(dump_dir: str, arch: str = "*") -> str:
+    """Text of the one PTX file a single compile left in ``dump_dir`` (error if there is not exactly one)."""
+    files = glob.glob(os.path.join(dump_dir, f"*.{arch}.ptx"))
+    if len(files) != 1:
+        raise ValueError(f"expected one {arch} PTX file in {dump_dir}, found {files}")
+    with open(files[0]) as f:
+        return f.read()
+
+
 def find_tool(name: str) -> Optional[str]:
     """``cuobjdump`` / ``nvdisasm``: on PATH, else from the nvidia-cuda-* wheels (nvidia/*/bin)."""
     path = shutil.which(name)

@@ -7,12 +7,10 @@ memory, spills) read from the cubin with the cuobjdump of the ``nvidia-cuda-cuob
 
 from __future__ import annotations
 
-import glob
 import os
-import re
-import shutil
-import subprocess
-from typing import List, Optional
+from typing import List
+
+from . import inspect
 
 KERNELS = ("sparse_decode", "combine", "scheduler")
 
@@ -35,38 +33,12 @@ def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk
     raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
 
 
-def find_tool(name: str) -> Optional[str]:
-    """cuobjdump / nvdisasm: on PATH, or from the nvidia-cuda-* wheels."""
-    path = shutil.which(name)
-    if path:
-        return path
-    try:
-        import nvidia
-        for root in nvidia.__path__:
-            hits = glob.glob(os.path.join(root, "*", "bin", name))
-            if hits:
-                return hits[0]
-    except ImportError:
-        pass
-    return None
-
-
-def resource_usage(cubin: str) -> List[str]:
-    """One line per kernel: registers, shared memory, stack and spills (cuobjdump --dump-resource-usage)."""
-    tool = find_tool("cuobjdump")
-    if tool is None:
+def resource_lines(cubin: str) -> List[str]:
+    """Registers, shared memory, stack and local memory of the cubin's kernel, as one line."""
+    if inspect.find_tool("cuobjdump") is None:
         return ["(cuobjdump not found: pip install nvidia-cuda-cuobjdump for resource usage)"]
-    txt = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
-    lines, fn = [], None
-    for line in txt.splitlines():
-        m = re.search(r"Function (\S+):", line)
-        if m:
-            fn = m.group(1)
-        elif "REG:" in line and fn:
-            kv = dict(re.findall(r"(\w+):(\S+)", line))
-            lines.append(f"{fn[:60]}: registers {kv.get('REG')}, shared {kv.get('SHARED')} B, stack {kv.get('STACK')} B, "
-                         f"local {kv.get('LOCAL')} B")
-    return lines or [txt.strip()[:500]]
+    u = inspect.resource_usage(cubin)
+    return [f"registers {u.get('REG')}, shared {u.get('SHARED')} B (static), stack {u.get('STACK')} B, local {u.get('LOCAL')} B"]
 
 
 def compile_to_dir(name: str, arch: str, out_dir: str, *, h_q: int = 64, split: bool = False,
@@ -78,9 +50,8 @@ def compile_to_dir(name: str, arch: str, out_dir: str, *, h_q: int = 64, split: 
         raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
     os.makedirs(out_dir, exist_ok=True)
     _compile(name, arch, out_dir, h_q, split, has_topk_length, has_attn_sink)
-    ptx = sorted(glob.glob(os.path.join(out_dir, f"*.{arch}.ptx")), key=os.path.getmtime)
-    cubin = sorted(glob.glob(os.path.join(out_dir, f"*.{arch}.cubin")), key=os.path.getmtime)
-    report = [f"ptx:   {ptx[-1] if ptx else '(none)'}", f"cubin: {cubin[-1] if cubin else '(none)'}"]
+    ptx, cubin = inspect.find_artifacts(out_dir, arch)
+    report = [f"ptx:   {ptx or '(none)'}", f"cubin: {cubin or '(none)'}"]
     if cubin:
-        report += resource_usage(cubin[-1])
+        report += resource_lines(cubin)
     return report

@@ -44,6 +44,46 @@ class ProducerMixin:
                 sk_base, valid_base, k_full, k_free)
 
     @cute.jit
+    def hand_over_tile(self, ok_a, ok_b, lane: Int32, warp: Int32, valid_base: Int32, buf: Int32, k_full):
+        """Publish K buffer ``buf`` to the MMA warp groups (both pipelines).
+
+        Writes the tile's 64-bit validity mask (byte half*4 + warp, bit token & 7), makes the
+        generic-proxy ``st.shared`` data visible to the wgmma (async proxy) readers, then arrives on
+        ``k_full[buf]`` (one of the 128 producer arrivals the consumers wait for).
+        """
+        bal_a = cute.arch.vote_ballot_sync(ok_a)
+        bal_b = cute.arch.vote_ballot_sync(ok_b)
+        if lane == 0:
+            vptr = cute.make_ptr(Uint8, valid_base + buf * 8 + warp, cute.AddressSpace.smem, assumed_align=1)
+            cute.arch.store(vptr, Uint8(bal_a & 0xFF))
+            vptr_b = cute.make_ptr(Uint8, valid_base + buf * 8 + 4 + warp, cute.AddressSpace.smem, assumed_align=1)
+            cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
+        cute.arch.fence_view_async_shared()
+        cute.arch.mbarrier_arrive(k_full + buf)
+
+    @cute.jit
+    def fetch_first_tiles(self, begin_req: Int32, end_req: Int32, sched, mTopkLen, mIdx: cute.Tensor, s_idx: Int32,
+                          tok_in_half: Int32, topk: Int32, topk_blocks: Int32):
+        """Prologue of both pipelines: raw indices of the partition's first tile and of the tile after it.
+
+        Returns (raw_a, pos_a, raw_b, pos_b) of tile 0, then (req, blk, has, raw_a, pos_a, raw_b, pos_b)
+        of tile 1 (raw -1 / pos False when there is none).
+        """
+        start0, stop0, len0 = self.request_range(begin_req, sched, mTopkLen, topk)
+        raw_a, pos_a = self.fetch_index(mIdx, begin_req, s_idx, start0, 0, tok_in_half, len0, topk_blocks)
+        raw_b, pos_b = self.fetch_index(mIdx, begin_req, s_idx, start0, 1, tok_in_half, len0, topk_blocks)
+        la_req, la_blk, la_has = self.next_tile(begin_req, start0, stop0, end_req)
+        la_raw_a = Int32(-1)
+        la_pos_a = cutlass.Boolean(False)
+        la_raw_b = Int32(-1)
+        la_pos_b = cutlass.Boolean(False)
+        if la_has:
+            _, la_len = self.request_blocks(la_req, mTopkLen, topk)
+            la_raw_a, la_pos_a = self.fetch_index(mIdx, la_req, s_idx, la_blk, 0, tok_in_half, la_len, topk_blocks)
+            la_raw_b, la_pos_b = self.fetch_index(mIdx, la_req, s_idx, la_blk, 1, tok_in_half, la_len, topk_blocks)
+        return raw_a, pos_a, raw_b, pos_b, la_req, la_blk, la_has, la_raw_a, la_pos_a, la_raw_b, la_pos_b
+
+    @cute.jit
     def fetch_tile_after(self, has: cutlass.Boolean, req: Int32, blk: Int32, sched, mTopkLen, mIdx: cute.Tensor,
                          s_idx: Int32, tok_in_half: Int32, topk: Int32, topk_blocks: Int32, end_req: Int32):
         """The tile after (req, blk) when ``has`` (else none) and its two halves' raw indices.
@@ -91,18 +131,8 @@ class ProducerMixin:
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
 
         # ---- prologue: indices of tiles 0 and 1, loads of tile 0's first half
-        start0, stop0, len0 = self.request_range(begin_req, sched, mTopkLen, topk)
-        raw_a, pos_a = self.fetch_index(mIdx, begin_req, s_idx, start0, 0, tok_in_half, len0, topk_blocks)
-        raw_b, pos_b = self.fetch_index(mIdx, begin_req, s_idx, start0, 1, tok_in_half, len0, topk_blocks)
-        la_req, la_blk, la_has = self.next_tile(begin_req, start0, stop0, end_req)
-        la_raw_a = Int32(-1)
-        la_pos_a = cutlass.Boolean(False)
-        la_raw_b = Int32(-1)
-        la_pos_b = cutlass.Boolean(False)
-        if la_has:
-            _, la_len = self.request_blocks(la_req, mTopkLen, topk)
-            la_raw_a, la_pos_a = self.fetch_index(mIdx, la_req, s_idx, la_blk, 0, tok_in_half, la_len, topk_blocks)
-            la_raw_b, la_pos_b = self.fetch_index(mIdx, la_req, s_idx, la_blk, 1, tok_in_half, la_len, topk_blocks)
+        (raw_a, pos_a, raw_b, pos_b, la_req, la_blk, la_has, la_raw_a, la_pos_a, la_raw_b, la_pos_b) = self.fetch_first_tiles(
+            begin_req, end_req, sched, mTopkLen, mIdx, s_idx, tok_in_half, topk, topk_blocks)
         idx0, _ = self.resolve_index(raw_a, pos_a, num_tokens)
         self.issue_row_loads(reg_a, kv_base, stride0, page, idx0, sub)
         self.prefetch_tile_rows(la_raw_a, la_pos_a, la_raw_b, la_pos_b, sub, kv_base, stride0, page, num_tokens)
@@ -131,17 +161,7 @@ class ProducerMixin:
                     self.issue_row_loads(reg_a, kv_base, stride0, page, la_idx_a, sub)
                 self.convert_and_store(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz)
 
-                # 64-bit validity mask of the tile: byte (half*4 + warp), bit (token & 7).
-                bal_a = cute.arch.vote_ballot_sync(ok_a)
-                bal_b = cute.arch.vote_ballot_sync(ok_b)
-                if lane == 0:
-                    vptr = cute.make_ptr(Uint8, valid_base + buf * 8 + warp, cute.AddressSpace.smem, assumed_align=1)
-                    cute.arch.store(vptr, Uint8(bal_a & 0xFF))
-                    vptr_b = cute.make_ptr(Uint8, valid_base + buf * 8 + 4 + warp, cute.AddressSpace.smem, assumed_align=1)
-                    cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
-                # Generic-proxy st.shared -> visible to the wgmma (async proxy) readers.
-                cute.arch.fence_view_async_shared()
-                cute.arch.mbarrier_arrive(k_full + buf)
+                self.hand_over_tile(ok_a, ok_b, lane, warp, valid_base, buf, k_full)
                 # Rows of tile n+2 (their indices were fetched a whole tile ago).
                 self.prefetch_tile_rows(f_raw_a, f_pos_a, f_raw_b, f_pos_b, sub, kv_base, stride0, page, num_tokens)
 
@@ -179,18 +199,8 @@ class ProducerMixin:
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
 
         # ---- prologue: indices of tiles 0 and 1, both halves of tile 0 in flight
-        start0, stop0, len0 = self.request_range(begin_req, sched, mTopkLen, topk)
-        raw_a, pos_a = self.fetch_index(mIdx, begin_req, s_idx, start0, 0, tok_in_half, len0, topk_blocks)
-        raw_b, pos_b = self.fetch_index(mIdx, begin_req, s_idx, start0, 1, tok_in_half, len0, topk_blocks)
-        la_req, la_blk, la_has = self.next_tile(begin_req, start0, stop0, end_req)
-        la_raw_a = Int32(-1)
-        la_pos_a = cutlass.Boolean(False)
-        la_raw_b = Int32(-1)
-        la_pos_b = cutlass.Boolean(False)
-        if la_has:
-            _, la_len = self.request_blocks(la_req, mTopkLen, topk)
-            la_raw_a, la_pos_a = self.fetch_index(mIdx, la_req, s_idx, la_blk, 0, tok_in_half, la_len, topk_blocks)
-            la_raw_b, la_pos_b = self.fetch_index(mIdx, la_req, s_idx, la_blk, 1, tok_in_half, la_len, topk_blocks)
+        (raw_a, pos_a, raw_b, pos_b, la_req, la_blk, la_has, la_raw_a, la_pos_a, la_raw_b, la_pos_b) = self.fetch_first_tiles(
+            begin_req, end_req, sched, mTopkLen, mIdx, s_idx, tok_in_half, topk, topk_blocks)
         idx0_a, _ = self.resolve_index(raw_a, pos_a, num_tokens)
         self.issue_row_loads(reg_a, kv_base, stride0, page, idx0_a, sub)
         if cutlass.const_expr(both):
@@ -227,15 +237,7 @@ class ProducerMixin:
                 else:
                     self.convert_and_store(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz)
 
-                bal_a = cute.arch.vote_ballot_sync(ok_a)
-                bal_b = cute.arch.vote_ballot_sync(ok_b)
-                if lane == 0:
-                    vptr = cute.make_ptr(Uint8, valid_base + buf * 8 + warp, cute.AddressSpace.smem, assumed_align=1)
-                    cute.arch.store(vptr, Uint8(bal_a & 0xFF))
-                    vptr_b = cute.make_ptr(Uint8, valid_base + buf * 8 + 4 + warp, cute.AddressSpace.smem, assumed_align=1)
-                    cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
-                cute.arch.fence_view_async_shared()
-                cute.arch.mbarrier_arrive(k_full + buf)
+                self.hand_over_tile(ok_a, ok_b, lane, warp, valid_base, buf, k_full)
                 # Rows of tile n+2 (their indices were fetched a whole tile ago).
                 self.prefetch_tile_rows(f_raw_a, f_pos_a, f_raw_b, f_pos_b, sub, kv_base, stride0, page, num_tokens)
 
