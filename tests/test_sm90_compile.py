@@ -65,7 +65,11 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
     assert sorted(regs["inc"]) == [REGS.softmax]
     assert sorted(regs["dec"]) == sorted([REGS.pv_right, REGS.producer])
     assert REGS.softmax + REGS.pv_right + REGS.producer <= 504, "setmaxnreg targets must fit 3 x 168"
-    assert "ld.global.L1::evict_last.L2::256B.v4" in ptx, "128-bit gather loads with cache hints"
+    l2 = {"": "", "size_256b": ".L2::256B", "size_128b": ".L2::128B", "size_64b": ".L2::64B"}[DEFAULT_TUNING.gather_l2]
+    assert f"ld.global.L1::{DEFAULT_TUNING.gather_l1}{l2}.v4" in ptx, "128-bit gather loads with cache hints"
+    assert "griddepcontrol.launch_dependents" in ptx, "PDL trigger for the combine"
+    if DEFAULT_TUNING.compact_indices:
+        assert "popc.b32" in ptx and "%lanemask_lt" in ptx, "index compaction: ballot prefix counts"
     assert "mul.rn.bf16x2" in ptx, "FP8 -> bf16 bit trick (power-of-two scales)"
     assert "cvt.rn.f16x2.e4m3x2" in ptx, "exact fp32 dequant path (any other scale)"
     assert ("cp.async.bulk.prefetch.L2.global" in ptx) == DEFAULT_TUNING.prefetch_rows, "L2 row prefetch (Tuning knob)"

@@ -25,11 +25,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 NUM_SMS = 132
 
 
-def _kernel(h_q, split, has_topk_length, has_attn_sink):
-    from cute_mla.kernels.sm90.sparse_decode import Sm90SparseDecodeConfig, compile_sparse_decode
+def _kernel(h_q, split, has_topk_length, has_attn_sink, tuning=None):
+    from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING, Sm90SparseDecodeConfig, compile_sparse_decode
 
     cfg = Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink)
-    return cfg, compile_sparse_decode(cfg)
+    return cfg, compile_sparse_decode(cfg, tuning=tuning or DEFAULT_TUNING)
 
 
 def _schedule(topk, topk_length, b, parts, device):
@@ -40,7 +40,7 @@ def _schedule(topk, topk_length, b, parts, device):
     return s, tile_md, torch.tensor(offsets, dtype=torch.int32, device=device)
 
 
-def run_kernel(inp, split, parts):
+def run_kernel(inp, split, parts, tuning=None):
     """Launch the main kernel on ``inp``; for the split variant merge the partials in torch (fp32).
 
     Returns (out (b, s_q, h, 512) fp32, lse (b, h, s_q) fp32, schedule)."""
@@ -50,7 +50,7 @@ def run_kernel(inp, split, parts):
     b, s_q, h_q, _ = q.shape
     topk = inp.indices.shape[-1]
     kv = inp.k_cache.squeeze(2)
-    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None)
+    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None, tuning)
     sched, tile_md, offsets = _schedule(topk, inp.topk_length, b, parts, dev)
     if not split:
         assert not sched.any_split, "the no-split variant only runs on schedules without split pieces"
@@ -101,6 +101,74 @@ def test_sparse_decode_matches_reference(name, seed):
     except AssertionError:
         diagnose(out, lse, ref_out, ref_lse, sched)
         raise
+
+
+def _mask_pattern(idx, pattern, g):
+    """Overwrite entries of ``idx`` (b, s_q, topk) with -1 in a layout the index compaction must survive."""
+    flat = idx.view(-1, idx.shape[-1])
+    topk = flat.shape[1]
+    pos = torch.arange(topk)
+    if pattern == "front_half":  # the first half of every list masked: whole blocks without a valid token
+        flat[:, : topk // 2] = -1
+    elif pattern == "alternate_blocks":  # every other 64-block masked
+        flat[:, (pos // 64) % 2 == 1] = -1
+    elif pattern == "sparse":  # ~95 % masked: several requests fit one tile
+        flat[torch.rand(flat.shape, generator=g) < 0.95] = -1
+    elif pattern == "runs":  # random runs of 1..300 masked positions
+        for row in range(flat.shape[0]):
+            p = 0
+            while p < topk:
+                n = int(torch.randint(1, 300, (1,), generator=g))
+                if torch.rand(1, generator=g) < 0.5:
+                    flat[row, p : p + n] = -1
+                p += n
+    elif pattern == "one_valid":  # a single valid token per list, at a random position
+        keep = torch.randint(0, topk, (flat.shape[0],), generator=g)
+        kept = flat[torch.arange(flat.shape[0]), keep].clone()
+        flat[:] = -1
+        flat[torch.arange(flat.shape[0]), keep] = kept
+    elif pattern != "none":
+        raise ValueError(pattern)
+
+
+# pattern x (b, s_q, h_q, topk, split, topk_length): multi-request partitions (b=74), split pieces,
+# topk_length cutting lists short, h_q 128 (two CTAs per token). Masked entries come on top of make_inputs'
+# 15 % of -1 and 5 % out-of-range indices.
+COMPACTION_SHAPES = [(74, 2, 64, 2048, True, True), (9, 1, 128, 1024, True, False), (74, 1, 64, 576, False, True)]
+
+
+@pytest.mark.parametrize("pattern", ["none", "front_half", "alternate_blocks", "sparse", "runs", "one_valid"])
+@pytest.mark.parametrize("shape", range(len(COMPACTION_SHAPES)))
+def test_index_compaction_patterns(pattern, shape, seed):
+    """Tiles built from the valid indices only: every masking layout gives the reference's answer."""
+    b, s_q, h_q, topk, split, tl = COMPACTION_SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(b, s_q, h_q, topk, num_tokens=2 * topk, page_block_size=64, invalid_frac=0.15,
+                      out_of_range_frac=0.05, with_topk_length=tl, with_sink=True, device="cpu", generator=g)
+    _mask_pattern(inp.indices, pattern, g)
+    inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
+    parts = num_sm_parts("sm_90a", NUM_SMS, s_q, h_q) if split else 1
+    out, lse, sched = run_kernel(inp, split, parts)
+    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
+                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
+    try:
+        check_out_lse(out, lse, ref_out, ref_lse)
+    except AssertionError:
+        diagnose(out, lse, ref_out, ref_lse, sched)
+        raise
+
+
+def test_uncompacted_producer_still_matches(seed):
+    """The Tuning knob's other producer (one tile per 64 positions), kept for A/B timing."""
+    from cute_mla.kernels.sm90.sparse_decode import Tuning
+
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(74, 3, 64, 2048, num_tokens=4096, invalid_frac=0.2, with_topk_length=True, with_sink=True,
+                      device="cuda", generator=g)
+    out, lse, sched = run_kernel(inp, True, num_sm_parts("sm_90a", NUM_SMS, 3, 64), Tuning(compact_indices=False))
+    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
+                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
+    check_out_lse(out, lse, ref_out, ref_lse)
 
 
 # ------------------------------------------------------------------------------------------ timing

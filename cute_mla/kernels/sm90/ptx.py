@@ -63,6 +63,22 @@ def ld_shared_v2(addr: Int32):
     return cute.arch.load(p, ir.VectorType.get([2], T.i32()))
 
 
+def ld_shared_v4(addr: Int32):
+    """``ld.shared.v4.b32`` at a 16-B aligned shared address (elements via :func:`vec_elem`)."""
+    p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=16)
+    return cute.arch.load(p, _vec4_i32_type())
+
+
+def ld_shared_i32(addr: Int32) -> Int32:
+    p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=4)
+    return cute.arch.load(p, Int32)
+
+
+def st_shared_i32(addr: Int32, value) -> None:
+    p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=4)
+    cute.arch.store(p, Int32(value))
+
+
 def scale_to_bf16x2_times_2pow120(scale_bits: Int32) -> Int32:
     """bf16x2(scale * 2^120) from the fp32 bits of a V3.2 scale (both halves equal).
 

@@ -65,12 +65,13 @@ from . import ptx
 from .sparse_decode_common import DEFAULT_TUNING, REGS, TILE, Bar, Role, ScheduleMixin, Sm90SparseDecodeConfig, Streaming, Tuning
 from .sparse_decode_epilogue import LOG2E, EpilogueMixin
 from .sparse_decode_producer import ProducerMixin
+from .sparse_decode_scan import IndexScanMixin
 
 __all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "Streaming", "Tuning", "DEFAULT_TUNING", "REGS", "compile_sparse_decode",
            "launch_sparse_decode"]
 
 
-class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
+class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, EpilogueMixin):
     """The kernel object given to ``cute.compile``: host ``__call__`` (layouts, TMA atoms, grid) and device ``kernel``."""
 
     def __init__(self, cfg: Sm90SparseDecodeConfig, tuning: Tuning = DEFAULT_TUNING):
@@ -177,8 +178,11 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
             q_full: cute.struct.MemRange[Int64, 1]
             k_full: cute.struct.MemRange[Int64, TILE.k_bufs]
             k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
-            valid: cute.struct.MemRange[Uint8, 8 * TILE.k_bufs]  # 64-bit token mask per K buffer
+            # Per K buffer: 64-bit token mask + last-tile-of-request flag (producer -> consumers).
+            tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
+            scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
             row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
+            ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]  # compacted indices
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(k_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(p_layout)], 1024]
@@ -240,6 +244,11 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
                 cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg)
                 cute.arch.mbarrier_init(k_free + i, 2 * TILE.threads_per_wg)
         cute.arch.mbarrier_init_fence()
+        # Programmatic dependent launch: the combine (launched with PDL after this kernel in the
+        # split case) may be scheduled right away; it reads nothing before its griddepcontrol.wait,
+        # which waits for this whole grid to complete and flush. Its CTAs can only take SMs this
+        # grid leaves idle (a CTA here holds the whole register file), so they never delay us.
+        cute.arch.griddepcontrol_launch_dependents()
         if tidx < 32:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_out)
@@ -310,7 +319,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
         q_full = storage.q_full.data_ptr()
         k_full = storage.k_full.data_ptr()
         k_free = storage.k_free.data_ptr()
-        valid_base = storage.valid.data_ptr().toint()
+        info_base = storage.tile_info.data_ptr().toint()
         s_row_scale = storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
 
         # Q TMA partition: (h, d, s_q, b) -> (64, 576) boxes.
@@ -358,86 +367,92 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
                     cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
                     self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, n % TILE.k_bufs)
                     warpgroup.wait_group(0)
+            # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
+            active = start < stop
             for blk in cutlass.range(start, stop, unroll=1):
-                buf = n % TILE.k_bufs
-                if cutlass.const_expr(not self.tuning.overlap_qk_pv):
-                    cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
-                    self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf)
-                    warpgroup.wait_group(0)
-
-                # ---- mask + online softmax (log2 domain)
-                vw = ptx.ld_shared_v2(valid_base + buf * 8)
-                w_lo = Uint32(ptx.vec_elem(vw, 0)) >> Uint32(2 * quad)
-                w_hi = Uint32(ptx.vec_elem(vw, 1)) >> Uint32(2 * quad)
-                mx0 = -Float32.inf
-                mx1 = -Float32.inf
-                for v in cutlass.range_constexpr(cute.size(acc_s)):
-                    group = v // 4  # 8-column group
-                    bit = (v % 2) + 8 * (group % 4)
-                    word = w_lo if group < 4 else w_hi
-                    ok = ((word >> bit) & Uint32(1)) != Uint32(0)
-                    t = Float32(cutlass.select_(ok, acc_s[v] * scale_log2, -Float32.inf))
-                    acc_s[v] = t
-                    if cutlass.const_expr((v // 2) % 2 == 0):
-                        mx0 = cute.arch.fmax(mx0, t)
-                    else:
-                        mx1 = cute.arch.fmax(mx1, t)
-                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=1))
-                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=2))
-                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=1))
-                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=2))
-                new_m0 = cute.arch.fmax(m0, mx0)
-                new_m1 = cute.arch.fmax(m1, mx1)
-                sc0 = cute.math.exp2(m0 - new_m0, fastmath=True)
-                sc1 = cute.math.exp2(m1 - new_m1, fastmath=True)
-                m0 = new_m0
-                m1 = new_m1
-                sum0 = Float32(0.0)
-                sum1 = Float32(0.0)
-                for v in cutlass.range_constexpr(cute.size(acc_s)):
-                    if cutlass.const_expr((v // 2) % 2 == 0):
-                        p = cute.math.exp2(acc_s[v] - new_m0, fastmath=True)
-                        sum0 += p
-                        acc_s[v] = p
-                    else:
-                        p = cute.math.exp2(acc_s[v] - new_m1, fastmath=True)
-                        sum1 += p
-                        acc_s[v] = p
-                l0 = l0 * sc0 + sum0
-                l1 = l1 * sc1 + sum1
-                tOrP_as_c.store(acc_s.load().to(BFloat16))
-
-                # ---- hand P and the row factors to WG1
-                cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
-                if quad == 0:
-                    s_row_scale[row0] = sc0
-                    s_row_scale[row0 + 8] = sc1
-                cute.autovec_copy(tOrP_as_c, tSsP)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
-
-                # ---- O_left = O_left * sc + P V[:, :256]
-                self.scale_rows(acc_o, sc0, sc1)
-                warpgroup.fence()
-                cute.gemm(pv_rs_mma, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
-                warpgroup.commit_group()
-                if cutlass.const_expr(self.tuning.overlap_qk_pv):
-                    # Issue the next tile's QK behind this PV: the tensor core gets the next chain
-                    # while this one drains; P (registers) and S (acc_s) are distinct registers.
-                    if blk + 1 < stop:
-                        nbuf = (n + 1) % TILE.k_bufs
-                        cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)
-                        self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, nbuf)
-                        warpgroup.wait_group(1)
-                        cute.arch.mbarrier_arrive(k_free + buf)
+                if active:
+                    buf = n % TILE.k_bufs
+                    if cutlass.const_expr(not self.tuning.overlap_qk_pv):
+                        cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
+                        self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf)
                         warpgroup.wait_group(0)
+
+                    # ---- mask + online softmax (log2 domain)
+                    info = ptx.ld_shared_v4(info_base + buf * (TILE.info_words * 4))
+                    w_lo = Uint32(ptx.vec_elem(info, 0)) >> Uint32(2 * quad)
+                    w_hi = Uint32(ptx.vec_elem(info, 1)) >> Uint32(2 * quad)
+                    last_word = ptx.vec_elem(info, 2)
+                    last = last_word != 0
+                    mx0 = -Float32.inf
+                    mx1 = -Float32.inf
+                    for v in cutlass.range_constexpr(cute.size(acc_s)):
+                        group = v // 4  # 8-column group
+                        bit = (v % 2) + 8 * (group % 4)
+                        word = w_lo if group < 4 else w_hi
+                        ok = ((word >> bit) & Uint32(1)) != Uint32(0)
+                        t = Float32(cutlass.select_(ok, acc_s[v] * scale_log2, -Float32.inf))
+                        acc_s[v] = t
+                        if cutlass.const_expr((v // 2) % 2 == 0):
+                            mx0 = cute.arch.fmax(mx0, t)
+                        else:
+                            mx1 = cute.arch.fmax(mx1, t)
+                    mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=1))
+                    mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=2))
+                    mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=1))
+                    mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=2))
+                    new_m0 = cute.arch.fmax(m0, mx0)
+                    new_m1 = cute.arch.fmax(m1, mx1)
+                    sc0 = cute.math.exp2(m0 - new_m0, fastmath=True)
+                    sc1 = cute.math.exp2(m1 - new_m1, fastmath=True)
+                    m0 = new_m0
+                    m1 = new_m1
+                    sum0 = Float32(0.0)
+                    sum1 = Float32(0.0)
+                    for v in cutlass.range_constexpr(cute.size(acc_s)):
+                        if cutlass.const_expr((v // 2) % 2 == 0):
+                            p = cute.math.exp2(acc_s[v] - new_m0, fastmath=True)
+                            sum0 += p
+                            acc_s[v] = p
+                        else:
+                            p = cute.math.exp2(acc_s[v] - new_m1, fastmath=True)
+                            sum1 += p
+                            acc_s[v] = p
+                    l0 = l0 * sc0 + sum0
+                    l1 = l1 * sc1 + sum1
+                    tOrP_as_c.store(acc_s.load().to(BFloat16))
+
+                    # ---- hand P and the row factors to WG1
+                    cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+                    if quad == 0:
+                        s_row_scale[row0] = sc0
+                        s_row_scale[row0 + 8] = sc1
+                    cute.autovec_copy(tOrP_as_c, tSsP)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+
+                    # ---- O_left = O_left * sc + P V[:, :256]
+                    self.scale_rows(acc_o, sc0, sc1)
+                    warpgroup.fence()
+                    cute.gemm(pv_rs_mma, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
+                    warpgroup.commit_group()
+                    if cutlass.const_expr(self.tuning.overlap_qk_pv):
+                        # Issue the next tile's QK behind this PV: the tensor core gets the next chain
+                        # while this one drains; P (registers) and S (acc_s) are distinct registers.
+                        if last:
+                            warpgroup.wait_group(0)
+                            cute.arch.mbarrier_arrive(k_free + buf)
+                        else:
+                            nbuf = (n + 1) % TILE.k_bufs
+                            cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)
+                            self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, nbuf)
+                            warpgroup.wait_group(1)
+                            cute.arch.mbarrier_arrive(k_free + buf)
+                            warpgroup.wait_group(0)
                     else:
                         warpgroup.wait_group(0)
                         cute.arch.mbarrier_arrive(k_free + buf)
-                else:
-                    warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(k_free + buf)
-                n += 1
+                    n += 1
+                    active = last_word == 0
 
             # ---- epilogue of this request
             l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
@@ -485,6 +500,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
         row0 = warp * 16 + lane // 4
         k_full = storage.k_full.data_ptr()
         k_free = storage.k_free.data_ptr()
+        info_base = storage.tile_info.data_ptr().toint()
         s_row_scale = storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
 
         pv_ss_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -500,22 +516,27 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, EpilogueMixin):
         for req in cutlass.range(begin_req, end_req + 1, unroll=1):
             start, stop, length = self.request_range(req, sched, mTopkLen, topk)
             acc_o.fill(0.0)
+            # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
+            active = start < stop
             for blk in cutlass.range(start, stop, unroll=1):
-                buf = n % TILE.k_bufs
-                cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
-                sc0 = s_row_scale[row0]
-                sc1 = s_row_scale[row0 + 8]
-                # WG0 already waited for this buffer; waiting on the same phase here gives WG1 its own
-                # acquire of the producer's writes (the producer cannot refill it before WG1 releases).
-                cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
-                self.scale_rows(acc_o, sc0, sc1)
-                warpgroup.fence()
-                cute.gemm(pv_ss_mma, acc_o, tOrP[None, None, None, 0], tOrV[None, None, None, buf], acc_o)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
-                cute.arch.mbarrier_arrive(k_free + buf)
-                n += 1
+                if active:
+                    buf = n % TILE.k_bufs
+                    cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+                    sc0 = s_row_scale[row0]
+                    sc1 = s_row_scale[row0 + 8]
+                    # WG0 already waited for this buffer; waiting on the same phase here gives WG1 its own
+                    # acquire of the producer's writes (the producer cannot refill it before WG1 releases).
+                    cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
+                    last_word = ptx.ld_shared_i32(info_base + buf * (TILE.info_words * 4) + 8)
+                    self.scale_rows(acc_o, sc0, sc1)
+                    warpgroup.fence()
+                    cute.gemm(pv_ss_mma, acc_o, tOrP[None, None, None, 0], tOrV[None, None, None, buf], acc_o)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+                    cute.arch.mbarrier_arrive(k_free + buf)
+                    n += 1
+                    active = last_word == 0
 
             cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
             o_scale0 = s_row_scale[row0]

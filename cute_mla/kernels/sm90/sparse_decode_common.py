@@ -66,6 +66,7 @@ class Bar(IntEnum):
     Q_FREE = 3  # WG1 -> WG0, 256 threads
     EPI_SOFTMAX = 4  # WG0 only, 128 threads
     EPI_PV_RIGHT = 5  # WG1 only, 128 threads
+    INDEX_SCAN = 6  # WG2 only, 128 threads: index compaction (warp counts, then ring visibility)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,16 @@ class Tile:
     rope_offset: int = 528
     threads_per_wg: int = 128
     num_wgs: int = 3
+    # Index compaction (Tuning.compact_indices): the producer scans the top-k list in chunks of
+    # ``scan_chunk`` positions (one per producer thread) and appends the valid token indices to a
+    # shared-memory ring of ``ring_entries`` int32. A step starts while fewer than three tiles are
+    # queued (< 192 entries after the tile being built) and adds at most 128 entries plus 64 of
+    # padding at a request end, so every write lands < 320 entries past the oldest entry still to
+    # be read: 256 entries suffice (power of two: the ring position is a mask).
+    scan_chunk: int = 128
+    ring_entries: int = 256
+    tiles_ahead: int = 3  # tiles T, T+1 (half A loads) and T+2 (L2 prefetch) must be queued
+    info_words: int = 4  # per K buffer: valid mask (2 words), last-tile-of-request flag, pad
 
     @property
     def k_tile_bytes(self) -> int:
@@ -140,6 +151,15 @@ class Tuning:
     # L1::no_allocate measured 35 % slower than evict_last.
     gather_l1: str = "evict_last"
     gather_l2: str = "size_256b"
+    # Producer: build tiles from the *valid* indices only (masked -1 / out-of-range entries and
+    # positions past topk_length are dropped while scanning the top-k list), so a request with
+    # v valid tokens costs ceil(v/64) tiles instead of topk/64. Consumers learn each request's
+    # last tile from a flag the producer writes beside the tile's mask. Only with Streaming.OFF.
+    compact_indices: bool = True
+
+    def __post_init__(self):
+        if self.compact_indices and self.streaming != Streaming.OFF:
+            raise ValueError(f"Tuning: compact_indices needs streaming=Streaming.OFF, got {self.streaming!r}")
 
 
 TILE = Tile()

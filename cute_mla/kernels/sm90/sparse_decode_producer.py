@@ -37,27 +37,32 @@ class ProducerMixin:
         # the symbol address is a constant it can re-create anywhere.
         storage = self.shared_storage(cute.arch.get_dyn_smem(Uint8, alignment=1024))
         sk_base = storage.sK.data_ptr().toint()
-        valid_base = storage.valid.data_ptr().toint()
+        info_base = storage.tile_info.data_ptr().toint()
         k_full = storage.k_full.data_ptr()
         k_free = storage.k_free.data_ptr()
         return (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
-                sk_base, valid_base, k_full, k_free)
+                sk_base, info_base, k_full, k_free)
 
     @cute.jit
-    def hand_over_tile(self, ok_a, ok_b, lane: Int32, warp: Int32, valid_base: Int32, buf: Int32, k_full):
-        """Publish K buffer ``buf`` to the MMA warp groups (both pipelines).
+    def hand_over_tile(self, ok_a, ok_b, lane: Int32, warp: Int32, info_base: Int32, buf: Int32, k_full, last):
+        """Publish K buffer ``buf`` to the MMA warp groups (every producer).
 
-        Writes the tile's 64-bit validity mask (byte half*4 + warp, bit token & 7), makes the
-        generic-proxy ``st.shared`` data visible to the wgmma (async proxy) readers, then arrives on
-        ``k_full[buf]`` (one of the 128 producer arrivals the consumers wait for).
+        Writes the tile's ``tile_info`` (``info_words`` per buffer): its 64-bit validity mask (byte
+        half*4 + warp, bit token & 7) and word 2 = ``last`` (the request's last tile; the consumers
+        end their loop over the request on it). Then makes the generic-proxy ``st.shared`` data
+        visible to the wgmma (async proxy) readers and arrives on ``k_full[buf]`` (one of the 128
+        producer arrivals the consumers wait for).
         """
         bal_a = cute.arch.vote_ballot_sync(ok_a)
         bal_b = cute.arch.vote_ballot_sync(ok_b)
+        info = info_base + buf * (TILE.info_words * 4)
         if lane == 0:
-            vptr = cute.make_ptr(Uint8, valid_base + buf * 8 + warp, cute.AddressSpace.smem, assumed_align=1)
+            vptr = cute.make_ptr(Uint8, info + warp, cute.AddressSpace.smem, assumed_align=1)
             cute.arch.store(vptr, Uint8(bal_a & 0xFF))
-            vptr_b = cute.make_ptr(Uint8, valid_base + buf * 8 + 4 + warp, cute.AddressSpace.smem, assumed_align=1)
+            vptr_b = cute.make_ptr(Uint8, info + 4 + warp, cute.AddressSpace.smem, assumed_align=1)
             cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
+            if warp == 0:
+                ptx.st_shared_i32(info + 8, ptx.select_i32(last, 1, 0))
         cute.arch.fence_view_async_shared()
         cute.arch.mbarrier_arrive(k_full + buf)
 
@@ -110,12 +115,17 @@ class ProducerMixin:
     def producer(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
         """Gather + dequantize 64-token K tiles into the two K buffers (half-tile software pipeline).
 
+        With ``Tuning.compact_indices`` (default) the tiles hold the valid tokens only
+        (:class:`~.sparse_decode_scan.IndexScanMixin`); otherwise tile n is block n of the request.
+
         Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` and the 16-dim
         slice ``l//8`` of every 64-dim chunk: 8 x 16 B of fp8, 16 B of scales, 2 x 16 B of RoPE
         = 11 x 16-B loads per half tile. The loads of the next half tile are in flight while the
         current one is converted and stored; the indices are fetched two tiles ahead.
         """
-        if cutlass.const_expr(self.tuning.streaming != Streaming.OFF):
+        if cutlass.const_expr(self.tuning.compact_indices):
+            self.producer_compacted(mKV, mIdx, mTopkLen, sched, s_idx)
+        elif cutlass.const_expr(self.tuning.streaming != Streaming.OFF):
             self.producer_streamed(mKV, mIdx, mTopkLen, sched, s_idx)
         else:
             self.producer_half_pipelined(mKV, mIdx, mTopkLen, sched, s_idx)
@@ -125,7 +135,7 @@ class ProducerMixin:
         """The half-tile software pipeline (``Streaming.OFF``): see :meth:`producer`."""
         begin_req, end_req, begin_block, end_block = sched
         (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
-         sk_base, valid_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
+         sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
 
         reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
@@ -161,7 +171,7 @@ class ProducerMixin:
                     self.issue_row_loads(reg_a, kv_base, stride0, page, la_idx_a, sub)
                 self.convert_and_store(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz)
 
-                self.hand_over_tile(ok_a, ok_b, lane, warp, valid_base, buf, k_full)
+                self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, blk + 1 >= stop)
                 # Rows of tile n+2 (their indices were fetched a whole tile ago).
                 self.prefetch_tile_rows(f_raw_a, f_pos_a, f_raw_b, f_pos_b, sub, kv_base, stride0, page, num_tokens)
 
@@ -193,7 +203,7 @@ class ProducerMixin:
         both = self.tuning.streaming == Streaming.BOTH
         begin_req, end_req, begin_block, end_block = sched
         (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
-         sk_base, valid_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
+         sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
 
         reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
@@ -237,7 +247,7 @@ class ProducerMixin:
                 else:
                     self.convert_and_store(reg_b, ok_b, tile_base + 32 * 128, tok_in_half, sub, swz)
 
-                self.hand_over_tile(ok_a, ok_b, lane, warp, valid_base, buf, k_full)
+                self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, blk + 1 >= stop)
                 # Rows of tile n+2 (their indices were fetched a whole tile ago).
                 self.prefetch_tile_rows(f_raw_a, f_pos_a, f_raw_b, f_pos_b, sub, kv_base, stride0, page, num_tokens)
 

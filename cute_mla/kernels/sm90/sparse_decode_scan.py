@@ -1,0 +1,193 @@
+"""Index compaction for the SM90 producer (``Tuning.compact_indices``): tiles of valid tokens only.
+
+A top-k list with masked (-1) entries, out-of-range indices or positions past ``topk_length``
+would otherwise cost a full 64-token tile per 64 positions, whatever is valid in it. Here the
+producer warp group scans each request's positions of its partition in chunks of 128 (one
+position per producer thread), keeps the valid token indices in order of position and appends
+them to a shared-memory ring; tiles are cut from the ring 64 entries at a time. A request's last
+tile is padded with -1 (invalid: zero row, masked logit), and a request whose range holds no valid
+token still gets one all-invalid tile, so every request in the partition gets
+``max(1, ceil(valid / 64))`` tiles (none when its block range is empty), never more than its blocks.
+
+Softmax is order independent, so dropping invalid tokens and packing the rest changes nothing
+but the rounding order of the sums.
+
+Ring protocol (producer only; all 128 threads run every step together, so the scan state
+``tail``, the request cursor and the ``ends`` mask are identical in every thread):
+
+* a step: ballot of "valid" per warp -> each warp's lane 0 writes its count to
+  ``scan_counts[parity][warp]`` -> named barrier ``INDEX_SCAN`` (128) -> every thread reads the four
+  counts, writes its index at ``tail + (counts of lower warps) + (valid lanes below it)`` and adds
+  the total to ``tail``. The counts alternate between two slots (``parity``): a fast thread's next
+  write cannot hit a slot a slow thread has yet to read, the barrier in between orders them.
+* after the steps of one tile, a second ``INDEX_SCAN`` barrier makes the ring writes visible to
+  the threads that read them (each reads other threads' entries).
+* tile T is complete once ``tail >= 64 (T + 1)``: requests end on a multiple of 64 (padding), and a
+  step runs only while fewer than ``tiles_ahead`` tiles past T are queued, which bounds the ring
+  (:class:`Tile`).
+* ``ends`` bit ``T % 32`` marks tile T as its request's last; the consumer warp groups read that
+  flag beside the tile's mask (``tile_info``) to end their loop over the request.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from . import ptx
+from .sparse_decode_common import TILE, Bar
+
+RING_MASK = TILE.ring_entries - 1
+assert TILE.ring_entries & RING_MASK == 0, "ring_entries must be a power of two"
+assert TILE.scan_chunk == TILE.threads_per_wg, "one scanned position per producer thread"
+# A step starts with tail < 64 (T + tiles_ahead) and writes below that + scan_chunk (a request end
+# pads to <= that bound, rounded to a tile); entries from 64 (T + 1) on may still be read.
+assert TILE.ring_entries >= (TILE.tiles_ahead - 1) * TILE.tokens + TILE.scan_chunk, "ring too small"
+
+
+class IndexScanMixin:
+    @cute.jit
+    def scan_request(self, req: Int32, sched, mTopkLen, topk: Int32):
+        """(first position, end position, has blocks) of ``req``'s positions in this partition."""
+        start, stop, length = self.request_range(req, sched, mTopkLen, topk)
+        pos = start * TILE.tokens
+        end = cutlass.max(cutlass.min(stop * TILE.tokens, length), pos)
+        return pos, end, start < stop
+
+    @cute.jit
+    def scan_fetch(self, mIdx: cute.Tensor, req: Int32, s_idx: Int32, pos: Int32, end: Int32, ptid: Int32, scanning):
+        """This thread's raw index of the chunk at ``pos`` (-1 past ``end`` or once the scan is over).
+        The load is only issued here; the next :meth:`scan_step` consumes it."""
+        raw = Int32(-1)
+        if scanning & (pos + ptid < end):
+            raw = mIdx[req, s_idx, pos + ptid]
+        return raw
+
+    @cute.jit
+    def scan_step(self, req: Int32, pos: Int32, end: Int32, has, r0: Int32, tail: Int32, ends: Uint32, parity: Int32,
+                  raw: Int32, ptid: Int32, lane: Int32, warp: Int32, ring_base: Int32, counts_base: Int32,
+                  mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32, topk: Int32, num_tokens: Int64):
+        """Append the valid indices of one chunk to the ring; close the request when its range ends.
+
+        Scan state: the request being scanned (``req``), its next chunk position and end, whether
+        it has blocks here, the ring position its tiles start at (``r0``), the ring ``tail``, the
+        last-tile mask ``ends`` and the counts slot ``parity``; ``raw`` is this thread's index of
+        the chunk at ``pos`` (loaded one step earlier). Returns the new state, ``scanning`` (a
+        request is left) and the next chunk's raw index (its load in flight).
+        """
+        end_req = sched[1]
+        ok = (pos + ptid < end) & (raw >= 0) & (Int64(raw) < num_tokens)
+        ballot = cute.arch.vote_ballot_sync(ok)
+        below = cute.arch.popc(ballot & cute.arch.lanemask_lt())
+        slot = counts_base + parity * 16
+        if lane == 0:
+            ptx.st_shared_i32(slot + warp * 4, cute.arch.popc(ballot))
+        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        c = ptx.ld_shared_v4(slot)
+        c0 = ptx.vec_elem(c, 0)
+        c1 = ptx.vec_elem(c, 1)
+        c2 = ptx.vec_elem(c, 2)
+        c3 = ptx.vec_elem(c, 3)
+        lower = ptx.select_i32(warp > 0, c0, 0) + ptx.select_i32(warp > 1, c1, 0) + ptx.select_i32(warp > 2, c2, 0)
+        if ok:
+            ptx.st_shared_i32(ring_base + ((tail + lower + Int32(below)) & RING_MASK) * 4, raw)
+        tail = tail + c0 + c1 + c2 + c3
+        parity = parity ^ 1
+        pos = pos + TILE.scan_chunk
+        scanning = cutlass.Boolean(True)
+        if pos >= end:
+            if has:
+                # Close the request: pad to a whole tile, and give an empty one its one tile.
+                closed = cutlass.max((tail + (TILE.tokens - 1)) // TILE.tokens * TILE.tokens, r0 + TILE.tokens)
+                if ptid < closed - tail:
+                    ptx.st_shared_i32(ring_base + ((tail + ptid) & RING_MASK) * 4, -1)
+                ends = ends | (Uint32(1) << Uint32((closed // TILE.tokens - 1) % 32))
+                tail = closed
+            req = req + 1
+            r0 = tail
+            if req > end_req:
+                scanning = cutlass.Boolean(False)
+            else:
+                pos, end, has = self.scan_request(req, sched, mTopkLen, topk)
+        raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
+        return req, pos, end, has, r0, tail, ends, parity, scanning, raw
+
+    @cute.jit
+    def ring_index(self, ring_base: Int32, p: Int32):
+        """(token index clamped to a legal row, valid) of ring entry ``p``."""
+        v = ptx.ld_shared_i32(ring_base + (p & RING_MASK) * 4)
+        return cutlass.max(v, 0), v >= 0
+
+    @cute.jit
+    def producer_compacted(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
+        """The half-tile software pipeline of :meth:`producer_half_pipelined` over compacted tiles.
+
+        Tile T: B(T)'s loads are issued first, then the scan runs until ``tiles_ahead`` tiles past
+        T are queued (or the partition is scanned), then A(T) is converted, A(T+1)'s loads issued,
+        B(T) converted, the tile handed over with its last-tile flag, and tile T+2's rows
+        bulk-prefetched into L2.
+        """
+        begin_req = sched[0]
+        (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
+         sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
+        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
+        ring_base = storage.ring.data_ptr().toint()
+        counts_base = storage.scan_counts.data_ptr().toint()
+        ptid = warp * 32 + lane
+        half_b = TILE.tokens // 2
+
+        reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+        reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+
+        # ---- prologue: scan until tile 0 is queued, then issue its half-A loads
+        req = begin_req
+        pos, end, has = self.scan_request(begin_req, sched, mTopkLen, topk)
+        r0 = Int32(0)
+        tail = Int32(0)
+        ends = Uint32(0)
+        parity = Int32(0)
+        scanning = cutlass.Boolean(True)
+        raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
+        while scanning & (tail < TILE.tokens):
+            req, pos, end, has, r0, tail, ends, parity, scanning, raw = self.scan_step(
+                req, pos, end, has, r0, tail, ends, parity, raw, ptid, lane, warp, ring_base, counts_base,
+                mIdx, mTopkLen, sched, s_idx, topk, num_tokens)
+        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        idx_a, ok_a = self.ring_index(ring_base, tok_in_half)
+        if tail > 0:
+            self.issue_row_loads(reg_a, kv_base, stride0, page, idx_a, sub)
+
+        t = Int32(0)
+        while t * TILE.tokens < tail:
+            buf = t % TILE.k_bufs
+            first = t * TILE.tokens
+            idx_b, ok_b = self.ring_index(ring_base, first + half_b + tok_in_half)
+            self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
+            # Keep tiles T+1 and T+2 queued (the loads of tile T's half B are in flight meanwhile).
+            while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
+                req, pos, end, has, r0, tail, ends, parity, scanning, raw = self.scan_step(
+                    req, pos, end, has, r0, tail, ends, parity, raw, ptid, lane, warp, ring_base, counts_base,
+                    mIdx, mTopkLen, sched, s_idx, topk, num_tokens)
+            cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+
+            cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
+            tile_base = sk_base + buf * TILE.k_tile_bytes
+            self.convert_and_store(reg_a, ok_a, tile_base, tok_in_half, sub, swz)
+            next_ok_a = cutlass.Boolean(False)
+            if first + TILE.tokens < tail:
+                next_idx_a, next_ok_a = self.ring_index(ring_base, first + TILE.tokens + tok_in_half)
+                self.issue_row_loads(reg_a, kv_base, stride0, page, next_idx_a, sub)
+            self.convert_and_store(reg_b, ok_b, tile_base + half_b * 128, tok_in_half, sub, swz)
+
+            bit = Uint32(1) << Uint32(t % 32)
+            self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0))
+            ends = ends & ~bit
+            # Rows of tile T+2 into L2 (sub 0: its half-A row, sub 1: its half-B row).
+            if cutlass.const_expr(self.tuning.prefetch_rows):
+                if first + 2 * TILE.tokens < tail:
+                    p_idx, p_ok = self.ring_index(ring_base, first + 2 * TILE.tokens + sub * half_b + tok_in_half)
+                    if p_ok & (sub < 2):
+                        ptx.prefetch_l2_bulk(self.row_address(kv_base, stride0, page, p_idx), TILE.row_bytes)
+            ok_a = next_ok_a
+            t += 1
