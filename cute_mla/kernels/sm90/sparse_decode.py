@@ -79,6 +79,13 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
         self.tuning = tuning
         self.n_hblk = cfg.h_q // TILE.heads
 
+    def consumer_fence(self):
+        """With ``Tuning.consumer_proxy_fence``: the proxy fence between the producer's st.shared of a
+        K tile and this thread's wgmma reads of it, right after the k_full wait (else the producer
+        fenced before arriving). A plain function, inlined at trace time."""
+        if self.tuning.consumer_proxy_fence:
+            cute.arch.fence_view_async_shared()
+
     @staticmethod
     def issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf):
         """S = Q K^T: 36 chained SS wgmma 64x64x16 over the 576 dims of K buffer ``buf`` (committed, not waited).
@@ -365,6 +372,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
             if cutlass.const_expr(self.tuning.overlap_qk_pv):
                 if start < stop:
                     cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
+                    self.consumer_fence()
                     self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, n % TILE.k_bufs)
                     warpgroup.wait_group(0)
             # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
@@ -374,6 +382,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
                     buf = n % TILE.k_bufs
                     if cutlass.const_expr(not self.tuning.overlap_qk_pv):
                         cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
+                        self.consumer_fence()
                         self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf)
                         warpgroup.wait_group(0)
 
@@ -444,6 +453,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
                         else:
                             nbuf = (n + 1) % TILE.k_bufs
                             cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)
+                            self.consumer_fence()
                             self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, nbuf)
                             warpgroup.wait_group(1)
                             cute.arch.mbarrier_arrive(k_free + buf)
@@ -528,6 +538,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
                     # acquire of the producer's writes (the producer cannot refill it before WG1 releases).
                     cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
                     last_word = ptx.ld_shared_i32(info_base + buf * (TILE.info_words * 4) + 8)
+                    self.consumer_fence()
                     self.scale_rows(acc_o, sc0, sc1)
                     warpgroup.fence()
                     cute.gemm(pv_ss_mma, acc_o, tOrP[None, None, None, 0], tOrV[None, None, None, buf], acc_o)

@@ -154,12 +154,20 @@ class Tuning:
     # Producer: build tiles from the *valid* indices only (masked -1 / out-of-range entries and
     # positions past topk_length are dropped while scanning the top-k list), so a request with
     # v valid tokens costs ceil(v/64) tiles instead of topk/64. Consumers learn each request's
-    # last tile from a flag the producer writes beside the tile's mask. Only with Streaming.OFF.
+    # last tile from a flag the producer writes beside the tile's mask. Streaming OFF or BOTH.
     compact_indices: bool = True
+    # Where the generic -> async proxy fence of a K tile runs. False: each producer thread before
+    # its k_full arrive (its SASS, MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, may wait for that thread's
+    # global loads still in flight: the next tile's rows). True: each consumer thread after its
+    # k_full wait, before its wgmma reads the tile. The PTX memory model accepts the proxy fence
+    # anywhere on the causality path from the st.shared to the async-proxy read (release arrive
+    # -> acquire wait -> fence -> wgmma). (The uni-directional shared-only release fence compiles
+    # to the same MEMBAR + FENCE.VIEW pair on sm_90a, so it is no alternative.)
+    consumer_proxy_fence: bool = False
 
     def __post_init__(self):
-        if self.compact_indices and self.streaming != Streaming.OFF:
-            raise ValueError(f"Tuning: compact_indices needs streaming=Streaming.OFF, got {self.streaming!r}")
+        if self.compact_indices and self.streaming == Streaming.FIRST_HALF:
+            raise ValueError(f"Tuning: compact_indices takes streaming OFF or BOTH, got {self.streaming!r}")
 
 
 TILE = Tile()

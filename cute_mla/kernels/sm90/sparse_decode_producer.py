@@ -63,7 +63,8 @@ class ProducerMixin:
             cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
             if warp == 0:
                 ptx.st_shared_i32(info + 8, ptx.select_i32(last, 1, 0))
-        cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(not self.tuning.consumer_proxy_fence):
+            cute.arch.fence_view_async_shared()
         cute.arch.mbarrier_arrive(k_full + buf)
 
     @cute.jit
@@ -123,7 +124,7 @@ class ProducerMixin:
         = 11 x 16-B loads per half tile. The loads of the next half tile are in flight while the
         current one is converted and stored; the indices are fetched two tiles ahead.
         """
-        if cutlass.const_expr(self.tuning.compact_indices):
+        if cutlass.const_expr(self.tuning.compact_indices):  # OFF or BOTH
             self.producer_compacted(mKV, mIdx, mTopkLen, sched, s_idx)
         elif cutlass.const_expr(self.tuning.streaming != Streaming.OFF):
             self.producer_streamed(mKV, mIdx, mTopkLen, sched, s_idx)

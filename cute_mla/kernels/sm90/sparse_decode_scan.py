@@ -36,7 +36,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from . import ptx
-from .sparse_decode_common import TILE, Bar
+from .sparse_decode_common import TILE, Bar, Streaming
 
 RING_MASK = TILE.ring_entries - 1
 assert TILE.ring_entries & RING_MASK == 0, "ring_entries must be a power of two"
@@ -126,8 +126,10 @@ class IndexScanMixin:
         Tile T: B(T)'s loads are issued first, then the scan runs until ``tiles_ahead`` tiles past
         T are queued (or the partition is scanned), then A(T) is converted, A(T+1)'s loads issued,
         B(T) converted, the tile handed over with its last-tile flag, and tile T+2's rows
-        bulk-prefetched into L2.
+        bulk-prefetched into L2. With ``Streaming.BOTH`` both halves of tile T+1 are loaded slot by
+        slot while tile T is converted (:meth:`convert_store_reload`) instead.
         """
+        streamed = self.tuning.streaming == Streaming.BOTH
         begin_req = sched[0]
         (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
          sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
@@ -155,30 +157,48 @@ class IndexScanMixin:
                 mIdx, mTopkLen, sched, s_idx, topk, num_tokens)
         cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
         idx_a, ok_a = self.ring_index(ring_base, tok_in_half)
+        idx_b, ok_b = self.ring_index(ring_base, half_b + tok_in_half)
         if tail > 0:
             self.issue_row_loads(reg_a, kv_base, stride0, page, idx_a, sub)
+            if cutlass.const_expr(streamed):
+                self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
 
         t = Int32(0)
         while t * TILE.tokens < tail:
             buf = t % TILE.k_bufs
             first = t * TILE.tokens
-            idx_b, ok_b = self.ring_index(ring_base, first + half_b + tok_in_half)
-            self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
-            # Keep tiles T+1 and T+2 queued (the loads of tile T's half B are in flight meanwhile).
+            if cutlass.const_expr(not streamed):
+                idx_b, ok_b = self.ring_index(ring_base, first + half_b + tok_in_half)
+                self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
+            # Keep tiles T+1 and T+2 queued (loads of tile T are in flight meanwhile).
             while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
                 req, pos, end, has, r0, tail, ends, parity, scanning, raw = self.scan_step(
                     req, pos, end, has, r0, tail, ends, parity, raw, ptid, lane, warp, ring_base, counts_base,
                     mIdx, mTopkLen, sched, s_idx, topk, num_tokens)
             cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+            has_next = first + TILE.tokens < tail
 
             cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
             tile_base = sk_base + buf * TILE.k_tile_bytes
-            self.convert_and_store(reg_a, ok_a, tile_base, tok_in_half, sub, swz)
             next_ok_a = cutlass.Boolean(False)
-            if first + TILE.tokens < tail:
-                next_idx_a, next_ok_a = self.ring_index(ring_base, first + TILE.tokens + tok_in_half)
-                self.issue_row_loads(reg_a, kv_base, stride0, page, next_idx_a, sub)
-            self.convert_and_store(reg_b, ok_b, tile_base + half_b * 128, tok_in_half, sub, swz)
+            next_ok_b = cutlass.Boolean(False)
+            if cutlass.const_expr(streamed):
+                # Each 16-B slot of tile T is re-loaded with tile T+1's row as soon as it is
+                # converted (row 0, never stored, when there is no tile T+1).
+                na_idx, na_ok = self.ring_index(ring_base, first + TILE.tokens + tok_in_half)
+                nb_idx, nb_ok = self.ring_index(ring_base, first + TILE.tokens + half_b + tok_in_half)
+                next_ok_a = na_ok & has_next
+                next_ok_b = nb_ok & has_next
+                na_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok_a, na_idx, 0))
+                nb_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok_b, nb_idx, 0))
+                self.convert_store_reload(reg_a, ok_a, tile_base, tok_in_half, sub, swz, na_addr)
+                self.convert_store_reload(reg_b, ok_b, tile_base + half_b * 128, tok_in_half, sub, swz, nb_addr)
+            else:
+                self.convert_and_store(reg_a, ok_a, tile_base, tok_in_half, sub, swz)
+                if has_next:
+                    next_idx_a, next_ok_a = self.ring_index(ring_base, first + TILE.tokens + tok_in_half)
+                    self.issue_row_loads(reg_a, kv_base, stride0, page, next_idx_a, sub)
+                self.convert_and_store(reg_b, ok_b, tile_base + half_b * 128, tok_in_half, sub, swz)
 
             bit = Uint32(1) << Uint32(t % 32)
             self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0))
@@ -190,4 +210,6 @@ class IndexScanMixin:
                     if p_ok & (sub < 2):
                         ptx.prefetch_l2_bulk(self.row_address(kv_base, stride0, page, p_idx), TILE.row_bytes)
             ok_a = next_ok_a
+            if cutlass.const_expr(streamed):
+                ok_b = next_ok_b
             t += 1
