@@ -1,11 +1,14 @@
-"""CPU-only: the split-KV combine compiles for both archs; PTX sanity; config and launcher checks."""
+"""CPU-only: the split-KV combine compiles for both archs; PTX/SASS sanity; config and launcher checks."""
 
+import re
 
 import pytest
 import torch
 
 from cute_mla.kernels.combine import (
     MAX_SPLITS_BUCKETS,
+    ROWS_IN_FLIGHT,
+    THREADS_PER_CTA,
     CombineConfig,
     combine_config,
     combine_max_splits,
@@ -13,7 +16,7 @@ from cute_mla.kernels.combine import (
     launch_combine,
 )
 from cute_mla.kernels.compile import CompiledKernel
-from cute_mla.kernels.inspect import read_ptx
+from cute_mla.kernels.inspect import find_artifacts, find_tool, local_memory_ops, read_ptx, resource_usage, sass
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -27,13 +30,14 @@ def test_compiles_with_expected_ptx(arch, h_q, has_attn_sink, tmp_path):
     ptx = read_ptx(str(tmp_path))
     assert f".target {arch}" in ptx
     assert ptx.count(".entry") == 1
-    assert ".reqntid 256, 1, 1" in ptx, "8 warps, one head each"
+    assert f".reqntid {THREADS_PER_CTA}, 1, 1" in ptx, "4 warps: one CTA per (token, head)"
     assert "griddepcontrol.wait" in ptx, "PDL wait before the accumulators are read"
-    # Split rows come in as 16-byte loads; plain (not .nc) loads, since .nc and PDL do not mix.
-    assert "ld.global.v4" in ptx and "ld.global.nc" not in ptx
-    # The bf16 row leaves as 16-byte stores (2 per lane, plus 2 for the NaN-poison path).
-    assert ptx.count("st.global.v4.b32") == 4
-    assert "st.global.b16" not in ptx, "no scalar bf16 stores"
+    # Split rows come in as 16-byte loads, one per lane and row, ROWS_IN_FLIGHT per batch, from one
+    # copy of the batch code; plain (not .nc) loads, since .nc and PDL do not mix.
+    assert ptx.count("ld.global.v4") == ROWS_IN_FLIGHT and "ld.global.nc" not in ptx
+    # The bf16 row leaves as one 8-byte store per lane (plus one in the NaN-poison path).
+    assert ptx.count("st.global.v2.b32") == 2
+    assert "st.global.b16" not in ptx and "st.global.v4" not in ptx, "no scalar or 16-byte bf16 stores"
     # exp2/log2 are the approx instructions, which keep +-inf exact.
     assert "ex2.approx.f32" in ptx and "lg2.approx.f32" in ptx and "ex2.approx.ftz" not in ptx
     assert "shfl.sync.idx" in ptx, "split weights are broadcast by shuffles"
@@ -47,6 +51,40 @@ def test_compiles_every_bucket_edge(max_splits, tmp_path):
     ptx = read_ptx(str(tmp_path))
     # One lse load per register slot (max_splits / 32 per lane), besides num_splits and the sink.
     assert ptx.count("ld.global.b32") == max_splits // 32 + 2 + 1
+
+
+def _sass_or_skip(cubin):
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not importable: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    return sass(cubin)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("max_splits", MAX_SPLITS_BUCKETS)
+@pytest.mark.parametrize("has_attn_sink", [False, True])
+def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, tmp_path):
+    """No local memory (no spill, no stack), and the batch of row loads issued back to back.
+
+    In the SASS the ROWS_IN_FLIGHT 16-byte loads form one run with nothing in between that uses
+    a row (FFMA), waits on the lse loads (SHFL, MUFU of the reduction) or ends the block (BRA),
+    and the run ends its basic block, so ptxas cannot schedule the lse reduction ahead of it.
+    """
+    cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch)
+    compile_combine(cfg, dump_dir=str(tmp_path))
+    _, cubin = find_artifacts(str(tmp_path), arch)
+    text = _sass_or_skip(cubin)
+    res = resource_usage(cubin)
+    print(arch, max_splits, has_attn_sink, res)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, res
+    assert local_memory_ops(text) == 0
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
+    loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.128")]
+    assert len(loads) == ROWS_IN_FLIGHT, ops
+    between = ops[loads[0] : loads[-1]]
+    assert not [op for op in between if op.startswith(("SHFL", "FFMA", "BRA", "MUFU"))], between
+    after = ops[loads[-1] + 1 :]
+    branch = next(i for i, op in enumerate(after) if op.startswith("BRA"))
+    assert not [op for op in after[:branch] if op.startswith(("SHFL", "FFMA", "MUFU"))], after[:branch]
 
 
 def test_compile_is_cached():
@@ -101,5 +139,21 @@ def test_launcher_checks_before_launch():
     with pytest.raises(ValueError, match="o_accum"):
         launch_combine(dummy, no_sink, lse_accum, o_accum.transpose(1, 2), ns, None, out, lse)
     with pytest.raises(ValueError, match="out"):
-        wide = torch.empty(b, s_q, h, 516, dtype=torch.bfloat16)[..., :512]  # row stride 516: not 16-byte aligned
+        wide = torch.empty(b, s_q, h, 514, dtype=torch.bfloat16)[..., :512]  # row stride 514: not 8-byte aligned
         launch_combine(dummy, no_sink, lse_accum, o_accum, ns, None, wide, lse)
+    with pytest.raises(ValueError, match="out"):
+        launch_combine(dummy, no_sink, lse_accum, o_accum, ns, None, out.transpose(2, 3), lse)
+
+
+def test_launcher_accepts_8_byte_aligned_out_view():
+    """out rows only need 8-byte alignment (one 8-byte store per lane): a stride of 516 passes."""
+    calls = []
+    recorder = CompiledKernel(key="recorder", fn=lambda *args: calls.append(args))
+    b, s_q, h, rows = 3, 2, 64, 5
+    f32 = torch.float32
+    cfg = CombineConfig(h_q=h, has_attn_sink=False, max_splits=32, arch="sm_90a")
+    wide = torch.empty(b, s_q, h, 516, dtype=torch.bfloat16)[..., :512]
+    args = (torch.empty(rows, s_q, h, dtype=f32), torch.empty(rows, s_q, h, 512, dtype=f32),
+            torch.zeros(b + 1, dtype=torch.int32), None, wide, torch.empty(b, s_q, h, dtype=f32))
+    launch_combine(recorder, cfg, *args)
+    assert len(calls) == 1 and calls[0][4] is wide

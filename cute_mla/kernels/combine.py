@@ -12,10 +12,17 @@ with more than one split this kernel writes::
 
 A request with a single split is left alone: the decode kernel already wrote its out/lse.
 
-Grid ``(b*s_q, ceil(h_q/8))`` with 256 threads: x carries b*s_q because y/z stop at 65535.
-Warp w of a CTA owns head ``8*blockIdx.y + w``; lane l owns the 16 output columns
-``[8l, 8l+8)`` and ``[256+8l, 256+8l+8)``, so each split row is read with 16-byte loads and
-the bf16 row is written with 16-byte stores.
+Grid ``(b*s_q, h_q)`` with 128 threads: one CTA per (token, head), so even b = s_q = 1 spreads
+the partials over h_q SMs; x carries b*s_q because y/z stop at 65535. Warp w owns the output
+columns ``[128w, 128w+128)`` and lane l the 4 contiguous columns ``[128w+4l, 128w+4l+4)``: a
+split row is read with one 16-byte load per lane (512 contiguous bytes per warp) and the bf16
+row is written with one 8-byte store per lane.
+
+Every warp reduces the split lses itself (redundantly: at most ``max_splits`` floats), which
+needs no shared memory or barrier. Memory-level parallelism is what makes the kernel fast: the
+split rows are loaded ``ROWS_IN_FLIGHT`` (16) at a time, back to back, before any is
+accumulated, and the first batch is issued before the lse reduction so that its latency
+overlaps the lse loads and the reduction math.
 
 ``max_splits`` (a bucket from :data:`MAX_SPLITS_BUCKETS`) sizes the per-lane register array
 of split lses (``max_splits/32`` entries, loaded in one unrolled, fully overlapped pass). A
@@ -32,7 +39,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from cute_mla.kernels.compile import CompiledKernel, check_arch, compile_cached, compile_options
@@ -44,11 +51,15 @@ MAX_SPLITS_BUCKETS = (32, 64, 128, 160, 256)
 
 D_V = 512
 WARP_THREADS = 32
-HEADS_PER_CTA = 8  # one warp per head
-THREADS_PER_CTA = WARP_THREADS * HEADS_PER_CTA
-VEC = 8  # bf16 elements in a 16-byte store; also fp32 elements per pair of 16-byte loads
-CHUNKS_PER_LANE = D_V // (WARP_THREADS * VEC)  # 2: columns [8l, 8l+8) and [256+8l, 256+8l+8)
-SPLITS_IN_FLIGHT = 4  # split rows loaded back to back before they are accumulated (ILP)
+WARPS_PER_CTA = 4  # one CTA per (token, head); warp w owns output columns [128w, 128w+128)
+THREADS_PER_CTA = WARP_THREADS * WARPS_PER_CTA
+COLS_PER_LANE = D_V // THREADS_PER_CTA  # 4 contiguous columns per lane
+ROW_LOAD_BYTES = COLS_PER_LANE * (Float32.width // 8)  # 16: one vector load per split row and lane
+OUT_STORE_BYTES = COLS_PER_LANE * (BFloat16.width // 8)  # 8: one vector store per lane; out's base alignment
+ROWS_IN_FLIGHT = 16  # split rows loaded back to back before any is accumulated (memory-level parallelism)
+assert COLS_PER_LANE * THREADS_PER_CTA == D_V
+# A batch of rows never straddles two lse register slots, so its weights come from one slot.
+assert WARP_THREADS % ROWS_IN_FLIGHT == 0
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -114,10 +125,9 @@ def _combine_host(
     max_splits: cutlass.Constexpr[int],
     stream,
 ):
-    h_q = out.shape[2]
     grid_x = out.shape[0] * out.shape[1]
     _combine_kernel(lse_accum, o_accum, num_splits, attn_sink, out, lse, max_splits).launch(
-        grid=(grid_x, (h_q + HEADS_PER_CTA - 1) // HEADS_PER_CTA, 1),
+        grid=(grid_x, out.shape[2], 1),
         block=(THREADS_PER_CTA, 1, 1),
         stream=stream,
         # Programmatic dependent launch: the combine is launched while the decode kernel still
@@ -126,6 +136,75 @@ def _combine_host(
         # some of its warps wait and the combine cannot complete before the decode kernel.
         use_pdl=True,
     )
+
+
+@cute.jit
+def _load_rows(frags, lane_addr: Int64, row_bytes: Int64, first: Int32, last: Int32):
+    """Issue the loads of split rows ``first .. first+ROWS_IN_FLIGHT-1`` (clamped to ``last``) into ``frags``.
+
+    ``lane_addr`` is this lane's 16-byte chunk of the request's first split row and
+    ``row_bytes`` the distance between split rows. The row number is non-negative, so it is
+    widened unsigned: an address costs one 32x64-bit multiply-add. All loads go out back to
+    back; nothing here waits on them. A clamped row is in bounds and gets weight 0 (its split
+    lse is -inf), so no tail branch is needed.
+    """
+    for u in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+        row = Int64(Uint32(cutlass.min(first + u, last)))
+        ptr = cute.make_ptr(Float32, lane_addr + row * row_bytes, cute.AddressSpace.gmem, assumed_align=ROW_LOAD_BYTES)
+        cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(COLS_PER_LANE)), frags[None, u])
+
+
+def _out_cols(out: cute.Tensor, req, q, head, col_tile):
+    """This lane's COLS_PER_LANE output columns of (req, q, head)."""
+    return cute.local_tile(out[req, q, head, None], (COLS_PER_LANE,), (col_tile,))
+
+
+@cute.jit
+def _accumulate(acc, frags, w_slot: Float32, src_lane: Int32):
+    """``acc += w * frags[:, u]`` for the batch in ``frags``; row u's weight sits in lane ``src_lane + u`` of ``w_slot``."""
+    for u in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+        w = cute.arch.shuffle_sync(w_slot, src_lane + u)
+        for e in cutlass.range_constexpr(COLS_PER_LANE):
+            acc[e] += w * frags[e, u]
+
+
+@cute.jit
+def _split_weights(lse_reg, sink: Float32, has_sink: cutlass.Constexpr[bool]) -> Float32:
+    """Turn the split lses in ``lse_reg`` (base 2, -inf past the end) into weights ``2^(lse_i - G_sink)``, in place.
+
+    Every warp does this for itself (at most max_splits floats). Returns the natural-log lse
+    of the (token, head): ``G * ln 2``, +inf when every split is empty; the sink is not part of it.
+    """
+    lse_slots = cute.size(lse_reg)
+    # G = log2(sum 2^lse_i), shifted by the max for range (a -inf max is taken as 0).
+    m = lse_reg[0]
+    for t in cutlass.range_constexpr(1, lse_slots):
+        m = cute.arch.fmax(m, lse_reg[t])
+    m = cute.arch.warp_reduction_max(m)
+    if m == -Float32.inf:
+        m = Float32(0.0)
+    s = Float32(0.0)
+    for t in cutlass.range_constexpr(lse_slots):
+        s += _exp2(lse_reg[t] - m)
+    s = cute.arch.warp_reduction_sum(s)
+    g = Float32.inf
+    if s != Float32(0.0):
+        g = _log2(s) + m
+    lse_nat = g * Float32(LN2)
+
+    # Fold the sink into the normaliser (only here: the splits never saw it).
+    if cutlass.const_expr(has_sink):
+        if g != Float32.inf:
+            g = g + _log2(Float32(1.0) + _exp2(sink - g))
+        else:
+            g = sink
+            if sink == -Float32.inf:
+                g = Float32.inf
+
+    # Past the end (and for empty splits) the lse is -inf, so the weight is 0.
+    for t in cutlass.range_constexpr(lse_slots):
+        lse_reg[t] = _exp2(lse_reg[t] - g)
+    return lse_nat
 
 
 @cute.kernel
@@ -139,12 +218,11 @@ def _combine_kernel(
     max_splits: cutlass.Constexpr[int],
 ):
     lse_slots = max_splits // WARP_THREADS  # splits lane, lane+32, ... held in registers
-    h_q = out.shape[2]  # static
 
-    bs, head_group, _ = cute.arch.block_idx()
+    bs, head, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
-    head = head_group * HEADS_PER_CTA + warp
+    col_tile = warp * WARP_THREADS + lane  # this lane's columns: [COLS_PER_LANE * col_tile, +COLS_PER_LANE)
     s_q = Int32(out.shape[1])
     req = bs // s_q
     q = bs - req * s_q
@@ -152,94 +230,66 @@ def _combine_kernel(
     row_begin = num_splits[req]
     n = num_splits[req + 1] - row_begin
 
-    head_ok = True
-    if cutlass.const_expr(h_q % HEADS_PER_CTA != 0):
-        head_ok = head < h_q
-
-    # Column tiles of this lane: VEC contiguous elements each, 16-byte aligned.
-    out_row = out[req, q, head, None]
-    if head_ok:
-        if n > max_splits:
-            # Not representable in this bucket: poison rather than return a wrong answer.
-            nan_frag = cute.make_rmem_tensor((VEC,), BFloat16)
-            nan_frag.fill(BFloat16(math.nan))
-            for c in cutlass.range_constexpr(CHUNKS_PER_LANE):
-                cute.autovec_copy(nan_frag, cute.local_tile(out_row, (VEC,), (lane + c * WARP_THREADS,)))
+    if n > max_splits:
+        # Not representable in this bucket: poison rather than return a wrong answer.
+        nan_frag = cute.make_rmem_tensor((COLS_PER_LANE,), BFloat16)
+        nan_frag.fill(BFloat16(math.nan))
+        cute.autovec_copy(nan_frag, _out_cols(out, req, q, head, col_tile))
+        if warp == 0:
             if lane == 0:
                 lse[req, q, head] = Float32(math.nan)
-        elif n > 1:
-            # PDL: the accumulators come from the decode kernel just before us.
-            cute.arch.griddepcontrol_wait()
+    elif n > 1:
+        # PDL: the accumulators come from the decode kernel just before us.
+        cute.arch.griddepcontrol_wait()
 
-            # 1) The split lses, lane-strided, -inf past the end; one pass, all loads in flight.
-            lse_reg = cute.make_rmem_tensor((lse_slots,), Float32)
-            for t in cutlass.range_constexpr(lse_slots):
-                split = t * WARP_THREADS + lane
-                v = -Float32.inf
-                if split < n:
-                    v = lse_accum[row_begin + split, q, head]
-                lse_reg[t] = v
+        # 1) The split lses, lane-strided, -inf past the end; one pass, all loads in flight.
+        lse_reg = cute.make_rmem_tensor((lse_slots,), Float32)
+        for t in cutlass.range_constexpr(lse_slots):
+            split = t * WARP_THREADS + lane
+            v = -Float32.inf
+            if split < n:
+                v = lse_accum[row_begin + split, q, head]
+            lse_reg[t] = v
+        sink = Float32(0.0)
+        if cutlass.const_expr(attn_sink is not None):
+            sink = attn_sink[head] * Float32(LOG2E)
 
-            # 2) G = log2(sum 2^lse_i), shifted by the max for range (a -inf max is taken as 0).
-            m = lse_reg[0]
+        # 2) out = sum_i w_i o_i, ROWS_IN_FLIGHT split rows per batch, loaded back to back before
+        #    any is used. Split i's weight is in lane i % 32 of register slot i // 32; a batch
+        #    lies in one slot (ROWS_IN_FLIGHT divides 32) and a shuffle hands the weights out.
+        #    The first iteration turns the lses into weights after issuing its row loads: the
+        #    loads end a basic block and the reduction starts the next one, so ptxas cannot
+        #    schedule the reduction (which waits for the lses) ahead of them, and the row
+        #    latency overlaps the lse latency and the reduction. (In one straight-line block
+        #    ptxas issues the loads just ahead of their use, a few at a time.)
+        last = n - 1
+        lane_addr = cute.local_tile(o_accum[row_begin, q, head, None], (COLS_PER_LANE,), (col_tile,)).iterator.toint()
+        row_bytes = Int64(o_accum.stride[0]) * (Float32.width // 8)
+        # Register tensors are column-major: COLS_PER_LANE goes first so each row's run is contiguous.
+        frags = cute.make_rmem_tensor((COLS_PER_LANE, ROWS_IN_FLIGHT), Float32)
+        acc = cute.make_rmem_tensor((COLS_PER_LANE,), Float32)
+        acc.fill(0.0)
+        lse_nat = Float32(0.0)
+        for first in cutlass.range(0, n, ROWS_IN_FLIGHT, unroll=1):
+            _load_rows(frags, lane_addr, row_bytes, first, last)
+            if first == 0:
+                lse_nat = _split_weights(lse_reg, sink, attn_sink is not None)
+            slot = first // WARP_THREADS
+            w_slot = lse_reg[0]
             for t in cutlass.range_constexpr(1, lse_slots):
-                m = cute.arch.fmax(m, lse_reg[t])
-            m = cute.arch.warp_reduction_max(m)
-            if m == -Float32.inf:
-                m = Float32(0.0)
-            s = Float32(0.0)
-            for t in cutlass.range_constexpr(lse_slots):
-                s += _exp2(lse_reg[t] - m)
-            s = cute.arch.warp_reduction_sum(s)
-            g = Float32.inf
-            if s != Float32(0.0):
-                g = _log2(s) + m
+                if slot == t:
+                    w_slot = lse_reg[t]
+            _accumulate(acc, frags, w_slot, first - slot * WARP_THREADS)
+
+        # 3) bf16, one 8-byte store per lane, and the lse, once per (token, head). Both addresses
+        #    are formed here, not before the loop, where they would hold registers (or get
+        #    spilled) across it.
+        out_frag = cute.make_rmem_tensor((COLS_PER_LANE,), BFloat16)
+        out_frag.store(acc.load().to(BFloat16))
+        cute.autovec_copy(out_frag, _out_cols(out, req, q, head, col_tile))
+        if warp == 0:
             if lane == 0:
-                # Natural log; +inf for a row with no token at all. The sink is not part of lse.
-                lse[req, q, head] = g * Float32(LN2)
-
-            # 3) Fold the sink into the normaliser (only here: the splits never saw it).
-            if cutlass.const_expr(attn_sink is not None):
-                sink = attn_sink[head] * Float32(LOG2E)
-                if g != Float32.inf:
-                    g = g + _log2(Float32(1.0) + _exp2(sink - g))
-                else:
-                    g = sink
-                    if sink == -Float32.inf:
-                        g = Float32.inf
-
-            # 4) out = sum_i 2^(lse_i - G) o_i. Lane l holds the weight of split 32t + l; a
-            #    shuffle hands it to the warp. Past the end the lse is -inf, so the weight is 0
-            #    and the (clamped, in-bounds) row it multiplies drops out: no tail branch.
-            # Register tensors are column-major: VEC goes first so each 8-element run is contiguous.
-            acc = cute.make_rmem_tensor((VEC, CHUNKS_PER_LANE), Float32)
-            acc.fill(0.0)
-            frags = cute.make_rmem_tensor((VEC, CHUNKS_PER_LANE, SPLITS_IN_FLIGHT), Float32)
-            for t in cutlass.range_constexpr(lse_slots):
-                slot_base = t * WARP_THREADS
-                if slot_base < n:
-                    w_lane = _exp2(lse_reg[t] - g)
-                    last = cutlass.min(n - slot_base, WARP_THREADS) - 1
-                    for j in cutlass.range(0, last + 1, SPLITS_IN_FLIGHT, unroll=1):
-                        for u in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
-                            row = row_begin + slot_base + cutlass.min(j + u, last)
-                            src_row = o_accum[row, q, head, None]
-                            for c in cutlass.range_constexpr(CHUNKS_PER_LANE):
-                                cute.autovec_copy(
-                                    cute.local_tile(src_row, (VEC,), (lane + c * WARP_THREADS,)),
-                                    frags[None, c, u],
-                                )
-                        for u in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
-                            w = cute.arch.shuffle_sync(w_lane, j + u)
-                            for c in cutlass.range_constexpr(CHUNKS_PER_LANE):
-                                for e in cutlass.range_constexpr(VEC):
-                                    acc[e, c] += w * frags[e, c, u]
-
-            # 5) bf16, 16-byte stores.
-            out_frag = cute.make_rmem_tensor((VEC, CHUNKS_PER_LANE), BFloat16)
-            out_frag.store(acc.load().to(BFloat16))
-            for c in cutlass.range_constexpr(CHUNKS_PER_LANE):
-                cute.autovec_copy(out_frag[None, c], cute.local_tile(out_row, (VEC,), (lane + c * WARP_THREADS,)))
+                lse[req, q, head] = lse_nat
 
 
 def _fake_args(cfg: CombineConfig):
@@ -250,13 +300,10 @@ def _fake_args(cfg: CombineConfig):
     num_splits = make_fake_compact_tensor(Int32, (b_plus_1,), assumed_align=4)
     attn_sink = make_fake_compact_tensor(Float32, (h,), assumed_align=4) if cfg.has_attn_sink else None
     # out may be a strided view (e.g. a slice of a larger buffer): only the last dim must be
-    # contiguous, and every other stride a multiple of 8 elements so rows stay 16-byte aligned.
-    out = make_fake_tensor(
-        BFloat16,
-        (b, s_q, h, D_V),
-        stride=(cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC), 1),
-        assumed_align=16,
-    )
+    # contiguous, and every other stride a multiple of COLS_PER_LANE (4) elements so each lane's
+    # 8-byte store stays aligned.
+    out_stride = [cute.sym_int64(divisibility=COLS_PER_LANE) for _ in range(3)]
+    out = make_fake_tensor(BFloat16, (b, s_q, h, D_V), stride=(*out_stride, 1), assumed_align=OUT_STORE_BYTES)
     lse = make_fake_compact_tensor(Float32, (b, s_q, h), stride_order=(2, 1, 0), assumed_align=4)
     return lse_accum, o_accum, num_splits, attn_sink, out, lse
 
@@ -293,7 +340,9 @@ def launch_combine(compiled: CompiledKernel, cfg: CombineConfig, lse_accum, o_ac
     for name, t in (("lse_accum", lse_accum), ("o_accum", o_accum), ("lse", lse)):
         if not t.is_contiguous():
             raise ValueError(f"combine: {name} must be contiguous, got strides {tuple(t.stride())}")
-    if out.stride(-1) != 1 or any(st % VEC for st in out.stride()[:-1]):
-        raise ValueError(f"combine: out needs stride(-1) == 1 and other strides % {VEC} == 0, got {tuple(out.stride())}")
+    if out.stride(-1) != 1 or any(st % COLS_PER_LANE for st in out.stride()[:-1]):
+        raise ValueError(
+            f"combine: out needs stride(-1) == 1 and other strides % {COLS_PER_LANE} == 0, got {tuple(out.stride())}"
+        )
     # A sink-less build keeps the parameter slot, typed None.
     compiled.fn(lse_accum, o_accum, num_splits, attn_sink, out, lse)
