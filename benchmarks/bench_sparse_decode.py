@@ -5,7 +5,7 @@ Inputs as in ../shared/reference/peers-and-limits.md: V3.2 FP8 cache, page block
 Times: CUDA graph replay (median of per-replay events) and eager (median of events around a call).
 Transient = peak allocation during one call beyond out and lse.
 
-    python benchmarks/bench_sparse_decode.py [--rows all|quick] [--json PATH] [--masked 0.2]
+    python benchmarks/bench_sparse_decode.py [--rows all|quick|h128] [--json PATH] [--masked 0.2]
 """
 
 from __future__ import annotations
@@ -95,13 +95,13 @@ def time_one(mod, q, cache, idx, target_s=0.25):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="all", choices=["all", "quick"])
+    ap.add_argument("--rows", default="all", choices=["all", "quick", "h128"])
     ap.add_argument("--masked", type=float, default=0.2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = GRID if args.rows == "all" else QUICK
+    rows = {"all": GRID, "quick": QUICK, "h128": [r for r in GRID if r[2] == 128]}[args.rows]
     results = []
     for (b, s_q, h) in rows:
         q, cache, idx = make_inputs(b, s_q, h, args.masked, g)

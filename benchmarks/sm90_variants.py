@@ -40,11 +40,11 @@ S = Streaming
 VARIANTS = {
     "default": DEFAULT_TUNING,
     "l2_none": Tuning(gather_l2=""),
-    "no_compact": Tuning(compact_indices=False),  # one tile per 64 positions (the kernel before compaction)
-    "no_compact_l2_none": Tuning(compact_indices=False, gather_l2=""),
+    "no_compact": Tuning(compact_indices=False, streaming=S.OFF),  # one tile per 64 positions (the kernel before compaction)
+    "no_compact_l2_none": Tuning(compact_indices=False, streaming=S.OFF, gather_l2=""),
     "cfence": Tuning(consumer_proxy_fence=True),
-    "stream": Tuning(streaming=S.BOTH),
-    "stream_cfence": Tuning(streaming=S.BOTH, consumer_proxy_fence=True),
+    "half_pipelined": Tuning(streaming=S.OFF),  # the compacted default before streaming
+    "cfence_off": Tuning(streaming=S.OFF, consumer_proxy_fence=True),
     "nc_stream_cfence": Tuning(compact_indices=False, streaming=S.BOTH, consumer_proxy_fence=True),
     "no_pf": Tuning(prefetch_rows=False),
     "noov": Tuning(overlap_qk_pv=False),

@@ -126,8 +126,9 @@ class Streaming(IntEnum):
     BOTH: the same for B(n+1) during B(n)'s conversion, so both halves of tile n+1 are in flight
     while tile n is converted.
 
-    Measured on the H200 (benchmarks/NOTES.md, with and without ``prefetch_rows``): FIRST_HALF
-    1-3 % and BOTH 3-4.5 % *slower* than OFF, so OFF stays the default.
+    Measured on the H200 (benchmarks/NOTES.md): over one-tile-per-64-positions tiles FIRST_HALF
+    was 1-3 % and BOTH 3-4.5 % *slower* than OFF; over compacted tiles (``compact_indices``) BOTH
+    is 2.5-2.7 % *faster* than OFF, and it is the default.
     """
 
     OFF = 0
@@ -141,8 +142,9 @@ class Tuning:
 
     # WG0 issues tile n+1's QK right behind tile n's PV (waits for PV with wait_group(1)).
     overlap_qk_pv: bool = True
-    # Producer: when the loads of tile n+1 are issued (see Streaming).
-    streaming: Streaming = Streaming.OFF
+    # Producer: when the loads of tile n+1 are issued (see Streaming). BOTH over compacted tiles
+    # measured +2.5 to +2.7 % over OFF on the H200 rows (NOTES.md, 2026-12-02 b).
+    streaming: Streaming = Streaming.BOTH
     # Producer: bulk-prefetch the rows of tile n+2 into L2 once tile n is handed over (one
     # cp.async.bulk.prefetch.L2 of 656 B per row), so the loads issued a tile later hit L2.
     # Measured +4 to +6.5 % on the H200 benchmark rows (NOTES.md).

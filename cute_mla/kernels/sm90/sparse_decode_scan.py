@@ -67,7 +67,7 @@ class IndexScanMixin:
     @cute.jit
     def scan_step(self, req: Int32, pos: Int32, end: Int32, has, r0: Int32, tail: Int32, ends: Uint32, parity: Int32,
                   raw: Int32, ptid: Int32, lane: Int32, warp: Int32, ring_base: Int32, counts_base: Int32,
-                  mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32, topk: Int32, num_tokens: Int64):
+                  mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32, topk: Int32, mKV: cute.Tensor):
         """Append the valid indices of one chunk to the ring; close the request when its range ends.
 
         Scan state: the request being scanned (``req``), its next chunk position and end, whether
@@ -77,6 +77,9 @@ class IndexScanMixin:
         request is left) and the next chunk's raw index (its load in flight).
         """
         end_req = sched[1]
+        # Re-derived from the kernel parameters here rather than carried: the producer's 128
+        # registers are tight around the streamed conversion.
+        num_tokens = Int64(mKV.shape[0]) * Int64(mKV.shape[1])
         ok = (pos + ptid < end) & (raw >= 0) & (Int64(raw) < num_tokens)
         ballot = cute.arch.vote_ballot_sync(ok)
         below = cute.arch.popc(ballot & cute.arch.lanemask_lt())
@@ -154,7 +157,7 @@ class IndexScanMixin:
         while scanning & (tail < TILE.tokens):
             req, pos, end, has, r0, tail, ends, parity, scanning, raw = self.scan_step(
                 req, pos, end, has, r0, tail, ends, parity, raw, ptid, lane, warp, ring_base, counts_base,
-                mIdx, mTopkLen, sched, s_idx, topk, num_tokens)
+                mIdx, mTopkLen, sched, s_idx, topk, mKV)
         cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
         idx_a, ok_a = self.ring_index(ring_base, tok_in_half)
         idx_b, ok_b = self.ring_index(ring_base, half_b + tok_in_half)
@@ -174,7 +177,7 @@ class IndexScanMixin:
             while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
                 req, pos, end, has, r0, tail, ends, parity, scanning, raw = self.scan_step(
                     req, pos, end, has, r0, tail, ends, parity, raw, ptid, lane, warp, ring_base, counts_base,
-                    mIdx, mTopkLen, sched, s_idx, topk, num_tokens)
+                    mIdx, mTopkLen, sched, s_idx, topk, mKV)
             cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
             has_next = first + TILE.tokens < tail
 
