@@ -128,7 +128,9 @@ def main():
         del q, cache, idx
         torch.cuda.empty_cache()
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or os.environ.get("CUTE_MLA_COMMIT", "?")
+    # The device machine's copy of the tree may carry a stale .git: the caller's CUTE_MLA_COMMIT wins.
+    commit = os.environ.get("CUTE_MLA_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 commit=commit, torch=torch.__version__, masked=args.masked, pool=POOL, page_block_size=PAGE, topk=TOPK,
                 command="python benchmarks/bench_sparse_decode.py " + " ".join(sys.argv[1:]))

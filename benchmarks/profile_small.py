@@ -1,7 +1,11 @@
 """Where the time of a small decode call goes: per-kernel device time (torch profiler / CUPTI) of
 cute-mla and FlashMLA under CUDA graph replay, for the latency rows of the performance issue.
 
-    python benchmarks/profile_small.py
+    python benchmarks/profile_small.py [--parts]
+
+``--parts``: CUDA-graph replay time (median of events) of cute-mla's whole call, of the call with
+the combine launch skipped, and with the decode launch skipped (the combine alone), to see what
+the combine adds to the critical path (with PDL it should add less than its own time).
 """
 
 from __future__ import annotations
@@ -50,7 +54,42 @@ def kernel_times(g, reps=20):
     return {k: (sum(v) / reps, len(v) // reps) for k, v in acc.items()}
 
 
+def replay_us(g, reps=50):
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, e in ev:
+        a.record(); g.replay(); e.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(e) * 1e3 for a, e in ev)[reps // 2]
+
+
+def parts():
+    """Replay times of the whole call and of each launch alone (the other one skipped)."""
+    from cute_mla.kernels import combine as cmb
+    from cute_mla.kernels.sm90 import sparse_decode as sd
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for (b, s_q, h) in ROWS[:4]:
+        q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
+        res = {}
+        for name in ("whole", "decode only", "combine only"):
+            orig = (cmb.launch_combine, sd.launch_sparse_decode)
+            if name == "decode only":
+                cmb.launch_combine = lambda *a, **k: None
+            if name == "combine only":
+                sd.launch_sparse_decode = lambda *a, **k: None
+            try:
+                res[name] = replay_us(graph_of(cute_mla, q, cache, idx))
+            finally:
+                cmb.launch_combine, sd.launch_sparse_decode = orig
+        print(f"b={b} s_q={s_q} h={h} replay us: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
+
+
 def main():
+    if "--parts" in sys.argv:
+        return parts()
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
     for (b, s_q, h) in ROWS:

@@ -43,6 +43,8 @@ VARIANTS = {
     "no_compact": Tuning(compact_indices=False, streaming=S.OFF),  # one tile per 64 positions (the kernel before compaction)
     "no_compact_l2_none": Tuning(compact_indices=False, streaming=S.OFF, gather_l2=""),
     "cfence": Tuning(consumer_proxy_fence=True),
+    "l2_hints": Tuning(l2_hints=True),
+    "l2_hints_cfence": Tuning(l2_hints=True, consumer_proxy_fence=True),
     "half_pipelined": Tuning(streaming=S.OFF),  # the compacted default before streaming
     "cfence_off": Tuning(streaming=S.OFF, consumer_proxy_fence=True),
     "nc_stream_cfence": Tuning(compact_indices=False, streaming=S.BOTH, consumer_proxy_fence=True),
@@ -115,6 +117,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--skip-edge", action="store_true", help="only the bit-identity check on the benchmark rows")
+    ap.add_argument("--rows", default=None, help="b,s_q,h;b,s_q,h;... (default: ROWS)")
     args = ap.parse_args()
     names = [n for n in args.variants.split(",") if n]
     for n in ["default"] + list(names):
@@ -130,7 +133,8 @@ def main():
     print(f"[{time.time() - t0:.0f} s]", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     results = []
-    for (b, s_q, h) in ROWS:
+    rows = [tuple(int(v) for v in r.split(",")) for r in args.rows.split(";")] if args.rows else ROWS
+    for (b, s_q, h) in rows:
         q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
         flop = 2 * h * (576 + 512) * TOPK * b * s_q
         graphs, outs = {}, {}
@@ -194,10 +198,10 @@ def main():
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), variants={n: repr(VARIANTS[n]) for n in names},
                            edge_bad=sorted(bad), results=results), f, indent=1)
-    print("\nvariant                  " + "  ".join(f"{b}x{s}x{h}".rjust(12) for b, s, h in ROWS))
+    print("\nvariant                  " + "  ".join(f"{b}x{s}x{h}".rjust(12) for b, s, h in rows))
     for n in names:
         cells = []
-        for (b, s_q, h) in ROWS:
+        for (b, s_q, h) in rows:
             m = [r for r in results if r["variant"] == n and (r["b"], r["s_q"], r["h_q"]) == (b, s_q, h)]
             cells.append(f"{m[0]['us']:7.1f} x{m[0]['speedup_vs_default']:.3f}" if m else "         -   ")
         print(f"{n:<24} " + "  ".join(c.rjust(12) for c in cells))

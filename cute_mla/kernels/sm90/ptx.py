@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T
 
 from ..ptx_common import pack_bf16x2 as bf16x2_pack, st_shared_v4, vec_elem  # noqa: F401  (shared helpers)
@@ -40,6 +40,55 @@ def ld_global_v4(addr: Int64, l1: str = "evict_last", l2: str = "size_256b"):
         _vec4_i32_type(),
         level1_eviction_priority=l1 or None,
         level_prefetch_size=l2 or None,
+    )
+
+
+def l2_policy(priority: str) -> Int64:
+    """``createpolicy.fractional.L2::<priority>.b64`` (fraction 1.0): a cache policy for the
+    ``.L2::cache_hint`` forms below and for TMA copies' ``cache_policy`` (``evict_first`` /
+    ``evict_last``)."""
+    assert priority in ("evict_first", "evict_last", "evict_normal")
+    return Int64(
+        llvm.inline_asm(
+            T.i64(),
+            [],
+            f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;",
+            "=l",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def ld_global_v4_policy(addr: Int64, policy: Int64, l1: str = "evict_last", l2: str = "size_256b"):
+    """:func:`ld_global_v4` with an L2 cache policy (``.L2::cache_hint``); same vector result."""
+    l1_q = f".L1::{l1}" if l1 else ""
+    l2_q = {"": "", "size_64b": ".L2::64B", "size_128b": ".L2::128B", "size_256b": ".L2::256B"}[l2]
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(addr).ir_value(), Int64(policy).ir_value()],
+        f"ld.global{l1_q}.L2::cache_hint{l2_q}.v4.b32 {{$0, $1, $2, $3}}, [$4], $5;",
+        "=r,=r,=r,=r,l,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    elems = [llvm.extractvalue(T.i32(), res, [i]) for i in range(4)]
+    return vector.from_elements(_vec4_i32_type(), elems)
+
+
+def prefetch_l2_bulk_policy(addr: Int64, size: int, policy: Int64) -> None:
+    """:func:`prefetch_l2_bulk` with an L2 cache policy."""
+    assert size % 16 == 0 and size > 0
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(), Int64(policy).ir_value()],
+        f"cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], {size}, $1;",
+        "l,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 

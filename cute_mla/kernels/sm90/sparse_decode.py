@@ -361,7 +361,11 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
             if warp == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * TILE.d_qk * 2)
-                cute.copy(tma_q, tQgQ[None, hblk, 0, s_idx, req], tQsQ, tma_bar_ptr=q_full)
+                if cutlass.const_expr(self.tuning.l2_hints):
+                    cute.copy(tma_q, tQgQ[None, hblk, 0, s_idx, req], tQsQ, tma_bar_ptr=q_full,
+                              cache_policy=ptx.l2_policy("evict_first"))
+                else:
+                    cute.copy(tma_q, tQgQ[None, hblk, 0, s_idx, req], tQsQ, tma_bar_ptr=q_full)
             m0 = Float32(-1e30)
             m1 = Float32(-1e30)
             l0 = Float32(0.0)

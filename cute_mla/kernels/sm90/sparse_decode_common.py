@@ -166,6 +166,10 @@ class Tuning:
     # -> acquire wait -> fence -> wgmma). (The uni-directional shared-only release fence compiles
     # to the same MEMBAR + FENCE.VIEW pair on sm_90a, so it is no alternative.)
     consumer_proxy_fence: bool = False
+    # L2 eviction policies: Q loads and bf16 out stores (read / written once) evict_first, the KV
+    # rows (gather loads + their bulk L2 prefetch) evict_last, so streaming q/out traffic does not
+    # push the cache pool out of L2 (o_accum keeps the default: the combine reads it next).
+    l2_hints: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

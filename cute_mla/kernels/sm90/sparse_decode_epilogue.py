@@ -10,6 +10,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
+from . import ptx
 from .sparse_decode_common import TILE
 
 LOG2E = math.log2(math.e)
@@ -81,7 +82,10 @@ class EpilogueMixin:
             t_s, t_g = cpasync.tma_partition(tma_out, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2), cute.group_modes(g_o, 0, 2))
             # TMA stores are not elected by cute.copy (loads are): one lane issues, commits and waits.
             with cute.arch.elect_one():
-                cute.copy(tma_out, t_s, t_g[None, hblk, col_half, s_idx, req])
+                if cutlass.const_expr(self.tuning.l2_hints):
+                    cute.copy(tma_out, t_s, t_g[None, hblk, col_half, s_idx, req], cache_policy=ptx.l2_policy("evict_first"))
+                else:
+                    cute.copy(tma_out, t_s, t_g[None, hblk, col_half, s_idx, req])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.sync_warp()

@@ -326,7 +326,14 @@ class ProducerMixin:
             idx = ptx.select_i32(first, idx_a, idx_b)
             ok = (first & ok_a) | ((sub == 1) & ok_b)
             if ok:
-                ptx.prefetch_l2_bulk(self.row_address(kv_base, stride0, page, idx), TILE.row_bytes)
+                self.prefetch_row(self.row_address(kv_base, stride0, page, idx))
+
+    def prefetch_row(self, addr: Int64):
+        """One cache row into L2 (``Tuning.prefetch_rows``), evict_last with ``Tuning.l2_hints``."""
+        if self.tuning.l2_hints:
+            ptx.prefetch_l2_bulk_policy(addr, TILE.row_bytes, ptx.l2_policy("evict_last"))
+        else:
+            ptx.prefetch_l2_bulk(addr, TILE.row_bytes)
 
     @cute.jit
     def next_tile(self, req: Int32, blk: Int32, stop: Int32, end_req: Int32):
@@ -396,7 +403,11 @@ class ProducerMixin:
         else:
             off = TILE.rope_offset + sub * 32 + (slot - 9) * 16
             base = 36 + (slot - 9) * 4
-        v = ptx.ld_global_v4(addr + off, self.tuning.gather_l1, self.tuning.gather_l2)
+        if self.tuning.l2_hints:
+            # The policy register is made once per load site: createpolicy is a single ALU op.
+            v = ptx.ld_global_v4_policy(addr + off, ptx.l2_policy("evict_last"), self.tuning.gather_l1, self.tuning.gather_l2)
+        else:
+            v = ptx.ld_global_v4(addr + off, self.tuning.gather_l1, self.tuning.gather_l2)
         for e in range(4):
             regs[base + e] = ptx.vec_elem(v, e)
 

@@ -211,7 +211,7 @@ class IndexScanMixin:
                 if first + 2 * TILE.tokens < tail:
                     p_idx, p_ok = self.ring_index(ring_base, first + 2 * TILE.tokens + sub * half_b + tok_in_half)
                     if p_ok & (sub < 2):
-                        ptx.prefetch_l2_bulk(self.row_address(kv_base, stride0, page, p_idx), TILE.row_bytes)
+                        self.prefetch_row(self.row_address(kv_base, stride0, page, p_idx))
             ok_a = next_ok_a
             if cutlass.const_expr(streamed):
                 ok_b = next_ok_b
