@@ -65,7 +65,7 @@ def replay_us(g, reps=50):
     return sorted(a.elapsed_time(e) * 1e3 for a, e in ev)[reps // 2]
 
 
-def parts():
+def launch_parts():
     """Replay times of the whole call and of each launch alone (the other one skipped)."""
     from cute_mla.kernels import combine as cmb
     from cute_mla.kernels.sm90 import sparse_decode as sd
@@ -89,7 +89,7 @@ def parts():
 
 def main():
     if "--parts" in sys.argv:
-        return parts()
+        return launch_parts()
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
     for (b, s_q, h) in ROWS:
