@@ -43,6 +43,7 @@ VARIANTS = {
     "no_compact": Tuning(compact_indices=False, streaming=S.OFF),  # one tile per 64 positions (the kernel before compaction)
     "no_compact_l2_none": Tuning(compact_indices=False, streaming=S.OFF, gather_l2=""),
     "cfence": Tuning(consumer_proxy_fence=True),
+    "oacc_direct": Tuning(oacc_direct_store=True),
     "l2_hints": Tuning(l2_hints=True),
     "l2_hints_cfence": Tuning(l2_hints=True, consumer_proxy_fence=True),
     "half_pipelined": Tuning(streaming=S.OFF),  # the compacted default before streaming

@@ -167,7 +167,9 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
         )
         tma_oacc = None
         oacc_tma = None
-        if cutlass.const_expr(cfg.split):
+        if cutlass.const_expr(cfg.split and self.tuning.oacc_direct_store):
+            oacc_tma = o_accum  # stored straight from the accumulator registers: no tensor map
+        elif cutlass.const_expr(cfg.split):
             # The accumulator tensor map exists only in the split variant.
             oacc_t = cute.make_tensor(
                 o_accum.iterator,
@@ -259,7 +261,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
         if tidx < 32:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_out)
-            if cutlass.const_expr(self.cfg.split):
+            if cutlass.const_expr(self.cfg.split and not self.tuning.oacc_direct_store):
                 cpasync.prefetch_descriptor(tma_oacc)
         cute.arch.sync_threads()
 

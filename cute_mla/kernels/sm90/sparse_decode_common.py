@@ -170,6 +170,10 @@ class Tuning:
     # rows (gather loads + their bulk L2 prefetch) evict_last, so streaming q/out traffic does not
     # push the cache pool out of L2 (o_accum keeps the default: the combine reads it next).
     l2_hints: bool = False
+    # Split pieces: write o_accum with per-thread stores from the accumulator registers instead of
+    # staging 2 x 32 KiB per warp group in shared memory for a TMA store (fewer round trips at the
+    # end of a CTA: the latency rows are made of one-tile pieces).
+    oacc_direct_store: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

@@ -98,6 +98,25 @@ class EpilogueMixin:
         maps accumulator columns c and c+128 onto the same staging element, so pass p copies the
         fragment entries of columns [128p, 128p+128) (fragment entries [64p, 64p+64)).
         """
+        if cutlass.const_expr(self.tuning.oacc_direct_store):
+            self.store_o_accum_direct(acc_o, thr_pv, mOAcc, col_half, hblk, s_idx, acc_row)
+        else:
+            self.store_o_accum_staged(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col_half, warp, hblk, s_idx,
+                                      acc_row, bar_id)
+
+    @cute.jit
+    def store_o_accum_direct(self, acc_o, thr_pv, mOAcc, col_half: int, hblk, s_idx, acc_row):
+        """``Tuning.oacc_direct_store``: each thread stores its accumulator fragment straight to
+        o_accum (8-byte stores; the 4 threads of a quad fill 32 contiguous bytes of a row): no
+        staging, barrier or TMA round trip before the CTA may finish."""
+        rows = mOAcc[acc_row, s_idx, None, None]  # (h_q, 512)
+        tile = cute.local_tile(rows, (TILE.heads, TILE.half_v), (hblk, col_half))
+        cute.autovec_copy(acc_o, thr_pv.partition_C(tile))
+
+    @cute.jit
+    def store_o_accum_staged(self, acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col_half: int, warp, hblk, s_idx,
+                             acc_row, bar_id: int):
+        """The TMA path of :meth:`store_o_accum`."""
         stage_ptr = cute.recast_ptr(sQ.iterator + col_half * (TILE.stage_bytes // 2), oacc_layout.inner, Float32)
         stage = cute.make_tensor(stage_ptr, oacc_layout.outer)
         aliased = cute.make_tensor(
