@@ -1,7 +1,11 @@
 """SM90 (Hopper, sm_90a) sparse MLA decode main kernel for the DeepSeek V3.2 FP8 cache (656-B rows).
 
 One CTA = 64 query heads of one query token for one scheduler partition. It walks the partition's
-requests (``tile_md`` row) and, inside each request, the 64-token blocks of its top-k list.
+requests (``tile_md`` row) and, inside each request, 64-token K tiles. With
+``Tuning.compact_indices`` (default) a tile holds 64 *valid* tokens of the request's positions in
+this partition (masked -1, out-of-range and past-``topk_length`` entries are dropped by the
+producer's index scan, ``sparse_decode_scan.py``), so a request costs ``max(1, ceil(valid/64))``
+tiles, never more than its 64-position blocks; otherwise tile n is block n.
 
 Warp-group roles (384 threads, FlashMLA's SM90 split; see shared/reference/sm90-building-blocks.md):
 
@@ -9,10 +13,11 @@ Warp-group roles (384 threads, FlashMLA's SM90 split; see shared/reference/sm90-
   invalid tokens to -inf, online softmax in the log2 domain, keeps bf16 P in registers for the RS
   wgmma P V[:, 0:256] into its half of O, and hands P + the per-row rescale to WG1 through smem.
 * WG1 ``PV_RIGHT``: SS wgmma P V[:, 256:512] into the other half of O.
-* WG2 ``PRODUCER``: gathers the 656-B rows named by ``indices`` with 128-bit ``ld.global``
-  (half-tile software pipeline, indices two tiles ahead, and each row of tile n+2 bulk-prefetched
-  into L2 once tile n is handed over), dequantizes e4m3 -> bf16 and writes the SW128 K-major K
-  tile (the V tile is a transposed view of the same bytes). Two K buffers.
+* WG2 ``PRODUCER``: scans the top-k list into a ring of valid indices, gathers the 656-B rows with
+  128-bit ``ld.global`` (``Streaming.BOTH``, default: each 16-B register slot is re-loaded with
+  tile T+1's row as soon as tile T's value in it is converted; each row of tile T+2 is
+  bulk-prefetched into L2 once tile T is handed over), dequantizes e4m3 -> bf16 and writes the SW128
+  K-major K tile (the V tile is a transposed view of the same bytes). Two K buffers.
   Keys are bit-identical to bf16(float(fp8) * scale): power-of-two scales (FlashMLA's recipe) take
   the 4-op bit trick, any other fp32 scale the exact fp32 path (warp-uniform choice). Rounding the
   scale to bf16 instead (FlashMLA SM90) failed the cosine and lse tolerances with such scales.
@@ -21,9 +26,13 @@ Synchronisation (producer -> consumer, arrive counts):
 
 * ``q_full`` mbarrier, count 1: WG0 warp 0 (arrive + expect_tx 73,728 B) -> TMA -> WG0.
 * ``k_full[2]`` mbarriers, count 128: the 128 producer threads arrive after writing a K buffer and
-  ``fence.proxy.async`` -> WG0 and WG1 wait (same phase).
+  its ``tile_info`` (64-bit token mask + last-tile-of-request flag) and ``fence.proxy.async``
+  (``Tuning.consumer_proxy_fence`` moves that fence behind the consumers' wait) -> WG0 and WG1
+  wait (same phase), read ``tile_info`` and end the request's loop on the last-tile flag.
 * ``k_free[2]`` mbarriers, count 256: every WG0 and WG1 thread arrives once its last wgmma reading the
-  buffer has retired -> the producer waits before overwriting (first use passes: parity starts at 1).
+  buffer has retired (and it has read the buffer's ``tile_info``) -> the producer waits before
+  overwriting either (first use passes: parity starts at 1).
+* named barrier ``INDEX_SCAN`` (128, producer only): the index scan's warp counts and ring writes.
 * named barrier ``P_READY`` (256): WG0 arrives after writing sP / row_scale (+ fence) -> WG1 syncs.
 * named barrier ``P_FREE`` (256): WG1 arrives once it no longer reads sP / row_scale -> WG0 syncs
   before overwriting them. WG1 arrives once up front; WG0 syncs once more at the very end.
@@ -33,20 +42,20 @@ Synchronisation (producer -> consumer, arrive counts):
 * named barriers ``EPI_SOFTMAX`` / ``EPI_PV_RIGHT`` (128): staging written -> TMA store issued by the
   warp group's first warp, and store read done -> staging reusable.
 
-Shared memory: barriers/masks/row factors 1 KiB + Q 72 KiB + 2 K buffers 144 KiB + P 8 KiB
-= 230,400 B of 232,448. The output staging (bf16 64x256 or fp32 64x128 per warp group at a time)
-aliases the Q buffer, which is free between the last QK of a request and the next request's Q load.
+Shared memory: barriers, tile_info, scan counts, row factors and the 1 KiB index ring 2 KiB + Q
+72 KiB + 2 K buffers 144 KiB + P 8 KiB = 231,424 B of 232,448. The output staging (bf16 64x256 or
+fp32 64x128 per warp group at a time) aliases the Q buffer, which is free between the last QK of a
+request and the next request's Q load.
 Outputs: bf16 ``out`` by TMA store (+ natural-log ``lse``) for requests whole in the partition;
-fp32 ``o_accum`` = O/L by TMA store (the split variant's extra tensor map) + base-2 ``lse_accum``
-for split pieces.
+fp32 ``o_accum`` = O/L by TMA store (the split variant's extra tensor map; or straight from
+registers with ``Tuning.oacc_direct_store``) + base-2 ``lse_accum`` for split pieces. Every CTA
+signals ``griddepcontrol.launch_dependents`` at its start, so the combine (launched with PDL)
+is scheduled early and waits for this grid in ``griddepcontrol.wait``.
 
-Measured on one H200 (CUDA events, median of 20, main kernel only, power-of-two scales):
-b=1, s_q=8192, h=64, topk=2048: 5,770 us (FlashMLA 6,732 us); b=128, s_q=2, h=128: 355.5 us
-(FlashMLA 447.5 us, with its combine). Non-power-of-two scales (exact path) were ~8 % slower
-(measured one commit earlier, before the index-latency fix: 6,625 vs 6,141 us and 423 vs 392 us).
-The L2 row prefetch (``Tuning.prefetch_rows``) took the CUDA-graph times of the public API from
-759.5 to 724.9 us (b=1, s_q=1024, h=64), 375.4 to 352.8 us (b=128, s_q=2, h=128) and 1477.6 to
-1419.8 us (b=1, s_q=1024, h=128); benchmarks/sm90_variants.py, NOTES.md.
+Measured on one H200 (CUDA-graph replay of the public API at af2f72e, 20 % of the indices -1,
+benchmarks/results/h200-af2f72e.*): b=1, s_q=8192, h=64, topk=2048: 5,401 us (FlashMLA 6,919 us);
+b=128, s_q=2, h=128: 333.3 us (FlashMLA 408.9 us). History and the measured knobs:
+benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
