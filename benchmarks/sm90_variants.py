@@ -50,9 +50,13 @@ VARIANTS = {
     "cfence_off": Tuning(streaming=S.OFF, consumer_proxy_fence=True),
     "nc_stream_cfence": Tuning(compact_indices=False, streaming=S.BOTH, consumer_proxy_fence=True),
     "no_pf": Tuning(prefetch_rows=False),
+    "pf_lines": Tuning(prefetch_lines=True),
+    "scan2": Tuning(scan_two_ahead=True),
+    "lines_scan2": Tuning(prefetch_lines=True, scan_two_ahead=True),
+    "lines_scan2_oacc": Tuning(prefetch_lines=True, scan_two_ahead=True, oacc_direct_store=True),
     "noov": Tuning(overlap_qk_pv=False),
     "l1_normal": Tuning(gather_l1="evict_normal"),
-    # measured slower (NOTES.md), kept for re-tests (streaming exists only without compaction)
+    # measured slower (NOTES.md), kept for re-tests
     "stream_a_pf": Tuning(streaming=S.FIRST_HALF, compact_indices=False),
     "stream_ab_pf": Tuning(streaming=S.BOTH, compact_indices=False),
     "pf_noalloc": Tuning(gather_l1="evict_no_allocate"),

@@ -149,6 +149,11 @@ class Tuning:
     # cp.async.bulk.prefetch.L2 of 656 B per row), so the loads issued a tile later hit L2.
     # Measured +4 to +6.5 % on the H200 benchmark rows (NOTES.md).
     prefetch_rows: bool = True
+    # How: False = one cp.async.bulk.prefetch.L2 of 656 B per row (its operands are uniform
+    # registers, so ptxas loops over the warp's 16 distinct rows one at a time: ncu put that loop
+    # at ~13 % of the producer's time); True = 3 per-thread ``prefetch.global.L2`` lines per thread,
+    # two threads per row (the 6 128-B lines a 656-B row can touch).
+    prefetch_lines: bool = False
     # Gather load hints: L1 eviction priority and L2 prefetch size (cute.arch.load literals, "" = none).
     # L1::no_allocate measured 35 % slower than evict_last.
     gather_l1: str = "evict_last"
@@ -158,6 +163,10 @@ class Tuning:
     # v valid tokens costs ceil(v/64) tiles instead of topk/64. Consumers learn each request's
     # last tile from a flag the producer writes beside the tile's mask. Streaming OFF or BOTH.
     compact_indices: bool = True
+    # Index scan: keep the raw indices of the next two chunks of the request in flight instead of
+    # one, so the back-to-back steps at a partition's start wait one index round trip, not three
+    # (ncu: that wait was ~9 % of the producer's time at b=1, s_q=1024, h=128).
+    scan_two_ahead: bool = False
     # Where the generic -> async proxy fence of a K tile runs. False: each producer thread before
     # its k_full arrive (its SASS, MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, may wait for that thread's
     # global loads still in flight: the next tile's rows). True: each consumer thread after its

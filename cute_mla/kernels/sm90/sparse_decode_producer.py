@@ -322,15 +322,36 @@ class ProducerMixin:
         if cutlass.const_expr(self.tuning.prefetch_rows):
             idx_a, ok_a = self.resolve_index(raw_a, pos_a, num_tokens)
             idx_b, ok_b = self.resolve_index(raw_b, pos_b, num_tokens)
-            first = sub == 0
-            idx = ptx.select_i32(first, idx_a, idx_b)
-            ok = (first & ok_a) | ((sub == 1) & ok_b)
+            if cutlass.const_expr(self.tuning.prefetch_lines):
+                first = sub < 2
+                idx = ptx.select_i32(first, idx_a, idx_b)
+                ok = (first & ok_a) | ((sub >= 2) & ok_b)
+            else:
+                first = sub == 0
+                idx = ptx.select_i32(first, idx_a, idx_b)
+                ok = (first & ok_a) | ((sub == 1) & ok_b)
             if ok:
-                self.prefetch_row(self.row_address(kv_base, stride0, page, idx))
+                self.prefetch_row(self.row_address(kv_base, stride0, page, idx), sub)
 
-    def prefetch_row(self, addr: Int64):
-        """One cache row into L2 (``Tuning.prefetch_rows``), evict_last with ``Tuning.l2_hints``."""
-        if self.tuning.l2_hints:
+    def prefetch_row_owner(self, sub: Int32):
+        """Which half's row a thread prefetches: half B when true. Bulk: ``sub`` 0 -> A, 1 -> B
+        (2, 3 none); lines: ``sub`` 0, 1 -> A, 2, 3 -> B."""
+        if self.tuning.prefetch_lines:
+            return sub >= 2
+        return sub == 1
+
+    def prefetch_row(self, addr: Int64, sub: Int32):
+        """This thread's share of one cache row into L2 (``Tuning.prefetch_rows``).
+
+        Bulk (``prefetch_lines`` off): the whole 656-B row, evict_last with ``Tuning.l2_hints``.
+        Lines: the row's 128-B lines at offsets ``(sub % 2) * 128 + {0, 256, 512}`` (the two
+        threads of a row cover offsets 0..640, every line the row can touch).
+        """
+        if self.tuning.prefetch_lines:
+            base = addr + Int64((sub % 2) * 128)
+            for k in range(3):
+                ptx.prefetch_l2_line(base + k * 256)
+        elif self.tuning.l2_hints:
             ptx.prefetch_l2_bulk_policy(addr, TILE.row_bytes, ptx.l2_policy("evict_last"))
         else:
             ptx.prefetch_l2_bulk(addr, TILE.row_bytes)

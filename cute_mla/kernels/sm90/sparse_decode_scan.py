@@ -66,15 +66,19 @@ class IndexScanMixin:
 
     @cute.jit
     def scan_step(self, req: Int32, pos: Int32, end: Int32, has, r0: Int32, tail: Int32, ends: Uint32, parity: Int32,
-                  raw: Int32, ptid: Int32, lane: Int32, warp: Int32, ring_base: Int32, counts_base: Int32,
-                  mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32, topk: Int32, mKV: cute.Tensor):
+                  raw: Int32, raw_next: Int32, ptid: Int32, lane: Int32, warp: Int32, ring_base: Int32,
+                  counts_base: Int32, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32, topk: Int32,
+                  mKV: cute.Tensor):
         """Append the valid indices of one chunk to the ring; close the request when its range ends.
 
         Scan state: the request being scanned (``req``), its next chunk position and end, whether
         it has blocks here, the ring position its tiles start at (``r0``), the ring ``tail``, the
         last-tile mask ``ends`` and the counts slot ``parity``; ``raw`` is this thread's index of
-        the chunk at ``pos`` (loaded one step earlier). Returns the new state, ``scanning`` (a
-        request is left) and the next chunk's raw index (its load in flight).
+        the chunk at ``pos`` (loaded one step earlier) and, with ``Tuning.scan_two_ahead``,
+        ``raw_next`` that of the chunk after it in the same request (loaded two steps earlier, so
+        steps that run back to back, as at a partition's start, do not wait a load each). Returns
+        the new state, ``scanning`` (a request is left) and the next chunks' raw indices (their
+        loads in flight).
         """
         end_req = sched[1]
         # Re-derived from the kernel parameters here rather than carried: the producer's 128
@@ -99,7 +103,9 @@ class IndexScanMixin:
         parity = parity ^ 1
         pos = pos + TILE.scan_chunk
         scanning = cutlass.Boolean(True)
+        changed = cutlass.Boolean(False)
         if pos >= end:
+            changed = cutlass.Boolean(True)
             if has:
                 # Close the request: pad to a whole tile, and give an empty one its one tile.
                 closed = cutlass.max((tail + (TILE.tokens - 1)) // TILE.tokens * TILE.tokens, r0 + TILE.tokens)
@@ -113,8 +119,15 @@ class IndexScanMixin:
                 scanning = cutlass.Boolean(False)
             else:
                 pos, end, has = self.scan_request(req, sched, mTopkLen, topk)
-        raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
-        return req, pos, end, has, r0, tail, ends, parity, scanning, raw
+        if cutlass.const_expr(self.tuning.scan_two_ahead):
+            # raw_next holds the chunk now at ``pos`` unless the request changed.
+            raw = raw_next
+            if changed:
+                raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
+            raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
+        else:
+            raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
+        return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next
 
     @cute.jit
     def ring_index(self, ring_base: Int32, p: Int32):
@@ -154,10 +167,13 @@ class IndexScanMixin:
         parity = Int32(0)
         scanning = cutlass.Boolean(True)
         raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
+        raw_next = Int32(-1)
+        if cutlass.const_expr(self.tuning.scan_two_ahead):
+            raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
         while scanning & (tail < TILE.tokens):
-            req, pos, end, has, r0, tail, ends, parity, scanning, raw = self.scan_step(
-                req, pos, end, has, r0, tail, ends, parity, raw, ptid, lane, warp, ring_base, counts_base,
-                mIdx, mTopkLen, sched, s_idx, topk, mKV)
+            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
+                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
+                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
         cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
         idx_a, ok_a = self.ring_index(ring_base, tok_in_half)
         idx_b, ok_b = self.ring_index(ring_base, half_b + tok_in_half)
@@ -175,9 +191,9 @@ class IndexScanMixin:
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
             # Keep tiles T+1 and T+2 queued (loads of tile T are in flight meanwhile).
             while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
-                req, pos, end, has, r0, tail, ends, parity, scanning, raw = self.scan_step(
-                    req, pos, end, has, r0, tail, ends, parity, raw, ptid, lane, warp, ring_base, counts_base,
-                    mIdx, mTopkLen, sched, s_idx, topk, mKV)
+                req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
+                    req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
+                    counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
             cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
             has_next = first + TILE.tokens < tail
 
@@ -206,12 +222,17 @@ class IndexScanMixin:
             bit = Uint32(1) << Uint32(t % 32)
             self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0))
             ends = ends & ~bit
-            # Rows of tile T+2 into L2 (sub 0: its half-A row, sub 1: its half-B row).
+            # Rows of tile T+2 into L2 (this thread's share: prefetch_row_owner / prefetch_row).
             if cutlass.const_expr(self.tuning.prefetch_rows):
                 if first + 2 * TILE.tokens < tail:
-                    p_idx, p_ok = self.ring_index(ring_base, first + 2 * TILE.tokens + sub * half_b + tok_in_half)
-                    if p_ok & (sub < 2):
-                        self.prefetch_row(self.row_address(kv_base, stride0, page, p_idx))
+                    in_b = self.prefetch_row_owner(sub)
+                    p_idx, p_ok = self.ring_index(
+                        ring_base, first + 2 * TILE.tokens + ptx.select_i32(in_b, half_b, 0) + tok_in_half)
+                    takes = in_b | (sub == 0)
+                    if cutlass.const_expr(self.tuning.prefetch_lines):
+                        takes = cutlass.Boolean(True)
+                    if p_ok & takes:
+                        self.prefetch_row(self.row_address(kv_base, stride0, page, p_idx), sub)
             ok_a = next_ok_a
             if cutlass.const_expr(streamed):
                 ok_b = next_ok_b
