@@ -50,10 +50,9 @@ VARIANTS = {
     "cfence_off": Tuning(streaming=S.OFF, consumer_proxy_fence=True),
     "nc_stream_cfence": Tuning(compact_indices=False, streaming=S.BOTH, consumer_proxy_fence=True),
     "no_pf": Tuning(prefetch_rows=False),
-    "pf_lines": Tuning(prefetch_lines=True),
-    "scan2": Tuning(scan_two_ahead=True),
-    "lines_scan2": Tuning(prefetch_lines=True, scan_two_ahead=True),
-    "lines_scan2_oacc": Tuning(prefetch_lines=True, scan_two_ahead=True, oacc_direct_store=True),
+    "pf_bulk": Tuning(prefetch_lines=False),  # bulk L2 row prefetch (a per-lane loop in SASS)
+    "scan1": Tuning(scan_two_ahead=False),  # one index chunk in flight
+    "af2f72e": Tuning(prefetch_lines=False, scan_two_ahead=False),  # the default before a1e56bd
     "noov": Tuning(overlap_qk_pv=False),
     "l1_normal": Tuning(gather_l1="evict_normal"),
     # measured slower (NOTES.md), kept for re-tests

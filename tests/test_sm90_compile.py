@@ -13,7 +13,6 @@ from cute_mla.kernels.sm90.sparse_decode import (
     DEFAULT_TUNING,
     REGS,
     Sm90SparseDecodeConfig,
-    Streaming,
     compile_sparse_decode,
     launch_sparse_decode,
 )
@@ -73,7 +72,8 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
         assert "popc.b32" in ptx and "%lanemask_lt" in ptx, "index compaction: ballot prefix counts"
     assert "mul.rn.bf16x2" in ptx, "FP8 -> bf16 bit trick (power-of-two scales)"
     assert "cvt.rn.f16x2.e4m3x2" in ptx, "exact fp32 dequant path (any other scale)"
-    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == DEFAULT_TUNING.prefetch_rows, "L2 row prefetch (Tuning knob)"
+    pf = "prefetch.global.L2 [" if DEFAULT_TUNING.prefetch_lines else "cp.async.bulk.prefetch.L2.global"
+    assert (pf in ptx) == DEFAULT_TUNING.prefetch_rows, "L2 row prefetch (Tuning knobs)"
 
 
 def test_accumulator_tensor_map_only_in_split_variant(artifacts):
@@ -92,10 +92,10 @@ def test_accumulator_tensor_map_only_in_split_variant(artifacts):
 
 
 # The streamed producer over compacted tiles (the default) keeps two 44-register row sets, the next
-# rows' addresses and the index-scan state in its 128 registers: ptxas spills a few scalars (40-B
-# stack, 39 STL/LDL in the code, ~10 executed per tile, L1 hits); the variant still measured 2.5 %
-# faster than the half-tile pipeline, which spills nothing. A larger spill fails here.
-SPILL_BUDGET = (48, 48) if (DEFAULT_TUNING.compact_indices and DEFAULT_TUNING.streaming == Streaming.BOTH) else (0, 0)
+# rows' addresses and the index-scan state in its 128 registers. With the bulk row prefetch (a loop
+# over the warp's rows in uniform registers) ptxas spilled 40 B; with per-thread line prefetches
+# and two index chunks in flight (the defaults) it spills nothing. Any spill fails here.
+SPILL_BUDGET = (0, 0)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -142,3 +142,18 @@ def test_launcher_passes_none_for_absent_optionals():
     cfg = Sm90SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False)
     launch_sparse_decode(Fake(), cfg, "q", "kv", "idx", "tl", "sink", "md", "ns", "out", "lse", "oa", "la", 0.5)
     assert seen["args"] == ("q", "kv", "idx", None, None, "md", "ns", "out", "lse", None, None, 0.5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_row_prefetch_is_per_thread(artifacts, name):
+    """The L2 row prefetch of tile T+2 is a per-thread ``prefetch.global.L2`` (SASS CCTL.E.PF2), not
+    the bulk prefetch, whose uniform-register operands make ptxas loop over the warp's 16 rows
+    (``BRA.U.ANY``; ncu put that loop at ~13 % of the producer's time)."""
+    if not DEFAULT_TUNING.prefetch_rows or not DEFAULT_TUNING.prefetch_lines:
+        pytest.skip("default tuning does not use per-thread line prefetches")
+    ptx, cubin = artifacts[name]
+    assert "prefetch.global.L2 [" in ptx
+    assert "cp.async.bulk.prefetch.L2" not in ptx
+    sass = _sass_or_skip(cubin)
+    assert "CCTL.E.PF2" in sass
+    assert "UBLKPF" not in sass and "BRA.U.ANY" not in sass

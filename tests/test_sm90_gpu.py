@@ -112,7 +112,7 @@ def _mask_pattern(idx, pattern, g):
         flat[:, : topk // 2] = -1
     elif pattern == "alternate_blocks":  # every other 64-block masked
         flat[:, (pos // 64) % 2 == 1] = -1
-    elif pattern == "sparse":  # ~95 % masked: several requests fit one tile
+    elif pattern == "sparse":  # ~95 % masked: most requests need one padded tile (requests never share a tile)
         flat[torch.rand(flat.shape, generator=g) < 0.95] = -1
     elif pattern == "runs":  # random runs of 1..300 masked positions
         for row in range(flat.shape[0]):
@@ -158,17 +158,57 @@ def test_index_compaction_patterns(pattern, shape, seed):
         raise
 
 
-def test_uncompacted_producer_still_matches(seed):
-    """The Tuning knob's other producer (one tile per 64 positions), kept for A/B timing."""
-    from cute_mla.kernels.sm90.sparse_decode import Tuning
+def _tuning(name):
+    from cute_mla.kernels.sm90.sparse_decode import Streaming, Tuning
 
+    return {
+        # one tile per 64 positions (the producer before index compaction), kept for A/B timing
+        "uncompacted": Tuning(compact_indices=False, streaming=Streaming.OFF),
+        "uncompacted_streamed": Tuning(compact_indices=False, streaming=Streaming.BOTH),
+        "compacted_half_pipelined": Tuning(streaming=Streaming.OFF),
+        "no_qk_pv_overlap": Tuning(overlap_qk_pv=False),
+        "bulk_prefetch_one_index_chunk_ahead": Tuning(prefetch_lines=False, scan_two_ahead=False),
+        "no_row_prefetch": Tuning(prefetch_rows=False),
+        "oacc_direct_store": Tuning(oacc_direct_store=True),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
+                                  "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store"])
+def test_schedule_knobs_match(name, seed):
+    """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
+    default's tiles (compaction on) must also give the default's bits: they only reschedule work."""
+    from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING
+
+    tuning = _tuning(name)
     g = torch.Generator().manual_seed(seed)
     inp = make_inputs(74, 3, 64, 2048, num_tokens=4096, invalid_frac=0.2, with_topk_length=True, with_sink=True,
                       device="cuda", generator=g)
-    out, lse, sched = run_kernel(inp, True, num_sm_parts("sm_90a", NUM_SMS, 3, 64), Tuning(compact_indices=False))
+    parts = num_sm_parts("sm_90a", NUM_SMS, 3, 64)
+    out, lse, sched = run_kernel(inp, True, parts, tuning)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     check_out_lse(out, lse, ref_out, ref_lse)
+    if tuning.compact_indices == DEFAULT_TUNING.compact_indices:
+        out0, lse0, _ = run_kernel(inp, True, parts)
+        assert torch.equal(out, out0), f"{name}: out differs from the default tuning's"
+        assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), f"{name}: lse differs from the default tuning's"
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_negative_topk_length_means_empty(compact, seed):
+    """A negative topk_length is an empty list (as 0): no valid token, like the reference."""
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(9, 2, 64, 512, num_tokens=2048, invalid_frac=0.1, with_topk_length=True, with_sink=False,
+                      device="cuda", generator=g)
+    inp.topk_length[::3] = torch.tensor([-1, -64, -(2 ** 31)], dtype=inp.topk_length.dtype, device="cuda")
+    parts = num_sm_parts("sm_90a", NUM_SMS, 2, 64)
+    tuning = None if compact else _tuning("uncompacted")
+    out, lse, sched = run_kernel(inp, True, parts, tuning)
+    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
+                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
+    check_out_lse(out, lse, ref_out, ref_lse)
+    assert torch.all(out[::3] == 0)
 
 
 # ------------------------------------------------------------------------------------------ timing

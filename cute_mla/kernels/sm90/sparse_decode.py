@@ -15,8 +15,9 @@ Warp-group roles (384 threads, FlashMLA's SM90 split; see shared/reference/sm90-
 * WG1 ``PV_RIGHT``: SS wgmma P V[:, 256:512] into the other half of O.
 * WG2 ``PRODUCER``: scans the top-k list into a ring of valid indices, gathers the 656-B rows with
   128-bit ``ld.global`` (``Streaming.BOTH``, default: each 16-B register slot is re-loaded with
-  tile T+1's row as soon as tile T's value in it is converted; each row of tile T+2 is
-  bulk-prefetched into L2 once tile T is handed over), dequantizes e4m3 -> bf16 and writes the SW128
+  tile T+1's row as soon as tile T's value in it is converted; the rows of tile T+2 are
+  prefetched into L2 line by line, ``prefetch.global.L2``, once tile T is handed over), dequantizes
+  e4m3 -> bf16 and writes the SW128
   K-major K tile (the V tile is a transposed view of the same bytes). Two K buffers.
   Keys are bit-identical to bf16(float(fp8) * scale): power-of-two scales (FlashMLA's recipe) take
   the 4-op bit trick, any other fp32 scale the exact fp32 path (warp-uniform choice). Rounding the
@@ -281,11 +282,14 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
         batch = mIdx.shape[0]
         topk = mIdx.shape[2]
         begin_req = mTileMd[part, 0]
-        # An empty trailing partition has begin_req == b: nothing to do.
-        if begin_req < batch:
+        end_req = mTileMd[part, 1]
+        # An empty trailing partition has begin_req == b: nothing to do. (begin_req > end_req is
+        # never emitted by the schedulers; skipping it keeps a malformed row from hanging the
+        # producer's scan, which would wait for a tile that never comes.)
+        if (begin_req < batch) & (begin_req <= end_req):
             sched = (
                 begin_req,
-                mTileMd[part, 1],  # end_req (inclusive)
+                end_req,  # inclusive
                 mTileMd[part, 2],  # begin_block (of begin_req)
                 mTileMd[part, 3],  # end_block (of end_req, exclusive)
             )

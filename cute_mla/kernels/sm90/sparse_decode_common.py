@@ -87,10 +87,12 @@ class Tile:
     num_wgs: int = 3
     # Index compaction (Tuning.compact_indices): the producer scans the top-k list in chunks of
     # ``scan_chunk`` positions (one per producer thread) and appends the valid token indices to a
-    # shared-memory ring of ``ring_entries`` int32. A step starts while fewer than three tiles are
-    # queued (< 192 entries after the tile being built) and adds at most 128 entries plus 64 of
-    # padding at a request end, so every write lands < 320 entries past the oldest entry still to
-    # be read: 256 entries suffice (power of two: the ring position is a mask).
+    # shared-memory ring of ``ring_entries`` int32. In tile T's iteration a step starts while fewer
+    # than ``tiles_ahead`` tiles counting T are queued (tail < 64 T + 192) and writes at most 128
+    # entries, padded at a request end up to a tile boundary, so every write lands below 64 T + 320.
+    # The entries of T itself were all read before that iteration's first scan barrier, so the
+    # oldest entry still to be read is T+1's first, 64 T + 64: writes stay within 256 entries of it
+    # (power of two: the ring position is a mask).
     scan_chunk: int = 128
     ring_entries: int = 256
     tiles_ahead: int = 3  # tiles T, T+1 (half A loads) and T+2 (L2 prefetch) must be queued
@@ -149,24 +151,26 @@ class Tuning:
     # cp.async.bulk.prefetch.L2 of 656 B per row), so the loads issued a tile later hit L2.
     # Measured +4 to +6.5 % on the H200 benchmark rows (NOTES.md).
     prefetch_rows: bool = True
-    # How: False = one cp.async.bulk.prefetch.L2 of 656 B per row (its operands are uniform
-    # registers, so ptxas loops over the warp's 16 distinct rows one at a time: ncu put that loop
-    # at ~13 % of the producer's time); True = 3 per-thread ``prefetch.global.L2`` lines per thread,
-    # two threads per row (the 6 128-B lines a 656-B row can touch).
-    prefetch_lines: bool = False
+    # How: True = 3 per-thread ``prefetch.global.L2`` lines per thread, two threads per row (the
+    # 6 128-B lines a 656-B row can touch); False = one cp.async.bulk.prefetch.L2 of 656 B per row,
+    # whose operands are uniform registers, so ptxas loops over the warp's 16 distinct rows one at
+    # a time (ncu: that loop was ~13 % of the producer's time). Lines measured +1.1..1.5 % on the
+    # throughput rows (NOTES.md, session 2026-12-03).
+    prefetch_lines: bool = True
     # Gather load hints: L1 eviction priority and L2 prefetch size (cute.arch.load literals, "" = none).
     # L1::no_allocate measured 35 % slower than evict_last.
     gather_l1: str = "evict_last"
     gather_l2: str = "size_256b"
     # Producer: build tiles from the *valid* indices only (masked -1 / out-of-range entries and
     # positions past topk_length are dropped while scanning the top-k list), so a request with
-    # v valid tokens costs ceil(v/64) tiles instead of topk/64. Consumers learn each request's
-    # last tile from a flag the producer writes beside the tile's mask. Streaming OFF or BOTH.
+    # v valid tokens in this partition's blocks costs max(1, ceil(v/64)) tiles instead of its
+    # blocks. Consumers learn each request's last tile from a flag the producer writes beside the
+    # tile's mask. Streaming OFF or BOTH.
     compact_indices: bool = True
     # Index scan: keep the raw indices of the next two chunks of the request in flight instead of
-    # one, so the back-to-back steps at a partition's start wait one index round trip, not three
-    # (ncu: that wait was ~9 % of the producer's time at b=1, s_q=1024, h=128).
-    scan_two_ahead: bool = False
+    # one, so back-to-back steps (a partition's start) do not wait an index round trip each. Alone
+    # within noise; with prefetch_lines +0.3..0.5 % more, and the producer then spills nothing.
+    scan_two_ahead: bool = True
     # Where the generic -> async proxy fence of a K tile runs. False: each producer thread before
     # its k_full arrive (its SASS, MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, may wait for that thread's
     # global loads still in flight: the next tile's rows). True: each consumer thread after its

@@ -13,7 +13,7 @@ from .sparse_decode_common import TILE, Streaming
 class ProducerMixin:
     @cute.jit
     def producer_setup(self, mKV: cute.Tensor, mIdx: cute.Tensor):
-        """The producer's thread map, cache geometry and shared-memory addresses (both pipelines).
+        """The producer's thread map, cache geometry and shared-memory addresses (every producer variant).
 
         Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` and the 16-dim
         slice ``l//8``; ``swz = token & 7`` is the SW128 XOR phase of this thread's rows.
@@ -70,7 +70,7 @@ class ProducerMixin:
     @cute.jit
     def fetch_first_tiles(self, begin_req: Int32, end_req: Int32, sched, mTopkLen, mIdx: cute.Tensor, s_idx: Int32,
                           tok_in_half: Int32, topk: Int32, topk_blocks: Int32):
-        """Prologue of both pipelines: raw indices of the partition's first tile and of the tile after it.
+        """Prologue of the uncompacted producers: raw indices of the partition's first tile and of the tile after it.
 
         Returns (raw_a, pos_a, raw_b, pos_b) of tile 0, then (req, blk, has, raw_a, pos_a, raw_b, pos_b)
         of tile 1 (raw -1 / pos False when there is none).
@@ -114,15 +114,16 @@ class ProducerMixin:
 
     @cute.jit
     def producer(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
-        """Gather + dequantize 64-token K tiles into the two K buffers (half-tile software pipeline).
+        """Gather + dequantize 64-token K tiles into the two K buffers.
 
         With ``Tuning.compact_indices`` (default) the tiles hold the valid tokens only
-        (:class:`~.sparse_decode_scan.IndexScanMixin`); otherwise tile n is block n of the request.
+        (:class:`~.sparse_decode_scan.IndexScanMixin`, streamed or half-tile pipelined); otherwise
+        tile n is block n of the request (:meth:`producer_half_pipelined` or :meth:`producer_streamed`).
 
         Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` and the 16-dim
         slice ``l//8`` of every 64-dim chunk: 8 x 16 B of fp8, 16 B of scales, 2 x 16 B of RoPE
-        = 11 x 16-B loads per half tile. The loads of the next half tile are in flight while the
-        current one is converted and stored; the indices are fetched two tiles ahead.
+        = 11 x 16-B loads per half tile. Loads of the next tile are in flight while the current
+        one is converted and stored (half by half, or slot by slot when streamed).
         """
         if cutlass.const_expr(self.tuning.compact_indices):  # OFF or BOTH
             self.producer_compacted(mKV, mIdx, mTopkLen, sched, s_idx)

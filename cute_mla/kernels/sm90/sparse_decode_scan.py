@@ -23,8 +23,10 @@ Ring protocol (producer only; all 128 threads run every step together, so the sc
 * after the steps of one tile, a second ``INDEX_SCAN`` barrier makes the ring writes visible to
   the threads that read them (each reads other threads' entries).
 * tile T is complete once ``tail >= 64 (T + 1)``: requests end on a multiple of 64 (padding), and a
-  step runs only while fewer than ``tiles_ahead`` tiles past T are queued, which bounds the ring
-  (:class:`Tile`).
+  step runs only while fewer than ``tiles_ahead`` tiles counting T are queued, which bounds the
+  ring (:class:`Tile`). The entries of tile T are read (ring_index) after the second barrier of
+  T's iteration; the steps of tile T+1 that may overwrite old entries come after the first
+  barrier of T+1's iteration, which every thread reaches only after its reads of T.
 * ``ends`` bit ``T % 32`` marks tile T as its request's last; the consumer warp groups read that
   flag beside the tile's mask (``tile_info``) to end their loop over the request.
 """
@@ -44,6 +46,13 @@ assert TILE.scan_chunk == TILE.threads_per_wg, "one scanned position per produce
 # A step starts with tail < 64 (T + tiles_ahead) and writes below that + scan_chunk (a request end
 # pads to <= that bound, rounded to a tile); entries from 64 (T + 1) on may still be read.
 assert TILE.ring_entries >= (TILE.tiles_ahead - 1) * TILE.tokens + TILE.scan_chunk, "ring too small"
+assert TILE.scan_chunk % TILE.tokens == 0, "a request end pads to a tile boundary inside one step"
+# The last-tile flag of tile T is read when T is handed over: T+1 must be queued by then (a request
+# can end at T only once a later position is scanned), hence at least two tiles ahead.
+assert TILE.tiles_ahead >= 2, "the last-tile flag needs tile T+1 queued"
+# ``ends`` keeps one bit per queued tile (bit T % 32): the queued tiles plus one step's worth must
+# not alias a bit still pending.
+assert TILE.tiles_ahead + TILE.scan_chunk // TILE.tokens <= 32, "ends bits would alias"
 
 
 class IndexScanMixin:
