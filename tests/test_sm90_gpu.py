@@ -195,6 +195,33 @@ def test_schedule_knobs_match(name, seed):
         assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), f"{name}: lse differs from the default tuning's"
 
 
+# (b, s_q, topk, split, topk_length): h_q = 128 shapes for the crossover (cluster of two CTAs).
+CROSSOVER_SHAPES = [(9, 1, 1024, True, False), (74, 2, 2048, True, True), (33, 3, 576, False, True), (1, 8, 2048, True, False)]
+
+
+@pytest.mark.parametrize("pattern", ["none", "sparse", "runs", "one_valid"])
+@pytest.mark.parametrize("shape", range(len(CROSSOVER_SHAPES)))
+def test_crossover_matches(pattern, shape, seed):
+    """h=128 crossover (each CTA of the pair dequantizes half of every tile for both): the fp32
+    reference's answer, and the default kernel's bits (same tiles, same arithmetic)."""
+    from cute_mla.kernels.sm90.sparse_decode import Tuning
+
+    b, s_q, topk, split, tl = CROSSOVER_SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(b, s_q, 128, topk, num_tokens=2 * topk, page_block_size=64, invalid_frac=0.15,
+                      out_of_range_frac=0.05, with_topk_length=tl, with_sink=True, device="cpu", generator=g)
+    _mask_pattern(inp.indices, pattern, g)
+    inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
+    parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 128) if split else 1
+    out, lse, sched = run_kernel(inp, split, parts, Tuning(crossover=True))
+    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
+                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
+    check_out_lse(out, lse, ref_out, ref_lse)
+    out0, lse0, _ = run_kernel(inp, split, parts, Tuning(crossover=False))
+    assert torch.equal(out, out0), "crossover: out differs from the two-independent-CTA kernel's"
+    assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), "crossover: lse differs"
+
+
 @pytest.mark.parametrize("compact", [True, False])
 def test_negative_topk_length_means_empty(compact, seed):
     """A negative topk_length is an empty list (as 0): no valid token, like the reference."""

@@ -123,6 +123,70 @@ def prefetch_l2_line(addr: Int64) -> None:
     )
 
 
+def mapa_shared_cluster(addr: Int32, rank) -> Int32:
+    """``mapa.shared::cluster.u32``: the shared::cluster address of CTA ``rank``'s copy of the
+    local shared address ``addr`` (a 32-bit window address, usable by st.async / remote mbarrier ops)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(addr).ir_value(), Int32(rank).ir_value()],
+            "mapa.shared::cluster.u32 $0, $1, $2;",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def st_async_v4(raddr: Int32, w0, w1, w2, w3, rmbar: Int32) -> None:
+    """``st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32``: 16 B into a peer CTA's shared
+    memory at cluster address ``raddr``; the peer's mbarrier at cluster address ``rmbar`` gets a
+    complete_tx of 16 bytes once they have landed (the writes are async-proxy: its wgmma may read
+    them after its wait, no proxy fence needed)."""
+    llvm.inline_asm(
+        None,
+        [Int32(raddr).ir_value()] + [Int32(w).ir_value() for w in (w0, w1, w2, w3)] + [Int32(rmbar).ir_value()],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];",
+        "r,r,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def mbarrier_arrive_remote(rmbar: Int32) -> None:
+    """``mbarrier.arrive.release.cluster.shared::cluster.b64`` on a peer CTA's mbarrier (cluster
+    address): release at cluster scope, so what this thread did before (its CTA's consumers freed
+    a buffer, which this thread observed through an mbarrier wait) is ordered before the peer's
+    writes that wait on it."""
+    llvm.inline_asm(
+        None,
+        [Int32(rmbar).ir_value()],
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
+        "r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def mbarrier_wait_acquire_cluster(mbar: Int32, parity) -> None:
+    """Spin on ``mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64`` until the phase with
+    ``parity`` completed: acquire at cluster scope (the arrive came from the peer CTA)."""
+    llvm.inline_asm(
+        None,
+        [Int32(mbar).ir_value(), Int32(parity).ir_value()],
+        "{\n.reg .pred p;\nWAIT_${:uid}:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1;\n"
+        "@!p bra WAIT_${:uid};\n}",
+        "r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 def ld_shared_v2(addr: Int32):
     p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=8)
     return cute.arch.load(p, ir.VectorType.get([2], T.i32()))

@@ -73,6 +73,7 @@ from ..compat import sm90_utils
 from ..compile import CompiledKernel, compile_cached, compile_options
 from . import ptx
 from .sparse_decode_common import DEFAULT_TUNING, REGS, TILE, Bar, Role, ScheduleMixin, Sm90SparseDecodeConfig, Streaming, Tuning
+from .sparse_decode_crossover import CrossoverMixin
 from .sparse_decode_epilogue import LOG2E, EpilogueMixin
 from .sparse_decode_producer import ProducerMixin
 from .sparse_decode_scan import IndexScanMixin
@@ -81,13 +82,16 @@ __all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "Streaming", "Tun
            "launch_sparse_decode"]
 
 
-class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, EpilogueMixin):
+class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, CrossoverMixin, EpilogueMixin):
     """The kernel object given to ``cute.compile``: host ``__call__`` (layouts, TMA atoms, grid) and device ``kernel``."""
 
     def __init__(self, cfg: Sm90SparseDecodeConfig, tuning: Tuning = DEFAULT_TUNING):
         self.cfg = cfg
         self.tuning = tuning
         self.n_hblk = cfg.h_q // TILE.heads
+        # h_q = 128 with Tuning.crossover: the two head-half CTAs of a token form a cluster of 2 and
+        # each dequantizes half of every K tile for both (sparse_decode_crossover.py).
+        self.xover = tuning.crossover and self.n_hblk == 2
 
     def consumer_fence(self):
         """With ``Tuning.consumer_proxy_fence``: the proxy fence between the producer's st.shared of a
@@ -197,6 +201,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
             q_full: cute.struct.MemRange[Int64, 1]
             k_full: cute.struct.MemRange[Int64, TILE.k_bufs]
             k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
+            peer_free: cute.struct.MemRange[Int64, TILE.k_bufs]  # crossover only: peer may write buffer b
             # Per K buffer: 64-bit token mask + last-tile-of-request flag (producer -> consumers).
             tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
             scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
@@ -216,7 +221,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
             kv, indices, topk_length, attn_sink, tile_md, num_splits, lse, lse_accum,
             scale_log2,
             q_layout, k_layout, p_layout, o_layout, oacc_layout,
-        ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1,
+                 cluster=[2, 1, 1] if self.xover else None)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -260,9 +266,16 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
         if tidx == 0:
             cute.arch.mbarrier_init(q_full, 1)
             for i in cutlass.range_constexpr(TILE.k_bufs):
-                cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg)
+                # Crossover: + 1 arrive.expect_tx for the peer's st.async bytes.
+                cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg + (1 if self.xover else 0))
                 cute.arch.mbarrier_init(k_free + i, 2 * TILE.threads_per_wg)
+                if cutlass.const_expr(self.xover):
+                    cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
         cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.xover):
+            # The peer's barriers are initialised before any remote arrive / st.async reaches them.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         # Programmatic dependent launch: the combine (launched with PDL after this kernel in the
         # split case) may be scheduled right away; it reads nothing before its griddepcontrol.wait,
         # which waits for this whole grid to complete and flush. Its CTAs can only take SMs this
@@ -309,6 +322,11 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Epilo
                     pv_ss_mma, tma_out, mOut, tma_oacc, mOAcc, mTopkLen, mTileMd, mNumSplits, sched, topk, s_idx, hblk, part,
                     sQ, sK, sP, o_layout, oacc_layout, storage,
                 )
+        if cutlass.const_expr(self.xover):
+            # Neither CTA of the pair exits while its peer may still write into its shared memory
+            # or arrive on its barriers.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     def k_tensors_for_pv(self, sK: cute.Tensor, col_half: int):
         """V[:, 256*col_half : 256*(col_half+1)] of both K buffers as an MN-major B operand.

@@ -188,10 +188,16 @@ class Tuning:
     # end of a CTA: the latency rows are made of one-tile pieces). Measured bit-identical and
     # 1.5-3.6 % faster on the small split rows (NOTES.md); default once the GPU suite has run with it.
     oacc_direct_store: bool = False
+    # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
+    # dequantizes half of every K tile, writing it into both CTAs (sparse_decode_crossover.py).
+    # Needs compact_indices; h_q = 64 ignores it.
+    crossover: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:
             raise ValueError(f"Tuning: compact_indices takes streaming OFF or BOTH, got {self.streaming!r}")
+        if self.crossover and not self.compact_indices:
+            raise ValueError("Tuning: crossover needs compact_indices=True")
 
 
 TILE = Tile()

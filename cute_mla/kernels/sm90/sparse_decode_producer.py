@@ -125,7 +125,9 @@ class ProducerMixin:
         = 11 x 16-B loads per half tile. Loads of the next tile are in flight while the current
         one is converted and stored (half by half, or slot by slot when streamed).
         """
-        if cutlass.const_expr(self.tuning.compact_indices):  # OFF or BOTH
+        if cutlass.const_expr(self.xover):
+            self.producer_crossover(mKV, mIdx, mTopkLen, sched, s_idx)
+        elif cutlass.const_expr(self.tuning.compact_indices):  # OFF or BOTH
             self.producer_compacted(mKV, mIdx, mTopkLen, sched, s_idx)
         elif cutlass.const_expr(self.tuning.streaming != Streaming.OFF):
             self.producer_streamed(mKV, mIdx, mTopkLen, sched, s_idx)
@@ -266,13 +268,23 @@ class ProducerMixin:
                 la_pos_b = f_pos_b
                 n += 1
 
+    def store16(self, addr: Int32, w0, w1, w2, w3, remote):
+        """16 B into this CTA's K tile at ``addr``; with ``remote`` = (delta, peer k_full cluster
+        address) (h=128 crossover) the same 16 B into the peer CTA's K tile as well, at cluster
+        address ``addr + delta``, counted on the peer's k_full transaction bytes."""
+        ptx.st_shared_v4(addr, w0, w1, w2, w3)
+        if remote is not None:
+            ptx.st_async_v4(addr + remote[0], w0, w1, w2, w3, remote[1])
+
     @cute.jit
     def convert_store_reload(
         self, regs: cute.Tensor, ok, half_base: Int32, tok_in_half: Int32, sub: Int32, swz: Int32, next_addr: Int64,
+        remote=None,
     ):
         """:meth:`convert_and_store`, re-loading each 16-B slot from the row at ``next_addr`` as
         soon as its registers are consumed: RoPE first (stored as is), then the scales (once read),
-        then each fp8 chunk right after its conversion. Same bytes in shared memory."""
+        then each fp8 chunk right after its conversion. Same bytes in shared memory (and, with
+        ``remote``, in the peer CTA's: :meth:`store16`)."""
         row_base = half_base + tok_in_half * 128
         off0 = ((2 * sub) ^ swz) << 4
         off1 = ((2 * sub + 1) ^ swz) << 4
@@ -280,8 +292,8 @@ class ProducerMixin:
         r = [Int32(0)] * 8
         for e in cutlass.range_constexpr(8):
             r[e] = ptx.select_i32(ok, regs[36 + e], 0)
-        ptx.st_shared_v4(rbase + off0, r[0], r[1], r[2], r[3])
-        ptx.st_shared_v4(rbase + off1, r[4], r[5], r[6], r[7])
+        self.store16(rbase + off0, r[0], r[1], r[2], r[3], remote)
+        self.store16(rbase + off1, r[4], r[5], r[6], r[7], remote)
         for q in cutlass.range_constexpr(2):
             self.load_slot(regs, 9 + q, next_addr, sub)
         sc = [Int32(0)] * 4
@@ -302,8 +314,8 @@ class ProducerMixin:
                     o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_pow2(regs[c * 4 + e], s2[c // 2])
                 self.load_slot(regs, c, next_addr, sub)
                 cbase = row_base + c * TILE.chunk_bytes
-                ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
-                ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+                self.store16(cbase + off0, o[0], o[1], o[2], o[3], remote)
+                self.store16(cbase + off1, o[4], o[5], o[6], o[7], remote)
         else:
             for c in cutlass.range_constexpr(8):
                 o = [Int32(0)] * 8
@@ -312,8 +324,8 @@ class ProducerMixin:
                     o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_exact(w, sc[c // 2])
                 self.load_slot(regs, c, next_addr, sub)
                 cbase = row_base + c * TILE.chunk_bytes
-                ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
-                ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+                self.store16(cbase + off0, o[0], o[1], o[2], o[3], remote)
+                self.store16(cbase + off1, o[4], o[5], o[6], o[7], remote)
 
     @cute.jit
     def prefetch_tile_rows(self, raw_a: Int32, pos_a, raw_b: Int32, pos_b, sub: Int32, kv_base: Int64, stride0: Int64,

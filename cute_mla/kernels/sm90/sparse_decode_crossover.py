@@ -1,0 +1,136 @@
+"""h_q = 128 "crossover" producer (``Tuning.crossover``): a cluster of two CTAs shares each K tile.
+
+The two 64-head CTAs of a query token (grid x neighbours, one cluster of 2) gather the same rows.
+Without the crossover each gathers and dequantizes all 64 tokens of every tile. With it, CTA rank
+``r`` gathers and dequantizes only tokens ``[32 r, 32 r + 32)`` and writes each 16-B piece twice:
+into its own K buffer (``st.shared``) and into the same place of its peer's (``st.async`` with
+``complete_tx`` on the peer's ``k_full``). Both producers scan the whole top-k list (the scans are
+identical), so both know every tile's mask and last-tile flag.
+
+Per K buffer and use (tile T in buffer ``b = T % 2``), in each CTA:
+
+* ``k_full[b]``, count 129: the 128 local producer threads (after their ``st.shared`` and the
+  proxy fence) + one ``arrive.expect_tx`` of the peer's 36,864 bytes (32 rows x 1,152 B), which
+  its ``st.async`` writes complete. The consumers are unchanged.
+* ``peer_free[b]``, count 1: "your producer may write tile T into my buffer b". The local
+  producer arrives on the *peer's* ``peer_free[b]`` (release, cluster scope) once its own
+  consumers have freed ``b`` (its ``k_free`` wait for T), and waits on its own ``peer_free[b]``
+  (acquire, cluster scope; parity ``(T // 2) & 1``: every use is signalled, the first too)
+  before writing into the peer's buffer.
+* The peer's ``complete_tx`` for T can come before the local ``expect_tx``: the phase cannot
+  complete while local arrivals are pending, and it cannot belong to T - 2 (the peer waits for
+  ``peer_free``, signalled after this CTA consumed T - 2).
+
+Both CTAs leave through a cluster barrier, so neither exits while its peer may still write into
+its shared memory or arrive on its barriers.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32
+
+from . import ptx
+from .sparse_decode_common import TILE, Bar
+
+XOVER_TX_BYTES = (TILE.tokens // 2) * TILE.d_qk * 2  # 36,864: the peer's half of a K tile
+
+
+class CrossoverMixin:
+    @cute.jit
+    def producer_crossover(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
+        """The streamed compacted producer (:meth:`producer_compacted`) over half tiles: this CTA's
+        32 rows of each tile, stored locally and into the peer CTA (module docstring)."""
+        begin_req = sched[0]
+        (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
+         sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
+        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
+        ring_base = storage.ring.data_ptr().toint()
+        counts_base = storage.scan_counts.data_ptr().toint()
+        peer_free = storage.peer_free.data_ptr()
+        ptid = warp * 32 + lane
+        half = TILE.tokens // 2
+        rank = cute.arch.block_idx_in_cluster()
+        peer = rank ^ 1
+        mine = rank * half  # first token of this CTA's half in a tile
+        other = half - mine
+        # Cluster addresses: the peer's K buffers are this CTA's plus ``delta``.
+        delta = ptx.mapa_shared_cluster(sk_base, peer) - sk_base
+        peer_k_full = ptx.mapa_shared_cluster(k_full.toint(), peer)
+        peer_free_remote = ptx.mapa_shared_cluster(peer_free.toint(), peer)
+        peer_free_local = peer_free.toint()
+
+        reg = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+
+        # ---- prologue: scan until tile 0 is queued, then issue this CTA's rows of it
+        req = begin_req
+        pos, end, has = self.scan_request(begin_req, sched, mTopkLen, topk)
+        r0 = Int32(0)
+        tail = Int32(0)
+        ends = Uint32(0)
+        parity = Int32(0)
+        scanning = cutlass.Boolean(True)
+        raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
+        raw_next = Int32(-1)
+        if cutlass.const_expr(self.tuning.scan_two_ahead):
+            raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
+        while scanning & (tail < TILE.tokens):
+            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
+                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
+                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
+        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        idx, ok = self.ring_index(ring_base, mine + tok_in_half)
+        if tail > 0:
+            self.issue_row_loads(reg, kv_base, stride0, page, idx, sub)
+
+        t = Int32(0)
+        while t * TILE.tokens < tail:
+            buf = t % TILE.k_bufs
+            first = t * TILE.tokens
+            while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
+                req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
+                    req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
+                    counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
+            cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+            has_next = first + TILE.tokens < tail
+            _, ok_other = self.ring_index(ring_base, first + other + tok_in_half)
+            n_idx, n_ok = self.ring_index(ring_base, first + TILE.tokens + mine + tok_in_half)
+            next_ok = n_ok & has_next
+            n_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok, n_idx, 0))
+
+            # This CTA's consumers freed buffer ``buf``: tell the peer it may write into it, then
+            # wait until the peer's consumers freed theirs.
+            cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
+            if ptid == 0:
+                ptx.mbarrier_arrive_remote(peer_free_remote + buf * 8)
+                # One of the 129 arrivals: the bytes the peer's st.async will add to this buffer.
+                cute.arch.mbarrier_arrive_and_expect_tx(k_full + buf, XOVER_TX_BYTES)
+            ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * 8, (t // TILE.k_bufs) & 1)
+
+            tile_base = sk_base + buf * TILE.k_tile_bytes
+            self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
+                                      (delta, peer_k_full + buf * 8))
+
+            first_half = rank == 0
+            ok_a = (first_half & ok) | ((rank != 0) & ok_other)
+            ok_b = (first_half & ok_other) | ((rank != 0) & ok)
+            bit = Uint32(1) << Uint32(t % 32)
+            self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0))
+            ends = ends & ~bit
+            # This CTA's rows of tile T+2 into L2 (the peer prefetches the other half).
+            if cutlass.const_expr(self.tuning.prefetch_rows):
+                if first + 2 * TILE.tokens < tail:
+                    p_idx, p_ok = self.ring_index(ring_base, first + 2 * TILE.tokens + mine + tok_in_half)
+                    if p_ok:
+                        self.prefetch_half_row(self.row_address(kv_base, stride0, page, p_idx), sub)
+            ok = next_ok
+            t += 1
+
+    @cute.jit
+    def prefetch_half_row(self, addr, sub: Int32):
+        """The 128-B lines of one row into L2, spread over its 4 threads: ``sub`` s takes offsets
+        128 s and, for s < 2, 512 + 128 s (0..640: every line a 656-B row can touch)."""
+        ptx.prefetch_l2_line(addr + cutlass.Int64(sub * 128))
+        if sub < 2:
+            ptx.prefetch_l2_line(addr + cutlass.Int64(512 + sub * 128))
