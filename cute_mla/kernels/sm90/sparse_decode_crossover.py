@@ -81,6 +81,7 @@ class CrossoverMixin:
                 counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
         cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
         idx, ok = self.ring_index(ring_base, mine + tok_in_half)
+        _, ok_other = self.ring_index(ring_base, other + tok_in_half)
         if tail > 0:
             self.issue_row_loads(reg, kv_base, stride0, page, idx, sub)
 
@@ -94,8 +95,10 @@ class CrossoverMixin:
                     counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
             cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
             has_next = first + TILE.tokens < tail
-            _, ok_other = self.ring_index(ring_base, first + other + tok_in_half)
+            # Tile T+1's entries (tile T's were read an iteration ago: this iteration's scan steps
+            # may already have overwritten them, the ring holds 256 entries).
             n_idx, n_ok = self.ring_index(ring_base, first + TILE.tokens + mine + tok_in_half)
+            _, n_ok_other = self.ring_index(ring_base, first + TILE.tokens + other + tok_in_half)
             next_ok = n_ok & has_next
             n_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok, n_idx, 0))
 
@@ -103,9 +106,10 @@ class CrossoverMixin:
             # wait until the peer's consumers freed theirs.
             cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
             if ptid == 0:
-                ptx.mbarrier_arrive_remote(peer_free_remote + buf * 8)
-                # One of the 129 arrivals: the bytes the peer's st.async will add to this buffer.
+                # One of the 129 arrivals: the bytes the peer's st.async will add to this buffer
+                # (expected before the peer may send them).
                 cute.arch.mbarrier_arrive_and_expect_tx(k_full + buf, XOVER_TX_BYTES)
+                ptx.mbarrier_arrive_remote(peer_free_remote + buf * 8)
             ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * 8, (t // TILE.k_bufs) & 1)
 
             tile_base = sk_base + buf * TILE.k_tile_bytes
@@ -125,6 +129,7 @@ class CrossoverMixin:
                     if p_ok:
                         self.prefetch_half_row(self.row_address(kv_base, stride0, page, p_idx), sub)
             ok = next_ok
+            ok_other = n_ok_other & has_next
             t += 1
 
     @cute.jit
