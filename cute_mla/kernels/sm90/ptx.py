@@ -155,6 +155,24 @@ def st_async_v4(raddr: Int32, w0, w1, w2, w3, rmbar: Int32) -> None:
     )
 
 
+def bulk_copy_to_peer(dst: Int32, src: Int32, size: int, rmbar: Int32) -> None:
+    """``cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes``: ``size`` bytes
+    (multiple of 16) of this CTA's shared memory at ``src`` into a peer CTA's at cluster address
+    ``dst`` by the TMA unit; the peer's mbarrier at cluster address ``rmbar`` gets the
+    complete_tx. The source must be visible to the async proxy (``fence.proxy.async`` after the
+    ``st.shared`` that wrote it)."""
+    assert size % 16 == 0
+    llvm.inline_asm(
+        None,
+        [Int32(dst).ir_value(), Int32(src).ir_value(), Int32(rmbar).ir_value()],
+        f"cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [$0], [$1], {size}, [$2];",
+        "r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 def mbarrier_arrive_remote(rmbar: Int32) -> None:
     """``mbarrier.arrive.release.cluster.shared::cluster.b64`` on a peer CTA's mbarrier (cluster
     address): release at cluster scope, so what this thread did before (its CTA's consumers freed

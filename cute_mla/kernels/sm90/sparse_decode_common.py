@@ -67,6 +67,7 @@ class Bar(IntEnum):
     EPI_SOFTMAX = 4  # WG0 only, 128 threads
     EPI_PV_RIGHT = 5  # WG1 only, 128 threads
     INDEX_SCAN = 6  # WG2 only, 128 threads: index compaction (warp counts, then ring visibility)
+    XOVER_HALF = 7  # WG2 only, 128 threads: crossover half tile written (before its bulk copy)
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,10 @@ class Tuning:
     # dequantizes half of every K tile, writing it into both CTAs (sparse_decode_crossover.py).
     # Needs compact_indices; h_q = 64 ignores it.
     crossover: bool = False
+    # Crossover transport: True = the producer writes its half locally, then one thread copies it
+    # into the peer with 9 bulk smem -> dsmem copies (TMA unit); False = every 16-B store is also
+    # an st.async to the peer (measured 21 % slower than no crossover: ~18 B/clk of remote stores).
+    crossover_bulk: bool = True
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

@@ -113,14 +113,26 @@ class CrossoverMixin:
             ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * 8, (t // TILE.k_bufs) & 1)
 
             tile_base = sk_base + buf * TILE.k_tile_bytes
-            self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
-                                      (delta, peer_k_full + buf * 8))
+            if cutlass.const_expr(self.tuning.crossover_bulk):
+                self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr)
+                # The half is in shared memory and visible to the async proxy: one thread copies
+                # its 9 column blocks (32 rows x 128 B each) into the peer's buffer.
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=Bar.XOVER_HALF, number_of_threads=TILE.threads_per_wg)
+                if ptid == 0:
+                    for c in cutlass.range_constexpr(TILE.d_qk // TILE.chunk):
+                        src = tile_base + c * TILE.chunk_bytes + mine * 128
+                        ptx.bulk_copy_to_peer(src + delta, src, half * 128, peer_k_full + buf * 8)
+            else:
+                self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
+                                          (delta, peer_k_full + buf * 8))
 
             first_half = rank == 0
             ok_a = (first_half & ok) | ((rank != 0) & ok_other)
             ok_b = (first_half & ok_other) | ((rank != 0) & ok)
             bit = Uint32(1) << Uint32(t % 32)
-            self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0))
+            self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0),
+                                fenced=self.tuning.crossover_bulk)
             ends = ends & ~bit
             # This CTA's rows of tile T+2 into L2 (the peer prefetches the other half).
             if cutlass.const_expr(self.tuning.prefetch_rows):

@@ -44,7 +44,8 @@ class ProducerMixin:
                 sk_base, info_base, k_full, k_free)
 
     @cute.jit
-    def hand_over_tile(self, ok_a, ok_b, lane: Int32, warp: Int32, info_base: Int32, buf: Int32, k_full, last):
+    def hand_over_tile(self, ok_a, ok_b, lane: Int32, warp: Int32, info_base: Int32, buf: Int32, k_full, last,
+                       fenced: bool = False):
         """Publish K buffer ``buf`` to the MMA warp groups (every producer).
 
         Writes the tile's ``tile_info`` (``info_words`` per buffer): its 64-bit validity mask (byte
@@ -63,7 +64,7 @@ class ProducerMixin:
             cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
             if warp == 0:
                 ptx.st_shared_i32(info + 8, ptx.select_i32(last, 1, 0))
-        if cutlass.const_expr(not self.tuning.consumer_proxy_fence):
+        if cutlass.const_expr(not self.tuning.consumer_proxy_fence and not fenced):
             cute.arch.fence_view_async_shared()
         cute.arch.mbarrier_arrive(k_full + buf)
 
