@@ -118,9 +118,9 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = {"all": GRID, "quick": QUICK, "h128": [r for r in GRID if r[2] == 128]}[args.rows]
     warm_up(args.warmup_s)
-    # The first row timed in a process measured slow for both libraries' host paths (b=1 s_q=1:
-    # 19-32 µs replay where later rows / other scripts measured 15-16 µs): time the first row
-    # once and throw the result away.
+    # cute-mla's first row timed in a process measured slow (b=1 s_q=1 h=64 graph replay:
+    # 19-32 µs where later rows or other scripts measured 15-16 µs; cause not found): time it
+    # once for both libraries and throw the results away.
     b0, s0, h0 = rows[0]
     q, cache, idx = make_inputs(b0, s0, h0, args.masked, g)
     time_one(cute_mla, q, cache, idx)
