@@ -54,6 +54,8 @@ VARIANTS = {
     "scan1": Tuning(scan_two_ahead=False),  # one index chunk in flight
     "af2f72e": Tuning(prefetch_lines=False, scan_two_ahead=False),  # the default before a1e56bd
     "xover": Tuning(crossover=True),  # h=128: cluster of 2, each CTA dequantizes half of every tile
+    "xover_warp": Tuning(crossover=True, crossover_warp_copies=True),  # per-warp 1 KB copies
+    "xover_st": Tuning(crossover=True, crossover_bulk=False),  # per-thread st.async
     "noov": Tuning(overlap_qk_pv=False),
     "l1_normal": Tuning(gather_l1="evict_normal"),
     # measured slower (NOTES.md), kept for re-tests

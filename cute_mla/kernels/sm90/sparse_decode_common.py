@@ -197,6 +197,9 @@ class Tuning:
     # into the peer with 9 bulk smem -> dsmem copies (TMA unit); False = every 16-B store is also
     # an st.async to the peer (measured 21 % slower than no crossover: ~18 B/clk of remote stores).
     crossover_bulk: bool = True
+    # Crossover transport, finer: each warp copies its 8 rows (1 KB) of a column block right after
+    # writing them (36 copies per tile instead of 9 after a producer-wide barrier).
+    crossover_warp_copies: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

@@ -113,7 +113,11 @@ class CrossoverMixin:
             ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * 8, (t // TILE.k_bufs) & 1)
 
             tile_base = sk_base + buf * TILE.k_tile_bytes
-            if cutlass.const_expr(self.tuning.crossover_bulk):
+            if cutlass.const_expr(self.tuning.crossover_warp_copies):
+                # Each warp copies its 8 rows of a column block as soon as it has written them.
+                self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
+                                          None, (tile_base + (mine + warp * 8) * 128, delta, peer_k_full + buf * 8, lane))
+            elif cutlass.const_expr(self.tuning.crossover_bulk):
                 self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr)
                 # The half is in shared memory and visible to the async proxy: one thread copies
                 # its 9 column blocks (32 rows x 128 B each) into the peer's buffer.
@@ -132,7 +136,7 @@ class CrossoverMixin:
             ok_b = (first_half & ok_other) | ((rank != 0) & ok)
             bit = Uint32(1) << Uint32(t % 32)
             self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0),
-                                fenced=self.tuning.crossover_bulk)
+                                fenced=self.tuning.crossover_bulk or self.tuning.crossover_warp_copies)
             ends = ends & ~bit
             # This CTA's rows of tile T+2 into L2 (the peer prefetches the other half).
             if cutlass.const_expr(self.tuning.prefetch_rows):

@@ -269,6 +269,19 @@ class ProducerMixin:
                 la_pos_b = f_pos_b
                 n += 1
 
+    @cute.jit
+    def chunk_to_peer(self, c: cutlass.Constexpr, copy):
+        """Crossover, per-warp transport: once this warp's 8 rows of column block ``c`` are written
+        (``copy`` = (warp's block base, delta, peer k_full cluster address, lane)), lane 0 copies
+        the 1 KB to the peer (fence + warp sync first: the copy reads in the async proxy)."""
+        if cutlass.const_expr(copy is not None):
+            base, delta, rmbar, lane = copy
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_warp()
+            src = base + c * TILE.chunk_bytes
+            if lane == 0:
+                ptx.bulk_copy_to_peer(src + delta, src, 8 * 128, rmbar)
+
     def store16(self, addr: Int32, w0, w1, w2, w3, remote):
         """16 B into this CTA's K tile at ``addr``; with ``remote`` = (delta, peer k_full cluster
         address) (h=128 crossover) the same 16 B into the peer CTA's K tile as well, at cluster
@@ -280,7 +293,7 @@ class ProducerMixin:
     @cute.jit
     def convert_store_reload(
         self, regs: cute.Tensor, ok, half_base: Int32, tok_in_half: Int32, sub: Int32, swz: Int32, next_addr: Int64,
-        remote=None,
+        remote=None, copy=None,
     ):
         """:meth:`convert_and_store`, re-loading each 16-B slot from the row at ``next_addr`` as
         soon as its registers are consumed: RoPE first (stored as is), then the scales (once read),
@@ -295,6 +308,7 @@ class ProducerMixin:
             r[e] = ptx.select_i32(ok, regs[36 + e], 0)
         self.store16(rbase + off0, r[0], r[1], r[2], r[3], remote)
         self.store16(rbase + off1, r[4], r[5], r[6], r[7], remote)
+        self.chunk_to_peer(8, copy)
         for q in cutlass.range_constexpr(2):
             self.load_slot(regs, 9 + q, next_addr, sub)
         sc = [Int32(0)] * 4
@@ -317,6 +331,7 @@ class ProducerMixin:
                 cbase = row_base + c * TILE.chunk_bytes
                 self.store16(cbase + off0, o[0], o[1], o[2], o[3], remote)
                 self.store16(cbase + off1, o[4], o[5], o[6], o[7], remote)
+                self.chunk_to_peer(c, copy)
         else:
             for c in cutlass.range_constexpr(8):
                 o = [Int32(0)] * 8
@@ -327,6 +342,7 @@ class ProducerMixin:
                 cbase = row_base + c * TILE.chunk_bytes
                 self.store16(cbase + off0, o[0], o[1], o[2], o[3], remote)
                 self.store16(cbase + off1, o[4], o[5], o[6], o[7], remote)
+                self.chunk_to_peer(c, copy)
 
     @cute.jit
     def prefetch_tile_rows(self, raw_a: Int32, pos_a, raw_b: Int32, pos_b, sub: Int32, kv_base: Int64, stride0: Int64,
