@@ -56,6 +56,7 @@ VARIANTS = {
     "xover": Tuning(crossover=True),  # h=128: cluster of 2, each CTA dequantizes half of every tile
     "xover_warp": Tuning(crossover=True, crossover_warp_copies=True),  # per-warp 1 KB copies
     "xover_st": Tuning(crossover=True, crossover_bulk=False),  # per-thread st.async
+    "xover2": Tuning(crossover=True, crossover_two_tiles=True),  # per-warp copies, two tiles of rows in flight
     "noov": Tuning(overlap_qk_pv=False),
     "l1_normal": Tuning(gather_l1="evict_normal"),
     # measured slower (NOTES.md), kept for re-tests

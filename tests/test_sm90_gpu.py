@@ -199,7 +199,7 @@ def test_schedule_knobs_match(name, seed):
 CROSSOVER_SHAPES = [(9, 1, 1024, True, False), (74, 2, 2048, True, True), (33, 3, 576, False, True), (1, 8, 2048, True, False)]
 
 
-@pytest.mark.parametrize("transport", ["warp_copies", "bulk", "st_async"])
+@pytest.mark.parametrize("transport", ["warp_copies", "bulk", "st_async", "two_tiles"])
 @pytest.mark.parametrize("pattern", ["none", "sparse", "runs", "one_valid"])
 @pytest.mark.parametrize("shape", range(len(CROSSOVER_SHAPES)))
 def test_crossover_matches(pattern, shape, transport, seed):
@@ -214,7 +214,8 @@ def test_crossover_matches(pattern, shape, transport, seed):
     _mask_pattern(inp.indices, pattern, g)
     inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 128) if split else 1
-    tuning = Tuning(crossover=True, crossover_bulk=transport != "st_async", crossover_warp_copies=transport == "warp_copies")
+    tuning = Tuning(crossover=True, crossover_bulk=transport != "st_async", crossover_warp_copies=transport == "warp_copies",
+                    crossover_two_tiles=transport == "two_tiles")
     out, lse, sched = run_kernel(inp, split, parts, tuning)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)

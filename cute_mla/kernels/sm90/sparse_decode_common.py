@@ -200,6 +200,9 @@ class Tuning:
     # Crossover transport, finer: each warp copies its 8 rows (1 KB) of a column block right after
     # writing them (36 copies per tile instead of 9 after a producer-wide barrier).
     crossover_warp_copies: bool = False
+    # Crossover producer with this CTA's rows of two tiles in flight (two 44-register sets; implies
+    # per-warp copies).
+    crossover_two_tiles: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

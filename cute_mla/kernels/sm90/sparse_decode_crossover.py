@@ -155,3 +155,122 @@ class CrossoverMixin:
         ptx.prefetch_l2_line(addr + cutlass.Int64(sub * 128))
         if sub < 2:
             ptx.prefetch_l2_line(addr + cutlass.Int64(512 + sub * 128))
+
+    # ------------------------------------------------------------------ two tiles of rows in flight
+    @cute.jit
+    def producer_crossover2(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
+        """:meth:`producer_crossover` with per-warp copies and this CTA's rows of *two* tiles in
+        flight (``Tuning.crossover_two_tiles``): a half tile needs only one 44-register set, so
+        tile T's set is re-loaded with tile T+2's rows while T is converted, and T+1's rows sit in
+        the other set (loaded during T-1). Tiles alternate between the two sets, so the loop body
+        handles two tiles. Rows of T+3 are prefetched into L2 when queued."""
+        begin_req = sched[0]
+        (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
+         sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
+        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
+        ring_base = storage.ring.data_ptr().toint()
+        counts_base = storage.scan_counts.data_ptr().toint()
+        ptid = warp * 32 + lane
+        mine = cute.arch.block_idx_in_cluster() * (TILE.tokens // 2)
+        other = TILE.tokens // 2 - mine
+
+        reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+        reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+
+        # ---- prologue: scan until tiles 0 and 1 are queued, then issue this CTA's rows of both
+        req = begin_req
+        pos, end, has = self.scan_request(begin_req, sched, mTopkLen, topk)
+        r0 = Int32(0)
+        tail = Int32(0)
+        ends = Uint32(0)
+        parity = Int32(0)
+        scanning = cutlass.Boolean(True)
+        raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
+        raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
+        while scanning & (tail < 2 * TILE.tokens):
+            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
+                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
+                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
+        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        idx0, ok0 = self.ring_index(ring_base, mine + tok_in_half)
+        _, oth0 = self.ring_index(ring_base, other + tok_in_half)
+        has1 = TILE.tokens < tail
+        idx1, ok1 = self.ring_index(ring_base, TILE.tokens + mine + tok_in_half)
+        _, oth1 = self.ring_index(ring_base, TILE.tokens + other + tok_in_half)
+        ok1 = ok1 & has1
+        oth1 = oth1 & has1
+        if tail > 0:
+            self.issue_row_loads(reg_a, kv_base, stride0, page, idx0, sub)
+            self.issue_row_loads(reg_b, kv_base, stride0, page, ptx.select_i32(ok1, idx1, 0), sub)
+
+        t = Int32(0)
+        while t * TILE.tokens < tail:
+            (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next, ok0, oth0) = self.crossover_tile(
+                reg_a, t, ok0, oth0, req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next,
+                mIdx, mTopkLen, sched, s_idx, mKV)
+            t += 1
+            if t * TILE.tokens < tail:
+                (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next, ok1, oth1) = self.crossover_tile(
+                    reg_b, t, ok1, oth1, req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next,
+                    mIdx, mTopkLen, sched, s_idx, mKV)
+                t += 1
+
+    @cute.jit
+    def crossover_tile(self, reg: cute.Tensor, t: Int32, ok, oth, req, pos, end, has, r0, tail, ends, parity,
+                       scanning, raw, raw_next, mIdx, mTopkLen, sched, s_idx, mKV):
+        """One tile of :meth:`producer_crossover2`: keep the scan ``tiles_ahead`` tiles ahead,
+        synchronise with the peer, convert this CTA's rows of tile T from ``reg`` (re-loading it
+        with T+2's rows), copy them per warp to the peer, hand the tile over, prefetch T+3.
+        Returns the scan state and (valid, peer half valid) of T+2 for this thread's token."""
+        # Everything but the loop state is re-derived here from the thread index, the kernel
+        # parameters and the shared-memory symbol: carried across the loop it spilled.
+        (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
+         sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
+        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
+        ring_base = storage.ring.data_ptr().toint()
+        counts_base = storage.scan_counts.data_ptr().toint()
+        peer_free = storage.peer_free.data_ptr()
+        ptid = warp * 32 + lane
+        rank = cute.arch.block_idx_in_cluster()
+        peer = rank ^ 1
+        mine = rank * (TILE.tokens // 2)
+        other = TILE.tokens // 2 - mine
+        delta = ptx.mapa_shared_cluster(sk_base, peer) - sk_base
+        peer_k_full = ptx.mapa_shared_cluster(k_full.toint(), peer)
+        peer_free_remote = ptx.mapa_shared_cluster(peer_free.toint(), peer)
+        peer_free_local = peer_free.toint()
+        buf = t % TILE.k_bufs
+        first = t * TILE.tokens
+        while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
+            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
+                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
+                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
+        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        # Tile T+2's entries (queued: tiles_ahead = 3), read before the next iteration's scan steps.
+        has2 = first + 2 * TILE.tokens < tail
+        n_idx, n_ok = self.ring_index(ring_base, first + 2 * TILE.tokens + mine + tok_in_half)
+        _, n_oth = self.ring_index(ring_base, first + 2 * TILE.tokens + other + tok_in_half)
+        next_ok = n_ok & has2
+        n_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok, n_idx, 0))
+
+        cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
+        if ptid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(k_full + buf, XOVER_TX_BYTES)
+            ptx.mbarrier_arrive_remote(peer_free_remote + buf * 8)
+        ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * 8, (t // TILE.k_bufs) & 1)
+
+        tile_base = sk_base + buf * TILE.k_tile_bytes
+        self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
+                                  None, (tile_base + (mine + warp * 8) * 128, delta, peer_k_full + buf * 8, lane))
+        first_half = rank == 0
+        ok_a = (first_half & ok) | ((rank != 0) & oth)
+        ok_b = (first_half & oth) | ((rank != 0) & ok)
+        bit = Uint32(1) << Uint32(t % 32)
+        self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0), fenced=True)
+        ends = ends & ~bit
+        if cutlass.const_expr(self.tuning.prefetch_rows):
+            if first + 3 * TILE.tokens < tail:
+                p_idx, p_ok = self.ring_index(ring_base, first + 3 * TILE.tokens + mine + tok_in_half)
+                if p_ok:
+                    self.prefetch_half_row(self.row_address(kv_base, stride0, page, p_idx), sub)
+        return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next, next_ok, n_oth & has2

@@ -126,7 +126,9 @@ class ProducerMixin:
         = 11 x 16-B loads per half tile. Loads of the next tile are in flight while the current
         one is converted and stored (half by half, or slot by slot when streamed).
         """
-        if cutlass.const_expr(self.xover):
+        if cutlass.const_expr(self.xover and self.tuning.crossover_two_tiles):
+            self.producer_crossover2(mKV, mIdx, mTopkLen, sched, s_idx)
+        elif cutlass.const_expr(self.xover):
             self.producer_crossover(mKV, mIdx, mTopkLen, sched, s_idx)
         elif cutlass.const_expr(self.tuning.compact_indices):  # OFF or BOTH
             self.producer_compacted(mKV, mIdx, mTopkLen, sched, s_idx)
