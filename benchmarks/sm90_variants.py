@@ -57,6 +57,7 @@ VARIANTS = {
     "xover_warp": Tuning(crossover=True, crossover_warp_copies=True),  # per-warp 1 KB copies
     "xover_st": Tuning(crossover=True, crossover_bulk=False),  # per-thread st.async
     "xover2": Tuning(crossover=True, crossover_two_tiles=True),  # per-warp copies, two tiles of rows in flight
+    "xover2_nopf": Tuning(crossover=True, crossover_two_tiles=True, prefetch_rows=False),  # spills 16 B instead of 64
     "noov": Tuning(overlap_qk_pv=False),
     "l1_normal": Tuning(gather_l1="evict_normal"),
     # measured slower (NOTES.md), kept for re-tests

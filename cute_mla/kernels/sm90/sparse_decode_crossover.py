@@ -116,7 +116,7 @@ class CrossoverMixin:
             if cutlass.const_expr(self.tuning.crossover_warp_copies):
                 # Each warp copies its 8 rows of a column block as soon as it has written them.
                 self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
-                                          None, (tile_base + (mine + warp * 8) * 128, delta, peer_k_full + buf * 8, lane))
+                                          None, k_full.toint() + buf * 8)
             elif cutlass.const_expr(self.tuning.crossover_bulk):
                 self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr)
                 # The half is in shared memory and visible to the async proxy: one thread copies
@@ -186,7 +186,9 @@ class CrossoverMixin:
         parity = Int32(0)
         scanning = cutlass.Boolean(True)
         raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
-        raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
+        raw_next = Int32(-1)
+        if cutlass.const_expr(self.tuning.scan_two_ahead):
+            raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
         while scanning & (tail < 2 * TILE.tokens):
             req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
                 req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
@@ -261,7 +263,7 @@ class CrossoverMixin:
 
         tile_base = sk_base + buf * TILE.k_tile_bytes
         self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
-                                  None, (tile_base + (mine + warp * 8) * 128, delta, peer_k_full + buf * 8, lane))
+                                  None, k_full.toint() + buf * 8)
         first_half = rank == 0
         ok_a = (first_half & ok) | ((rank != 0) & oth)
         ok_b = (first_half & oth) | ((rank != 0) & ok)

@@ -272,17 +272,20 @@ class ProducerMixin:
                 n += 1
 
     @cute.jit
-    def chunk_to_peer(self, c: cutlass.Constexpr, copy):
-        """Crossover, per-warp transport: once this warp's 8 rows of column block ``c`` are written
-        (``copy`` = (warp's block base, delta, peer k_full cluster address, lane)), lane 0 copies
-        the 1 KB to the peer (fence + warp sync first: the copy reads in the async proxy)."""
+    def chunk_to_peer(self, c: cutlass.Constexpr, copy, half_base: Int32, tok_in_half: Int32):
+        """Crossover, per-warp transport: once this warp's 8 rows of column block ``c`` are written,
+        lane 0 copies the 1 KB to the peer CTA's same place (fence + warp sync first: the copy reads
+        in the async proxy), completing on the peer's ``k_full`` (``copy`` = the local address of
+        this buffer's ``k_full``). Addresses are re-derived here (``mapa``, thread index): carried
+        through the conversion they cost registers the producer does not have."""
         if cutlass.const_expr(copy is not None):
-            base, delta, rmbar, lane = copy
             cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
-            src = base + c * TILE.chunk_bytes
-            if lane == 0:
-                ptx.bulk_copy_to_peer(src + delta, src, 8 * 128, rmbar)
+            src = half_base + (tok_in_half - tok_in_half % 8) * 128 + c * TILE.chunk_bytes
+            if cute.arch.lane_idx() == 0:
+                peer = cute.arch.block_idx_in_cluster() ^ 1
+                ptx.bulk_copy_to_peer(ptx.mapa_shared_cluster(src, peer), src, 8 * 128,
+                                      ptx.mapa_shared_cluster(copy, peer))
 
     def store16(self, addr: Int32, w0, w1, w2, w3, remote):
         """16 B into this CTA's K tile at ``addr``; with ``remote`` = (delta, peer k_full cluster
@@ -310,7 +313,7 @@ class ProducerMixin:
             r[e] = ptx.select_i32(ok, regs[36 + e], 0)
         self.store16(rbase + off0, r[0], r[1], r[2], r[3], remote)
         self.store16(rbase + off1, r[4], r[5], r[6], r[7], remote)
-        self.chunk_to_peer(8, copy)
+        self.chunk_to_peer(8, copy, half_base, tok_in_half)
         for q in cutlass.range_constexpr(2):
             self.load_slot(regs, 9 + q, next_addr, sub)
         sc = [Int32(0)] * 4
@@ -333,7 +336,7 @@ class ProducerMixin:
                 cbase = row_base + c * TILE.chunk_bytes
                 self.store16(cbase + off0, o[0], o[1], o[2], o[3], remote)
                 self.store16(cbase + off1, o[4], o[5], o[6], o[7], remote)
-                self.chunk_to_peer(c, copy)
+                self.chunk_to_peer(c, copy, half_base, tok_in_half)
         else:
             for c in cutlass.range_constexpr(8):
                 o = [Int32(0)] * 8
@@ -344,7 +347,7 @@ class ProducerMixin:
                 cbase = row_base + c * TILE.chunk_bytes
                 self.store16(cbase + off0, o[0], o[1], o[2], o[3], remote)
                 self.store16(cbase + off1, o[4], o[5], o[6], o[7], remote)
-                self.chunk_to_peer(c, copy)
+                self.chunk_to_peer(c, copy, half_base, tok_in_half)
 
     @cute.jit
     def prefetch_tile_rows(self, raw_a: Int32, pos_a, raw_b: Int32, pos_b, sub: Int32, kv_base: Int64, stride0: Int64,
