@@ -34,9 +34,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import cute_mla  # noqa: E402
 from cute_mla.kernels.sm90 import sparse_decode as sd  # noqa: E402
-from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING, Streaming, Tuning  # noqa: E402
+from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING, Crossover, Streaming, Tuning  # noqa: E402
 
 S = Streaming
+X = Crossover
 VARIANTS = {
     "default": DEFAULT_TUNING,
     "l2_none": Tuning(gather_l2=""),
@@ -53,11 +54,11 @@ VARIANTS = {
     "pf_bulk": Tuning(prefetch_lines=False),  # bulk L2 row prefetch (a per-lane loop in SASS)
     "scan1": Tuning(scan_two_ahead=False),  # one index chunk in flight
     "af2f72e": Tuning(prefetch_lines=False, scan_two_ahead=False),  # the default before a1e56bd
-    "xover": Tuning(crossover=True),  # h=128: cluster of 2, each CTA dequantizes half of every tile
-    "xover_warp": Tuning(crossover=True, crossover_warp_copies=True),  # per-warp 1 KB copies
-    "xover_st": Tuning(crossover=True, crossover_bulk=False),  # per-thread st.async
-    "xover2": Tuning(crossover=True, crossover_two_tiles=True),  # per-warp copies, two tiles of rows in flight
-    "xover2_nopf": Tuning(crossover=True, crossover_two_tiles=True, prefetch_rows=False),  # spills 16 B instead of 64
+    # h=128 crossover (cluster of 2, each CTA dequantizes half of every tile; Crossover docstring)
+    "xover": Tuning(crossover=X.WARP_COPIES),
+    "xover_half": Tuning(crossover=X.HALF_COPY),
+    "xover2": Tuning(crossover=X.WARP_COPIES_TWO_TILES),
+    "xover2_nopf": Tuning(crossover=X.WARP_COPIES_TWO_TILES, prefetch_rows=False),  # spills 16 B instead of 64
     "noov": Tuning(overlap_qk_pv=False),
     "l1_normal": Tuning(gather_l1="evict_normal"),
     # measured slower (NOTES.md), kept for re-tests

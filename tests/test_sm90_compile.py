@@ -13,6 +13,7 @@ from cute_mla.kernels.sm90.sparse_decode import (
     DEFAULT_TUNING,
     REGS,
     Sm90SparseDecodeConfig,
+    Streaming,
     compile_sparse_decode,
     launch_sparse_decode,
 )
@@ -159,27 +160,39 @@ def test_row_prefetch_is_per_thread(artifacts, name):
     assert "UBLKPF" not in sass and "BRA.U.ANY" not in sass
 
 
-@pytest.mark.parametrize("bulk", [True, False])
-def test_crossover_variant_compiles(tmp_path, bulk):
-    """Tuning.crossover (h=128, cluster of 2): the half tiles travel to the peer by bulk smem->dsmem
-    copies (or per-thread st.async), the peers meet at cluster barriers, nothing spills."""
-    from cute_mla.kernels.sm90.sparse_decode import Tuning
+@pytest.mark.parametrize("transport", ["HALF_COPY", "WARP_COPIES", "WARP_COPIES_TWO_TILES"])
+def test_crossover_variant_compiles(tmp_path, transport):
+    """Tuning.crossover (h=128, cluster of 2): the half tiles travel to the peer by bulk smem -> dsmem
+    copies with complete_tx on the peer's k_full, cluster addresses from mapa, the producers
+    relay buffer releases through release/acquire.cluster mbarriers and the pair meets at cluster
+    barriers; wgmma stays asynchronous. HALF_COPY and WARP_COPIES spill nothing."""
+    from cute_mla.kernels.sm90.sparse_decode import Crossover, Tuning
 
     cfg = Sm90SparseDecodeConfig(h_q=128, split=True, has_topk_length=True, has_attn_sink=True)
-    compile_sparse_decode(cfg, tuning=Tuning(crossover=True, crossover_bulk=bulk), dump_dir=str(tmp_path))
+    compile_sparse_decode(cfg, tuning=Tuning(crossover=Crossover[transport]), dump_dir=str(tmp_path))
     ptx_path, cubin = ki.find_artifacts(str(tmp_path), "sm_90a")
     ptx = open(ptx_path).read()
     assert "mapa.shared::cluster" in ptx
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert "mbarrier.arrive.release.cluster.shared::cluster" in ptx, "peer_free relay"
-    if bulk:
-        assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in ptx
-    else:
-        assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32" in ptx
+    assert "mbarrier.try_wait.parity.acquire.cluster" in ptx, "peer_free wait"
+    assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in ptx
+    assert "st.async" not in ptx
     if ki.find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not importable")
     res = ki.resource_usage(cubin)
     st = ki.hgmma_stats(ki.sass(cubin))
     assert not st.serialized, st
-    if bulk:
+    if transport != "WARP_COPIES_TWO_TILES":
         assert res["STACK"] == 0 and res["LOCAL"] == 0, res
+
+
+def test_crossover_tuning_validation():
+    from cute_mla.kernels.sm90.sparse_decode import Crossover, Tuning
+
+    with pytest.raises(ValueError, match="crossover"):
+        Tuning(crossover=Crossover.WARP_COPIES, compact_indices=False, streaming=Streaming.OFF)
+    with pytest.raises(ValueError, match="crossover"):
+        Tuning(crossover=Crossover.WARP_COPIES, streaming=Streaming.OFF)
+    with pytest.raises(ValueError, match="Crossover"):
+        Tuning(crossover=True)

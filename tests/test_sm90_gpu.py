@@ -199,13 +199,13 @@ def test_schedule_knobs_match(name, seed):
 CROSSOVER_SHAPES = [(9, 1, 1024, True, False), (74, 2, 2048, True, True), (33, 3, 576, False, True), (1, 8, 2048, True, False)]
 
 
-@pytest.mark.parametrize("transport", ["warp_copies", "bulk", "st_async", "two_tiles"])
+@pytest.mark.parametrize("transport", ["WARP_COPIES", "HALF_COPY", "WARP_COPIES_TWO_TILES"])
 @pytest.mark.parametrize("pattern", ["none", "sparse", "runs", "one_valid"])
 @pytest.mark.parametrize("shape", range(len(CROSSOVER_SHAPES)))
 def test_crossover_matches(pattern, shape, transport, seed):
     """h=128 crossover (each CTA of the pair dequantizes half of every tile for both): the fp32
     reference's answer, and the default kernel's bits (same tiles, same arithmetic)."""
-    from cute_mla.kernels.sm90.sparse_decode import Tuning
+    from cute_mla.kernels.sm90.sparse_decode import Crossover, Tuning
 
     b, s_q, topk, split, tl = CROSSOVER_SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
@@ -214,13 +214,11 @@ def test_crossover_matches(pattern, shape, transport, seed):
     _mask_pattern(inp.indices, pattern, g)
     inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 128) if split else 1
-    tuning = Tuning(crossover=True, crossover_bulk=transport != "st_async", crossover_warp_copies=transport == "warp_copies",
-                    crossover_two_tiles=transport == "two_tiles")
-    out, lse, sched = run_kernel(inp, split, parts, tuning)
+    out, lse, sched = run_kernel(inp, split, parts, Tuning(crossover=Crossover[transport]))
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     check_out_lse(out, lse, ref_out, ref_lse)
-    out0, lse0, _ = run_kernel(inp, split, parts, Tuning(crossover=False))
+    out0, lse0, _ = run_kernel(inp, split, parts, Tuning(crossover=Crossover.OFF))
     assert torch.equal(out, out0), "crossover: out differs from the two-independent-CTA kernel's"
     assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), "crossover: lse differs"
 

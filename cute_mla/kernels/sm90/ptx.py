@@ -125,7 +125,7 @@ def prefetch_l2_line(addr: Int64) -> None:
 
 def mapa_shared_cluster(addr: Int32, rank) -> Int32:
     """``mapa.shared::cluster.u32``: the shared::cluster address of CTA ``rank``'s copy of the
-    local shared address ``addr`` (a 32-bit window address, usable by st.async / remote mbarrier ops)."""
+    local shared address ``addr`` (a 32-bit window address, usable by bulk copies / remote mbarrier ops)."""
     return Int32(
         llvm.inline_asm(
             T.i32(),
@@ -136,22 +136,6 @@ def mapa_shared_cluster(addr: Int32, rank) -> Int32:
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
-    )
-
-
-def st_async_v4(raddr: Int32, w0, w1, w2, w3, rmbar: Int32) -> None:
-    """``st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32``: 16 B into a peer CTA's shared
-    memory at cluster address ``raddr``; the peer's mbarrier at cluster address ``rmbar`` gets a
-    complete_tx of 16 bytes once they have landed (the writes are async-proxy: its wgmma may read
-    them after its wait, no proxy fence needed)."""
-    llvm.inline_asm(
-        None,
-        [Int32(raddr).ir_value()] + [Int32(w).ir_value() for w in (w0, w1, w2, w3)] + [Int32(rmbar).ir_value()],
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];",
-        "r,r,r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 

@@ -34,6 +34,11 @@ Synchronisation (producer -> consumer, arrive counts):
   buffer has retired (and it has read the buffer's ``tile_info``) -> the producer waits before
   overwriting either (first use passes: parity starts at 1).
 * named barrier ``INDEX_SCAN`` (128, producer only): the index scan's warp counts and ring writes.
+* h_q = 128 with ``Tuning.crossover`` (cluster of 2, ``sparse_decode_crossover.py``): ``k_full``
+  count 129 (+ producer thread 0's ``arrive.expect_tx`` of the peer's 36,864 B, completed by the
+  peer's bulk copies); ``peer_free[2]`` mbarriers, count 1, peer producer -> local producer ("you
+  may write into my buffer b"); named barrier ``XOVER_HALF`` (128, producer only, HALF_COPY); cluster
+  barriers after the mbarrier init and before exit.
 * named barrier ``P_READY`` (256): WG0 arrives after writing sP / row_scale (+ fence) -> WG1 syncs.
 * named barrier ``P_FREE`` (256): WG1 arrives once it no longer reads sP / row_scale -> WG0 syncs
   before overwriting them. WG1 arrives once up front; WG0 syncs once more at the very end.
@@ -72,13 +77,14 @@ from ..compat import LayoutEnum, OperandMajorMode, SmemAllocator, setmaxregister
 from ..compat import sm90_utils
 from ..compile import CompiledKernel, compile_cached, compile_options
 from . import ptx
-from .sparse_decode_common import DEFAULT_TUNING, REGS, TILE, Bar, Role, ScheduleMixin, Sm90SparseDecodeConfig, Streaming, Tuning
+from .sparse_decode_common import (DEFAULT_TUNING, REGS, TILE, Bar, Crossover, Role, ScheduleMixin, Sm90SparseDecodeConfig,
+                                   Streaming, Tuning)
 from .sparse_decode_crossover import CrossoverMixin
 from .sparse_decode_epilogue import LOG2E, EpilogueMixin
 from .sparse_decode_producer import ProducerMixin
 from .sparse_decode_scan import IndexScanMixin
 
-__all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "Streaming", "Tuning", "DEFAULT_TUNING", "REGS", "compile_sparse_decode",
+__all__ = ["Sm90SparseDecodeConfig", "Sm90SparseDecodeKernel", "Crossover", "Streaming", "Tuning", "DEFAULT_TUNING", "REGS", "compile_sparse_decode",
            "launch_sparse_decode"]
 
 
@@ -91,7 +97,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.n_hblk = cfg.h_q // TILE.heads
         # h_q = 128 with Tuning.crossover: the two head-half CTAs of a token form a cluster of 2 and
         # each dequantizes half of every K tile for both (sparse_decode_crossover.py).
-        self.xover = tuning.crossover and self.n_hblk == 2
+        self.xover = tuning.crossover != Crossover.OFF and self.n_hblk == 2
 
     def consumer_fence(self):
         """With ``Tuning.consumer_proxy_fence``: the proxy fence between the producer's st.shared of a
@@ -266,7 +272,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         if tidx == 0:
             cute.arch.mbarrier_init(q_full, 1)
             for i in cutlass.range_constexpr(TILE.k_bufs):
-                # Crossover: + 1 arrive.expect_tx for the peer's st.async bytes.
+                # Crossover: + 1 arrive.expect_tx for the bytes of the peer's bulk copies.
                 cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg + (1 if self.xover else 0))
                 cute.arch.mbarrier_init(k_free + i, 2 * TILE.threads_per_wg)
                 if cutlass.const_expr(self.xover):

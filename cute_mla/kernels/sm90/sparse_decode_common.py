@@ -96,8 +96,14 @@ class Tile:
     # (power of two: the ring position is a mask).
     scan_chunk: int = 128
     ring_entries: int = 256
-    tiles_ahead: int = 3  # tiles T, T+1 (half A loads) and T+2 (L2 prefetch) must be queued
+    tiles_ahead: int = 3  # tiles T, T+1 (rows loaded during T) and T+2 (L2 prefetch) must be queued
     info_words: int = 4  # per K buffer: valid mask (2 words), last-tile-of-request flag, pad
+    mbar_bytes: int = 8  # one mbarrier: consecutive mbarriers of an array are this far apart
+    rows_per_warp: int = 8  # producer thread map: a warp's 32 lanes cover 8 tokens x 4 16-B slices
+
+    @property
+    def chunk_row_bytes(self) -> int:  # one token's row inside a 64-dim column block (SW128 row)
+        return self.chunk * 2  # 128
 
     @property
     def k_tile_bytes(self) -> int:
@@ -137,6 +143,30 @@ class Streaming(IntEnum):
     OFF = 0
     FIRST_HALF = 1
     BOTH = 2
+
+
+class Crossover(IntEnum):
+    """h_q = 128: how the cluster of two head-half CTAs shares each K tile (sparse_decode_crossover.py).
+
+    Each CTA gathers and dequantizes its 32 rows of every tile into its own K buffer; the rows
+    reach the peer CTA's buffer by bulk shared -> distributed-shared copies (TMA unit), counted on
+    the peer's ``k_full`` transaction bytes. h_q = 64 ignores it.
+
+    OFF: no cluster; each CTA gathers all 64 rows (the second CTA's reads hit L2).
+    HALF_COPY: after the whole half is written, a producer barrier, then one thread copies its 9
+    column blocks (4 KB each). Measured 8 % slower than OFF: the copy's latency lands on every tile.
+    WARP_COPIES: each warp copies its 8 rows (1 KB) of a column block right after writing them
+    (36 copies per tile). Measured +1..2.4 % over OFF on the h=128 throughput rows, -2 % on 1x8x128.
+    WARP_COPIES_TWO_TILES: WARP_COPIES with this CTA's rows of two tiles in flight (two register
+    sets); ptxas spills, measured slower than WARP_COPIES.
+    (Per-thread st.async of every 16-B piece measured 21 % slower and was removed: st.async
+    writes in the generic proxy, so wgmma readers would also need a proxy fence.)
+    """
+
+    OFF = 0
+    HALF_COPY = 1
+    WARP_COPIES = 2
+    WARP_COPIES_TWO_TILES = 3
 
 
 @dataclass(frozen=True)
@@ -190,25 +220,17 @@ class Tuning:
     # 1.5-3.6 % faster on the small split rows (NOTES.md); default once the GPU suite has run with it.
     oacc_direct_store: bool = False
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
-    # dequantizes half of every K tile, writing it into both CTAs (sparse_decode_crossover.py).
-    # Needs compact_indices; h_q = 64 ignores it.
-    crossover: bool = False
-    # Crossover transport: True = the producer writes its half locally, then one thread copies it
-    # into the peer with 9 bulk smem -> dsmem copies (TMA unit); False = every 16-B store is also
-    # an st.async to the peer (measured 21 % slower than no crossover: ~18 B/clk of remote stores).
-    crossover_bulk: bool = True
-    # Crossover transport, finer: each warp copies its 8 rows (1 KB) of a column block right after
-    # writing them (36 copies per tile instead of 9 after a producer-wide barrier).
-    crossover_warp_copies: bool = False
-    # Crossover producer with this CTA's rows of two tiles in flight (two 44-register sets; implies
-    # per-warp copies).
-    crossover_two_tiles: bool = False
+    # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover).
+    crossover: Crossover = Crossover.OFF
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:
             raise ValueError(f"Tuning: compact_indices takes streaming OFF or BOTH, got {self.streaming!r}")
-        if self.crossover and not self.compact_indices:
-            raise ValueError("Tuning: crossover needs compact_indices=True")
+        if not isinstance(self.crossover, Crossover):
+            raise ValueError(f"Tuning: crossover takes a Crossover, got {self.crossover!r}")
+        if self.crossover != Crossover.OFF and not (self.compact_indices and self.streaming == Streaming.BOTH):
+            raise ValueError("Tuning: crossover runs the streamed compacted producer: it needs compact_indices=True "
+                             f"and streaming=Streaming.BOTH, got {self.compact_indices}, {self.streaming!r}")
 
 
 TILE = Tile()

@@ -1,28 +1,35 @@
-"""h_q = 128 "crossover" producer (``Tuning.crossover``): a cluster of two CTAs shares each K tile.
+"""h_q = 128 "crossover" producers (``Tuning.crossover``): a cluster of two CTAs shares each K tile.
 
 The two 64-head CTAs of a query token (grid x neighbours, one cluster of 2) gather the same rows.
 Without the crossover each gathers and dequantizes all 64 tokens of every tile. With it, CTA rank
-``r`` gathers and dequantizes only tokens ``[32 r, 32 r + 32)`` and writes each 16-B piece twice:
-into its own K buffer (``st.shared``) and into the same place of its peer's (``st.async`` with
-``complete_tx`` on the peer's ``k_full``). Both producers scan the whole top-k list (the scans are
-identical), so both know every tile's mask and last-tile flag.
+``r`` gathers and dequantizes only tokens ``[32 r, 32 r + 32)`` into its own K buffer
+(``st.shared``, ``fence.proxy.async``) and bulk-copies them (``cp.async.bulk`` shared::cta ->
+shared::cluster, TMA unit) to the same place in its peer's buffer, with ``complete_tx`` on the
+peer's ``k_full``: per half after a producer barrier (``Crossover.HALF_COPY``) or per warp and
+column block right after writing it (``Crossover.WARP_COPIES``, ``WARP_COPIES_TWO_TILES``). Both
+producers scan the whole top-k list (the scans depend only on inputs both CTAs share), so both
+walk the same tiles and know every tile's mask and last-tile flag.
 
-Per K buffer and use (tile T in buffer ``b = T % 2``), in each CTA:
+Per K buffer and use (tile T in buffer ``b = T % 2``), in each CTA (producer -> consumer, counts):
 
-* ``k_full[b]``, count 129: the 128 local producer threads (after their ``st.shared`` and the
-  proxy fence) + one ``arrive.expect_tx`` of the peer's 36,864 bytes (32 rows x 1,152 B), which
-  its ``st.async`` writes complete. The consumers are unchanged.
-* ``peer_free[b]``, count 1: "your producer may write tile T into my buffer b". The local
-  producer arrives on the *peer's* ``peer_free[b]`` (release, cluster scope) once its own
-  consumers have freed ``b`` (its ``k_free`` wait for T), and waits on its own ``peer_free[b]``
-  (acquire, cluster scope; parity ``(T // 2) & 1``: every use is signalled, the first too)
-  before writing into the peer's buffer.
-* The peer's ``complete_tx`` for T can come before the local ``expect_tx``: the phase cannot
-  complete while local arrivals are pending, and it cannot belong to T - 2 (the peer waits for
-  ``peer_free``, signalled after this CTA consumed T - 2).
+* ``k_full[b]``, count 129: the 128 local producer threads arrive after their stores and fences,
+  plus producer thread 0's ``arrive.expect_tx`` of the peer's 36,864 bytes (32 rows x 1,152 B),
+  which the peer's copies complete -> the local consumers (unchanged) wait on it.
+* ``peer_free[b]``, count 1, peer producer -> local producer: "you may write tile T into my buffer
+  b". After its own ``k_free[b]`` wait for T, producer thread 0 does the ``expect_tx`` above, then
+  arrives (release, cluster scope) on the peer's ``peer_free[b]``; every producer thread waits on
+  its own ``peer_free[b]`` (acquire, cluster scope; parity ``(T // 2) & 1``: every use is
+  signalled, the first too) before writing anything of T. At most one phase can be ahead: the
+  peer's signal for T + 2 needs its ``k_full`` for T, which needs this CTA's copies of T.
+* The peer's ``complete_tx`` for T comes after the local ``expect_tx`` for T (thread 0 expects
+  before it signals, the peer acquires the signal before copying), and never in T - 2's phase.
+* A copy's source (this CTA's half of T in buffer b) is overwritten only for T + 2, after this
+  CTA's ``peer_free[b]`` wait for T + 2; the peer signals that once its consumers have received
+  all of T's bytes, so the copy has finished reading.
 
-Both CTAs leave through a cluster barrier, so neither exits while its peer may still write into
-its shared memory or arrive on its barriers.
+Cluster addresses come from ``mapa`` of each local address (never local address + a constant: the
+PTX ISA maps addresses one by one). Both CTAs leave through a cluster barrier, so neither exits
+while its peer may still copy into its shared memory or arrive on its barriers.
 """
 
 from __future__ import annotations
@@ -32,16 +39,19 @@ import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
 from . import ptx
-from .sparse_decode_common import TILE, Bar
+from .sparse_decode_common import TILE, Bar, Crossover
 
-XOVER_TX_BYTES = (TILE.tokens // 2) * TILE.d_qk * 2  # 36,864: the peer's half of a K tile
+HALF = TILE.tokens // 2  # rows each CTA of the pair gathers per tile
+XOVER_TX_BYTES = HALF * TILE.d_qk * 2  # 36,864 (bf16): the peer's half of a K tile
+PREFETCH_LINE_BYTES = 128  # L2 line: a 656-B row touches at most 6 (4 threads: 2 + 2 + 1 + 1)
 
 
 class CrossoverMixin:
     @cute.jit
     def producer_crossover(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
         """The streamed compacted producer (:meth:`producer_compacted`) over half tiles: this CTA's
-        32 rows of each tile, stored locally and into the peer CTA (module docstring)."""
+        32 rows of each tile, stored locally and copied into the peer CTA (module docstring;
+        ``Crossover.HALF_COPY`` or ``WARP_COPIES``)."""
         begin_req = sched[0]
         (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
          sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
@@ -50,15 +60,10 @@ class CrossoverMixin:
         counts_base = storage.scan_counts.data_ptr().toint()
         peer_free = storage.peer_free.data_ptr()
         ptid = warp * 32 + lane
-        half = TILE.tokens // 2
         rank = cute.arch.block_idx_in_cluster()
         peer = rank ^ 1
-        mine = rank * half  # first token of this CTA's half in a tile
-        other = half - mine
-        # Cluster addresses: the peer's K buffers are this CTA's plus ``delta``.
-        delta = ptx.mapa_shared_cluster(sk_base, peer) - sk_base
-        peer_k_full = ptx.mapa_shared_cluster(k_full.toint(), peer)
-        peer_free_remote = ptx.mapa_shared_cluster(peer_free.toint(), peer)
+        mine = rank * HALF  # first token of this CTA's half in a tile
+        other = HALF - mine
         peer_free_local = peer_free.toint()
 
         reg = cute.make_rmem_tensor(cute.make_layout(44), Int32)
@@ -106,37 +111,35 @@ class CrossoverMixin:
             # wait until the peer's consumers freed theirs.
             cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
             if ptid == 0:
-                # One of the 129 arrivals: the bytes the peer's st.async will add to this buffer
+                # One of the 129 arrivals: the bytes the peer's copies will add to this buffer
                 # (expected before the peer may send them).
                 cute.arch.mbarrier_arrive_and_expect_tx(k_full + buf, XOVER_TX_BYTES)
-                ptx.mbarrier_arrive_remote(peer_free_remote + buf * 8)
-            ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * 8, (t // TILE.k_bufs) & 1)
+                ptx.mbarrier_arrive_remote(ptx.mapa_shared_cluster(peer_free_local + buf * TILE.mbar_bytes, peer))
+            ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * TILE.mbar_bytes, (t // TILE.k_bufs) & 1)
 
             tile_base = sk_base + buf * TILE.k_tile_bytes
-            if cutlass.const_expr(self.tuning.crossover_warp_copies):
+            half_base = tile_base + mine * TILE.chunk_row_bytes
+            k_full_buf = k_full.toint() + buf * TILE.mbar_bytes
+            if cutlass.const_expr(self.tuning.crossover == Crossover.WARP_COPIES):
                 # Each warp copies its 8 rows of a column block as soon as it has written them.
-                self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
-                                          None, k_full.toint() + buf * 8)
-            elif cutlass.const_expr(self.tuning.crossover_bulk):
-                self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr)
+                self.convert_store_reload(reg, ok, half_base, tok_in_half, sub, swz, n_addr, k_full_buf)
+            else:  # HALF_COPY
+                self.convert_store_reload(reg, ok, half_base, tok_in_half, sub, swz, n_addr)
                 # The half is in shared memory and visible to the async proxy: one thread copies
                 # its 9 column blocks (32 rows x 128 B each) into the peer's buffer.
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=Bar.XOVER_HALF, number_of_threads=TILE.threads_per_wg)
                 if ptid == 0:
+                    rmbar = ptx.mapa_shared_cluster(k_full_buf, peer)
                     for c in cutlass.range_constexpr(TILE.d_qk // TILE.chunk):
-                        src = tile_base + c * TILE.chunk_bytes + mine * 128
-                        ptx.bulk_copy_to_peer(src + delta, src, half * 128, peer_k_full + buf * 8)
-            else:
-                self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
-                                          (delta, peer_k_full + buf * 8))
+                        src = half_base + c * TILE.chunk_bytes
+                        ptx.bulk_copy_to_peer(ptx.mapa_shared_cluster(src, peer), src, HALF * TILE.chunk_row_bytes, rmbar)
 
             first_half = rank == 0
             ok_a = (first_half & ok) | ((rank != 0) & ok_other)
             ok_b = (first_half & ok_other) | ((rank != 0) & ok)
             bit = Uint32(1) << Uint32(t % 32)
-            self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0),
-                                fenced=self.tuning.crossover_bulk or self.tuning.crossover_warp_copies)
+            self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0), fenced=True)
             ends = ends & ~bit
             # This CTA's rows of tile T+2 into L2 (the peer prefetches the other half).
             if cutlass.const_expr(self.tuning.prefetch_rows):
@@ -152,15 +155,16 @@ class CrossoverMixin:
     def prefetch_half_row(self, addr, sub: Int32):
         """The 128-B lines of one row into L2, spread over its 4 threads: ``sub`` s takes offsets
         128 s and, for s < 2, 512 + 128 s (0..640: every line a 656-B row can touch)."""
-        ptx.prefetch_l2_line(addr + cutlass.Int64(sub * 128))
+        line = PREFETCH_LINE_BYTES
+        ptx.prefetch_l2_line(addr + cutlass.Int64(sub * line))
         if sub < 2:
-            ptx.prefetch_l2_line(addr + cutlass.Int64(512 + sub * 128))
+            ptx.prefetch_l2_line(addr + cutlass.Int64(4 * line + sub * line))
 
     # ------------------------------------------------------------------ two tiles of rows in flight
     @cute.jit
     def producer_crossover2(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
         """:meth:`producer_crossover` with per-warp copies and this CTA's rows of *two* tiles in
-        flight (``Tuning.crossover_two_tiles``): a half tile needs only one 44-register set, so
+        flight (``Crossover.WARP_COPIES_TWO_TILES``): a half tile needs only one 44-register set, so
         tile T's set is re-loaded with tile T+2's rows while T is converted, and T+1's rows sit in
         the other set (loaded during T-1). Tiles alternate between the two sets, so the loop body
         handles two tiles. Rows of T+3 are prefetched into L2 when queued."""
@@ -171,8 +175,8 @@ class CrossoverMixin:
         ring_base = storage.ring.data_ptr().toint()
         counts_base = storage.scan_counts.data_ptr().toint()
         ptid = warp * 32 + lane
-        mine = cute.arch.block_idx_in_cluster() * (TILE.tokens // 2)
-        other = TILE.tokens // 2 - mine
+        mine = cute.arch.block_idx_in_cluster() * HALF
+        other = HALF - mine
 
         reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
@@ -231,16 +235,12 @@ class CrossoverMixin:
         storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
         ring_base = storage.ring.data_ptr().toint()
         counts_base = storage.scan_counts.data_ptr().toint()
-        peer_free = storage.peer_free.data_ptr()
+        peer_free_local = storage.peer_free.data_ptr().toint()
         ptid = warp * 32 + lane
         rank = cute.arch.block_idx_in_cluster()
         peer = rank ^ 1
-        mine = rank * (TILE.tokens // 2)
-        other = TILE.tokens // 2 - mine
-        delta = ptx.mapa_shared_cluster(sk_base, peer) - sk_base
-        peer_k_full = ptx.mapa_shared_cluster(k_full.toint(), peer)
-        peer_free_remote = ptx.mapa_shared_cluster(peer_free.toint(), peer)
-        peer_free_local = peer_free.toint()
+        mine = rank * HALF
+        other = HALF - mine
         buf = t % TILE.k_bufs
         first = t * TILE.tokens
         while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
@@ -258,12 +258,12 @@ class CrossoverMixin:
         cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
         if ptid == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(k_full + buf, XOVER_TX_BYTES)
-            ptx.mbarrier_arrive_remote(peer_free_remote + buf * 8)
-        ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * 8, (t // TILE.k_bufs) & 1)
+            ptx.mbarrier_arrive_remote(ptx.mapa_shared_cluster(peer_free_local + buf * TILE.mbar_bytes, peer))
+        ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * TILE.mbar_bytes, (t // TILE.k_bufs) & 1)
 
         tile_base = sk_base + buf * TILE.k_tile_bytes
-        self.convert_store_reload(reg, ok, tile_base + mine * 128, tok_in_half, sub, swz, n_addr,
-                                  None, k_full.toint() + buf * 8)
+        self.convert_store_reload(reg, ok, tile_base + mine * TILE.chunk_row_bytes, tok_in_half, sub, swz, n_addr,
+                                  k_full.toint() + buf * TILE.mbar_bytes)
         first_half = rank == 0
         ok_a = (first_half & ok) | ((rank != 0) & oth)
         ok_b = (first_half & oth) | ((rank != 0) & ok)

@@ -7,7 +7,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
 
 from . import ptx
-from .sparse_decode_common import TILE, Streaming
+from .sparse_decode_common import TILE, Crossover, Streaming
 
 
 class ProducerMixin:
@@ -51,8 +51,9 @@ class ProducerMixin:
         Writes the tile's ``tile_info`` (``info_words`` per buffer): its 64-bit validity mask (byte
         half*4 + warp, bit token & 7) and word 2 = ``last`` (the request's last tile; the consumers
         end their loop over the request on it). Then makes the generic-proxy ``st.shared`` data
-        visible to the wgmma (async proxy) readers and arrives on ``k_full[buf]`` (one of the 128
-        producer arrivals the consumers wait for).
+        visible to the wgmma (async proxy) readers (unless ``fenced``: the crossover fenced each
+        column block before copying it) and arrives on ``k_full[buf]`` (one of the 128 producer
+        arrivals the consumers wait for; 129 with the crossover's expect_tx arrival).
         """
         bal_a = cute.arch.vote_ballot_sync(ok_a)
         bal_b = cute.arch.vote_ballot_sync(ok_b)
@@ -126,7 +127,7 @@ class ProducerMixin:
         = 11 x 16-B loads per half tile. Loads of the next tile are in flight while the current
         one is converted and stored (half by half, or slot by slot when streamed).
         """
-        if cutlass.const_expr(self.xover and self.tuning.crossover_two_tiles):
+        if cutlass.const_expr(self.xover and self.tuning.crossover == Crossover.WARP_COPIES_TWO_TILES):
             self.producer_crossover2(mKV, mIdx, mTopkLen, sched, s_idx)
         elif cutlass.const_expr(self.xover):
             self.producer_crossover(mKV, mIdx, mTopkLen, sched, s_idx)
@@ -273,37 +274,32 @@ class ProducerMixin:
 
     @cute.jit
     def chunk_to_peer(self, c: cutlass.Constexpr, copy, half_base: Int32, tok_in_half: Int32):
-        """Crossover, per-warp transport: once this warp's 8 rows of column block ``c`` are written,
-        lane 0 copies the 1 KB to the peer CTA's same place (fence + warp sync first: the copy reads
-        in the async proxy), completing on the peer's ``k_full`` (``copy`` = the local address of
-        this buffer's ``k_full``). Addresses are re-derived here (``mapa``, thread index): carried
+        """Crossover, per-warp transport (``Crossover.WARP_COPIES``): once this warp's 8 rows of
+        column block ``c`` are written, lane 0 copies their 1 KB to the same place in the peer CTA
+        (each thread's ``fence.proxy.async`` + warp sync first: the copy reads in the async proxy),
+        completing on the peer's ``k_full`` (``copy`` = the local address of this buffer's
+        ``k_full``; None: no copy). Addresses are re-derived here (``mapa``, lane index): carried
         through the conversion they cost registers the producer does not have."""
         if cutlass.const_expr(copy is not None):
             cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
-            src = half_base + (tok_in_half - tok_in_half % 8) * 128 + c * TILE.chunk_bytes
+            warp_row0 = tok_in_half - tok_in_half % TILE.rows_per_warp
+            src = half_base + warp_row0 * TILE.chunk_row_bytes + c * TILE.chunk_bytes
             if cute.arch.lane_idx() == 0:
                 peer = cute.arch.block_idx_in_cluster() ^ 1
-                ptx.bulk_copy_to_peer(ptx.mapa_shared_cluster(src, peer), src, 8 * 128,
+                ptx.bulk_copy_to_peer(ptx.mapa_shared_cluster(src, peer), src, TILE.rows_per_warp * TILE.chunk_row_bytes,
                                       ptx.mapa_shared_cluster(copy, peer))
-
-    def store16(self, addr: Int32, w0, w1, w2, w3, remote):
-        """16 B into this CTA's K tile at ``addr``; with ``remote`` = (delta, peer k_full cluster
-        address) (h=128 crossover) the same 16 B into the peer CTA's K tile as well, at cluster
-        address ``addr + delta``, counted on the peer's k_full transaction bytes."""
-        ptx.st_shared_v4(addr, w0, w1, w2, w3)
-        if remote is not None:
-            ptx.st_async_v4(addr + remote[0], w0, w1, w2, w3, remote[1])
 
     @cute.jit
     def convert_store_reload(
         self, regs: cute.Tensor, ok, half_base: Int32, tok_in_half: Int32, sub: Int32, swz: Int32, next_addr: Int64,
-        remote=None, copy=None,
+        copy=None,
     ):
         """:meth:`convert_and_store`, re-loading each 16-B slot from the row at ``next_addr`` as
         soon as its registers are consumed: RoPE first (stored as is), then the scales (once read),
-        then each fp8 chunk right after its conversion. Same bytes in shared memory (and, with
-        ``remote``, in the peer CTA's: :meth:`store16`)."""
+        then each fp8 chunk right after its conversion. Same bytes in shared memory. With ``copy``
+        (crossover) each warp sends every column block to the peer CTA once written
+        (:meth:`chunk_to_peer`)."""
         row_base = half_base + tok_in_half * 128
         off0 = ((2 * sub) ^ swz) << 4
         off1 = ((2 * sub + 1) ^ swz) << 4
@@ -311,8 +307,8 @@ class ProducerMixin:
         r = [Int32(0)] * 8
         for e in cutlass.range_constexpr(8):
             r[e] = ptx.select_i32(ok, regs[36 + e], 0)
-        self.store16(rbase + off0, r[0], r[1], r[2], r[3], remote)
-        self.store16(rbase + off1, r[4], r[5], r[6], r[7], remote)
+        ptx.st_shared_v4(rbase + off0, r[0], r[1], r[2], r[3])
+        ptx.st_shared_v4(rbase + off1, r[4], r[5], r[6], r[7])
         self.chunk_to_peer(8, copy, half_base, tok_in_half)
         for q in cutlass.range_constexpr(2):
             self.load_slot(regs, 9 + q, next_addr, sub)
@@ -334,8 +330,8 @@ class ProducerMixin:
                     o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_pow2(regs[c * 4 + e], s2[c // 2])
                 self.load_slot(regs, c, next_addr, sub)
                 cbase = row_base + c * TILE.chunk_bytes
-                self.store16(cbase + off0, o[0], o[1], o[2], o[3], remote)
-                self.store16(cbase + off1, o[4], o[5], o[6], o[7], remote)
+                ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+                ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
                 self.chunk_to_peer(c, copy, half_base, tok_in_half)
         else:
             for c in cutlass.range_constexpr(8):
@@ -345,8 +341,8 @@ class ProducerMixin:
                     o[2 * e], o[2 * e + 1] = ptx.fp8x4_to_bf16x4_exact(w, sc[c // 2])
                 self.load_slot(regs, c, next_addr, sub)
                 cbase = row_base + c * TILE.chunk_bytes
-                self.store16(cbase + off0, o[0], o[1], o[2], o[3], remote)
-                self.store16(cbase + off1, o[4], o[5], o[6], o[7], remote)
+                ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+                ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
                 self.chunk_to_peer(c, copy, half_base, tok_in_half)
 
     @cute.jit

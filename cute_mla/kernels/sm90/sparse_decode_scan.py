@@ -24,9 +24,11 @@ Ring protocol (producer only; all 128 threads run every step together, so the sc
   the threads that read them (each reads other threads' entries).
 * tile T is complete once ``tail >= 64 (T + 1)``: requests end on a multiple of 64 (padding), and a
   step runs only while fewer than ``tiles_ahead`` tiles counting T are queued, which bounds the
-  ring (:class:`Tile`). The entries of tile T are read (ring_index) after the second barrier of
-  T's iteration; the steps of tile T+1 that may overwrite old entries come after the first
-  barrier of T+1's iteration, which every thread reaches only after its reads of T.
+  ring (:class:`Tile`). Entries are read (``ring_index``) only for tiles after T once T's
+  iteration has run its scan steps (T+1's rows, T+2's prefetch; in the half-tile pipeline B(T)'s
+  indices before the steps): T's own entries may already be overwritten by then. The steps of
+  T+1's iteration, which write further, come after its first barrier, which every thread reaches
+  only after its reads of T's iteration.
 * ``ends`` bit ``T % 32`` marks tile T as its request's last; the consumer warp groups read that
   flag beside the tile's mask (``tile_info``) to end their loop over the request.
 """
