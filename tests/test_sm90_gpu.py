@@ -196,7 +196,8 @@ def test_schedule_knobs_match(name, seed):
 
 
 # (b, s_q, topk, split, topk_length): h_q = 128 shapes for the crossover (cluster of two CTAs).
-CROSSOVER_SHAPES = [(9, 1, 1024, True, False), (74, 2, 2048, True, True), (33, 3, 576, False, True), (1, 8, 2048, True, False)]
+CROSSOVER_SHAPES = [(9, 1, 1024, True, False), (74, 2, 2048, True, True), (33, 3, 576, False, True), (1, 8, 2048, True, False),
+                    (4, 16, 2048, False, False)]  # the last: 4 whole requests per CTA (ring wrap, buffer reuse)
 
 
 @pytest.mark.parametrize("transport", ["WARP_COPIES", "HALF_COPY", "WARP_COPIES_TWO_TILES"])
