@@ -69,22 +69,10 @@ class CrossoverMixin:
         reg = cute.make_rmem_tensor(cute.make_layout(44), Int32)
 
         # ---- prologue: scan until tile 0 is queued, then issue this CTA's rows of it
-        req = begin_req
-        pos, end, has = self.scan_request(begin_req, sched, mTopkLen, topk)
-        r0 = Int32(0)
-        tail = Int32(0)
-        ends = Uint32(0)
-        parity = Int32(0)
-        scanning = cutlass.Boolean(True)
-        raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
-        raw_next = Int32(-1)
-        if cutlass.const_expr(self.tuning.scan_two_ahead):
-            raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
-        while scanning & (tail < TILE.tokens):
-            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
-                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
-                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
-        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        scan = (mIdx, mTopkLen, sched, s_idx, topk, mKV)
+        (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
+            self.scan_begin(begin_req, sched, mTopkLen, topk, mIdx, s_idx, ptid), TILE.tokens,
+            ptid, lane, warp, ring_base, counts_base, *scan)
         idx, ok = self.ring_index(ring_base, mine + tok_in_half)
         _, ok_other = self.ring_index(ring_base, other + tok_in_half)
         if tail > 0:
@@ -94,11 +82,9 @@ class CrossoverMixin:
         while t * TILE.tokens < tail:
             buf = t % TILE.k_bufs
             first = t * TILE.tokens
-            while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
-                req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
-                    req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
-                    counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
-            cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+            (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
+                (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next),
+                first + TILE.tiles_ahead * TILE.tokens, ptid, lane, warp, ring_base, counts_base, *scan)
             has_next = first + TILE.tokens < tail
             # Tile T+1's entries (tile T's were read an iteration ago: this iteration's scan steps
             # may already have overwritten them, the ring holds 256 entries).
@@ -182,22 +168,9 @@ class CrossoverMixin:
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
 
         # ---- prologue: scan until tiles 0 and 1 are queued, then issue this CTA's rows of both
-        req = begin_req
-        pos, end, has = self.scan_request(begin_req, sched, mTopkLen, topk)
-        r0 = Int32(0)
-        tail = Int32(0)
-        ends = Uint32(0)
-        parity = Int32(0)
-        scanning = cutlass.Boolean(True)
-        raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
-        raw_next = Int32(-1)
-        if cutlass.const_expr(self.tuning.scan_two_ahead):
-            raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
-        while scanning & (tail < 2 * TILE.tokens):
-            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
-                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
-                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
-        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
+            self.scan_begin(begin_req, sched, mTopkLen, topk, mIdx, s_idx, ptid), 2 * TILE.tokens,
+            ptid, lane, warp, ring_base, counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
         idx0, ok0 = self.ring_index(ring_base, mine + tok_in_half)
         _, oth0 = self.ring_index(ring_base, other + tok_in_half)
         has1 = TILE.tokens < tail
@@ -243,11 +216,10 @@ class CrossoverMixin:
         other = HALF - mine
         buf = t % TILE.k_bufs
         first = t * TILE.tokens
-        while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
-            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
-                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
-                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
-        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
+            (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next),
+            first + TILE.tiles_ahead * TILE.tokens, ptid, lane, warp, ring_base, counts_base,
+            mIdx, mTopkLen, sched, s_idx, topk, mKV)
         # Tile T+2's entries (queued: tiles_ahead = 3), read before the next iteration's scan steps.
         has2 = first + 2 * TILE.tokens < tail
         n_idx, n_ok = self.ring_index(ring_base, first + 2 * TILE.tokens + mine + tok_in_half)

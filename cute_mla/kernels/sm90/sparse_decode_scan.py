@@ -141,6 +141,32 @@ class IndexScanMixin:
         return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next
 
     @cute.jit
+    def scan_begin(self, begin_req: Int32, sched, mTopkLen, topk: Int32, mIdx: cute.Tensor, s_idx: Int32, ptid: Int32):
+        """The scan state at the start of a partition, its first index loads issued:
+        (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) (see :meth:`scan_step`)."""
+        pos, end, has = self.scan_request(begin_req, sched, mTopkLen, topk)
+        scanning = cutlass.Boolean(True)
+        raw = self.scan_fetch(mIdx, begin_req, s_idx, pos, end, ptid, scanning)
+        raw_next = Int32(-1)
+        if cutlass.const_expr(self.tuning.scan_two_ahead):
+            raw_next = self.scan_fetch(mIdx, begin_req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
+        return begin_req, pos, end, has, Int32(0), Int32(0), Uint32(0), Int32(0), scanning, raw, raw_next
+
+    @cute.jit
+    def scan_until(self, state, target: Int32, ptid: Int32, lane: Int32, warp: Int32, ring_base: Int32,
+                   counts_base: Int32, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32, topk: Int32,
+                   mKV: cute.Tensor):
+        """Run scan steps until ``target`` ring entries are queued or the partition is scanned,
+        then the ``INDEX_SCAN`` barrier that makes the ring writes visible. Returns the new state."""
+        req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = state
+        while scanning & (tail < target):
+            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
+                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
+                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
+        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next
+
+    @cute.jit
     def ring_index(self, ring_base: Int32, p: Int32):
         """(token index clamped to a legal row, valid) of ring entry ``p``."""
         v = ptx.ld_shared_i32(ring_base + (p & RING_MASK) * 4)
@@ -170,22 +196,10 @@ class IndexScanMixin:
         reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
 
         # ---- prologue: scan until tile 0 is queued, then issue its half-A loads
-        req = begin_req
-        pos, end, has = self.scan_request(begin_req, sched, mTopkLen, topk)
-        r0 = Int32(0)
-        tail = Int32(0)
-        ends = Uint32(0)
-        parity = Int32(0)
-        scanning = cutlass.Boolean(True)
-        raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
-        raw_next = Int32(-1)
-        if cutlass.const_expr(self.tuning.scan_two_ahead):
-            raw_next = self.scan_fetch(mIdx, req, s_idx, pos + TILE.scan_chunk, end, ptid, scanning)
-        while scanning & (tail < TILE.tokens):
-            req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
-                req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
-                counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
-        cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+        scan = (mIdx, mTopkLen, sched, s_idx, topk, mKV)
+        (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
+            self.scan_begin(begin_req, sched, mTopkLen, topk, mIdx, s_idx, ptid), TILE.tokens,
+            ptid, lane, warp, ring_base, counts_base, *scan)
         idx_a, ok_a = self.ring_index(ring_base, tok_in_half)
         idx_b, ok_b = self.ring_index(ring_base, half_b + tok_in_half)
         if tail > 0:
@@ -201,11 +215,9 @@ class IndexScanMixin:
                 idx_b, ok_b = self.ring_index(ring_base, first + half_b + tok_in_half)
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
             # Keep tiles T+1 and T+2 queued (loads of tile T are in flight meanwhile).
-            while scanning & (tail < first + TILE.tiles_ahead * TILE.tokens):
-                req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = self.scan_step(
-                    req, pos, end, has, r0, tail, ends, parity, raw, raw_next, ptid, lane, warp, ring_base,
-                    counts_base, mIdx, mTopkLen, sched, s_idx, topk, mKV)
-            cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+            (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
+                (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next),
+                first + TILE.tiles_ahead * TILE.tokens, ptid, lane, warp, ring_base, counts_base, *scan)
             has_next = first + TILE.tokens < tail
 
             cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
