@@ -348,8 +348,8 @@ class ProducerMixin:
     @cute.jit
     def prefetch_tile_rows(self, raw_a: Int32, pos_a, raw_b: Int32, pos_b, sub: Int32, kv_base: Int64, stride0: Int64,
                            page: Int32, num_tokens: Int64):
-        """L2 bulk prefetch of one tile's rows (``Tuning.prefetch_rows``): the ``sub`` 0 thread of a
-        token prefetches its half-A row, the ``sub`` 1 thread its half-B row; invalid tokens none."""
+        """L2 prefetch of one tile's rows (``Tuning.prefetch_rows``), each thread its share as
+        :meth:`prefetch_row_owner` / :meth:`prefetch_row` say; invalid tokens none."""
         if cutlass.const_expr(self.tuning.prefetch_rows):
             idx_a, ok_a = self.resolve_index(raw_a, pos_a, num_tokens)
             idx_b, ok_b = self.resolve_index(raw_b, pos_b, num_tokens)
