@@ -55,16 +55,12 @@ class CrossoverMixin:
         begin_req = sched[0]
         (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
          sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
-        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
-        ring_base = storage.ring.data_ptr().toint()
-        counts_base = storage.scan_counts.data_ptr().toint()
-        peer_free = storage.peer_free.data_ptr()
+        ring_base, counts_base = self.scan_smem()
         ptid = warp * 32 + lane
         rank = cute.arch.block_idx_in_cluster()
         peer = rank ^ 1
         mine = rank * HALF  # first token of this CTA's half in a tile
         other = HALF - mine
-        peer_free_local = peer_free.toint()
 
         reg = cute.make_rmem_tensor(cute.make_layout(44), Int32)
 
@@ -85,23 +81,11 @@ class CrossoverMixin:
             (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
                 (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next),
                 first + TILE.tiles_ahead * TILE.tokens, ptid, lane, warp, ring_base, counts_base, *scan)
-            has_next = first + TILE.tokens < tail
             # Tile T+1's entries (tile T's were read an iteration ago: this iteration's scan steps
             # may already have overwritten them, the ring holds 256 entries).
-            n_idx, n_ok = self.ring_index(ring_base, first + TILE.tokens + mine + tok_in_half)
-            _, n_ok_other = self.ring_index(ring_base, first + TILE.tokens + other + tok_in_half)
-            next_ok = n_ok & has_next
-            n_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok, n_idx, 0))
-
-            # This CTA's consumers freed buffer ``buf``: tell the peer it may write into it, then
-            # wait until the peer's consumers freed theirs.
-            cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
-            if ptid == 0:
-                # One of the 129 arrivals: the bytes the peer's copies will add to this buffer
-                # (expected before the peer may send them).
-                cute.arch.mbarrier_arrive_and_expect_tx(k_full + buf, XOVER_TX_BYTES)
-                ptx.mbarrier_arrive_remote(ptx.mapa_shared_cluster(peer_free_local + buf * TILE.mbar_bytes, peer))
-            ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * TILE.mbar_bytes, (t // TILE.k_bufs) & 1)
+            next_ok, n_ok_other, n_addr = self.half_tile_entries(
+                ring_base, first + TILE.tokens, tail, mine, other, tok_in_half, kv_base, stride0, page)
+            self.peer_handshake(t, ptid, k_full, k_free, peer)
 
             tile_base = sk_base + buf * TILE.k_tile_bytes
             half_base = tile_base + mine * TILE.chunk_row_bytes
@@ -121,9 +105,7 @@ class CrossoverMixin:
                         src = half_base + c * TILE.chunk_bytes
                         ptx.bulk_copy_to_peer(ptx.mapa_shared_cluster(src, peer), src, HALF * TILE.chunk_row_bytes, rmbar)
 
-            first_half = rank == 0
-            ok_a = (first_half & ok) | ((rank != 0) & ok_other)
-            ok_b = (first_half & ok_other) | ((rank != 0) & ok)
+            ok_a, ok_b = self.tile_halves(rank, ok, ok_other)
             bit = Uint32(1) << Uint32(t % 32)
             self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0), fenced=True)
             ends = ends & ~bit
@@ -134,8 +116,40 @@ class CrossoverMixin:
                     if p_ok:
                         self.prefetch_half_row(self.row_address(kv_base, stride0, page, p_idx), sub)
             ok = next_ok
-            ok_other = n_ok_other & has_next
+            ok_other = n_ok_other
             t += 1
+
+    @cute.jit
+    def half_tile_entries(self, ring_base: Int32, start: Int32, tail: Int32, mine: Int32, other: Int32,
+                          tok_in_half: Int32, kv_base, stride0, page):
+        """For the tile whose ring entries start at ``start`` (none if ``start >= tail``): whether
+        this thread's token in this CTA's half is valid, whether its twin in the peer's half is, and
+        the row address to load (row 0, never stored, when invalid)."""
+        has = start < tail
+        idx, ok = self.ring_index(ring_base, start + mine + tok_in_half)
+        _, ok_other = self.ring_index(ring_base, start + other + tok_in_half)
+        ok = ok & has
+        return ok, ok_other & has, self.row_address(kv_base, stride0, page, ptx.select_i32(ok, idx, 0))
+
+    @cute.jit
+    def peer_handshake(self, t: Int32, ptid: Int32, k_full, k_free, peer: Int32):
+        """Before writing tile ``t``: wait until this CTA's consumers freed its buffer, then thread 0
+        expects the peer's bytes on ``k_full`` (one of the 129 arrivals, before the peer may send
+        them) and tells the peer it may write into this CTA's buffer (``peer_free``, release,
+        cluster scope); every thread then waits for the peer's same signal (acquire)."""
+        buf = t % TILE.k_bufs
+        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
+        peer_free = storage.peer_free.data_ptr().toint() + buf * TILE.mbar_bytes
+        cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
+        if ptid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(k_full + buf, XOVER_TX_BYTES)
+            ptx.mbarrier_arrive_remote(ptx.mapa_shared_cluster(peer_free, peer))
+        ptx.mbarrier_wait_acquire_cluster(peer_free, (t // TILE.k_bufs) & 1)
+
+    def tile_halves(self, rank: Int32, ok, ok_other):
+        """(half-A valid, half-B valid) of this thread's token pair: this CTA owns half ``rank``."""
+        first = rank == 0
+        return (first & ok) | ((rank != 0) & ok_other), (first & ok_other) | ((rank != 0) & ok)
 
     @cute.jit
     def prefetch_half_row(self, addr, sub: Int32):
@@ -157,9 +171,7 @@ class CrossoverMixin:
         begin_req = sched[0]
         (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
          sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
-        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
-        ring_base = storage.ring.data_ptr().toint()
-        counts_base = storage.scan_counts.data_ptr().toint()
+        ring_base, counts_base = self.scan_smem()
         ptid = warp * 32 + lane
         mine = cute.arch.block_idx_in_cluster() * HALF
         other = HALF - mine
@@ -205,10 +217,7 @@ class CrossoverMixin:
         # parameters and the shared-memory symbol: carried across the loop it spilled.
         (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
          sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
-        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
-        ring_base = storage.ring.data_ptr().toint()
-        counts_base = storage.scan_counts.data_ptr().toint()
-        peer_free_local = storage.peer_free.data_ptr().toint()
+        ring_base, counts_base = self.scan_smem()
         ptid = warp * 32 + lane
         rank = cute.arch.block_idx_in_cluster()
         peer = rank ^ 1
@@ -221,24 +230,14 @@ class CrossoverMixin:
             first + TILE.tiles_ahead * TILE.tokens, ptid, lane, warp, ring_base, counts_base,
             mIdx, mTopkLen, sched, s_idx, topk, mKV)
         # Tile T+2's entries (queued: tiles_ahead = 3), read before the next iteration's scan steps.
-        has2 = first + 2 * TILE.tokens < tail
-        n_idx, n_ok = self.ring_index(ring_base, first + 2 * TILE.tokens + mine + tok_in_half)
-        _, n_oth = self.ring_index(ring_base, first + 2 * TILE.tokens + other + tok_in_half)
-        next_ok = n_ok & has2
-        n_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok, n_idx, 0))
-
-        cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
-        if ptid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(k_full + buf, XOVER_TX_BYTES)
-            ptx.mbarrier_arrive_remote(ptx.mapa_shared_cluster(peer_free_local + buf * TILE.mbar_bytes, peer))
-        ptx.mbarrier_wait_acquire_cluster(peer_free_local + buf * TILE.mbar_bytes, (t // TILE.k_bufs) & 1)
+        next_ok, n_oth, n_addr = self.half_tile_entries(
+            ring_base, first + 2 * TILE.tokens, tail, mine, other, tok_in_half, kv_base, stride0, page)
+        self.peer_handshake(t, ptid, k_full, k_free, peer)
 
         tile_base = sk_base + buf * TILE.k_tile_bytes
         self.convert_store_reload(reg, ok, tile_base + mine * TILE.chunk_row_bytes, tok_in_half, sub, swz, n_addr,
                                   k_full.toint() + buf * TILE.mbar_bytes)
-        first_half = rank == 0
-        ok_a = (first_half & ok) | ((rank != 0) & oth)
-        ok_b = (first_half & oth) | ((rank != 0) & ok)
+        ok_a, ok_b = self.tile_halves(rank, ok, oth)
         bit = Uint32(1) << Uint32(t % 32)
         self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0), fenced=True)
         ends = ends & ~bit
@@ -247,4 +246,4 @@ class CrossoverMixin:
                 p_idx, p_ok = self.ring_index(ring_base, first + 3 * TILE.tokens + mine + tok_in_half)
                 if p_ok:
                     self.prefetch_half_row(self.row_address(kv_base, stride0, page, p_idx), sub)
-        return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next, next_ok, n_oth & has2
+        return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next, next_ok, n_oth

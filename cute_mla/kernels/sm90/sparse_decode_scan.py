@@ -140,6 +140,12 @@ class IndexScanMixin:
             raw = self.scan_fetch(mIdx, req, s_idx, pos, end, ptid, scanning)
         return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next
 
+    def scan_smem(self):
+        """(ring base, warp-counts base) shared addresses, rebuilt from the dynamic-smem symbol
+        (a constant ptxas can re-create anywhere; see producer_setup)."""
+        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
+        return storage.ring.data_ptr().toint(), storage.scan_counts.data_ptr().toint()
+
     @cute.jit
     def scan_begin(self, begin_req: Int32, sched, mTopkLen, topk: Int32, mIdx: cute.Tensor, s_idx: Int32, ptid: Int32):
         """The scan state at the start of a partition, its first index loads issued:
@@ -186,9 +192,7 @@ class IndexScanMixin:
         begin_req = sched[0]
         (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
          sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
-        storage = self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
-        ring_base = storage.ring.data_ptr().toint()
-        counts_base = storage.scan_counts.data_ptr().toint()
+        ring_base, counts_base = self.scan_smem()
         ptid = warp * 32 + lane
         half_b = TILE.tokens // 2
 
