@@ -40,6 +40,7 @@ from cutlass import Int32, Uint32
 
 from . import ptx
 from .sparse_decode_common import TILE, Bar, Crossover
+from .sparse_decode_producer import PeerCopy
 
 HALF = TILE.tokens // 2  # rows each CTA of the pair gathers per tile
 XOVER_TX_BYTES = HALF * TILE.d_qk * 2  # 36,864 (bf16): the peer's half of a K tile
@@ -61,6 +62,9 @@ class CrossoverMixin:
         peer = rank ^ 1
         mine = rank * HALF  # first token of this CTA's half in a tile
         other = HALF - mine
+        # Cluster addresses for the per-warp copies: the peer's K buffers are ours plus ``delta``.
+        delta = ptx.mapa_shared_cluster(sk_base, peer) - sk_base
+        peer_k_full = ptx.mapa_shared_cluster(k_full.toint(), peer)
 
         reg = cute.make_rmem_tensor(cute.make_layout(44), Int32)
 
@@ -92,7 +96,9 @@ class CrossoverMixin:
             k_full_buf = k_full.toint() + buf * TILE.mbar_bytes
             if cutlass.const_expr(self.tuning.crossover == Crossover.WARP_COPIES):
                 # Each warp copies its 8 rows of a column block as soon as it has written them.
-                self.convert_store_reload(reg, ok, half_base, tok_in_half, sub, swz, n_addr, k_full_buf)
+                warp_base = half_base + warp * TILE.rows_per_warp * TILE.chunk_row_bytes
+                self.convert_store_reload(reg, ok, half_base, tok_in_half, sub, swz, n_addr,
+                                          PeerCopy(warp_base, delta, peer_k_full + buf * TILE.mbar_bytes, lane))
             else:  # HALF_COPY
                 self.convert_store_reload(reg, ok, half_base, tok_in_half, sub, swz, n_addr)
                 # The half is in shared memory and visible to the async proxy: one thread copies
