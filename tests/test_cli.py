@@ -12,7 +12,7 @@ def test_info(capsys):
     assert "nvidia-cutlass-dsl 4.8.1" in out and "sm_90a, sm_100a" in out
 
 
-@pytest.mark.parametrize("s_q,parts,rows", [(1, 132, 32), (8, 16, 11), (128, 1, 0), (1024, 1, 0), (8192, 1, 0), (32768, 1, 0)])
+@pytest.mark.parametrize("s_q,parts,rows", [(1, 132, 32), (8, 16, 16), (128, 1, 0), (1024, 1, 0), (8192, 1, 0), (32768, 1, 0)])
 def test_plan_acceptance_grid(capsys, s_q, parts, rows):
     assert main(["plan", "--b", "1", "--s-q", str(s_q), "--h-q", "64", "--topk", "2048", "--arch", "sm_90a", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)

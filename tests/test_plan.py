@@ -2,7 +2,7 @@ import pytest
 
 from cute_mla import plan_sparse_decode
 from cute_mla.interface.plan import ACCUM_BYTES_PER_HEAD
-from cute_mla.scheduler import accum_offsets
+from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, plan_splits_host
 
 
 @pytest.mark.parametrize("s_q", [1, 8, 128, 1024, 8192, 32768])
@@ -26,6 +26,36 @@ def test_sm90_s_q_1_exact_rows():
     p = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
     assert p.num_sm_parts == 132 and p.accum_rows == 32      # 32 blocks -> 32 one-block pieces
     assert p.workspace_bytes == 32 * 64 * (2048 + 4)
+
+
+@pytest.mark.parametrize("b,s_q,h_q,overhead,pieces", [
+    (1, 8, 64, 0, 16),      # 16 partitions: 16 pieces of 2 blocks (FlashMLA's charge of 5: 11 pieces of 3)
+    (1, 8, 128, 0, 8),      # 8 partitions: 8 pieces of 4 (charge 5: 7 pieces of 5)
+    (16, 1, 128, 0, 64),
+    (1, 1, 64, 5, 32),      # one-block pieces either way
+    (4, 1, 64, 5, 64),      # charge 0 would cut 128 one-block pieces (measured slower): 64 of 2
+    (128, 2, 128, 5, 128),  # b >= partitions: FlashMLA's charge
+])
+def test_sm90_piece_overhead_fills_partitions(b, s_q, h_q, overhead, pieces):
+    """SM90, fewer requests than partitions: no per-piece charge when that still leaves pieces of
+    two blocks or more (scheduler.partition.fixed_overhead_blocks), so every partition gets work."""
+    p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch="sm_90a", num_sms=132)
+    assert p.fixed_overhead == overhead
+    assert p.host_schedule.num_splits[-1] == pieces
+    if overhead == 0:   # the longest partition is shorter than with FlashMLA's charge
+        flashmla = plan_splits_host([2048 // 64] * b, p.num_sm_parts, FIXED_OVERHEAD)
+        assert longest_partition(p.host_schedule.rows, 32) < longest_partition(flashmla.rows, 32)
+
+
+def longest_partition(rows, blocks):
+    """Blocks of the most loaded scheduler row (every request has ``blocks`` blocks)."""
+    def work(r):
+        if r[0] > r[1]:
+            return 0
+        if r[0] == r[1]:
+            return r[3] - r[2]
+        return (blocks - r[2]) + (r[1] - r[0] - 1) * blocks + r[3]
+    return max(work(r) for r in rows)
 
 
 def test_flashmla_seed_numbers():

@@ -124,7 +124,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         raise ValueError(f"arch: got {arch!r}, accepted: {', '.join(_KERNEL)}")
     detect_format(d_qk, 656)
     parts = sched.num_sm_parts(arch, num_sms, s_q, h_q, d_qk)
-    overhead = sched.fixed_overhead_blocks(arch, h_q, d_qk)
+    overhead = sched.fixed_overhead_blocks(arch, h_q, d_qk, b=b, parts=parts, blocks=topk // BLOCK_TOPK)
     host_schedule = None
     if arch == "sm_100a" and topk <= SM100_NO_SPLIT_MAX_TOPK and b <= MAX_GRID_Y:
         schedule, parts, accum_rows = "per_request", b, 0

@@ -45,7 +45,24 @@ def num_sm_parts(arch: str, num_sms: int, s_q: int, h_q: int, d_qk: int = 576) -
     raise ValueError(f"arch: got {arch!r}, accepted: 'sm_90a', 'sm_100a'")
 
 
-def fixed_overhead_blocks(arch: str, h_q: int, d_qk: int = 576) -> int:
+def fixed_overhead_blocks(arch: str, h_q: int, d_qk: int = 576, b: int | None = None, parts: int | None = None,
+                          blocks: int | None = None) -> int:
+    """Virtual blocks the greedy partitioner charges per request piece (``blocks``: top-k blocks
+    per request, an upper bound where ``topk_length`` may shorten them).
+
+    SM90, fewer requests than partitions (``b < parts``) and enough blocks for pieces of two or
+    more (``b * blocks >= 2 * parts``): 0. FlashMLA's 5 makes the pieces longer than the
+    partitions allow, so partitions, hence SMs, stay empty: at b=1, s_q=8 it cuts 11 pieces of 3
+    blocks for 16 partitions (h=64), 7 pieces of 5 for 8 (h=128); charging 0 fills them (16 pieces
+    of 2, 8 of 4). Measured on the H200 (CUDA-graph replay, benchmarks/split_sweep.py, the rule
+    against FlashMLA's 5): 1x8x64 1.10x, 1x8x128 1.06x, 16x1x128 1.05x, 100x1x64 1.04x. Pieces of
+    one block are where it loses (4x1x64: 128 one-block pieces, 0.95x: each piece stores a
+    64 x 512 fp32 partial the combine reads back), hence the two-block floor. Elsewhere the
+    charge only moves cut points and FlashMLA's value stays.
+    """
+    if (arch == "sm_90a" and b is not None and parts is not None and blocks is not None
+            and b < parts and b * blocks >= 2 * parts):
+        return 0
     return 3 if (arch == "sm_100a" and h_q == 128 and d_qk == 512) else FIXED_OVERHEAD
 
 

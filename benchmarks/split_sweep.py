@@ -1,0 +1,100 @@
+"""Latency rows: CUDA-graph replay time against the scheduler's partition count (num_sm_parts).
+
+The SM90 plan uses FlashMLA's count, num_sms // s_q // (h_q // 64): at b=1, s_q=1 that is 132
+partitions and the 32-block top-k list is cut into 32 one-block pieces, each storing a 64 x 512
+fp32 partial that the combine reads back. Fewer partitions mean longer pieces (more tiles per CTA)
+and fewer partials. This script patches the count, re-plans, checks every output against the
+default count's (fp32 sums in another order: close, not bit-identical) and times the replays,
+counts interleaved round by round, median per count.
+
+    python benchmarks/split_sweep.py [--rows "1,1,64;1,8,64"] [--parts "0,16,11,8"] [--tuning oacc_direct]
+(part count 0 = the plan's default, f5 = the default count with FlashMLA's 5-block piece overhead)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import cute_mla  # noqa: E402
+from cute_mla.interface import plan as plan_mod  # noqa: E402
+from bench_sparse_decode import call, make_inputs  # noqa: E402
+from profile_small import graph_of  # noqa: E402
+
+_DEFAULT_PARTS = plan_mod.sched.num_sm_parts
+_DEFAULT_OVERHEAD = plan_mod.sched.fixed_overhead_blocks
+
+
+def use_parts(parts):
+    """Patch the plan's partition count (0: the default rule; "f5": the default count with
+    FlashMLA's fixed overhead of 5 blocks per piece always) and drop cached plans."""
+    ps = plan_mod.sched   # the partition module the plan calls
+    ps.num_sm_parts = _DEFAULT_PARTS if parts in (0, "f5") else (lambda *a, **k: parts)
+    ps.fixed_overhead_blocks = (lambda *a, **k: ps.FIXED_OVERHEAD) if parts == "f5" else _DEFAULT_OVERHEAD
+    plan_mod.plan_sparse_decode.cache_clear()
+
+
+def replay_us(g, reps=40):
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, e in ev:
+        a.record(); g.replay(); e.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(e) * 1e3 for a, e in ev)[reps // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,1,64;1,8,64;1,1,128;1,8,128")
+    ap.add_argument("--parts", default="0,f5,32,16,8")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = [tuple(int(v) for v in r.split(",")) for r in args.rows.split(";")]
+    counts = [p if p == "f5" else int(p) for p in args.parts.split(",")]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for (b, s_q, h) in rows:
+        q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
+        graphs, ref = {}, None
+        for p in counts:
+            use_parts(p)
+            try:
+                s, _ = cute_mla.get_mla_metadata()
+                o, l = call(cute_mla, s, q, cache, idx)
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = (o.float().clone(), l.clone())
+                err = (o.float() - ref[0]).abs().max().item()
+                lerr = (l - ref[1]).abs().max().item()
+                assert err < 2e-2 and lerr < 1e-3, f"parts={p}: out differs by {err}, lse by {lerr}"
+                graphs[p] = (graph_of(cute_mla, q, cache, idx), err)
+            finally:
+                use_parts(0)
+        times = {p: [] for p in graphs}
+        for _ in range(args.rounds):
+            for p, (gr, _) in graphs.items():
+                for _ in range(3):
+                    gr.replay()
+                times[p].append(replay_us(gr))
+        base = statistics.median(times[counts[0]])
+        for p in graphs:
+            t = statistics.median(times[p])
+            print(f"{b:>4} {s_q:>5} {h:>4} parts={p!s:>4} {t:8.2f} us x{base / t:.3f}  max|out-out0|={graphs[p][1]:.2e}",
+                  flush=True)
+            results.append(dict(b=b, s_q=s_q, h=h, parts=p, us=t, speedup=base / t))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
