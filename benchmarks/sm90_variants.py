@@ -41,29 +41,30 @@ X = Crossover
 VARIANTS = {
     "default": DEFAULT_TUNING,
     "l2_none": Tuning(gather_l2=""),
-    "no_compact": Tuning(compact_indices=False, streaming=S.OFF),  # one tile per 64 positions (the kernel before compaction)
-    "no_compact_l2_none": Tuning(compact_indices=False, streaming=S.OFF, gather_l2=""),
+    "no_compact": Tuning(compact_indices=False, streaming=S.OFF, crossover=X.OFF),  # one tile per 64 positions (the kernel before compaction)
+    "no_compact_l2_none": Tuning(compact_indices=False, streaming=S.OFF, gather_l2="", crossover=X.OFF),
     "cfence": Tuning(consumer_proxy_fence=True),
     "oacc_direct": Tuning(oacc_direct_store=True),
     "l2_hints": Tuning(l2_hints=True),
     "l2_hints_cfence": Tuning(l2_hints=True, consumer_proxy_fence=True),
-    "half_pipelined": Tuning(streaming=S.OFF),  # the compacted default before streaming
-    "cfence_off": Tuning(streaming=S.OFF, consumer_proxy_fence=True),
-    "nc_stream_cfence": Tuning(compact_indices=False, streaming=S.BOTH, consumer_proxy_fence=True),
+    "half_pipelined": Tuning(streaming=S.OFF, crossover=X.OFF),  # the compacted default before streaming
+    "cfence_off": Tuning(streaming=S.OFF, consumer_proxy_fence=True, crossover=X.OFF),
+    "nc_stream_cfence": Tuning(compact_indices=False, streaming=S.BOTH, consumer_proxy_fence=True, crossover=X.OFF),
     "no_pf": Tuning(prefetch_rows=False),
     "pf_bulk": Tuning(prefetch_lines=False),  # bulk L2 row prefetch (a per-lane loop in SASS)
     "scan1": Tuning(scan_two_ahead=False),  # one index chunk in flight
-    "af2f72e": Tuning(prefetch_lines=False, scan_two_ahead=False),  # the default before a1e56bd
-    # h=128 crossover (cluster of 2, each CTA dequantizes half of every tile; Crossover docstring)
-    "xover": Tuning(crossover=X.WARP_COPIES),
+    "af2f72e": Tuning(prefetch_lines=False, scan_two_ahead=False, crossover=X.OFF),  # the default before a1e56bd
+    # h=128 crossover (cluster of 2, each CTA dequantizes half of every tile; Crossover docstring;
+    # WARP_COPIES is the default)
+    "xover_off": Tuning(crossover=X.OFF),  # each CTA gathers all 64 rows (the default before this commit)
     "xover_half": Tuning(crossover=X.HALF_COPY),
     "xover2": Tuning(crossover=X.WARP_COPIES_TWO_TILES),
     "xover2_nopf": Tuning(crossover=X.WARP_COPIES_TWO_TILES, prefetch_rows=False),  # spills 16 B instead of 64
     "noov": Tuning(overlap_qk_pv=False),
     "l1_normal": Tuning(gather_l1="evict_normal"),
     # measured slower (NOTES.md), kept for re-tests
-    "stream_a_pf": Tuning(streaming=S.FIRST_HALF, compact_indices=False),
-    "stream_ab_pf": Tuning(streaming=S.BOTH, compact_indices=False),
+    "stream_a_pf": Tuning(streaming=S.FIRST_HALF, compact_indices=False, crossover=X.OFF),
+    "stream_ab_pf": Tuning(streaming=S.BOTH, compact_indices=False, crossover=X.OFF),
     "pf_noalloc": Tuning(gather_l1="evict_no_allocate"),
 }
 

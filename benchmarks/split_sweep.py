@@ -7,7 +7,7 @@ and fewer partials. This script patches the count, re-plans, checks every output
 default count's (fp32 sums in another order: close, not bit-identical) and times the replays,
 counts interleaved round by round, median per count.
 
-    python benchmarks/split_sweep.py [--rows "1,1,64;1,8,64"] [--parts "0,16,11,8"] [--tuning oacc_direct]
+    python benchmarks/split_sweep.py [--rows "1,1,64;1,8,64"] [--parts "0,f5,16,8"]
 (part count 0 = the plan's default, f5 = the default count with FlashMLA's 5-block piece overhead)
 """
 

@@ -159,13 +159,13 @@ def test_index_compaction_patterns(pattern, shape, seed):
 
 
 def _tuning(name):
-    from cute_mla.kernels.sm90.sparse_decode import Streaming, Tuning
+    from cute_mla.kernels.sm90.sparse_decode import Crossover, Streaming, Tuning
 
     return {
         # one tile per 64 positions (the producer before index compaction), kept for A/B timing
-        "uncompacted": Tuning(compact_indices=False, streaming=Streaming.OFF),
-        "uncompacted_streamed": Tuning(compact_indices=False, streaming=Streaming.BOTH),
-        "compacted_half_pipelined": Tuning(streaming=Streaming.OFF),
+        "uncompacted": Tuning(compact_indices=False, streaming=Streaming.OFF, crossover=Crossover.OFF),
+        "uncompacted_streamed": Tuning(compact_indices=False, streaming=Streaming.BOTH, crossover=Crossover.OFF),
+        "compacted_half_pipelined": Tuning(streaming=Streaming.OFF, crossover=Crossover.OFF),
         "no_qk_pv_overlap": Tuning(overlap_qk_pv=False),
         "bulk_prefetch_one_index_chunk_ahead": Tuning(prefetch_lines=False, scan_two_ahead=False),
         "no_row_prefetch": Tuning(prefetch_rows=False),

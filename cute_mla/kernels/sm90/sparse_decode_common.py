@@ -156,7 +156,7 @@ class Crossover(IntEnum):
     HALF_COPY: after the whole half is written, a producer barrier, then one thread copies its 9
     column blocks (4 KB each). Measured 8 % slower than OFF: the copy's latency lands on every tile.
     WARP_COPIES: each warp copies its 8 rows (1 KB) of a column block right after writing them
-    (36 copies per tile). Measured +1..2.4 % over OFF on the h=128 throughput rows, -2 % on 1x8x128.
+    (36 copies per tile). Measured +0.6..2.7 % over OFF on the h=128 rows (b31fe34): the default.
     WARP_COPIES_TWO_TILES: WARP_COPIES with this CTA's rows of two tiles in flight (two register
     sets); ptxas spills, measured slower than WARP_COPIES.
     (Per-thread st.async of every 16-B piece measured 21 % slower and was removed: st.async
@@ -217,11 +217,13 @@ class Tuning:
     # Split pieces: write o_accum with per-thread stores from the accumulator registers instead of
     # staging 2 x 32 KiB per warp group in shared memory for a TMA store (fewer round trips at the
     # end of a CTA: the latency rows are made of one-tile pieces). Measured bit-identical and
-    # 1.5-3.6 % faster on the small split rows (NOTES.md); default once the GPU suite has run with it.
+    # 1.5-3.6 % faster on the s_q=1 split rows (NOTES.md), within noise elsewhere. Left off: on it
+    # the split kernel builds no o_accum tensor map, which the plan (plan.tensor_maps) would follow.
     oacc_direct_store: bool = False
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
-    # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover).
-    crossover: Crossover = Crossover.OFF
+    # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover). Needs the
+    # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.
+    crossover: Crossover = Crossover.WARP_COPIES
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:
