@@ -131,7 +131,12 @@ def test_split_allocates_what_the_plan_says(seed, b, s_q, h_q, tl):
 
 
 def test_schedule_matches_flashmla():
-    """Our host and device schedules against the metadata FlashMLA itself builds (vLLM's build)."""
+    """Our host and device schedules against the metadata FlashMLA itself builds (vLLM's build).
+    Where our SM90 plan charges no per-piece overhead (fewer requests than partitions:
+    ``scheduler.partition.fixed_overhead_blocks``) the schedule deliberately differs: there it must
+    equal FlashMLA's algorithm run with that charge, on host and device."""
+    from cute_mla.scheduler import FIXED_OVERHEAD, SCHED_ROW_INTS, plan_splits_host
+
     fm = pytest.importorskip("vllm.third_party.flashmla.flash_mla_interface")
     if device_arch(torch.device("cuda")) != "sm_90a":
         pytest.skip("FlashMLA's SM90 schedule")
@@ -144,13 +149,20 @@ def test_schedule_matches_flashmla():
         flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, softmax_scale=x.softmax_scale,
                                is_fp8_kvcache=True, indices=x.indices)
         got, want = sched.tile_scheduler_metadata[:, :7].cpu(), fsched.tile_scheduler_metadata[:, :7].cpu()
+        want_splits = fsched.num_splits.cpu()
+        charge = sched.plan.fixed_overhead
+        assert charge == (0 if (b, s_q, h_q) in [(1, 10, 64), (37, 1, 128)] else FIXED_OVERHEAD)
+        if charge != FIXED_OVERHEAD:
+            host = plan_splits_host([32] * b, sched.plan.num_sm_parts, charge)
+            want = torch.tensor(host.rows, dtype=torch.int32).reshape(-1, SCHED_ROW_INTS)[:, :7]
+            want_splits = torch.tensor(host.num_splits, dtype=torch.int32)
         assert torch.equal(got, want), f"b={b} s_q={s_q} h_q={h_q}: metadata differs"
-        assert torch.equal(sched.num_splits.cpu(), fsched.num_splits.cpu())
+        assert torch.equal(sched.num_splits.cpu(), want_splits)
         # and the device scheduler kernel on the same block counts
         from cute_mla.scheduler import plan_splits
         nb = torch.full((b,), 32, dtype=torch.int32, device="cuda")
-        md, ns = plan_splits(nb, sched.plan.num_sm_parts)
-        assert torch.equal(md[:, :7].cpu(), want) and torch.equal(ns.cpu(), fsched.num_splits.cpu())
+        md, ns = plan_splits(nb, sched.plan.num_sm_parts, charge)
+        assert torch.equal(md[:, :7].cpu(), want) and torch.equal(ns.cpu(), want_splits)
 
 
 def test_mixed_batch_beyond_65535_tokens(seed):
