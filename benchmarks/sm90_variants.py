@@ -56,7 +56,7 @@ VARIANTS = {
     "af2f72e": Tuning(prefetch_lines=False, scan_two_ahead=False, crossover=X.OFF),  # the default before a1e56bd
     # h=128 crossover (cluster of 2, each CTA dequantizes half of every tile; Crossover docstring;
     # WARP_COPIES is the default)
-    "xover_off": Tuning(crossover=X.OFF),  # each CTA gathers all 64 rows (the default before this commit)
+    "xover_off": Tuning(crossover=X.OFF),  # each CTA gathers all 64 rows (the default before fccc5e1)
     "xover_half": Tuning(crossover=X.HALF_COPY),
     "xover2": Tuning(crossover=X.WARP_COPIES_TWO_TILES),
     "xover2_nopf": Tuning(crossover=X.WARP_COPIES_TWO_TILES, prefetch_rows=False),  # spills 16 B instead of 64

@@ -8,7 +8,10 @@ default count's (fp32 sums in another order: close, not bit-identical) and times
 counts interleaved round by round, median per count.
 
     python benchmarks/split_sweep.py [--rows "1,1,64;1,8,64"] [--parts "0,f5,16,8"]
-(part count 0 = the plan's default, f5 = the default count with FlashMLA's 5-block piece overhead)
+(part count 0 = the plan's default, f5 = the default count with FlashMLA's 5-block piece overhead).
+A numeric count goes through the plan's piece-charge rule (scheduler.partition.fixed_overhead_blocks);
+the sweep recorded at b31fe34 (results/h200-b31fe34-split-sweep.json) predates that rule: its counts
+always charged 5.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@ import pytest
 
 from cute_mla import plan_sparse_decode
 from cute_mla.interface.plan import ACCUM_BYTES_PER_HEAD
-from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, plan_splits_host
+from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
 
 
 @pytest.mark.parametrize("s_q", [1, 8, 128, 1024, 8192, 32768])
@@ -34,28 +34,18 @@ def test_sm90_s_q_1_exact_rows():
     (16, 1, 128, 0, 64),
     (1, 1, 64, 5, 32),      # one-block pieces either way
     (4, 1, 64, 5, 64),      # charge 0 would cut 128 one-block pieces (measured slower): 64 of 2
+    (9, 1, 64, 5, 99),      # charge 0 would not shorten the longest partition (9 blocks), only add pieces
     (128, 2, 128, 5, 128),  # b >= partitions: FlashMLA's charge
 ])
 def test_sm90_piece_overhead_fills_partitions(b, s_q, h_q, overhead, pieces):
-    """SM90, fewer requests than partitions: no per-piece charge when that still leaves pieces of
-    two blocks or more (scheduler.partition.fixed_overhead_blocks), so every partition gets work."""
+    """SM90, fewer requests than partitions: no per-piece charge when that leaves two blocks or more
+    per partition on average and shortens the longest partition (fixed_overhead_blocks)."""
     p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch="sm_90a", num_sms=132)
     assert p.fixed_overhead == overhead
     assert p.host_schedule.num_splits[-1] == pieces
     if overhead == 0:   # the longest partition is shorter than with FlashMLA's charge
         flashmla = plan_splits_host([2048 // 64] * b, p.num_sm_parts, FIXED_OVERHEAD)
         assert longest_partition(p.host_schedule.rows, 32) < longest_partition(flashmla.rows, 32)
-
-
-def longest_partition(rows, blocks):
-    """Blocks of the most loaded scheduler row (every request has ``blocks`` blocks)."""
-    def work(r):
-        if r[0] > r[1]:
-            return 0
-        if r[0] == r[1]:
-            return r[3] - r[2]
-        return (blocks - r[2]) + (r[1] - r[0] - 1) * blocks + r[3]
-    return max(work(r) for r in rows)
 
 
 def test_flashmla_seed_numbers():

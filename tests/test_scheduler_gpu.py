@@ -39,7 +39,7 @@ def _random_blocks(rnd, b):
 def test_matches_host(P, trial):
     rnd = random.Random(1000 * P + trial)
     b = rnd.choice([1, 2, 3, 17, 128, 1000, 3000])
-    F = rnd.choice([5, 5, 3])
+    F = rnd.choice([5, 5, 3, 0])
     nb = _random_blocks(rnd, b)
     num_blocks = torch.tensor(nb, dtype=torch.int32, device="cuda")
     tile_md, num_splits = _outputs(b, P)

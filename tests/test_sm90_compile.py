@@ -12,8 +12,10 @@ from cute_mla.kernels import inspect as ki
 from cute_mla.kernels.sm90.sparse_decode import (
     DEFAULT_TUNING,
     REGS,
+    Crossover,
     Sm90SparseDecodeConfig,
     Streaming,
+    Tuning,
     compile_sparse_decode,
     launch_sparse_decode,
 )
@@ -28,8 +30,10 @@ CONFIGS = {
     "nosplit": (64, False, False, False),
     "nosplit_tl_sink": (64, False, True, True),
     "split_tl_sink": (64, True, True, True),
-    "split_h128": (128, True, False, True),
+    "split_h128": (128, True, False, True),           # the default: crossover (cluster of 2)
+    "split_h128_no_xover": (128, True, False, True),  # Crossover.OFF: each CTA gathers every row
 }
+TUNINGS = {"split_h128_no_xover": dict(crossover="OFF")}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,8 @@ def artifacts(tmp_path_factory):
     for name, (h_q, split, tl, sink) in CONFIGS.items():
         d = str(tmp_path_factory.mktemp(name))
         cfg = Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink)
-        compile_sparse_decode(cfg, dump_dir=d)
+        kw = {k: Crossover[v] for k, v in TUNINGS.get(name, {}).items()}
+        compile_sparse_decode(cfg, dump_dir=d, tuning=Tuning(**kw))
         ptx, cubin = ki.find_artifacts(d, "sm_90a")
         assert ptx and cubin, f"{name}: no PTX/cubin in {d}"
         with open(ptx) as f:
@@ -83,7 +88,7 @@ def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     assert maps["nosplit"] == 2, maps
     assert maps["nosplit_tl_sink"] == 2, maps
     assert maps["split_tl_sink"] == maps["nosplit_tl_sink"] + 1, maps
-    assert maps["split_h128"] == 3, maps
+    assert maps["split_h128"] == maps["split_h128_no_xover"] == 3, maps
     # ... and the plan lists exactly the tensor maps the compiled variant builds
     from cute_mla import plan_sparse_decode
     no_split = plan_sparse_decode(1, 8192, 64, 576, 2048, arch="sm_90a", num_sms=132)
@@ -161,7 +166,7 @@ def test_row_prefetch_is_per_thread(artifacts, name):
     # A uniform-operand loop is allowed only around the h=128 crossover's per-warp bulk copies (one
     # lane's addresses: ptxas wraps each copy in a one-trip BRA.U.ANY loop), never for a prefetch.
     assert sass.count("BRA.U.ANY") <= sass.count("UBLKCP")
-    if "h128" not in name:
+    if name != "split_h128":   # the kernels without the crossover: none at all
         assert "BRA.U.ANY" not in sass
 
 

@@ -13,6 +13,7 @@ from enum import IntEnum
 from typing import List, Sequence, Tuple
 
 BLOCK_TOPK = 64          # tokens per scheduling block (the kernels' top-k tile)
+MIN_PIECE_BLOCKS = 2     # SM90 zero-charge rule: blocks per partition on average at least this
 FIXED_OVERHEAD = 5       # virtual blocks charged per request piece for prologue/epilogue (SM90, SM100 head64)
 
 
@@ -45,25 +46,40 @@ def num_sm_parts(arch: str, num_sms: int, s_q: int, h_q: int, d_qk: int = 576) -
     raise ValueError(f"arch: got {arch!r}, accepted: 'sm_90a', 'sm_100a'")
 
 
-def fixed_overhead_blocks(arch: str, h_q: int, d_qk: int = 576, b: int | None = None, parts: int | None = None,
-                          blocks: int | None = None) -> int:
+def fixed_overhead_blocks(arch: str, h_q: int, d_qk: int = 576, *, b: int, parts: int, blocks: int) -> int:
     """Virtual blocks the greedy partitioner charges per request piece (``blocks``: top-k blocks
     per request, an upper bound where ``topk_length`` may shorten them).
 
-    SM90, fewer requests than partitions (``b < parts``) and enough blocks for pieces of two or
-    more (``b * blocks >= 2 * parts``): 0. FlashMLA's 5 makes the pieces longer than the
-    partitions allow, so partitions, hence SMs, stay empty: at b=1, s_q=8 it cuts 11 pieces of 3
-    blocks for 16 partitions (h=64), 7 pieces of 5 for 8 (h=128); charging 0 fills them (16 pieces
-    of 2, 8 of 4). Measured on the H200 (CUDA-graph replay, benchmarks/split_sweep.py, the rule
-    against FlashMLA's 5): 1x8x64 1.10x, 1x8x128 1.06x, 16x1x128 1.05x, 100x1x64 1.04x. Pieces of
-    one block are where it loses (4x1x64: 128 one-block pieces, 0.95x: each piece stores a
-    64 x 512 fp32 partial the combine reads back), hence the two-block floor. Elsewhere the
-    charge only moves cut points and FlashMLA's value stays.
+    SM90 with fewer requests than partitions: 0 when that leaves at least ``MIN_PIECE_BLOCKS``
+    blocks per partition on average *and* shortens the most loaded partition; else FlashMLA's 5.
+    FlashMLA's charge makes the pieces longer than the partitions allow, so partitions, hence SMs,
+    stay empty: at b=1, s_q=8 it cuts 11 pieces of 3 blocks for 16 partitions (h=64), 7 pieces of 5
+    for 8 (h=128); charging 0 fills them (16 pieces of 2, 8 of 4). Measured on the H200 (CUDA-graph
+    replay, benchmarks/split_sweep.py, against the charge of 5): 1x8x64 1.10x, 1x8x128 1.06x,
+    16x1x128 1.05x, 100x1x64 1.04x. One-block pieces are where it lost (4x1x64: 128 one-block
+    pieces instead of 64 two-block ones, 0.95x: each piece stores a 64 x 512 fp32 partial that the
+    combine reads back), hence the average floor; a charge that does not shorten the longest
+    partition only adds pieces, hence the second condition. Individual pieces may still be one
+    block long (the greedy cuts where budgets end).
     """
-    if (arch == "sm_90a" and b is not None and parts is not None and blocks is not None
-            and b < parts and b * blocks >= 2 * parts):
-        return 0
+    if arch == "sm_90a" and b < parts and b * blocks >= MIN_PIECE_BLOCKS * parts:
+        zero = plan_splits_host([blocks] * b, parts, 0)
+        flashmla = plan_splits_host([blocks] * b, parts, FIXED_OVERHEAD)
+        if longest_partition(zero.rows, blocks) < longest_partition(flashmla.rows, blocks):
+            return 0
     return 3 if (arch == "sm_100a" and h_q == 128 and d_qk == 512) else FIXED_OVERHEAD
+
+
+def longest_partition(rows: Sequence[Sequence[int]], blocks: int) -> int:
+    """Blocks of the most loaded scheduler row when every request has ``blocks`` blocks."""
+    def work(r):
+        if r[SchedField.BEGIN_REQ] > r[SchedField.END_REQ]:
+            return 0
+        if r[SchedField.BEGIN_REQ] == r[SchedField.END_REQ]:
+            return r[SchedField.END_BLOCK] - r[SchedField.BEGIN_BLOCK]
+        middle = r[SchedField.END_REQ] - r[SchedField.BEGIN_REQ] - 1
+        return blocks - r[SchedField.BEGIN_BLOCK] + middle * blocks + r[SchedField.END_BLOCK]
+    return max(work(r) for r in rows)
 
 
 def blocks_per_request(topk: int, topk_length: Sequence[int] | None = None, b: int | None = None) -> List[int]:

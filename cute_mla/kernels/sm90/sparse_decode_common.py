@@ -156,7 +156,8 @@ class Crossover(IntEnum):
     HALF_COPY: after the whole half is written, a producer barrier, then one thread copies its 9
     column blocks (4 KB each). Measured 8 % slower than OFF: the copy's latency lands on every tile.
     WARP_COPIES: each warp copies its 8 rows (1 KB) of a column block right after writing them
-    (36 copies per tile). Measured +0.6..2.7 % over OFF on the h=128 rows (b31fe34): the default.
+    (36 copies per tile); the default. Against OFF (fccc5e1, one run): +0.5..1.7 % on the h=128
+    throughput rows, +2.9 % on 1x1x128, -2.3 % on 1x8x128.
     WARP_COPIES_TWO_TILES: WARP_COPIES with this CTA's rows of two tiles in flight (two register
     sets); ptxas spills, measured slower than WARP_COPIES.
     (Per-thread st.async of every 16-B piece measured 21 % slower and was removed: st.async
@@ -186,7 +187,8 @@ class Tuning:
     # 6 128-B lines a 656-B row can touch); False = one cp.async.bulk.prefetch.L2 of 656 B per row,
     # whose operands are uniform registers, so ptxas loops over the warp's 16 distinct rows one at
     # a time (ncu: that loop was ~13 % of the producer's time). Lines measured +1.1..1.5 % on the
-    # throughput rows (NOTES.md, session 2026-12-03).
+    # throughput rows (NOTES.md, session 2026-12-03). The h=128 crossover producer always prefetches
+    # per line (its half rows) and takes no l2_hints there: both knobs apply to Crossover.OFF only.
     prefetch_lines: bool = True
     # Gather load hints: L1 eviction priority and L2 prefetch size (cute.arch.load literals, "" = none).
     # L1::no_allocate measured 35 % slower than evict_last.

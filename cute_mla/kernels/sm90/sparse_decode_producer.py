@@ -289,9 +289,10 @@ class ProducerMixin:
         """Crossover, per-warp transport: once this warp's 8 rows of column block ``c`` are written,
         lane 0 copies their 1 KB to the same place in the peer CTA (each thread's
         ``fence.proxy.async`` + warp sync first: the copy reads in the async proxy), completing on
-        the peer's ``k_full``. ``copy``: None (no copy); a :class:`PeerCopy` carried from outside
-        the tile loop (``Crossover.WARP_COPIES``: the addresses stay in registers; re-deriving them
-        at each of the 9 copies measured 4-6 % slower on the h=128 rows); or the local address of
+        the peer's ``k_full``. ``copy``: None (no copy); a :class:`PeerCopy` built once per tile
+        from values computed before the tile loop (``Crossover.WARP_COPIES``: the addresses stay in
+        registers through the conversion; re-deriving them at each of the 9 copies measured 4-6 %
+        slower on the h=128 rows); or the local address of
         this buffer's ``k_full`` (``WARP_COPIES_TWO_TILES``: addresses re-derived here with
         ``mapa``, carried they spill there)."""
         if cutlass.const_expr(copy is not None):
