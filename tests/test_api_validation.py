@@ -80,3 +80,33 @@ def test_sched_meta_reused_with_other_shapes():
 def test_get_mla_metadata_ignores_arguments():
     sched, none = get_mla_metadata(torch.zeros(3), 1, 1, num_heads_q=64, topk=2048)
     assert isinstance(sched, FlashMLASchedMeta) and none is None and not sched.have_initialized
+
+
+def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
+    """The tensor checks run once per argument signature and FlashMLASchedMeta (the other layers
+    of a decode step skip them); a call whose tensors differ in anything checked runs them again
+    and fails as before. The CUDA requirement and the launch are stubbed so that this runs on a CPU."""
+    from cute_mla.interface import api
+
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(api, "_schedule", lambda *a, **k: (lambda *a2, **k2: None))
+    runs = []
+    full = api._validate_tensors
+    monkeypatch.setattr(api, "_validate_tensors", lambda *a: runs.append(1) or full(*a))
+    kw = good()
+    sched = kw["tile_scheduler_metadata"]
+    flash_mla_with_kvcache(**kw)
+    flash_mla_with_kvcache(**dict(kw, q=kw["q"].clone(), indices=kw["indices"].clone()))   # same signature
+    assert len(runs) == 1 and len(sched._validated) == 1
+    bad = [
+        (dict(indices=kw["indices"].to(torch.int64)), TypeError, "indices: got dtype torch.int64"),
+        (dict(k_cache=torch.zeros(8, 64, 1, 672, dtype=torch.uint8)[..., :656]), ValueError, "k_cache: rows inside a page block must be packed"),
+        (dict(q=torch.zeros(2 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(2, 1, 64, 576)), ValueError, "q: the data pointer must be 16-byte aligned"),
+        (dict(out=torch.zeros(2, 1, 64, 256, dtype=torch.bfloat16)), ValueError, "out: expected shape"),
+        (dict(attn_sink=[0.0] * 64), TypeError, "attn_sink: expected a torch.Tensor"),
+        (dict(head_dim_v=[512]), ValueError, "head_dim_v: got"),
+    ]
+    for over, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            flash_mla_with_kvcache(**dict(kw, **over))
+    assert len(runs) == 1 + len(bad)

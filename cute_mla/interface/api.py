@@ -40,6 +40,9 @@ class FlashMLASchedMeta:
     plan: Optional[SparseDecodePlan] = None
     _keepalive: list = field(default_factory=list, repr=False)
     _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> dispatch.Launcher
+    # tensor signatures (_tensor_key) that passed _validate_tensors -> (b, s_q, h_q, topk): every
+    # layer of a decode step calls with the same signatures, so only the first pays the checks
+    _validated: dict = field(default_factory=dict, repr=False)
 
 
 def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
@@ -118,6 +121,12 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: 
 
 def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
               extra_k_cache, extra_indices, topk_length, extra_topk_length, out):
+    """Every check of the call's arguments; returns (kv as uint8 (blocks, page, bytes), b, s_q, h_q, topk).
+
+    The scalar checks run on every call. The tensor checks depend only on each tensor's dtype,
+    shape, strides, device and base-pointer alignment (_tensor_key): a signature that passed once
+    for this FlashMLASchedMeta is not checked again (the other layers of the decode step).
+    """
     if indices is None:
         raise NotImplementedError("indices: dense decode (indices=None) is not implemented; cute-mla implements sparse decode, pass indices (b, s_q, topk) int32")
     if extra_k_cache is not None or extra_indices is not None or extra_topk_length is not None:
@@ -130,12 +139,51 @@ def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, 
         raise ValueError("causal: must be False with indices (sparse decode has no causal mask; causality comes from the indices)")
     if not is_fp8_kvcache:
         raise ValueError("is_fp8_kvcache: must be True with indices (sparse decode reads the FP8 V3.2 cache)")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
+    key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v)
+    dims = sched._validated.get(key) if key is not None else None
+    if dims is None:
+        dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out)
+        if key is not None:
+            if len(sched._validated) >= _MAX_VALIDATED:
+                sched._validated.clear()
+            sched._validated[key] = dims
+    kv = k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
+    return (kv,) + dims
+
+
+_MAX_VALIDATED = 16
+
+
+def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v):
+    """Everything _validate_tensors depends on, hashable; None if an argument is not a tensor
+    (the full checks then run and name it)."""
+    if type(head_dim_v) is not int:
+        return None
+    key = [head_dim_v]
+    for t in (q, k_cache, indices, attn_sink, topk_length, out):
+        if t is None:
+            key.append(None)
+        elif isinstance(t, torch.Tensor):
+            key.append((t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15))
+        else:
+            return None
+    return tuple(key)
+
+
+def _require_cuda(q) -> None:
+    if q.device.type != "cuda":
+        from ..arch import UnsupportedDeviceError
+        raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
+
+
+def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out):
+    """The tensor checks of :func:`_validate`; returns (b, s_q, h_q, topk)."""
     check_tensor("q", q, dtypes=(torch.bfloat16,), dim=4, shape_doc="(b, s_q, h_q, d_qk)")
     b, s_q, h_q, d_qk = q.shape
     if not isinstance(head_dim_v, int) or head_dim_v != 512:
         raise ValueError(f"head_dim_v: got {head_dim_v!r}, accepted: 512")
-    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
     check_tensor("indices", indices, dtypes=(torch.int32,), dim=3, shape=(b, s_q, None), device=q.device,
                  shape_doc="(b, s_q, topk)")
     topk = indices.shape[-1]
@@ -153,9 +201,9 @@ def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, 
                          f"(bytes per token), got {k_cache.stride(1)}")
     if num_blocks * page_block_size >= 2**31:
         raise ValueError(f"k_cache: {num_blocks}x{page_block_size} tokens do not fit int32 indices")
-    kv = k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
-    if kv.data_ptr() % 16 or kv.stride(0) % 16:
-        raise ValueError(f"k_cache: base pointer and stride(0) must be 16-byte aligned, got offset {kv.data_ptr() % 16} and stride(0)={kv.stride(0)}")
+    stride0 = k_cache.stride(0) * k_cache.element_size()   # bytes (the kernels read it as uint8)
+    if k_cache.data_ptr() % 16 or stride0 % 16:
+        raise ValueError(f"k_cache: base pointer and stride(0) must be 16-byte aligned, got offset {k_cache.data_ptr() % 16} and stride(0)={stride0}")
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), dim=1, shape=(h_q,), device=q.device,
                      contiguous=True, shape_doc="(h_q,)")
@@ -166,7 +214,5 @@ def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, 
         check_tensor("out", out, dtypes=(torch.bfloat16,), dim=4, shape=(b, s_q, h_q, fmt.d_v), device=q.device,
                      shape_doc=f"(b, s_q, h_q, {fmt.d_v})")
         check_aligned_strides("out", out)
-    if q.device.type != "cuda":
-        from ..arch import UnsupportedDeviceError
-        raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
-    return kv, b, s_q, h_q, topk
+    _require_cuda(q)
+    return b, s_q, h_q, topk
