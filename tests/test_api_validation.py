@@ -110,3 +110,19 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
         with pytest.raises(exc, match=msg):
             flash_mla_with_kvcache(**dict(kw, **over))
     assert len(runs) == 1 + len(bad)
+
+
+@pytest.mark.parametrize("over,msg", [
+    (dict(attn_sink=torch.zeros(64).to_sparse()), "attn_sink: expected a dense"),
+    (dict(q=torch._neg_view(torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16))), "q: a lazily negated view"),
+])
+def test_sparse_and_negated_views_are_named(over, msg, monkeypatch):
+    """Also after a plain tensor of the same shape passed for the same FlashMLASchedMeta."""
+    from cute_mla.interface import api
+
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(api, "_schedule", lambda *a, **k: (lambda *a2, **k2: None))
+    kw = good()
+    flash_mla_with_kvcache(**dict(kw, attn_sink=torch.zeros(64)))
+    with pytest.raises(ValueError, match=msg):
+        flash_mla_with_kvcache(**dict(kw, **over))

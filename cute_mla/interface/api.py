@@ -42,7 +42,7 @@ class FlashMLASchedMeta:
     _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> dispatch.Launcher
     # tensor signatures (_tensor_key) that passed _validate_tensors -> (b, s_q, h_q, topk): every
     # layer of a decode step calls with the same signatures, so only the first pays the checks
-    _validated: dict = field(default_factory=dict, repr=False)
+    _validated: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
@@ -165,9 +165,9 @@ def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v):
     for t in (q, k_cache, indices, attn_sink, topk_length, out):
         if t is None:
             key.append(None)
-        elif isinstance(t, torch.Tensor):
-            key.append((t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15))
-        else:
+        elif isinstance(t, torch.Tensor) and t.layout is torch.strided:
+            key.append((type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15, t.is_neg()))
+        else:   # not a strided tensor: the full checks name it
             return None
     return tuple(key)
 

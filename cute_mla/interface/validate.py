@@ -25,6 +25,11 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], dim: Optional[i
                  last_contiguous: bool = True, contiguous: bool = False, shape_doc: str = "") -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor{' ' + shape_doc if shape_doc else ''}, got {_desc(t)}")
+    if t.layout is not torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.is_neg():
+        raise ValueError(f"{name}: a lazily negated view (torch._neg_view) is not read as negated by the kernels; "
+                         "pass t.resolve_neg()")
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: got dtype {t.dtype}, accepted: {', '.join(str(d) for d in dtypes)}")
     if dim is not None and t.dim() != dim:
