@@ -31,7 +31,7 @@ sys.path.insert(0, HERE)
 import cute_mla  # noqa: E402
 from cute_mla.interface import plan as plan_mod  # noqa: E402
 from bench_sparse_decode import call, make_inputs  # noqa: E402
-from profile_small import graph_of  # noqa: E402
+from profile_small import graph_of, replay_us  # noqa: E402
 
 _DEFAULT_PARTS = plan_mod.sched.num_sm_parts
 _DEFAULT_OVERHEAD = plan_mod.sched.fixed_overhead_blocks
@@ -44,14 +44,6 @@ def use_parts(parts):
     ps.num_sm_parts = _DEFAULT_PARTS if parts in (0, "f5") else (lambda *a, **k: parts)
     ps.fixed_overhead_blocks = (lambda *a, **k: ps.FIXED_OVERHEAD) if parts == "f5" else _DEFAULT_OVERHEAD
     plan_mod.plan_sparse_decode.cache_clear()
-
-
-def replay_us(g, reps=40):
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, e in ev:
-        a.record(); g.replay(); e.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(e) * 1e3 for a, e in ev)[reps // 2]
 
 
 def main():
@@ -85,8 +77,6 @@ def main():
         times = {p: [] for p in graphs}
         for _ in range(args.rounds):
             for p, (gr, _) in graphs.items():
-                for _ in range(3):
-                    gr.replay()
                 times[p].append(replay_us(gr))
         base = statistics.median(times[counts[0]])
         for p in graphs:
