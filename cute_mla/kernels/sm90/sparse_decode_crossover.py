@@ -30,8 +30,9 @@ Per K buffer and use (tile T in buffer ``b = T % 2``), in each CTA (producer -> 
 Cluster addresses: the peer's K buffers are ``mapa(sk_base, peer)`` plus the local offset inside
 the same shared object (``PeerCopy.delta``; offsets within one object carry over to the peer's
 copy of it), and its ``k_full`` array ``mapa(k_full, peer)`` plus ``b * 8``; computed once per CTA.
-(98015aa mapped every address with its own ``mapa``; measured 4-6 % slower, b31fe34.) Both CTAs leave through a cluster barrier, so neither exits
-while its peer may still copy into its shared memory or arrive on its barriers.
+(98015aa mapped every address with its own ``mapa``; measured 4-6 % slower, b31fe34.) Both CTAs
+leave through a cluster barrier, so neither exits while its peer may still copy into its shared
+memory or arrive on its barriers.
 """
 
 from __future__ import annotations

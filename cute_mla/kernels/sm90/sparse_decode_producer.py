@@ -292,9 +292,9 @@ class ProducerMixin:
         the peer's ``k_full``. ``copy``: None (no copy); a :class:`PeerCopy` built once per tile
         from values computed before the tile loop (``Crossover.WARP_COPIES``: the addresses stay in
         registers through the conversion; re-deriving them at each of the 9 copies measured 4-6 %
-        slower on the h=128 rows); or the local address of
-        this buffer's ``k_full`` (``WARP_COPIES_TWO_TILES``: addresses re-derived here with
-        ``mapa``, carried they spill there)."""
+        slower on the h=128 rows); or the local address of this buffer's ``k_full``
+        (``WARP_COPIES_TWO_TILES``: addresses re-derived here with ``mapa``, carried they spill
+        there)."""
         if cutlass.const_expr(copy is not None):
             cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
