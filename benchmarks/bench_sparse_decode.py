@@ -40,6 +40,17 @@ def flashmla():
         return None
 
 
+def parse_row(text):
+    """"b,s_q,h" -> (b, s_q, h)."""
+    b, s_q, h = (int(v) for v in text.split(","))
+    return b, s_q, h
+
+
+def parse_rows(text):
+    """"b,s_q,h;b,s_q,h;..." -> [(b, s_q, h), ...]."""
+    return [parse_row(r) for r in text.split(";")]
+
+
 def make_inputs(b, s_q, h, masked, g):
     kv = (torch.randn(POOL, 576, device="cuda", generator=g) / 10).clamp(-1, 1)
     cache = quantize_v32(kv).view(POOL // PAGE, PAGE, 1, 656)

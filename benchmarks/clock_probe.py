@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
-from bench_sparse_decode import call, flashmla, make_inputs  # noqa: E402
+from bench_sparse_decode import call, flashmla, make_inputs, parse_row  # noqa: E402
 
 
 def run_for(mod, q, cache, idx, seconds):
@@ -51,7 +51,7 @@ def main():
     ap.add_argument("--row", default="1,32768,64")
     ap.add_argument("--seconds", type=float, default=4.0)
     args = ap.parse_args()
-    b, s_q, h = (int(v) for v in args.row.split(","))
+    b, s_q, h = parse_row(args.row)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
     mods = [("cute-mla", cute_mla)] + ([("FlashMLA", flashmla())] if flashmla() else [])

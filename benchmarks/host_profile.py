@@ -27,7 +27,7 @@ sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
 from cute_mla.interface import api  # noqa: E402
-from bench_sparse_decode import call, flashmla, make_inputs  # noqa: E402
+from bench_sparse_decode import call, flashmla, make_inputs, parse_row  # noqa: E402
 
 
 def host_us(fn, n):
@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--row", default="1,1,64")
     ap.add_argument("--calls", type=int, default=400)
     args = ap.parse_args()
-    b, s_q, h = (int(v) for v in args.row.split(","))
+    b, s_q, h = parse_row(args.row)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
     sched, _ = cute_mla.get_mla_metadata()

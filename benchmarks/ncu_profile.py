@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
-from bench_sparse_decode import call, make_inputs  # noqa: E402
+from bench_sparse_decode import call, make_inputs, parse_row  # noqa: E402
 
 
 def main():
@@ -37,7 +37,7 @@ def main():
 
 
 def profile(args):
-    b, s_q, h = (int(x) for x in args.row.split(","))
+    b, s_q, h = parse_row(args.row)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, cache, idx = make_inputs(b, s_q, h, args.masked, g)
     sched, _ = cute_mla.get_mla_metadata()

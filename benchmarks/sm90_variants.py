@@ -137,14 +137,14 @@ def main():
     if "default" in names:
         names.remove("default")
     names.insert(0, "default")
-    from bench_sparse_decode import TOPK, make_inputs, call
+    from bench_sparse_decode import TOPK, make_inputs, call, parse_rows
 
     t0 = time.time()
     bad = set() if args.skip_edge else set(edge_check(names))
     print(f"[{time.time() - t0:.0f} s]", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     results = []
-    rows = [tuple(int(v) for v in r.split(",")) for r in args.rows.split(";")] if args.rows else ROWS
+    rows = parse_rows(args.rows) if args.rows else ROWS
     for (b, s_q, h) in rows:
         q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
         flop = 2 * h * (576 + 512) * TOPK * b * s_q

@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
 from cute_mla.interface import plan as plan_mod  # noqa: E402
-from bench_sparse_decode import call, make_inputs  # noqa: E402
+from bench_sparse_decode import call, make_inputs, parse_rows  # noqa: E402
 from profile_small import graph_of, replay_us  # noqa: E402
 
 _DEFAULT_PARTS = plan_mod.sched.num_sm_parts
@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rows = [tuple(int(v) for v in r.split(",")) for r in args.rows.split(";")]
+    rows = parse_rows(args.rows)
     counts = [p if p == "f5" else int(p) for p in args.parts.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     results = []

@@ -123,9 +123,10 @@ def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, 
               extra_k_cache, extra_indices, topk_length, extra_topk_length, out):
     """Every check of the call's arguments; returns (kv as uint8 (blocks, page, bytes), b, s_q, h_q, topk).
 
-    The scalar checks run on every call. The tensor checks depend only on each tensor's dtype,
-    shape, strides, device and base-pointer alignment (_tensor_key): a signature that passed once
-    for this FlashMLASchedMeta is not checked again (the other layers of the decode step).
+    The scalar checks run on every call. The tensor checks depend only on each tensor's type,
+    layout, dtype, shape, strides, device, base-pointer alignment and neg bit (_tensor_key): a
+    signature that passed once for this FlashMLASchedMeta is not checked again (the other layers
+    of the decode step).
     """
     if indices is None:
         raise NotImplementedError("indices: dense decode (indices=None) is not implemented; cute-mla implements sparse decode, pass indices (b, s_q, topk) int32")
