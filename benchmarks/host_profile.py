@@ -6,7 +6,6 @@ cProfile of the same loop.
     python benchmarks/host_profile.py [--row 1,1,64] [--calls 400]
 
 Keep --calls x 2 launches below the launch queue's depth (~1000), or the host waits for the GPU.
-Written 2026-12-03 with no device time left to run it: untested on the H200.
 """
 
 from __future__ import annotations
@@ -68,6 +67,15 @@ def main():
                                                             sched.accum_offsets, out, lse, scale),
         "torch.empty_like(out) alone": lambda: torch.empty_like(out),
     }
+    from cute_mla.interface import dispatch
+    oa, la = dispatch.allocate_workspace(launcher.plan, q.device)
+    parts["workspace allocation"] = lambda: dispatch.allocate_workspace(launcher.plan, q.device)
+    parts["main kernel launch alone"] = lambda: launcher.main_mod.launch_sparse_decode(
+        launcher.main_compiled, launcher.main_cfg, q, kv, idx, None, None, sched.tile_scheduler_metadata,
+        sched.accum_offsets, out, lse, oa, la, scale)
+    if oa is not None:
+        parts["combine launch alone"] = lambda: launcher.combine_mod.launch_combine(
+            launcher.combine_compiled, launcher.combine_cfg, la, oa, sched.accum_offsets, None, out, lse)
     fm = flashmla()
     if fm is not None:
         fs, _ = fm.get_mla_metadata()

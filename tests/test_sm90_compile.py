@@ -32,8 +32,9 @@ CONFIGS = {
     "split_tl_sink": (64, True, True, True),
     "split_h128": (128, True, False, True),           # the default: crossover (cluster of 2)
     "split_h128_no_xover": (128, True, False, True),  # Crossover.OFF: each CTA gathers every row
+    "split_oacc_staged": (64, True, True, True),      # oacc_direct_store=False: o_accum by TMA
 }
-TUNINGS = {"split_h128_no_xover": dict(crossover="OFF")}
+TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "split_oacc_staged": dict(oacc_direct_store=False)}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,7 @@ def artifacts(tmp_path_factory):
     for name, (h_q, split, tl, sink) in CONFIGS.items():
         d = str(tmp_path_factory.mktemp(name))
         cfg = Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink)
-        kw = {k: Crossover[v] for k, v in TUNINGS.get(name, {}).items()}
-        compile_sparse_decode(cfg, dump_dir=d, tuning=Tuning(**kw))
+        compile_sparse_decode(cfg, dump_dir=d, tuning=Tuning(**TUNINGS.get(name, {})))
         ptx, cubin = ki.find_artifacts(d, "sm_90a")
         assert ptx and cubin, f"{name}: no PTX/cubin in {d}"
         with open(ptx) as f:
@@ -84,13 +84,18 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
 
 def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     maps = {name: ki.tensor_map_params(ptx) for name, (ptx, _) in artifacts.items()}
-    # no-split: Q load + out store; split: + o_accum store
+    # no-split: Q load + out store; split: + an o_accum store map only when o_accum is staged
+    # for TMA (oacc_direct_store=False); the default stores it from registers
+    oacc_map = 0 if DEFAULT_TUNING.oacc_direct_store else 1
     assert maps["nosplit"] == 2, maps
     assert maps["nosplit_tl_sink"] == 2, maps
-    assert maps["split_tl_sink"] == maps["nosplit_tl_sink"] + 1, maps
-    assert maps["split_h128"] == maps["split_h128_no_xover"] == 3, maps
-    # ... and the plan lists exactly the tensor maps the compiled variant builds
+    assert maps["split_tl_sink"] == maps["nosplit_tl_sink"] + oacc_map, maps
+    assert maps["split_oacc_staged"] == maps["nosplit_tl_sink"] + 1, maps
+    assert maps["split_h128"] == maps["split_h128_no_xover"] == 2 + oacc_map, maps
+    # ... and the plan lists exactly the tensor maps the compiled default variant builds
     from cute_mla import plan_sparse_decode
+    from cute_mla.interface.plan import SM90_O_ACCUM_TENSOR_MAP
+    assert SM90_O_ACCUM_TENSOR_MAP == (not DEFAULT_TUNING.oacc_direct_store)
     no_split = plan_sparse_decode(1, 8192, 64, 576, 2048, arch="sm_90a", num_sms=132)
     split = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
     assert (no_split.split, split.split) == (False, True)

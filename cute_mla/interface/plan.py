@@ -1,8 +1,9 @@
 """The plan of one sparse decode call: which kernel, which variant, and what memory it needs.
 
 The plan is the single source of truth for the workspace rule of cute-mla: the split-KV
-accumulators (``o_accum``, ``lse_accum``) are allocated, their TMA tensor map built and the combine
-launched **only when at least one request is split**.
+accumulators (``o_accum``, ``lse_accum``) are allocated, their TMA tensor map built (SM100; SM90
+stores them from registers and builds none) and the combine launched **only when at least one
+request is split**.
 
 - num_sm_parts == 1: the scheduler never splits (the budget covers every request), so the
   no-split kernel runs and the workspace is 0 bytes, whatever topk_length holds.
@@ -31,10 +32,14 @@ MAX_GRID_Y = 65535
 BLOCK_TOPK = sched.BLOCK_TOPK
 ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus its fp32 lse_accum entry
 
+# SM90 split pieces store o_accum from the accumulator registers (the kernel's default
+# ``Tuning.oacc_direct_store``), so that variant builds no o_accum tensor map; SM100 stores it by TMA.
+SM90_O_ACCUM_TENSOR_MAP = False
+
 # TMA tensor maps each kernel variant builds (what the compile tests check in the PTX).
 _TENSOR_MAPS = {
     ("sm_90a", False): ("q", "out"),
-    ("sm_90a", True): ("q", "out", "o_accum"),
+    ("sm_90a", True): ("q", "out") + (("o_accum",) if SM90_O_ACCUM_TENSOR_MAP else ()),
     ("sm_100a", False): ("q", "kv_nope", "kv_rope", "out"),
     ("sm_100a", True): ("q", "kv_nope", "kv_rope", "out", "o_accum"),
 }
