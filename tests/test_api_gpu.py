@@ -62,6 +62,33 @@ def test_mixed_batch(seed, h_q, s_q):
     check(x, o, l)
 
 
+@pytest.mark.parametrize("s_q,h_q", [(300, 64), (150, 128)])
+def test_token_walk_matches_one_cta_per_token(seed, s_q, h_q):
+    """The token walk (b == 1, more CTAs than SMs: plan docstring) gives the bits of FlashMLA's grid
+    of one CTA per (token, head half), here launched directly; also into a preallocated strided
+    ``out``, and against the reference with NaN in every unused cache slot."""
+    from cute_mla.kernels.sm90.sparse_decode import (Sm90SparseDecodeConfig, compile_sparse_decode,
+                                                     launch_sparse_decode)
+
+    if device_arch(torch.device("cuda")) != "sm_90a":
+        pytest.skip("SM90 plan")
+    x = make_inputs(1, s_q, h_q, 2048, num_tokens=16384, invalid_frac=0.3, with_sink=True, nan_unused=True,
+                    device="cuda")
+    big = torch.full((1, s_q, h_q, 640), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o, l, sched = run_case(x, out=big[..., :512])
+    assert sched.plan.token_walk and o.data_ptr() == big.data_ptr()
+    check(x, o, l)
+    cfg = Sm90SparseDecodeConfig(h_q=h_q, split=False, has_topk_length=False, has_attn_sink=True)
+    tile_md = torch.tensor([[0, 0, 0, 32, 0, 0, 0, 0]], dtype=torch.int32, device="cuda")
+    zeros = torch.zeros(2, dtype=torch.int32, device="cuda")
+    o1 = torch.full((1, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    l1 = torch.full((1, s_q, h_q), float("nan"), dtype=torch.float32, device="cuda")
+    launch_sparse_decode(compile_sparse_decode(cfg), cfg, x.q, x.k_cache.view(torch.uint8).squeeze(2), x.indices,
+                         None, x.attn_sink, tile_md, zeros, o1, l1, None, None, x.softmax_scale)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o1) and torch.equal(l, l1.transpose(1, 2))
+
+
 def test_preallocated_out(seed):
     x = make_inputs(4, 2, 64, 256, num_tokens=1000, device="cuda")
     out = torch.full((4, 2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -70,7 +97,8 @@ def test_preallocated_out(seed):
     check(x, o, l)
 
 
-@pytest.mark.parametrize("b,s_q,h_q,topk_length", [(1, 1, 64, False), (4, 2, 128, False), (128, 1, 64, False), (8, 1, 64, True)])
+@pytest.mark.parametrize("b,s_q,h_q,topk_length", [(1, 1, 64, False), (4, 2, 128, False), (128, 1, 64, False), (8, 1, 64, True),
+                                                   (1, 200, 128, False)])  # the last: token walk
 def test_cuda_graph_replay_with_new_inputs(seed, b, s_q, h_q, topk_length):
     x = make_inputs(b, s_q, h_q, 2048, num_tokens=8192, with_sink=True, with_topk_length=topk_length, device="cuda")
     sched, _ = get_mla_metadata()

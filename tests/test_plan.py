@@ -102,3 +102,33 @@ def test_plan_rejects(kw, exc, msg):
     args.update(kw)
     with pytest.raises(exc, match=msg):
         plan_sparse_decode(args["b"], args["s_q"], args["h_q"], args["d_qk"], args["topk"], arch=args["arch"], num_sms=132)
+
+
+@pytest.mark.parametrize("s_q,h_q", [(133, 64), (1024, 64), (8192, 64), (32768, 64), (67, 128), (1024, 128), (8192, 128)])
+def test_sm90_token_walk_covers_every_token_once(s_q, h_q):
+    """b == 1 with more (token, head half) CTAs than SMs: the s_q tokens run as one-token requests,
+    num_sms / (h_q/64) partitions of contiguous whole tokens, balanced to one token, nothing split."""
+    p = plan_sparse_decode(1, s_q, h_q, 576, 2048, arch="sm_90a", num_sms=132)
+    assert p.token_walk and not p.split and p.workspace_bytes == 0 and p.schedule == "host"
+    assert p.num_sm_parts == 1                         # FlashMLA's count (its workspace formula uses it)
+    rows = p.host_schedule.rows
+    assert len(rows) == 132 // (h_q // 64)
+    assert p.host_schedule.num_splits == tuple(range(s_q + 1)) and not p.host_schedule.any_split
+    nxt = 0
+    for r in rows:
+        assert r == (nxt, r[1], 0, 32, 0, 0, 0, 0), r
+        nxt = r[1] + 1
+    assert nxt == s_q
+    counts = [r[1] - r[0] + 1 for r in rows]
+    assert max(counts) - min(counts) <= 1 and max(counts) == -(-s_q // len(rows))
+    assert "token walk" in p.describe()
+
+
+@pytest.mark.parametrize("b,s_q,h_q,tl,arch", [(1, 132, 64, False, "sm_90a"), (1, 66, 128, False, "sm_90a"),
+                                               (2, 1024, 64, False, "sm_90a"), (1, 1024, 64, True, "sm_90a"),
+                                               (1, 1024, 64, False, "sm_100a")])
+def test_token_walk_only_where_it_applies(b, s_q, h_q, tl, arch):
+    """One wave or less, b > 1, device schedules (topk_length) and SM100 keep the grid of one CTA
+    per (token, head half)."""
+    p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch=arch, num_sms=132, has_topk_length=tl)
+    assert not p.token_walk and "token walk" not in p.describe()

@@ -32,9 +32,9 @@ CONFIGS = {
     "split_tl_sink": (64, True, True, True),
     "split_h128": (128, True, False, True),           # the default: crossover (cluster of 2)
     "split_h128_no_xover": (128, True, False, True),  # Crossover.OFF: each CTA gathers every row
-    "split_oacc_staged": (64, True, True, True),      # oacc_direct_store=False: o_accum by TMA
+    "split_oacc_direct": (64, True, True, True),      # oacc_direct_store=True: o_accum from registers
 }
-TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "split_oacc_staged": dict(oacc_direct_store=False)}
+TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "split_oacc_direct": dict(oacc_direct_store=True)}
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +84,13 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
 
 def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     maps = {name: ki.tensor_map_params(ptx) for name, (ptx, _) in artifacts.items()}
-    # no-split: Q load + out store; split: + an o_accum store map only when o_accum is staged
-    # for TMA (oacc_direct_store=False); the default stores it from registers
+    # no-split: Q load + out store; split: + an o_accum store map, unless o_accum is stored from
+    # registers (oacc_direct_store=True)
     oacc_map = 0 if DEFAULT_TUNING.oacc_direct_store else 1
     assert maps["nosplit"] == 2, maps
     assert maps["nosplit_tl_sink"] == 2, maps
     assert maps["split_tl_sink"] == maps["nosplit_tl_sink"] + oacc_map, maps
-    assert maps["split_oacc_staged"] == maps["nosplit_tl_sink"] + 1, maps
+    assert maps["split_oacc_direct"] == maps["nosplit_tl_sink"], maps
     assert maps["split_h128"] == maps["split_h128_no_xover"] == 2 + oacc_map, maps
     # ... and the plan lists exactly the tensor maps the compiled default variant builds
     from cute_mla import plan_sparse_decode

@@ -169,12 +169,14 @@ def _tuning(name):
         "no_qk_pv_overlap": Tuning(overlap_qk_pv=False),
         "bulk_prefetch_one_index_chunk_ahead": Tuning(prefetch_lines=False, scan_two_ahead=False),
         "no_row_prefetch": Tuning(prefetch_rows=False),
-        "oacc_staged_store": Tuning(oacc_direct_store=False),
+        "oacc_direct_store": Tuning(oacc_direct_store=True),
+        "no_next_q_prefetch": Tuning(prefetch_next_q=False),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
-                                  "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_staged_store"])
+                                  "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
+                                  "no_next_q_prefetch"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""

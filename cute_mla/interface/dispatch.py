@@ -94,6 +94,9 @@ class Launcher:
 
     def __call__(self, q, kv, indices, topk_length, attn_sink, tile_md, offsets, out, lse, softmax_scale: float) -> None:
         """Launch what the plan says: the main kernel, then the combine only for the split variant."""
+        if self.plan.token_walk:
+            # b == 1: the s_q tokens become s_q one-token requests (views, no copy; plan docstring)
+            q, indices, out, lse = q[0].unsqueeze(1), indices[0].unsqueeze(1), out[0].unsqueeze(1), lse[0].unsqueeze(1)
         o_accum, lse_accum = allocate_workspace(self.plan, q.device)
         self.main_mod.launch_sparse_decode(self.main_compiled, self.main_cfg, q, kv, indices, topk_length, attn_sink,
                                            tile_md, offsets, out, lse, o_accum, lse_accum, softmax_scale)

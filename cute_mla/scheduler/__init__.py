@@ -21,6 +21,7 @@ from .partition import (  # noqa: F401
     num_sm_parts,
     per_request_rows,
     plan_splits_host,
+    whole_request_rows,
 )
 
 

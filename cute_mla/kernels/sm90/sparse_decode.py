@@ -405,6 +405,10 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                               cache_policy=ptx.l2_policy("evict_first"))
                 else:
                     cute.copy(tma_q, tQgQ[None, hblk, 0, s_idx, req], tQsQ, tma_bar_ptr=q_full)
+                if cutlass.const_expr(self.tuning.prefetch_next_q):
+                    if req < end_req:
+                        with cute.arch.elect_one():  # (the TMA loads elect a lane themselves, prefetches do not)
+                            cute.prefetch(tma_q, tQgQ[None, hblk, 0, s_idx, req + 1])
             m0 = Float32(-1e30)
             m1 = Float32(-1e30)
             l0 = Float32(0.0)

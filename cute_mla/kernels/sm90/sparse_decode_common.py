@@ -219,10 +219,15 @@ class Tuning:
     # Split pieces: write o_accum with per-thread stores from the accumulator registers instead of
     # staging 2 x 32 KiB per warp group in shared memory for a TMA store (fewer round trips at the
     # end of a CTA: the latency rows are made of one-tile pieces). Measured bit-identical and
-    # 1.5-3.6 % faster on the s_q=1 split rows (NOTES.md), within noise elsewhere. On (the
-    # default), the split kernel builds no o_accum tensor map: ``plan.SM90_O_ACCUM_TENSOR_MAP``
-    # follows this default (test_sm90_compile checks the two against the compiled PTX).
-    oacc_direct_store: bool = True
+    # 1.5-3.6 % faster on the s_q=1 split rows (NOTES.md), but 4.5-5 % slower on 1x8x64 and
+    # 1x8x128 (128 CTAs storing at once; session 2026-12-03 c), so off by default. On, the split
+    # kernel builds no o_accum tensor map: ``plan.SM90_O_ACCUM_TENSOR_MAP`` follows this default
+    # (test_sm90_compile checks the two against the compiled PTX).
+    oacc_direct_store: bool = False
+    # A CTA that walks several requests (b > 1, or the plan's token walk): when it loads a
+    # request's Q it also prefetches the next request's Q box into L2 (one TMA prefetch), so the
+    # Q load between two requests, which the epilogue's staging in sQ serializes, hits L2.
+    prefetch_next_q: bool = True
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
     # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover). Needs the
     # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.
