@@ -44,8 +44,8 @@ VARIANTS = {
     "no_compact": Tuning(compact_indices=False, streaming=S.OFF, crossover=X.OFF),  # one tile per 64 positions (the kernel before compaction)
     "no_compact_l2_none": Tuning(compact_indices=False, streaming=S.OFF, gather_l2="", crossover=X.OFF),
     "cfence": Tuning(consumer_proxy_fence=True),
-    "oacc_direct": Tuning(oacc_direct_store=True),
-    "no_next_q_pf": Tuning(prefetch_next_q=False),  # no L2 prefetch of the next request's Q  # o_accum from registers (no staging, no TMA store)
+    "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers (no staging, no TMA store)
+    "next_q_pf": Tuning(prefetch_next_q=True),  # L2 prefetch of the next request's Q (measured no gain)
     "l2_hints": Tuning(l2_hints=True),
     "l2_hints_cfence": Tuning(l2_hints=True, consumer_proxy_fence=True),
     "half_pipelined": Tuning(streaming=S.OFF, crossover=X.OFF),  # the compacted default before streaming

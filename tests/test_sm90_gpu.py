@@ -170,13 +170,13 @@ def _tuning(name):
         "bulk_prefetch_one_index_chunk_ahead": Tuning(prefetch_lines=False, scan_two_ahead=False),
         "no_row_prefetch": Tuning(prefetch_rows=False),
         "oacc_direct_store": Tuning(oacc_direct_store=True),
-        "no_next_q_prefetch": Tuning(prefetch_next_q=False),
+        "next_q_prefetch": Tuning(prefetch_next_q=True),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
-                                  "no_next_q_prefetch"])
+                                  "next_q_prefetch"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""

@@ -227,7 +227,9 @@ class Tuning:
     # A CTA that walks several requests (b > 1, or the plan's token walk): when it loads a
     # request's Q it also prefetches the next request's Q box into L2 (one TMA prefetch), so the
     # Q load between two requests, which the epilogue's staging in sQ serializes, hits L2.
-    prefetch_next_q: bool = True
+    # Measured no gain (x0.990-1.000 against off on 1x1024x64, 1x8192x128, 128x2x128, 64x2x64,
+    # 1x32768x64; session 2026-12-03 c): off.
+    prefetch_next_q: bool = False
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
     # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover). Needs the
     # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.
