@@ -46,6 +46,8 @@ VARIANTS = {
     "cfence": Tuning(consumer_proxy_fence=True),
     "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers (no staging, no TMA store)
     "next_q_pf": Tuning(prefetch_next_q=True),  # L2 prefetch of the next request's Q (measured no gain)
+    "out_direct": Tuning(out_direct_store=True),  # bf16 out from registers (no staging in sQ, no TMA store)
+    "out_direct_nqpf": Tuning(out_direct_store=True, prefetch_next_q=True),
     "l2_hints": Tuning(l2_hints=True),
     "l2_hints_cfence": Tuning(l2_hints=True, consumer_proxy_fence=True),
     "half_pipelined": Tuning(streaming=S.OFF, crossover=X.OFF),  # the compacted default before streaming

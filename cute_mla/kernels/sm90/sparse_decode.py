@@ -175,16 +175,19 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         tma_q, q_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), q_t, cute.slice_(q_layout, (None, None, 0)), (TILE.heads, TILE.d_qk)
         )
-        out_t = cute.make_tensor(
-            out.iterator,
-            cute.make_layout(
-                (out.shape[2], out.shape[3], out.shape[1], out.shape[0]),
-                stride=(out.stride[2], out.stride[3], out.stride[1], out.stride[0]),
-            ),
-        )
-        tma_out, out_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), out_t, o_layout, (TILE.heads, TILE.half_v)
-        )
+        tma_out = None
+        out_tma = out  # Tuning.out_direct_store: stored from the accumulator registers, no tensor map
+        if cutlass.const_expr(not self.tuning.out_direct_store):
+            out_t = cute.make_tensor(
+                out.iterator,
+                cute.make_layout(
+                    (out.shape[2], out.shape[3], out.shape[1], out.shape[0]),
+                    stride=(out.stride[2], out.stride[3], out.stride[1], out.stride[0]),
+                ),
+            )
+            tma_out, out_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), out_t, o_layout, (TILE.heads, TILE.half_v)
+            )
         tma_oacc = None
         oacc_tma = None
         if cutlass.const_expr(cfg.split and self.tuning.oacc_direct_store):
@@ -289,7 +292,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         cute.arch.griddepcontrol_launch_dependents()
         if tidx < 32:
             cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_out)
+            if cutlass.const_expr(not self.tuning.out_direct_store):
+                cpasync.prefetch_descriptor(tma_out)
             if cutlass.const_expr(self.cfg.split and not self.tuning.oacc_direct_store):
                 cpasync.prefetch_descriptor(tma_oacc)
         cute.arch.sync_threads()

@@ -230,6 +230,11 @@ class Tuning:
     # Measured no gain (x0.990-1.000 against off on 1x1024x64, 1x8192x128, 128x2x128, 64x2x64,
     # 1x32768x64; session 2026-12-03 c): off.
     prefetch_next_q: bool = False
+    # Whole requests: write the bf16 out half of each MMA warp group with per-thread stores from
+    # registers instead of staging it in sQ for a TMA store (the staging, its barrier and the wait
+    # for the store's read sit between one request's last PV and the next request's Q load, which
+    # the token walk pays once per token). Off until measured.
+    out_direct_store: bool = False
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
     # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover). Needs the
     # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.
