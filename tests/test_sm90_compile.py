@@ -33,8 +33,10 @@ CONFIGS = {
     "split_h128": (128, True, False, True),           # the default: crossover (cluster of 2)
     "split_h128_no_xover": (128, True, False, True),  # Crossover.OFF: each CTA gathers every row
     "split_oacc_direct": (64, True, True, True),      # oacc_direct_store=True: o_accum from registers
+    "nosplit_out_direct": (128, False, False, True),  # out_direct_store=True: bf16 out from registers
 }
-TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "split_oacc_direct": dict(oacc_direct_store=True)}
+TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "split_oacc_direct": dict(oacc_direct_store=True),
+           "nosplit_out_direct": dict(out_direct_store=True)}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,7 @@ def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     assert maps["nosplit_tl_sink"] == 2, maps
     assert maps["split_tl_sink"] == maps["nosplit_tl_sink"] + oacc_map, maps
     assert maps["split_oacc_direct"] == maps["nosplit_tl_sink"], maps
+    assert maps["nosplit_out_direct"] == 1, maps  # Q only: out from registers
     assert maps["split_h128"] == maps["split_h128_no_xover"] == 2 + oacc_map, maps
     # ... and the plan lists exactly the tensor maps the compiled default variant builds
     from cute_mla import plan_sparse_decode
@@ -171,7 +174,8 @@ def test_row_prefetch_is_per_thread(artifacts, name):
     # A uniform-operand loop is allowed only around the h=128 crossover's per-warp bulk copies (one
     # lane's addresses: ptxas wraps each copy in a one-trip BRA.U.ANY loop), never for a prefetch.
     assert sass.count("BRA.U.ANY") <= sass.count("UBLKCP")
-    if name != "split_h128":   # the kernels without the crossover: none at all
+    crossover = CONFIGS[name][0] == 128 and TUNINGS.get(name, {}).get("crossover", DEFAULT_TUNING.crossover) != Crossover.OFF
+    if not crossover:   # the kernels without the crossover: none at all
         assert "BRA.U.ANY" not in sass
 
 
