@@ -113,7 +113,8 @@ def test_sm90_token_walk_covers_every_token_once(s_q, h_q):
     assert p.num_sm_parts == 1                         # FlashMLA's count (its workspace formula uses it)
     rows = p.host_schedule.rows
     assert len(rows) == 132 // (h_q // 64)
-    assert p.host_schedule.num_splits == tuple(range(s_q + 1)) and not p.host_schedule.any_split
+    # the call's one request, unsplit: the plan stays O(partitions) for any s_q
+    assert p.host_schedule.num_splits == (0, 1) and not p.host_schedule.any_split
     nxt = 0
     for r in rows:
         assert r == (nxt, r[1], 0, 32, 0, 0, 0, 0), r
@@ -132,3 +133,26 @@ def test_token_walk_only_where_it_applies(b, s_q, h_q, tl, arch):
     per (token, head half)."""
     p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch=arch, num_sms=132, has_topk_length=tl)
     assert not p.token_walk and "token walk" not in p.describe()
+
+
+def test_host_schedule_cache_is_bounded_and_metadata_keeps_its_tensors(monkeypatch):
+    """An engine brings a new s_q (a new plan) at every step: the cache of uploaded schedules stays
+    bounded, a hit returns the same tensors (stable addresses for CUDA graphs), and the metadata
+    object's keepalive holds the (pinned, on a GPU) source of every schedule it was given."""
+    import torch
+
+    from cute_mla.interface import dispatch
+
+    monkeypatch.setattr(dispatch, "_host_schedules", type(dispatch._host_schedules)())
+    monkeypatch.setattr(dispatch, "HOST_SCHEDULE_CACHE", 4)
+    cpu = torch.device("cpu")
+    plans = [plan_sparse_decode(1, s_q, 64, 576, 2048, arch="sm_90a", num_sms=132) for s_q in range(140, 150)]
+    keep = []
+    first = dispatch.host_schedule_tensors(plans[0], cpu, keep)
+    assert dispatch.host_schedule_tensors(plans[0], cpu, keep)[0].data_ptr() == first[0].data_ptr()
+    for p in plans[1:]:
+        tile_md, num_splits, offsets = dispatch.host_schedule_tensors(p, cpu, keep)
+        assert tile_md.shape == (132, 8) and num_splits.tolist() == [0, 1] and offsets.tolist() == [0, 0]
+        assert tile_md[-1].tolist() == list(p.host_schedule.rows[-1])
+    assert len(dispatch._host_schedules) == 4 and len(keep) == len(plans) + 1
+    assert first[0].tolist() == [list(r) for r in plans[0].host_schedule.rows]   # evicted, still intact

@@ -18,8 +18,9 @@ launched **only when at least one request is split**.
 Token walk (SM90, b == 1, no topk_length, one partition, more CTAs than SMs: vLLM's mixed batch):
 FlashMLA's grid would start one CTA per token and head half, each paying its own start and end
 for ~26 tiles of work. The plan instead treats the s_q tokens as s_q requests of one token
-(the launcher passes views: no copy) and gives each of ``num_sms // (h_q/64)`` partitions a
-contiguous range of whole tokens, nothing split: each CTA walks ~s_q/num_sms tokens and overlaps
+(the launcher passes views: no copy; ``host_schedule.rows`` index tokens, its ``num_splits`` is the
+call's one request, unsplit) and gives each of ``num_sms // (h_q/64)`` partitions a contiguous
+range of whole tokens, nothing split: each CTA walks ~s_q/num_sms tokens and overlaps
 one token's end with the next one's rows (measured 1.035x on 1x1024 and 1x8192x128, 1.05x on
 1x32768x64, bit-identical outputs; benchmarks/NOTES.md).
 """
@@ -155,7 +156,10 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     elif uses_token_walk(arch, b, s_q, h_q, parts, num_sms):
         schedule, accum_rows, token_walk = "host", 0, True
         rows = sched.whole_request_rows(sched.blocks_per_request(topk, b=s_q), num_sms // (h_q // 64))
-        host_schedule = sched.HostSchedule(rows=rows, num_splits=tuple(range(s_q + 1)))
+        # The rows index tokens (one-token requests); num_splits keeps the call's one request, not
+        # split (the no-split kernel never reads it): the plan stays O(partitions), not O(s_q),
+        # for every s_q an engine's steps bring (plans and their device copies are cached).
+        host_schedule = sched.HostSchedule(rows=rows, num_splits=(0, 1))
     else:
         schedule = "host"
         host_schedule = sched.plan_splits_host(sched.blocks_per_request(topk, b=b), parts, overhead)
