@@ -18,6 +18,8 @@ def test_plan_acceptance_grid(capsys, s_q, parts, rows):
     assert main(["plan", "--b", "1", "--s-q", str(s_q), "--h-q", "64", "--topk", "2048", "--arch", "sm_90a", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["num_sm_parts"] == parts and p["accum_rows"] == rows
+    # s_q above one wave of CTAs: the token walk over 132 partitions of whole tokens
+    assert p["token_walk"] == (s_q > 132) and p["partitions"] == (132 if s_q > 132 else parts)
     assert p["workspace_bytes"] == rows * s_q * 64 * 2052
     assert (p["variant"] == "no_split") == (rows == 0)
     # SM90 split pieces store o_accum from registers: no o_accum tensor map in either variant

@@ -28,8 +28,9 @@ class FlashMLASchedMeta:
     """Scheduler state of one decode step, filled by the first call that uses it (FlashMLA's layout).
 
     ``tile_scheduler_metadata`` (partitions, 8) int32 and ``num_splits`` (b+1,) int32 are
-    FlashMLA's (with the plan's token walk the partitions' requests are the s_q tokens). ``accum_offsets`` (b+1,) int32 is cute-mla's compact prefix sum of accumulator rows
-    (only split requests own rows); ``plan`` is the call's :class:`SparseDecodePlan`.
+    FlashMLA's (under the plan's token walk the partitions' requests are the s_q tokens).
+    ``accum_offsets`` (b+1,) int32 is cute-mla's compact prefix sum of accumulator rows (only
+    split requests own rows); ``plan`` is the call's :class:`SparseDecodePlan`.
     """
 
     have_initialized: bool = False
@@ -102,7 +103,7 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: 
     plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=arch, num_sms=device_num_sms(q.device),
                               has_topk_length=topk_length is not None)
     if plan.host_schedule is not None:
-        tile_md, num_splits, offsets = dispatch.host_schedule_tensors(plan, q.device, sched._keepalive)
+        tile_md, num_splits, offsets = dispatch.host_schedule_tensors(plan, q.device)
     else:
         from ..scheduler import per_request_schedule_device, plan_splits
         # blocks per request from the device lengths, clamped to [1, topk] (spec §4.4), no host sync

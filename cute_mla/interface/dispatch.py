@@ -7,7 +7,6 @@ This is the only place that allocates the split-KV accumulators, and it allocate
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -16,32 +15,25 @@ from ..scheduler import SCHED_ROW_INTS, accum_offsets
 from .plan import SparseDecodePlan
 
 _lock = threading.Lock()
-# (plan, device) -> device schedule tensors, least recently used first. Bounded: an engine's steps
-# bring a new s_q (a new plan) all the time. Evicting an entry frees nothing still in use: every
-# FlashMLASchedMeta holds the tensors it was given and their pinned source. (A CUDA graph reads
-# the tensors of the metadata object it was captured with: keep that object alive as long as the
-# graph, as with FlashMLA, whose metadata tensors live in that object.)
-HOST_SCHEDULE_CACHE = 512
-_host_schedules: "OrderedDict[tuple, tuple]" = OrderedDict()
+# (plan, device) -> device schedule tensors. Never evicted: a captured CUDA graph keeps reading
+# the tensors (and, for an upload made during capture, the pinned source) it was captured with,
+# while engines (vLLM) make a new FlashMLASchedMeta per step and do not keep the capture's. Each
+# entry is O(partitions) ints (token-walk plans too: plan.py), one per distinct plan.
+_host_schedules: dict = {}
 
 
-def host_schedule_tensors(plan: SparseDecodePlan, device: torch.device,
-                          keepalive: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def host_schedule_tensors(plan: SparseDecodePlan, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plan's host schedule as device tensors (tile_md, num_splits, accum_offsets).
 
     Cached per (plan, device): every call with the same shapes reads the same, stable addresses
     (CUDA graphs bake them in). The upload is an asynchronous copy from pinned memory, which is
     legal inside a graph capture (a captured upload runs again at every replay); the pinned source
-    is kept alive with the cache entry and appended to ``keepalive`` (the FlashMLASchedMeta's),
-    so an entry the bounded cache drops stays valid for every metadata object that uses it.
+    is kept alive with the cache entry.
     """
     key = (plan, str(device))
     with _lock:
         hit = _host_schedules.get(key)
         if hit is not None:
-            _host_schedules.move_to_end(key)
-            if keepalive is not None:
-                keepalive.append(hit[3])
             return hit[:3]
         s = plan.host_schedule
         host = torch.tensor([v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
@@ -54,10 +46,6 @@ def host_schedule_tensors(plan: SparseDecodePlan, device: torch.device,
         num_splits = dev[p * SCHED_ROW_INTS: p * SCHED_ROW_INTS + b + 1]
         offsets = dev[p * SCHED_ROW_INTS + b + 1:]
         _host_schedules[key] = (tile_md, num_splits, offsets, host)
-        if keepalive is not None:
-            keepalive.append(host)
-        if len(_host_schedules) > HOST_SCHEDULE_CACHE:
-            _host_schedules.popitem(last=False)
         return tile_md, num_splits, offsets
 
 

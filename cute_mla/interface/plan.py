@@ -22,7 +22,8 @@ for ~26 tiles of work. The plan instead treats the s_q tokens as s_q requests of
 call's one request, unsplit) and gives each of ``num_sms // (h_q/64)`` partitions a contiguous
 range of whole tokens, nothing split: each CTA walks ~s_q/num_sms tokens and overlaps
 one token's end with the next one's rows (measured 1.035x on 1x1024 and 1x8192x128, 1.05x on
-1x32768x64, bit-identical outputs; benchmarks/NOTES.md).
+1x32768x64, bit-identical outputs; benchmarks/NOTES.md). It assumes the whole GPU: with fewer SMs
+free (MPS, green contexts, a concurrent kernel) the partitions left over wait for a whole one.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts, b)
     elif uses_token_walk(arch, b, s_q, h_q, parts, num_sms):
         schedule, accum_rows, token_walk = "host", 0, True
-        rows = sched.whole_request_rows(sched.blocks_per_request(topk, b=s_q), num_sms // (h_q // 64))
+        rows = sched.whole_request_rows(s_q, sched.blocks_per_request(topk, b=1)[0], num_sms // (h_q // 64))
         # The rows index tokens (one-token requests); num_splits keeps the call's one request, not
         # split (the no-split kernel never reads it): the plan stays O(partitions), not O(s_q),
         # for every s_q an engine's steps bring (plans and their device copies are cached).
@@ -176,4 +177,4 @@ def uses_token_walk(arch: str, b: int, s_q: int, h_q: int, parts: int, num_sms: 
     Only b == 1: then q, indices, out and lse always have an (s_q, 1, ...) view. Calls with
     topk_length (their schedule is made on the device) keep FlashMLA's grid: the caller tests
     topk_length first."""
-    return arch == "sm_90a" and b == 1 and parts == 1 and s_q * (h_q // 64) > num_sms
+    return arch == "sm_90a" and b == 1 and parts == 1 and s_q * (h_q // 64) > num_sms >= h_q // 64

@@ -185,21 +185,21 @@ def per_request_rows(num_blocks: Sequence[int]) -> Tuple[Tuple[int, ...], ...]:
     return tuple((i, i, 0, int(n), 0, 0, 0, 0) for i, n in enumerate(num_blocks))
 
 
-def whole_request_rows(num_blocks: Sequence[int], parts: int) -> Tuple[Tuple[int, ...], ...]:
-    """``parts`` partitions of contiguous *whole* requests, nothing split (SM90 token walk).
+def whole_request_rows(n: int, blocks: int, parts: int) -> Tuple[Tuple[int, ...], ...]:
+    """``parts`` partitions of contiguous *whole* requests of ``blocks`` blocks each, nothing split
+    (SM90 token walk).
 
-    Requests are dealt by count (partition p takes ``[p*n//P, (p+1)*n//P)``), so with equal
-    requests no partition holds more than one request above the average. Partitions left without a
-    request get FlashMLA's empty-row form (``begin_req == b``).
+    Requests are dealt by count (partition p takes ``[p*n//P, (p+1)*n//P)``), so no partition
+    holds more than one request above the average. Partitions left without a request get
+    FlashMLA's empty-row form (``begin_req == b``).
     """
-    n = len(num_blocks)
-    if parts < 1 or n < 1:
-        raise ValueError(f"whole_request_rows: needs parts >= 1 and at least one request, got {parts}, {n}")
+    if parts < 1 or n < 1 or blocks < 1:
+        raise ValueError(f"whole_request_rows: needs n, blocks and parts >= 1, got {n}, {blocks}, {parts}")
     rows = []
     for p in range(parts):
         r0, r1 = p * n // parts, (p + 1) * n // parts
         if r1 > r0:
-            rows.append((r0, r1 - 1, 0, int(num_blocks[r1 - 1]), 0, 0, 0, 0))
+            rows.append((r0, r1 - 1, 0, blocks, 0, 0, 0, 0))
         else:
             rows.append((n, n - 1, 0, 0, 0, 0, 0, 0))
     return tuple(rows)
