@@ -44,7 +44,8 @@ VARIANTS = {
     "no_compact": Tuning(compact_indices=False, streaming=S.OFF, crossover=X.OFF),  # one tile per 64 positions (the kernel before compaction)
     "no_compact_l2_none": Tuning(compact_indices=False, streaming=S.OFF, gather_l2="", crossover=X.OFF),
     "cfence": Tuning(consumer_proxy_fence=True),
-    "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers (no staging, no TMA store)
+    "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers everywhere (no staging, no TMA store)
+    "oacc_tma": Tuning(oacc_direct_store=False),  # o_accum by TMA everywhere (the plan picks registers on few-CTA h=64 shapes)
     "next_q_pf": Tuning(prefetch_next_q=True),  # L2 prefetch of the next request's Q (measured no gain)
     "out_direct": Tuning(out_direct_store=True),  # bf16 out from registers (no staging in sQ, no TMA store)
     "out_direct_nqpf": Tuning(out_direct_store=True, prefetch_next_q=True),

@@ -4,7 +4,6 @@ import os
 import pytest
 
 from cute_mla.cli import main
-from cute_mla.interface.plan import SM90_O_ACCUM_TENSOR_MAP
 
 
 def test_info(capsys):
@@ -22,8 +21,9 @@ def test_plan_acceptance_grid(capsys, s_q, parts, rows):
     assert p["token_walk"] == (s_q > 132) and p["partitions"] == (132 if s_q > 132 else parts)
     assert p["workspace_bytes"] == rows * s_q * 64 * 2052
     assert (p["variant"] == "no_split") == (rows == 0)
-    # SM90 split pieces store o_accum from registers: no o_accum tensor map in either variant
-    assert ("o_accum" in p["tensor_maps"]) == (rows > 0 and SM90_O_ACCUM_TENSOR_MAP)
+    # o_accum from registers (no tensor map) where few CTAs store (s_q=1), by TMA otherwise
+    assert p["oacc_from_registers"] == (s_q == 1)
+    assert ("o_accum" in p["tensor_maps"]) == (rows > 0 and s_q != 1)
 
 
 def test_plan_human_readable(capsys):

@@ -1,7 +1,7 @@
 import pytest
 
 from cute_mla import plan_sparse_decode
-from cute_mla.interface.plan import ACCUM_BYTES_PER_HEAD, SM90_O_ACCUM_TENSOR_MAP
+from cute_mla.interface.plan import ACCUM_BYTES_PER_HEAD
 from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
 
 
@@ -15,7 +15,8 @@ def test_sm90_mixed_batch_workspace(s_q):
         assert "o_accum" not in p.tensor_maps and "combine" not in p.launches
     else:
         assert p.split and p.launches[-1] == "combine"
-        assert ("o_accum" in p.tensor_maps) == SM90_O_ACCUM_TENSOR_MAP  # SM90 stores o_accum from registers
+        # o_accum from registers (no tensor map) where few CTAs store: s_q=1 (32 CTAs), not s_q=8 (128)
+        assert p.oacc_from_registers == (s_q == 1) and ("o_accum" in p.tensor_maps) == (s_q != 1)
         # exactly the real split rows of the host schedule
         off = accum_offsets(p.host_schedule.num_splits)
         assert p.accum_rows == off[-1] == p.host_schedule.num_splits[-1]
@@ -156,3 +157,20 @@ def test_host_schedule_upload_is_cached_and_o_partitions():
 def test_token_walk_needs_a_partition_per_head_half():
     p = plan_sparse_decode(1, 8, 128, 576, 2048, arch="sm_90a", num_sms=1)   # 16 CTAs, 1 SM: no walk
     assert not p.token_walk
+
+
+@pytest.mark.parametrize("b,s_q,h_q,tl,regs", [(1, 1, 64, False, True), (2, 1, 64, False, True), (1, 2, 64, False, True),
+                                               (1, 4, 64, False, True), (4, 1, 64, False, True),
+                                               (1, 3, 64, False, False), (8, 1, 64, False, False), (1, 8, 64, False, False),
+                                               (1, 1, 128, False, False), (16, 1, 128, False, False),
+                                               (4, 1, 64, True, False), (128, 1, 64, False, False)])
+def test_sm90_oacc_from_registers_where_few_ctas_store(b, s_q, h_q, tl, regs):
+    """The split variant stores o_accum from registers (no o_accum tensor map) for h=64 with at most
+    num_sms/2 CTAs holding work, the shapes where it measured faster; device schedules and no-split
+    plans never do."""
+    p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=tl)
+    assert p.oacc_from_registers is regs
+    assert ("o_accum" in p.tensor_maps) == (p.split and not regs)
+    if regs:
+        busy = sum(1 for r in p.host_schedule.rows if r[0] < b and r[0] <= r[1])
+        assert p.split and busy * s_q <= 66

@@ -32,11 +32,11 @@ CONFIGS = {
     "split_tl_sink": (64, True, True, True),
     "split_h128": (128, True, False, True),           # the default: crossover (cluster of 2)
     "split_h128_no_xover": (128, True, False, True),  # Crossover.OFF: each CTA gathers every row
-    "split_oacc_direct": (64, True, True, True),      # oacc_direct_store=True: o_accum from registers
+    "split_regs": (64, True, True, True),             # config oacc_from_registers: o_accum from registers
     "nosplit_out_direct": (128, False, False, True),  # out_direct_store=True: bf16 out from registers
 }
-TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "split_oacc_direct": dict(oacc_direct_store=True),
-           "nosplit_out_direct": dict(out_direct_store=True)}
+TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "nosplit_out_direct": dict(out_direct_store=True)}
+CONFIG_EXTRA = {"split_regs": dict(oacc_from_registers=True)}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,8 @@ def artifacts(tmp_path_factory):
     out = {}
     for name, (h_q, split, tl, sink) in CONFIGS.items():
         d = str(tmp_path_factory.mktemp(name))
-        cfg = Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink)
+        cfg = Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink,
+                                     **CONFIG_EXTRA.get(name, {}))
         compile_sparse_decode(cfg, dump_dir=d, tuning=Tuning(**TUNINGS.get(name, {})))
         ptx, cubin = ki.find_artifacts(d, "sm_90a")
         assert ptx and cubin, f"{name}: no PTX/cubin in {d}"
@@ -87,22 +88,23 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
 def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     maps = {name: ki.tensor_map_params(ptx) for name, (ptx, _) in artifacts.items()}
     # no-split: Q load + out store; split: + an o_accum store map, unless o_accum is stored from
-    # registers (oacc_direct_store=True)
-    oacc_map = 0 if DEFAULT_TUNING.oacc_direct_store else 1
+    # registers (config oacc_from_registers, which the plan picks per shape)
+    assert DEFAULT_TUNING.oacc_direct_store is None, "the config (the plan) decides"
     assert maps["nosplit"] == 2, maps
     assert maps["nosplit_tl_sink"] == 2, maps
-    assert maps["split_tl_sink"] == maps["nosplit_tl_sink"] + oacc_map, maps
-    assert maps["split_oacc_direct"] == maps["nosplit_tl_sink"], maps
+    assert maps["split_tl_sink"] == maps["nosplit_tl_sink"] + 1, maps
+    assert maps["split_regs"] == maps["nosplit_tl_sink"], maps
     assert maps["nosplit_out_direct"] == 1, maps  # Q only: out from registers
-    assert maps["split_h128"] == maps["split_h128_no_xover"] == 2 + oacc_map, maps
-    # ... and the plan lists exactly the tensor maps the compiled default variant builds
+    assert maps["split_h128"] == maps["split_h128_no_xover"] == 3, maps
+    # ... and the plan lists exactly the tensor maps of the variant the dispatcher compiles for it
     from cute_mla import plan_sparse_decode
-    from cute_mla.interface.plan import SM90_O_ACCUM_TENSOR_MAP
-    assert SM90_O_ACCUM_TENSOR_MAP == (not DEFAULT_TUNING.oacc_direct_store)
     no_split = plan_sparse_decode(1, 8192, 64, 576, 2048, arch="sm_90a", num_sms=132)
-    split = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
-    assert (no_split.split, split.split) == (False, True)
-    assert len(no_split.tensor_maps) == maps["nosplit"] and len(split.tensor_maps) == maps["split_tl_sink"]
+    split_tma = plan_sparse_decode(1, 8, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    split_regs = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    assert (no_split.split, split_tma.split, split_regs.split) == (False, True, True)
+    assert (split_tma.oacc_from_registers, split_regs.oacc_from_registers) == (False, True)
+    assert len(no_split.tensor_maps) == maps["nosplit"]
+    assert len(split_tma.tensor_maps) == maps["split_tl_sink"] and len(split_regs.tensor_maps) == maps["split_regs"]
 
 
 # The streamed producer over compacted tiles (the default) keeps two 44-register row sets, the next
@@ -144,6 +146,8 @@ def test_config_validation():
         Sm90SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, arch="sm_100a")
     with pytest.raises(ValueError):
         Sm90SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=512)
+    with pytest.raises(ValueError, match="oacc_from_registers"):
+        Sm90SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, oacc_from_registers=True)
 
 
 def test_launcher_passes_none_for_absent_optionals():

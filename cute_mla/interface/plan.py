@@ -41,14 +41,11 @@ MAX_GRID_Y = 65535
 BLOCK_TOPK = sched.BLOCK_TOPK
 ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus its fp32 lse_accum entry
 
-# Whether the SM90 split variant stores o_accum by TMA (its tensor map built) or from the
-# accumulator registers (none built): follows the kernel's default ``Tuning.oacc_direct_store``.
-SM90_O_ACCUM_TENSOR_MAP = True
-
-# TMA tensor maps each kernel variant builds (what the compile tests check in the PTX).
+# TMA tensor maps each kernel variant builds (what the compile tests check in the PTX). The SM90
+# split variant drops "o_accum" where the plan stores it from registers (oacc_from_registers).
 _TENSOR_MAPS = {
     ("sm_90a", False): ("q", "out"),
-    ("sm_90a", True): ("q", "out") + (("o_accum",) if SM90_O_ACCUM_TENSOR_MAP else ()),
+    ("sm_90a", True): ("q", "out", "o_accum"),
     ("sm_100a", False): ("q", "kv_nope", "kv_rope", "out"),
     ("sm_100a", True): ("q", "kv_nope", "kv_rope", "out", "o_accum"),
 }
@@ -73,6 +70,7 @@ class SparseDecodePlan:
     accum_rows: int                     # rows of o_accum / lse_accum (0 when nothing is split)
     host_schedule: Optional[sched.HostSchedule]
     token_walk: bool = False            # the s_q tokens run as s_q one-token requests (module docstring)
+    oacc_from_registers: bool = False   # SM90 split: o_accum stored from registers (sm90_oacc_from_registers)
 
     @property
     def variant(self) -> str:
@@ -84,7 +82,8 @@ class SparseDecodePlan:
 
     @property
     def tensor_maps(self) -> Tuple[str, ...]:
-        return _TENSOR_MAPS[(self.arch, self.split)]
+        maps = _TENSOR_MAPS[(self.arch, self.split)]
+        return tuple(m for m in maps if m != "o_accum") if self.oacc_from_registers else maps
 
     @property
     def launches(self) -> Tuple[str, ...]:
@@ -165,10 +164,28 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         schedule = "host"
         host_schedule = sched.plan_splits_host(sched.blocks_per_request(topk, b=b), parts, overhead)
         accum_rows = host_schedule.split_rows
+    split = accum_rows > 0
     return SparseDecodePlan(
         arch=arch, b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, d_v=d_v, topk=topk, has_topk_length=has_topk_length,
-        num_sm_parts=parts, fixed_overhead=overhead, kernel=_KERNEL[arch], split=accum_rows > 0,
-        schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule, token_walk=token_walk)
+        num_sm_parts=parts, fixed_overhead=overhead, kernel=_KERNEL[arch], split=split,
+        schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule, token_walk=token_walk,
+        oacc_from_registers=split and sm90_oacc_from_registers(arch, b, s_q, h_q, num_sms, host_schedule))
+
+
+def sm90_oacc_from_registers(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
+                             host_schedule: Optional[sched.HostSchedule]) -> bool:
+    """SM90 split variant: store o_accum from registers when h_q = 64 and at most num_sms / 2 CTAs
+    have work (partitions with a piece x s_q).
+
+    Measured against the TMA store (benchmarks/NOTES.md, session 2026-12-03 c), CTAs with work in
+    brackets: x1.02-1.03 on 1x1x64 (32), 2x1x64, 1x2x64, 1x4x64, 4x1x64 (64 each); x1.01 on 1x3x64
+    (96), x0.99 on 8x1x64 (~88), x0.955 on 1x8x64 (128); h=128 x0.95-0.995 (1x1x128 with 64 CTAs
+    x0.995). Many CTAs storing per-thread at the same moment lose to the TMA store. Device schedules
+    (topk_length) keep the TMA store: their partitions are not known here."""
+    if arch != "sm_90a" or h_q != 64 or host_schedule is None:
+        return False
+    busy = sum(1 for r in host_schedule.rows if r[0] < b and r[0] <= r[1])
+    return busy * s_q <= num_sms // 2
 
 
 def uses_token_walk(arch: str, b: int, s_q: int, h_q: int, parts: int, num_sms: int) -> bool:

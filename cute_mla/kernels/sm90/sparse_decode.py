@@ -54,7 +54,7 @@ fp32 64x128 per warp group at a time) aliases the Q buffer, which is free betwee
 request and the next request's Q load.
 Outputs: bf16 ``out`` by TMA store (+ natural-log ``lse``) for requests whole in the partition;
 fp32 ``o_accum`` = O/L by TMA store (the split variant's extra tensor map; or straight from
-registers with ``Tuning.oacc_direct_store``) + base-2 ``lse_accum`` for split pieces. Every CTA
+registers where the plan picks ``oacc_from_registers``) + base-2 ``lse_accum`` for split pieces. Every CTA
 signals ``griddepcontrol.launch_dependents`` at its start, so the combine (launched with PDL)
 is scheduled early and waits for this grid in ``griddepcontrol.wait``.
 
@@ -98,6 +98,10 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         # h_q = 128 with Tuning.crossover: the two head-half CTAs of a token form a cluster of 2 and
         # each dequantizes half of every K tile for both (sparse_decode_crossover.py).
         self.xover = tuning.crossover != Crossover.OFF and self.n_hblk == 2
+        # split pieces store o_accum from registers: the config's (the plan's) choice unless the
+        # Tuning forces one
+        direct = cfg.oacc_from_registers if tuning.oacc_direct_store is None else tuning.oacc_direct_store
+        self.oacc_direct = cfg.split and direct
 
     def consumer_fence(self):
         """With ``Tuning.consumer_proxy_fence``: the proxy fence between the producer's st.shared of a
@@ -190,7 +194,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             )
         tma_oacc = None
         oacc_tma = None
-        if cutlass.const_expr(cfg.split and self.tuning.oacc_direct_store):
+        if cutlass.const_expr(self.oacc_direct):
             oacc_tma = o_accum  # stored straight from the accumulator registers: no tensor map
         elif cutlass.const_expr(cfg.split):
             # The accumulator tensor map exists only in the split variant.
@@ -294,7 +298,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             cpasync.prefetch_descriptor(tma_q)
             if cutlass.const_expr(not self.tuning.out_direct_store):
                 cpasync.prefetch_descriptor(tma_out)
-            if cutlass.const_expr(self.cfg.split and not self.tuning.oacc_direct_store):
+            if cutlass.const_expr(self.cfg.split and not self.oacc_direct):
                 cpasync.prefetch_descriptor(tma_oacc)
         cute.arch.sync_threads()
 

@@ -21,11 +21,16 @@ class Sm90SparseDecodeConfig:
     split: bool  # True: takes o_accum / lse_accum (+ their TMA map); False: no accumulator at all
     has_topk_length: bool
     has_attn_sink: bool
+    # split variant: store o_accum from the accumulator registers, no o_accum tensor map (the plan
+    # picks it: SparseDecodePlan.oacc_from_registers); False: staged in sQ, stored by TMA
+    oacc_from_registers: bool = False
     d_qk: int = 576
     d_v: int = 512
     arch: str = "sm_90a"
 
     def __post_init__(self):
+        if self.oacc_from_registers and not self.split:
+            raise ValueError("oacc_from_registers: only the split variant stores o_accum (got split=False)")
         if self.h_q not in (64, 128):
             raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
         if (self.d_qk, self.d_v) != (576, 512):
@@ -217,13 +222,12 @@ class Tuning:
     # push the cache pool out of L2 (o_accum keeps the default: the combine reads it next).
     l2_hints: bool = False
     # Split pieces: write o_accum with per-thread stores from the accumulator registers instead of
-    # staging 2 x 32 KiB per warp group in shared memory for a TMA store (fewer round trips at the
-    # end of a CTA: the latency rows are made of one-tile pieces). Measured bit-identical and
-    # 1.5-3.6 % faster on the s_q=1 split rows (NOTES.md), but 4.5-5 % slower on 1x8x64 and
-    # 1x8x128 (128 CTAs storing at once; session 2026-12-03 c), so off by default. On, the split
-    # kernel builds no o_accum tensor map: ``plan.SM90_O_ACCUM_TENSOR_MAP`` follows this default
-    # (test_sm90_compile checks the two against the compiled PTX).
-    oacc_direct_store: bool = False
+    # staging 2 x 32 KiB per warp group in shared memory for a TMA store (no o_accum tensor map).
+    # Measured bit-identical; 1-3 % faster where h=64 pieces are one block long, ~5 % slower on
+    # 1x8x64 and the h=128 rows with ~128 CTAs storing at once (NOTES.md, session 2026-12-03 c).
+    # None (default): the config decides (``oacc_from_registers``, picked by the plan per shape);
+    # True / False force it (experiments).
+    oacc_direct_store: Optional[bool] = None
     # A CTA that walks several requests (b > 1, or the plan's token walk): when it loads a
     # request's Q it also prefetches the next request's Q box into L2 (one TMA prefetch), so the
     # Q load between two requests, which the epilogue's staging in sQ serializes, hits L2.

@@ -105,7 +105,7 @@ class EpilogueMixin:
         maps accumulator columns c and c+128 onto the same staging element, so pass p copies the
         fragment entries of columns [128p, 128p+128) (fragment entries [64p, 64p+64)).
         """
-        if cutlass.const_expr(self.tuning.oacc_direct_store):
+        if cutlass.const_expr(self.oacc_direct):
             self.store_o_accum_direct(acc_o, thr_pv, mOAcc, col_half, hblk, s_idx, acc_row)
         else:
             self.store_o_accum_staged(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col_half, warp, hblk, s_idx,
@@ -113,7 +113,7 @@ class EpilogueMixin:
 
     @cute.jit
     def store_o_accum_direct(self, acc_o, thr_pv, mOAcc, col_half: int, hblk, s_idx, acc_row):
-        """``Tuning.oacc_direct_store``: each thread stores its accumulator fragment straight to
+        """``oacc_direct`` (config ``oacc_from_registers`` or ``Tuning.oacc_direct_store``): each thread stores its accumulator fragment straight to
         o_accum (8-byte stores; the 4 threads of a quad fill 32 contiguous bytes of a row): no
         staging, barrier or TMA round trip before the CTA may finish."""
         rows = mOAcc[acc_row, s_idx, None, None]  # (h_q, 512)
