@@ -113,7 +113,8 @@ class EpilogueMixin:
 
     @cute.jit
     def store_o_accum_direct(self, acc_o, thr_pv, mOAcc, col_half: int, hblk, s_idx, acc_row):
-        """``oacc_direct`` (config ``oacc_from_registers`` or ``Tuning.oacc_direct_store``): each thread stores its accumulator fragment straight to
+        """``oacc_direct`` (config ``oacc_from_registers``, or ``Tuning.oacc_direct_store`` forcing
+        it): each thread stores its accumulator fragment straight to
         o_accum (8-byte stores; the 4 threads of a quad fill 32 contiguous bytes of a row): no
         staging, barrier or TMA round trip before the CTA may finish."""
         rows = mOAcc[acc_row, s_idx, None, None]  # (h_q, 512)
