@@ -111,6 +111,15 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             cute.arch.fence_view_async_shared()
 
     @staticmethod
+    def heads_dims_first(t: cute.Tensor) -> cute.Tensor:
+        """A (b, s_q, h, d) tensor viewed as (h, d, s_q, b): the TMA boxes tile heads x dims."""
+        return cute.make_tensor(
+            t.iterator,
+            cute.make_layout((t.shape[2], t.shape[3], t.shape[1], t.shape[0]),
+                             stride=(t.stride[2], t.stride[3], t.stride[1], t.stride[0])),
+        )
+
+    @staticmethod
     def issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf):
         """S = Q K^T: 36 chained SS wgmma 64x64x16 over the 576 dims of K buffer ``buf`` (committed, not waited).
 
@@ -169,28 +178,17 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32), (TILE.heads, TILE.half_v // 2), (0, 1)
         )
 
-        # Q as (h, d, s_q, b) for a (64 heads, 576 dims) box grid: 9 TMA boxes of 64x64 (SW128).
-        q_t = cute.make_tensor(
-            q.iterator,
-            cute.make_layout(
-                (q.shape[2], q.shape[3], q.shape[1], q.shape[0]), stride=(q.stride[2], q.stride[3], q.stride[1], q.stride[0])
-            ),
-        )
+        # Q, out and o_accum as (h, d, s_q, b|rows) for TMA box grids of 64 heads: Q in 9 boxes of
+        # 64x64 (SW128), out / o_accum in 64-head x 256 / 128-column boxes.
         tma_q, q_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), q_t, cute.slice_(q_layout, (None, None, 0)), (TILE.heads, TILE.d_qk)
+            cpasync.CopyBulkTensorTileG2SOp(), self.heads_dims_first(q), cute.slice_(q_layout, (None, None, 0)),
+            (TILE.heads, TILE.d_qk)
         )
         tma_out = None
         out_tma = out  # Tuning.out_direct_store: stored from the accumulator registers, no tensor map
         if cutlass.const_expr(not self.tuning.out_direct_store):
-            out_t = cute.make_tensor(
-                out.iterator,
-                cute.make_layout(
-                    (out.shape[2], out.shape[3], out.shape[1], out.shape[0]),
-                    stride=(out.stride[2], out.stride[3], out.stride[1], out.stride[0]),
-                ),
-            )
             tma_out, out_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), out_t, o_layout, (TILE.heads, TILE.half_v)
+                cpasync.CopyBulkTensorTileS2GOp(), self.heads_dims_first(out), o_layout, (TILE.heads, TILE.half_v)
             )
         tma_oacc = None
         oacc_tma = None
@@ -198,15 +196,9 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             oacc_tma = o_accum  # stored straight from the accumulator registers: no tensor map
         elif cutlass.const_expr(cfg.split):
             # The accumulator tensor map exists only in the split variant.
-            oacc_t = cute.make_tensor(
-                o_accum.iterator,
-                cute.make_layout(
-                    (o_accum.shape[2], o_accum.shape[3], o_accum.shape[1], o_accum.shape[0]),
-                    stride=(o_accum.stride[2], o_accum.stride[3], o_accum.stride[1], o_accum.stride[0]),
-                ),
-            )
             tma_oacc, oacc_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), oacc_t, oacc_layout, (TILE.heads, TILE.half_v // 2)
+                cpasync.CopyBulkTensorTileS2GOp(), self.heads_dims_first(o_accum), oacc_layout,
+                (TILE.heads, TILE.half_v // 2)
             )
 
         @cute.struct
