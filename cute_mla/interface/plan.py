@@ -21,8 +21,8 @@ for ~26 tiles of work. The plan instead treats the s_q tokens as s_q requests of
 (the launcher passes views: no copy; ``host_schedule.rows`` index tokens, its ``num_splits`` is the
 call's one request, unsplit) and gives each of ``num_sms // (h_q/64)`` partitions a contiguous
 range of whole tokens, nothing split: each CTA walks ~s_q/num_sms tokens and overlaps
-one token's end with the next one's rows (measured 1.035x on 1x1024 and 1x8192x128, 1.05x on
-1x32768x64, bit-identical outputs; benchmarks/NOTES.md). It assumes the whole GPU: with fewer SMs
+one token's end with the next one's rows (measured 1.02-1.04x against FlashMLA's grid on
+1x1024..1x32768, h = 64 and 128, bit-identical outputs; benchmarks/NOTES.md). It assumes the whole GPU: with fewer SMs
 free (MPS, green contexts, a concurrent kernel) the partitions left over wait for a whole one.
 """
 
