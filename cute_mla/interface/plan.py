@@ -143,7 +143,8 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         raise ValueError(f"arch: got {arch!r}, accepted: {', '.join(_KERNEL)}")
     detect_format(d_qk, 656)
     parts = sched.num_sm_parts(arch, num_sms, s_q, h_q, d_qk)
-    overhead = sched.fixed_overhead_blocks(arch, h_q, d_qk, b=b, parts=parts, blocks=topk // BLOCK_TOPK)
+    blocks = topk // BLOCK_TOPK          # per request without topk_length (check_problem: a multiple of 64)
+    overhead = sched.fixed_overhead_blocks(arch, h_q, d_qk, b=b, parts=parts, blocks=blocks)
     host_schedule, token_walk = None, False
     if arch == "sm_100a" and topk <= SM100_NO_SPLIT_MAX_TOPK and b <= MAX_GRID_Y:
         schedule, parts, accum_rows = "per_request", b, 0
@@ -155,7 +156,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts, b)
     elif uses_token_walk(arch, b, s_q, h_q, parts, num_sms):
         schedule, accum_rows, token_walk = "host", 0, True
-        rows = sched.whole_request_rows(s_q, sched.blocks_per_request(topk, b=1)[0], num_sms // (h_q // 64))
+        rows = sched.whole_request_rows(s_q, blocks, num_sms // (h_q // 64))
         # The rows index tokens (one-token requests); num_splits keeps the call's one request, not
         # split (the no-split kernel never reads it): the plan stays O(partitions), not O(s_q),
         # for every s_q an engine's steps bring (plans and their device copies are cached).

@@ -70,17 +70,15 @@ class EpilogueMixin:
     def store_out(self, acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col_half: int, warp, hblk, s_idx, req, bar_id: int):
         """bf16 O half (64 x 256, already scaled) -> staging in sQ -> TMA store to out[req, s, heads, cols]
         (``Tuning.out_direct_store``: per-thread stores from registers, no staging)."""
+        r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
+        r_o.store(acc_o.load().to(BFloat16))
         if cutlass.const_expr(self.tuning.out_direct_store):
-            r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
-            r_o.store(acc_o.load().to(BFloat16))
             tile = cute.local_tile(mOut[req, s_idx, None, None], (TILE.heads, TILE.half_v), (hblk, col_half))
             cute.autovec_copy(r_o, thr_pv.partition_C(tile))
             return
         stage = cute.make_tensor(
             cute.recast_ptr(sQ.iterator + col_half * (TILE.stage_bytes // 2), o_layout.inner, BFloat16), o_layout.outer
         )
-        r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
-        r_o.store(acc_o.load().to(BFloat16))
         cute.autovec_copy(r_o, thr_pv.partition_C(stage))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
