@@ -123,6 +123,46 @@ def test_cuda_graph_replay_with_new_inputs(seed, b, s_q, h_q, topk_length):
         check(x, o, l)
 
 
+def test_schedule_first_uploaded_during_a_capture(seed):
+    """A plan whose first call is captured: its schedule upload is a node of that graph and runs only
+    at its replays. Another graph captured before that, and an eager call before that (the captured
+    FlashMLASchedMeta itself), must still read the schedule, not memory nobody has written yet."""
+    from cute_mla.interface import dispatch
+
+    topk, target, warm = 1536, (3, 1, 64), (1, 1, 64)   # top-k 1536: a plan no other test makes
+    dev = torch.device("cuda")
+    pt, pw = (plan_sparse_decode(*shape, 576, topk, arch=device_arch(dev), num_sms=device_num_sms(dev))
+              for shape in (target, warm))
+    # the same kernels, so nothing compiles or loads during the captures
+    assert pt.host_schedule is not None and (pt.split, pt.oacc_from_registers) == (pw.split, pw.oacc_from_registers)
+    w = make_inputs(*warm, topk, num_tokens=4096, device="cuda")
+    run_case(w)
+    torch.cuda.synchronize()
+    x = make_inputs(*target, topk, num_tokens=4096, device="cuda")
+    key = (pt, str(x.q.device))
+    assert key not in dispatch._host_schedules
+    kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices)
+    sched_1, _ = get_mla_metadata()
+    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g1):
+        o1, l1 = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched_1, **kw)
+    assert not dispatch._host_schedules[key].filled
+    with torch.cuda.graph(g2):   # a fresh metadata object: the cached entry, not yet filled
+        o2, l2 = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, get_mla_metadata()[0], **kw)
+    o2.fill_(float("nan"))
+    g2.replay()
+    torch.cuda.synchronize()
+    check(x, o2, l2)
+    assert not dispatch._host_schedules[key].filled
+    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched_1, **kw)   # eager, before g1 ever ran
+    check(x, o, l)
+    assert dispatch._host_schedules[key].filled
+    o1.fill_(float("nan"))
+    g1.replay()
+    torch.cuda.synchronize()
+    check(x, o1, l1)
+
+
 def _transient_bytes(x):
     sched, _ = get_mla_metadata()
     kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices, topk_length=x.topk_length)

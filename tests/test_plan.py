@@ -147,11 +147,38 @@ def test_host_schedule_upload_is_cached_and_o_partitions():
     cpu = torch.device("cpu")
     for s_q in (140, 100_000):
         p = plan_sparse_decode(1, s_q, 64, 576, 2048, arch="sm_90a", num_sms=132)
-        tile_md, num_splits, offsets = dispatch.host_schedule_tensors(p, cpu)
-        assert dispatch.host_schedule_tensors(p, cpu)[0].data_ptr() == tile_md.data_ptr()
+        tile_md, num_splits, offsets = dispatch.uploaded_schedule(p, cpu).views
+        assert dispatch.uploaded_schedule(p, cpu).views[0].data_ptr() == tile_md.data_ptr()
         assert tile_md.tolist() == [list(r) for r in p.host_schedule.rows] and tile_md.shape == (132, 8)
         assert num_splits.tolist() == [0, 1] and offsets.tolist() == [0, 0]
-        assert dispatch._host_schedules[(p, "cpu")][3].numel() == 132 * 8 + 4
+        assert dispatch._host_schedules[(p, "cpu")].host.numel() == 132 * 8 + 4
+
+
+def test_schedule_first_uploaded_in_a_capture_is_uploaded_again_until_an_eager_upload(monkeypatch):
+    """An upload issued during a graph capture runs only when that graph replays: the entry stays
+    unfilled and every call re-issues the upload until one runs outside a capture; after that a
+    call copies nothing (the device tensors are left as they are)."""
+    import torch
+
+    from cute_mla.interface import dispatch
+
+    cpu = torch.device("cpu")
+    p = plan_sparse_decode(5, 1, 64, 576, 1088, arch="sm_90a", num_sms=132)
+    assert (p, "cpu") not in dispatch._host_schedules
+    monkeypatch.setattr(dispatch, "_capturing", lambda device: True)
+    entry = dispatch.uploaded_schedule(p, cpu)
+    assert not entry.filled and torch.equal(entry.dev, entry.host)
+    entry.dev.zero_()
+    assert dispatch.uploaded_schedule(p, cpu) is entry and not entry.filled
+    assert torch.equal(entry.dev, entry.host)                       # uploaded again (captured again)
+    monkeypatch.setattr(dispatch, "_capturing", lambda device: False)
+    entry.dev.zero_()
+    dispatch.uploaded_schedule(p, cpu)
+    assert entry.filled and torch.equal(entry.dev, entry.host)      # the eager upload
+    assert entry.views[0].tolist() == [list(r) for r in p.host_schedule.rows]
+    entry.dev.zero_()
+    entry.ensure_uploaded()
+    assert not entry.dev.any()                                      # filled: no copy any more
 
 
 def test_token_walk_needs_a_partition_per_head_half():

@@ -41,6 +41,9 @@ class FlashMLASchedMeta:
     plan: Optional[SparseDecodePlan] = None
     _keepalive: list = field(default_factory=list, repr=False)
     _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> dispatch.Launcher
+    # the process-wide upload of a host schedule (None for device schedules): checked by every call,
+    # since an upload first made during a graph capture holds nothing before that graph replays
+    _upload: Optional["dispatch.UploadedSchedule"] = field(default=None, repr=False, compare=False)
     # tensor signatures (_tensor_key) that passed _validate_tensors -> (b, s_q, h_q, topk): every
     # layer of a decode step calls with the same signatures, so only the first pays the checks
     _validated: dict = field(default_factory=dict, repr=False, compare=False)
@@ -95,6 +98,8 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: 
             raise ValueError(
                 "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, topk, has_topk_length, device)="
                 f"{sched.config}, got {config}; use a fresh get_mla_metadata() object per shape")
+        if sched._upload is not None:
+            sched._upload.ensure_uploaded()
         launcher = sched._launchers.get(has_attn_sink)
         if launcher is None:
             launcher = sched._launchers[has_attn_sink] = dispatch.Launcher(sched.plan, topk_length is not None, has_attn_sink)
@@ -103,7 +108,8 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: 
     plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=arch, num_sms=device_num_sms(q.device),
                               has_topk_length=topk_length is not None)
     if plan.host_schedule is not None:
-        tile_md, num_splits, offsets = dispatch.host_schedule_tensors(plan, q.device)
+        sched._upload = dispatch.uploaded_schedule(plan, q.device)
+        tile_md, num_splits, offsets = sched._upload.views
     else:
         from ..scheduler import per_request_schedule_device, plan_splits
         # blocks per request from the device lengths, clamped to [1, topk] (spec §4.4), no host sync

@@ -15,38 +15,68 @@ from ..scheduler import SCHED_ROW_INTS, accum_offsets
 from .plan import SparseDecodePlan
 
 _lock = threading.Lock()
-# (plan, device) -> device schedule tensors. Never evicted: a captured CUDA graph keeps reading
-# the tensors (and, for an upload made during capture, the pinned source) it was captured with,
-# while engines (vLLM) make a new FlashMLASchedMeta per step and do not keep the capture's. Each
-# entry is O(partitions) ints (token-walk plans too: plan.py), one per distinct plan.
+# (plan, device) -> UploadedSchedule. Never evicted: a captured CUDA graph keeps reading the
+# tensors (and, for an upload made during capture, the pinned source) it was captured with, while
+# engines (vLLM) make a new FlashMLASchedMeta per step and do not keep the capture's. Each entry
+# is O(partitions) ints (token-walk plans too: plan.py), one per distinct plan.
 _host_schedules: dict = {}
 
 
-def host_schedule_tensors(plan: SparseDecodePlan, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan's host schedule as device tensors (tile_md, num_splits, accum_offsets).
+class UploadedSchedule:
+    """One plan's schedule on one device: the pinned host copy, the device copy, and whether an
+    upload outside any graph capture has filled the device copy yet.
+
+    An upload made while a stream is being captured is a node of that graph: it runs at the
+    graph's replays, not now. Until an eager upload has run, every call re-issues the upload
+    (captured into its own graph, or eager, which fills the tensors for good), so neither an eager
+    call nor another graph ever reads the device tensors before they hold the schedule.
+    """
+
+    __slots__ = ("host", "dev", "views", "filled")   # views: (tile_md, num_splits, accum_offsets) of dev
+
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor, views: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        self.host, self.dev, self.views, self.filled = host, dev, views, False
+
+    def ensure_uploaded(self) -> None:
+        """Called by every launch that reads the schedule; after the first eager upload, a flag test."""
+        if self.filled:
+            return
+        self.dev.copy_(self.host, non_blocking=True)
+        if not _capturing(self.dev.device):
+            self.filled = True
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work issued now on ``device`` is captured into a CUDA graph instead of running."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def uploaded_schedule(plan: SparseDecodePlan, device: torch.device) -> UploadedSchedule:
+    """The plan's host schedule on ``device``: ``.views`` = (tile_md, num_splits, accum_offsets).
 
     Cached per (plan, device): every call with the same shapes reads the same, stable addresses
     (CUDA graphs bake them in). The upload is an asynchronous copy from pinned memory, which is
-    legal inside a graph capture (a captured upload runs again at every replay); the pinned source
-    is kept alive with the cache entry.
+    legal inside a graph capture; an entry first made during a capture is uploaded again by
+    every call until one runs outside a capture (:class:`UploadedSchedule`), so callers that
+    keep an entry call its ``ensure_uploaded()`` before each launch.
     """
     key = (plan, str(device))
     with _lock:
-        hit = _host_schedules.get(key)
-        if hit is not None:
-            return hit[:3]
-        s = plan.host_schedule
-        host = torch.tensor([v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
-                            dtype=torch.int32)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
-        p, b = len(s.rows), len(s.num_splits) - 1
-        tile_md = dev[: p * SCHED_ROW_INTS].view(p, SCHED_ROW_INTS)
-        num_splits = dev[p * SCHED_ROW_INTS: p * SCHED_ROW_INTS + b + 1]
-        offsets = dev[p * SCHED_ROW_INTS + b + 1:]
-        _host_schedules[key] = (tile_md, num_splits, offsets, host)
-        return tile_md, num_splits, offsets
+        entry = _host_schedules.get(key)
+        if entry is None:
+            s = plan.host_schedule
+            host = torch.tensor([v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
+                                dtype=torch.int32)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            dev = torch.empty_like(host, device=device)
+            p, b = len(s.rows), len(s.num_splits) - 1
+            tile_md = dev[: p * SCHED_ROW_INTS].view(p, SCHED_ROW_INTS)
+            num_splits = dev[p * SCHED_ROW_INTS: p * SCHED_ROW_INTS + b + 1]
+            offsets = dev[p * SCHED_ROW_INTS + b + 1:]
+            entry = _host_schedules[key] = UploadedSchedule(host, dev, (tile_md, num_splits, offsets))
+        entry.ensure_uploaded()
+        return entry
 
 
 def _main_kernel(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool):
