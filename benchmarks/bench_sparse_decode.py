@@ -51,11 +51,11 @@ def parse_rows(text):
     return [parse_row(r) for r in text.split(";")]
 
 
-def make_inputs(b, s_q, h, masked, g):
+def make_inputs(b, s_q, h, masked, g, topk=TOPK):
     kv = (torch.randn(POOL, 576, device="cuda", generator=g) / 10).clamp(-1, 1)
     cache = quantize_v32(kv).view(POOL // PAGE, PAGE, 1, 656)
     q = torch.randn(b, s_q, h, 576, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
-    idx = torch.randint(0, POOL, (b, s_q, TOPK), device="cuda", generator=g, dtype=torch.int32)
+    idx = torch.randint(0, POOL, (b, s_q, topk), device="cuda", generator=g, dtype=torch.int32)
     idx[torch.rand(idx.shape, device="cuda", generator=g) < masked] = -1
     return q, cache, idx
 

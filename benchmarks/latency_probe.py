@@ -1,0 +1,66 @@
+"""Where a small decode call's latency goes, from inputs alone (no kernel change): CUDA-graph
+replay time and the kernels' own device time (CUPTI) of cute-mla calls that differ in one thing,
+next to a graph of one trivial kernel (the replay floor).
+
+Rows (b=1, s_q=1): top-k 64 (one tile, no split) with every index masked (no gather, no MMA
+work: launch, prologue, epilogue) and with none masked (one full tile's chain); top-k 128 and
+256 (more tiles, whatever the plan makes of them); top-k 2048 with every index masked (the split
+pieces' skeleton and the combine) and 20 % masked (the benchmark row). Differences between rows
+are the costs of the parts.
+
+    python benchmarks/latency_probe.py [--heads 64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import cute_mla  # noqa: E402
+from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
+from bench_sparse_decode import make_inputs  # noqa: E402
+from profile_small import graph_of, kernel_times, replay_us  # noqa: E402
+
+CASES = [(64, 1.0), (64, 0.0), (128, 0.0), (256, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
+
+
+def floor_graph():
+    x = torch.zeros(1, device="cuda")
+    x.add_(1)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    return g
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="64,128")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}  graph replay of one trivial kernel: {replay_us(floor_graph()):.1f} us")
+    print(f"{'h':>4} {'topk':>5} {'masked':>6} | {'plan':<28} | {'replay us':>9} | kernels (device us, per replay)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for h in (int(v) for v in args.heads.split(",")):
+        for topk, masked in CASES:
+            q, cache, idx = make_inputs(1, 1, h, masked, g, topk=topk)
+            plan = cute_mla.plan_sparse_decode(1, 1, h, 576, topk, arch=device_arch(dev), num_sms=device_num_sms(dev))
+            ns = plan.host_schedule.num_splits
+            pieces = ns[-1] - ns[0]
+            desc = f"{plan.variant}, {len(plan.host_schedule.rows)} parts, {pieces} pieces"
+            graph = graph_of(cute_mla, q, cache, idx)
+            t = kernel_times(graph)
+            ks = ", ".join(f"{k[:24]} {v[0]:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
+            print(f"{h:>4} {topk:>5} {masked:>6.1f} | {desc:<28} | {replay_us(graph):>9.1f} | {ks}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
