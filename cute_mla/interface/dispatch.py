@@ -135,5 +135,9 @@ class Launcher:
         self.main_mod.launch_sparse_decode(self.main_compiled, self.main_cfg, q, kv, indices, topk_length, attn_sink,
                                            tile_md, offsets, out, lse, o_accum, lse_accum, softmax_scale)
         if o_accum is not None:
+            # layout_checked: the accumulators and lse were allocated contiguous here and by the API,
+            # offsets has the plan's b+1 entries, the sink matches has_attn_sink (the combine config),
+            # and the API's _validate checked out (16-byte strides on every dim longer than 1; a
+            # dim of length 1 is only indexed at 0)
             self.combine_mod.launch_combine(self.combine_compiled, self.combine_cfg, lse_accum, o_accum, offsets,
-                                            attn_sink, out, lse)
+                                            attn_sink, out, lse, layout_checked=True)

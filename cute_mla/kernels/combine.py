@@ -323,13 +323,24 @@ def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> Compi
     return compile_cached(cfg.cache_key, build, dump_dir)
 
 
-def launch_combine(compiled: CompiledKernel, cfg: CombineConfig, lse_accum, o_accum, num_splits, attn_sink, out, lse) -> None:
+def launch_combine(compiled: CompiledKernel, cfg: CombineConfig, lse_accum, o_accum, num_splits, attn_sink, out, lse,
+                   layout_checked: bool = False) -> None:
     """Run the combine on torch's current stream. No sync, no allocation.
 
     Shapes, dtypes, devices and base alignment are checked by the compiled function itself
     (TVM-FFI names the bad argument). Checked here, from tensor metadata only, is what it does
     not validate: symbolic strides (the kernel assumes their divisibility), b+1 and the sink.
+    ``layout_checked``: the caller guarantees those (the dispatcher's Launcher: it allocated
+    the accumulators and lse itself, num_splits is its plan's, and the API checked ``out``),
+    so these ~2 µs of host checks are skipped on the launch path.
     """
+    if not layout_checked:
+        _check_layout(cfg, lse_accum, o_accum, num_splits, attn_sink, out, lse)
+    # A sink-less build keeps the parameter slot, typed None.
+    compiled.fn(lse_accum, o_accum, num_splits, attn_sink, out, lse)
+
+
+def _check_layout(cfg: CombineConfig, lse_accum, o_accum, num_splits, attn_sink, out, lse) -> None:
     if cfg.has_attn_sink != (attn_sink is not None):
         raise ValueError(
             f"combine: compiled with has_attn_sink={cfg.has_attn_sink}, "
@@ -344,5 +355,3 @@ def launch_combine(compiled: CompiledKernel, cfg: CombineConfig, lse_accum, o_ac
         raise ValueError(
             f"combine: out needs stride(-1) == 1 and other strides % {COLS_PER_LANE} == 0, got {tuple(out.stride())}"
         )
-    # A sink-less build keeps the parameter slot, typed None.
-    compiled.fn(lse_accum, o_accum, num_splits, attn_sink, out, lse)
