@@ -75,7 +75,8 @@ def main():
         sched.accum_offsets, out, lse, oa, la, scale)
     if oa is not None:
         parts["combine launch alone"] = lambda: launcher.combine_mod.launch_combine(
-            launcher.combine_compiled, launcher.combine_cfg, la, oa, sched.accum_offsets, None, out, lse)
+            launcher.combine_compiled, launcher.combine_cfg, la, oa, sched.accum_offsets, None, out, lse,
+            layout_checked=True)
     fm = flashmla()
     if fm is not None:
         fs, _ = fm.get_mla_metadata()

@@ -126,7 +126,8 @@ def test_cuda_graph_replay_with_new_inputs(seed, b, s_q, h_q, topk_length):
 def test_schedule_first_uploaded_during_a_capture(seed):
     """A plan whose first call is captured: its schedule upload is a node of that graph and runs only
     at its replays. Another graph captured before that, and an eager call before that (the captured
-    FlashMLASchedMeta itself), must still read the schedule, not memory nobody has written yet."""
+    FlashMLASchedMeta itself), must still read the schedule, not memory nobody has written yet; and
+    a capture of several layers holds one upload, not one per layer."""
     from cute_mla.interface import dispatch
 
     topk, target, warm = 1536, (3, 1, 64), (1, 1, 64)   # top-k 1536: a plan no other test makes
@@ -140,23 +141,25 @@ def test_schedule_first_uploaded_during_a_capture(seed):
     torch.cuda.synchronize()
     x = make_inputs(*target, topk, num_tokens=4096, device="cuda")
     key = (pt, str(x.q.device))
-    assert key not in dispatch._host_schedules
+    dispatch._host_schedules.pop(key, None)   # (a rerun in the same process)
     kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices)
     sched_1, _ = get_mla_metadata()
     g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g1):
         o1, l1 = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched_1, **kw)
-    assert not dispatch._host_schedules[key].filled
-    with torch.cuda.graph(g2):   # a fresh metadata object: the cached entry, not yet filled
+        flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched_1, **kw)   # a second layer
+    entry = dispatch._host_schedules[key]
+    assert len(entry.captures) == 1 and -1 not in entry.captures and not entry.ready and entry.event is None
+    with torch.cuda.graph(g2):   # a fresh metadata object: the cached entry, not yet uploaded
         o2, l2 = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, get_mla_metadata()[0], **kw)
+    assert len(entry.captures) == 2
     o2.fill_(float("nan"))
     g2.replay()
     torch.cuda.synchronize()
     check(x, o2, l2)
-    assert not dispatch._host_schedules[key].filled
     o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched_1, **kw)   # eager, before g1 ever ran
     check(x, o, l)
-    assert dispatch._host_schedules[key].filled
+    assert entry.event is not None or entry.ready
     o1.fill_(float("nan"))
     g1.replay()
     torch.cuda.synchronize()

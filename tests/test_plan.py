@@ -154,31 +154,56 @@ def test_host_schedule_upload_is_cached_and_o_partitions():
         assert dispatch._host_schedules[(p, "cpu")].host.numel() == 132 * 8 + 4
 
 
-def test_schedule_first_uploaded_in_a_capture_is_uploaded_again_until_an_eager_upload(monkeypatch):
-    """An upload issued during a graph capture runs only when that graph replays: the entry stays
-    unfilled and every call re-issues the upload until one runs outside a capture; after that a
-    call copies nothing (the device tensors are left as they are)."""
+def test_schedule_upload_state_machine(monkeypatch):
+    """UploadedSchedule's rules, with the CUDA side effects replaced by a log: an upload issued
+    during a capture runs only when that graph replays, so each capture gets one upload node
+    (two calls of one capture: one node) until an eager upload has been issued; the eager upload
+    records an event; later calls wait for it (on whatever stream they run) until it is seen
+    complete, and from then on do nothing."""
+    import torch
+
+    from cute_mla.interface import dispatch
+
+    log = []
+    done = {"ev": False}
+    monkeypatch.setattr(dispatch, "_record_event", lambda: log.append("record") or "ev")
+    monkeypatch.setattr(dispatch, "_event_done", lambda ev: done[ev])
+    monkeypatch.setattr(dispatch, "_wait_event", lambda ev: log.append("wait"))
+
+    host = torch.arange(12, dtype=torch.int32)
+    dev = torch.zeros_like(host)
+    entry = dispatch.UploadedSchedule(host, dev, (dev[:8].view(1, 8), dev[8:10], dev[10:]))
+
+    def step(capture):
+        entry.dev.zero_()
+        entry._upload_or_wait(capture)
+        copied = bool(entry.dev.any())
+        return copied
+
+    assert step(7) and step(7) is False          # capture 7: one upload node for both calls
+    assert step(8) and step(8) is False          # capture 8 gets its own
+    assert step(-1) and step(-1)                 # capture id unknown: every call uploads
+    assert entry.captures == {7, 8, -1} and log == [] and not entry.ready
+    assert step(None) and log == ["record"]      # eager: the upload, then its event
+    assert step(None) is False and log == ["record", "wait"]   # not yet complete: wait, no copy
+    assert step(9) is False                      # a capture after the eager upload adds nothing
+    done["ev"] = True
+    assert step(None) is False and entry.ready and entry.event is None
+    entry.dev.zero_()
+    entry.ensure_uploaded()                      # ready: a flag test, nothing copied or waited
+    assert not entry.dev.any() and log == ["record", "wait"]
+
+
+def test_schedule_upload_on_the_host_is_immediate():
     import torch
 
     from cute_mla.interface import dispatch
 
     cpu = torch.device("cpu")
     p = plan_sparse_decode(5, 1, 64, 576, 1088, arch="sm_90a", num_sms=132)
-    assert (p, "cpu") not in dispatch._host_schedules
-    monkeypatch.setattr(dispatch, "_capturing", lambda device: True)
     entry = dispatch.uploaded_schedule(p, cpu)
-    assert not entry.filled and torch.equal(entry.dev, entry.host)
-    entry.dev.zero_()
-    assert dispatch.uploaded_schedule(p, cpu) is entry and not entry.filled
-    assert torch.equal(entry.dev, entry.host)                       # uploaded again (captured again)
-    monkeypatch.setattr(dispatch, "_capturing", lambda device: False)
-    entry.dev.zero_()
-    dispatch.uploaded_schedule(p, cpu)
-    assert entry.filled and torch.equal(entry.dev, entry.host)      # the eager upload
+    assert entry.ready and torch.equal(entry.dev, entry.host)
     assert entry.views[0].tolist() == [list(r) for r in p.host_schedule.rows]
-    entry.dev.zero_()
-    entry.ensure_uploaded()
-    assert not entry.dev.any()                                      # filled: no copy any more
 
 
 def test_token_walk_needs_a_partition_per_head_half():

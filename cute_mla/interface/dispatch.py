@@ -14,7 +14,7 @@ import torch
 from ..scheduler import SCHED_ROW_INTS, accum_offsets
 from .plan import SparseDecodePlan
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 # (plan, device) -> UploadedSchedule. Never evicted: a captured CUDA graph keeps reading the
 # tensors (and, for an upload made during capture, the pinned source) it was captured with, while
 # engines (vLLM) make a new FlashMLASchedMeta per step and do not keep the capture's. Each entry
@@ -23,42 +23,113 @@ _host_schedules: dict = {}
 
 
 class UploadedSchedule:
-    """One plan's schedule on one device: the pinned host copy, the device copy, and whether an
-    upload outside any graph capture has filled the device copy yet.
+    """One plan's schedule on one device: a pinned host copy and the device copy kernels read.
 
-    An upload made while a stream is being captured is a node of that graph: it runs at the
-    graph's replays, not now. Until an eager upload has run, every call re-issues the upload
-    (captured into its own graph, or eager, which fills the tensors for good), so neither an eager
-    call nor another graph ever reads the device tensors before they hold the schedule.
+    The device copy is filled by an asynchronous upload, in one of two ways:
+
+    * outside a graph capture (eager): the upload runs now, on the current stream, so launches on
+      that stream are ordered after it; a launch on another stream waits for its event until the
+      event has been seen complete (then the entry is ``ready`` and costs one flag test per call);
+    * during a capture: the upload is a node of the graph being captured and runs only at that
+      graph's replays. Until an eager upload has been issued, each capture that reads the entry
+      gets its own upload node (once per capture, not per layer: captures are told apart by
+      their CUDA capture id), so neither an eager call nor another graph ever reads the device
+      copy before it holds the schedule. (A capture begun after an eager upload reads the
+      uploaded data: ``torch.cuda.graph`` synchronizes the device before it captures.)
     """
 
-    __slots__ = ("host", "dev", "views", "filled")   # views: (tile_md, num_splits, accum_offsets) of dev
+    __slots__ = ("host", "dev", "views", "ready", "event", "captures")
 
     def __init__(self, host: torch.Tensor, dev: torch.Tensor, views: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
-        self.host, self.dev, self.views, self.filled = host, dev, views, False
+        self.host, self.dev = host, dev
+        self.views = views            # (tile_md, num_splits, accum_offsets): views of dev
+        self.ready = False            # an eager upload is known complete
+        self.event = None             # the eager upload's event until it is seen complete
+        self.captures = set()         # ids of the captures that hold an upload node
 
     def ensure_uploaded(self) -> None:
-        """Called by every launch that reads the schedule; after the first eager upload, a flag test."""
-        if self.filled:
+        """Called before every launch that reads the schedule; once ``ready``, a flag test."""
+        if self.ready:
             return
-        self.dev.copy_(self.host, non_blocking=True)
-        if not _capturing(self.dev.device):
-            self.filled = True
+        with _lock:
+            device = self.dev.device
+            if device.type != "cuda":
+                self.dev.copy_(self.host)
+                self.ready = True
+                return
+            with torch.cuda.device(device):
+                self._upload_or_wait(_capture_id(device))
+
+    def _upload_or_wait(self, capture: Optional[int]) -> None:
+        """The upload state machine (current device = the entry's): ``capture`` as :func:`_capture_id`."""
+        if capture is not None:
+            if self.event is None and (capture < 0 or capture not in self.captures):
+                self.dev.copy_(self.host, non_blocking=True)
+                self.captures.add(capture)
+        elif self.event is None:
+            self.dev.copy_(self.host, non_blocking=True)
+            self.event = _record_event()
+        elif _event_done(self.event):
+            self.ready, self.event = True, None
+        else:
+            _wait_event(self.event)
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether work issued now on ``device`` is captured into a CUDA graph instead of running."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def _record_event():
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _event_done(ev) -> bool:
+    return ev.query()
+
+
+def _wait_event(ev) -> None:
+    torch.cuda.current_stream().wait_event(ev)
+
+
+def _capture_id(device: torch.device) -> Optional[int]:
+    """None when work issued now on ``device`` runs; else the id of the CUDA-graph capture that
+    records it (-1 when the driver query is unavailable: such a capture is never deduplicated)."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        from cuda.bindings import driver
+
+        res = driver.cuStreamGetCaptureInfo(torch.cuda.current_stream(device).cuda_stream)
+        if res[0] == driver.CUresult.CUDA_SUCCESS:
+            return int(res[2])
+    except Exception:  # noqa: BLE001  (bindings missing or of another signature: upload every time)
+        pass
+    return -1
+
+
+def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` in pinned memory. During a global-mode capture the pinned allocator's driver calls
+    (cudaHostAlloc, event queries) are not permitted, so they run in relaxed capture mode for
+    this thread (the allocation is not a stream operation: nothing is captured)."""
+    if _capture_id(device) is None:
+        return host.pin_memory()
+    try:
+        from cuda.bindings import driver
+
+        err, previous = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    except Exception:  # noqa: BLE001
+        return host.pin_memory()
+    try:
+        return host.pin_memory()
+    finally:
+        if err == driver.CUresult.CUDA_SUCCESS:
+            driver.cuThreadExchangeStreamCaptureMode(previous)
 
 
 def uploaded_schedule(plan: SparseDecodePlan, device: torch.device) -> UploadedSchedule:
     """The plan's host schedule on ``device``: ``.views`` = (tile_md, num_splits, accum_offsets).
 
     Cached per (plan, device): every call with the same shapes reads the same, stable addresses
-    (CUDA graphs bake them in). The upload is an asynchronous copy from pinned memory, which is
-    legal inside a graph capture; an entry first made during a capture is uploaded again by
-    every call until one runs outside a capture (:class:`UploadedSchedule`), so callers that
-    keep an entry call its ``ensure_uploaded()`` before each launch.
+    (CUDA graphs bake them in). Callers that keep an entry call its ``ensure_uploaded()`` before
+    each launch (:class:`UploadedSchedule`: uploads made during a capture run only at replays).
     """
     key = (plan, str(device))
     with _lock:
@@ -68,15 +139,15 @@ def uploaded_schedule(plan: SparseDecodePlan, device: torch.device) -> UploadedS
             host = torch.tensor([v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
                                 dtype=torch.int32)
             if device.type == "cuda":
-                host = host.pin_memory()
+                host = _pinned(host, device)
             dev = torch.empty_like(host, device=device)
             p, b = len(s.rows), len(s.num_splits) - 1
             tile_md = dev[: p * SCHED_ROW_INTS].view(p, SCHED_ROW_INTS)
             num_splits = dev[p * SCHED_ROW_INTS: p * SCHED_ROW_INTS + b + 1]
             offsets = dev[p * SCHED_ROW_INTS + b + 1:]
             entry = _host_schedules[key] = UploadedSchedule(host, dev, (tile_md, num_splits, offsets))
-        entry.ensure_uploaded()
-        return entry
+    entry.ensure_uploaded()
+    return entry
 
 
 def _main_kernel(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool):
@@ -120,6 +191,10 @@ class Launcher:
     __slots__ = ("plan", "main_mod", "main_cfg", "main_compiled", "combine_mod", "combine_cfg", "combine_compiled")
 
     def __init__(self, plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool):
+        if plan.split and plan.token_walk:
+            # the walk's num_splits is the call's one request, not the s_q requests the combine
+            # would index (and its layout_checked launch relies on b + 1 entries)
+            raise ValueError(f"plan: a token walk never splits, got split with token_walk ({plan})")
         self.plan = plan
         self.main_mod, self.main_cfg, self.main_compiled = _main_kernel(plan, has_topk_length, has_attn_sink)
         self.combine_mod = self.combine_cfg = self.combine_compiled = None
