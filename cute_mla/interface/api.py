@@ -98,8 +98,9 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: 
             raise ValueError(
                 "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, topk, has_topk_length, device)="
                 f"{sched.config}, got {config}; use a fresh get_mla_metadata() object per shape")
-        if sched._upload is not None:
-            sched._upload.ensure_uploaded()
+        upload = sched._upload
+        if upload is not None and not upload.ready:   # (the launch path: once ready, no call)
+            upload.ensure_uploaded()
         launcher = sched._launchers.get(has_attn_sink)
         if launcher is None:
             launcher = sched._launchers[has_attn_sink] = dispatch.Launcher(sched.plan, topk_length is not None, has_attn_sink)

@@ -14,7 +14,7 @@ import torch
 from ..scheduler import SCHED_ROW_INTS, accum_offsets
 from .plan import SparseDecodePlan
 
-_lock = threading.RLock()
+_lock = threading.Lock()
 # (plan, device) -> UploadedSchedule. Never evicted: a captured CUDA graph keeps reading the
 # tensors (and, for an upload made during capture, the pinned source) it was captured with, while
 # engines (vLLM) make a new FlashMLASchedMeta per step and do not keep the capture's. Each entry
@@ -105,11 +105,11 @@ def _capture_id(device: torch.device) -> Optional[int]:
     return -1
 
 
-def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _pinned(host: torch.Tensor) -> torch.Tensor:
     """``host`` in pinned memory. During a global-mode capture the pinned allocator's driver calls
     (cudaHostAlloc, event queries) are not permitted, so they run in relaxed capture mode for
     this thread (the allocation is not a stream operation: nothing is captured)."""
-    if _capture_id(device) is None:
+    if not torch.cuda.is_current_stream_capturing():
         return host.pin_memory()
     try:
         from cuda.bindings import driver
@@ -139,7 +139,7 @@ def uploaded_schedule(plan: SparseDecodePlan, device: torch.device) -> UploadedS
             host = torch.tensor([v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
                                 dtype=torch.int32)
             if device.type == "cuda":
-                host = _pinned(host, device)
+                host = _pinned(host)
             dev = torch.empty_like(host, device=device)
             p, b = len(s.rows), len(s.num_splits) - 1
             tile_md = dev[: p * SCHED_ROW_INTS].view(p, SCHED_ROW_INTS)
