@@ -29,6 +29,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--row", default="1,1024,128", help="b,s_q,h")
     ap.add_argument("--masked", type=float, default=0.2)
+    ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--variant", default="default", help="a name of sm90_variants.VARIANTS")
     args = ap.parse_args()
     from sm90_variants import VARIANTS, use_tuning
@@ -39,7 +40,7 @@ def main():
 def profile(args):
     b, s_q, h = parse_row(args.row)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, cache, idx = make_inputs(b, s_q, h, args.masked, g)
+    q, cache, idx = make_inputs(b, s_q, h, args.masked, g, topk=args.topk)
     sched, _ = cute_mla.get_mla_metadata()
     for _ in range(3):
         call(cute_mla, sched, q, cache, idx)
@@ -48,7 +49,7 @@ def profile(args):
     call(cute_mla, sched, q, cache, idx)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"profiled one call of b={b} s_q={s_q} h={h} variant {args.variant}")
+    print(f"profiled one call of b={b} s_q={s_q} h={h} top-k {args.topk} masked {args.masked} variant {args.variant}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ VARIANTS = {
     "no_compact": Tuning(compact_indices=False, streaming=S.OFF, crossover=X.OFF),  # one tile per 64 positions (the kernel before compaction)
     "no_compact_l2_none": Tuning(compact_indices=False, streaming=S.OFF, gather_l2="", crossover=X.OFF),
     "cfence": Tuning(consumer_proxy_fence=True),
+    "late_md": Tuning(early_metadata=False),  # tile_md / num_splits read where used (the kernel before early_metadata)
+    "late_md_cfence": Tuning(early_metadata=False, consumer_proxy_fence=True),
     "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers everywhere (no staging, no TMA store)
     "oacc_tma": Tuning(oacc_direct_store=False),  # o_accum by TMA everywhere (the plan picks registers on few-CTA h=64 shapes)
     "next_q_pf": Tuning(prefetch_next_q=True),  # L2 prefetch of the next request's Q (measured no gain)

@@ -183,6 +183,22 @@ def test_row_prefetch_is_per_thread(artifacts, name):
         assert "BRA.U.ANY" not in sass
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_partition_metadata_is_one_vector_load(artifacts, name):
+    """``Tuning.early_metadata``: a CTA reads its tile_md words 0-3 in one 16-B load (SASS
+    ``LDG.E.128``), not in two dependent 8-B loads (``LDG.E.64``, the second behind the
+    empty-partition branch); split kernels read words 4-7 (the split flags and offset) the same
+    way, once per MMA warp group, before the first tile."""
+    if not DEFAULT_TUNING.early_metadata:
+        pytest.skip("default tuning loads the partition metadata where it is used")
+    sass = _sass_or_skip(artifacts[name][1])
+    plain = [ln for ln in sass.splitlines() if "LDG.E" in ln and ".EL" not in ln]
+    assert not any("LDG.E.64 " in ln for ln in plain), "tile_md read in 8-B pieces"
+    assert any("LDG.E.128 " in ln and "+0x10]" not in ln for ln in plain), "no 16-B load of tile_md words 0-3"
+    if CONFIGS[name][1]:   # split
+        assert sum("LDG.E.128 " in ln and "+0x10]" in ln for ln in plain) >= 2, "words 4-7 not read once per MMA warp group"
+
+
 @pytest.mark.parametrize("transport", ["HALF_COPY", "WARP_COPIES", "WARP_COPIES_TWO_TILES"])
 def test_crossover_variant_compiles(tmp_path, transport):
     """Tuning.crossover (h=128, cluster of 2): the half tiles travel to the peer by bulk smem -> dsmem

@@ -171,12 +171,13 @@ def _tuning(name):
         "no_row_prefetch": Tuning(prefetch_rows=False),
         "oacc_direct_store": Tuning(oacc_direct_store=True),
         "next_q_prefetch": Tuning(prefetch_next_q=True),
+        "late_metadata": Tuning(early_metadata=False),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
-                                  "next_q_prefetch"])
+                                  "next_q_prefetch", "late_metadata"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""

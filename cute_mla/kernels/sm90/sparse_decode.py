@@ -300,8 +300,15 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
 
         batch = mIdx.shape[0]
         topk = mIdx.shape[2]
-        begin_req = mTileMd[part, 0]
-        end_req = mTileMd[part, 1]
+        if cutlass.const_expr(self.tuning.early_metadata):
+            # Words 0-3 of the partition's row in one 16-B load (rows are 32 B, 16-B aligned).
+            md = ptx.ld_global_v4(mTileMd.iterator.toint() + Int64(part) * Int64(4 * mTileMd.stride[0]), "", "")
+            begin_req = ptx.vec_elem(md, 0)
+            end_req = ptx.vec_elem(md, 1)
+            first_blocks = (ptx.vec_elem(md, 2), ptx.vec_elem(md, 3))   # begin_block, end_block
+        else:
+            begin_req = mTileMd[part, 0]
+            end_req = mTileMd[part, 1]
         # An empty trailing partition has begin_req == b: nothing to do. (begin_req > end_req is
         # never emitted by the schedulers; skipping it keeps a malformed row from hanging the
         # producer's scan, which would wait for a tile that never comes.)
@@ -309,8 +316,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             sched = (
                 begin_req,
                 end_req,  # inclusive
-                mTileMd[part, 2],  # begin_block (of begin_req)
-                mTileMd[part, 3],  # end_block (of end_req, exclusive)
+                first_blocks[0] if cutlass.const_expr(self.tuning.early_metadata) else mTileMd[part, 2],  # begin_block (of begin_req)
+                first_blocks[1] if cutlass.const_expr(self.tuning.early_metadata) else mTileMd[part, 3],  # end_block (of end_req, exclusive)
             )
             if wg == Role.PRODUCER:
                 setmaxregister_decrease(REGS.producer)
@@ -390,6 +397,9 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         tSsP = thr_qk.partition_C(sP[None, None, 0])
 
         quad = lane % 4
+        split_rows = (Int32(-1), Int32(-1))
+        if cutlass.const_expr(self.tuning.early_metadata):
+            split_rows = self.split_rows_of_partition(sched, mTileMd, mNumSplits, part)
         n = Int32(0)
         rq = Int32(0)
         for req in cutlass.range(begin_req, end_req + 1, unroll=1):
@@ -516,7 +526,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
             l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
             l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
-            is_split = self.request_is_split(req, begin_req, end_req, mTileMd, part)
+            is_split, acc_row = self.split_piece(req, begin_req, end_req, split_rows, mTileMd, mNumSplits, part)
             o_scale0, lse0 = self.finalize_row(l0, m0, is_split, mSink, hblk * TILE.heads + row0)
             o_scale1, lse1 = self.finalize_row(l1, m1, is_split, mSink, hblk * TILE.heads + row0 + 8)
             cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
@@ -528,7 +538,6 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             head0 = hblk * TILE.heads + row0
             if is_split:
                 if cutlass.const_expr(self.cfg.split):
-                    acc_row = self.split_row(req, begin_req, mTileMd, mNumSplits, part)
                     if quad == 0:
                         mLseAcc[acc_row, s_idx, head0] = lse0
                         mLseAcc[acc_row, s_idx, head0 + 8] = lse1
@@ -567,6 +576,9 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, TILE.half_v)))
 
+        split_rows = (Int32(-1), Int32(-1))
+        if cutlass.const_expr(self.tuning.early_metadata):
+            split_rows = self.split_rows_of_partition(sched, mTileMd, mNumSplits, part)
         # sP / row_scale start out free.
         cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
         n = Int32(0)
@@ -601,10 +613,9 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             o_scale1 = s_row_scale[row0 + 8]
             cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
             self.scale_rows(acc_o, o_scale0, o_scale1)
-            is_split = self.request_is_split(req, begin_req, end_req, mTileMd, part)
+            is_split, acc_row = self.split_piece(req, begin_req, end_req, split_rows, mTileMd, mNumSplits, part)
             if is_split:
                 if cutlass.const_expr(self.cfg.split):
-                    acc_row = self.split_row(req, begin_req, mTileMd, mNumSplits, part)
                     self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, 1, warp, hblk, s_idx, acc_row, Bar.EPI_PV_RIGHT)
             else:
                 self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, 1, warp, hblk, s_idx, req, Bar.EPI_PV_RIGHT)

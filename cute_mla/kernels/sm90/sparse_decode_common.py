@@ -14,6 +14,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from . import ptx
+
 
 @dataclass(frozen=True)
 class Sm90SparseDecodeConfig:
@@ -239,6 +241,13 @@ class Tuning:
     # for the store's read sit between one request's last PV and the next request's Q load, which
     # the token walk pays once per token). Off until measured.
     out_direct_store: bool = False
+    # Partition metadata read where the latency chain of a one-tile piece does not wait for it:
+    # the tile_md row's first four words in one 16-B load at the kernel's start (instead of two
+    # dependent 8-B loads, the second behind the empty-partition branch), and a split piece's
+    # o_accum row (num_splits[req] + begin_split_idx, and the split flags) loaded by the MMA warp
+    # groups before their first tile instead of in their epilogue, where two dependent L2 round
+    # trips sat between the last PV and the o_accum store. False: the loads where they are used.
+    early_metadata: bool = True
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
     # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover). Needs the
     # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.
@@ -307,4 +316,45 @@ class ScheduleMixin:
         if req == begin_req:
             row = row + mTileMd[part, 4]
         return row
+
+    @cute.jit
+    def split_rows_of_partition(self, sched, mTileMd: cute.Tensor, mNumSplits: cute.Tensor, part: Int32):
+        """``Tuning.early_metadata``: (first, last) = the o_accum rows of the partition's first and
+        last request where that request is a split piece here, -1 where it is not (always -1 in
+        the no-split variant). Only those two requests can be split pieces; the loads are issued
+        once, before the first tile, and consumed in the epilogues (:meth:`split_piece`)."""
+        first = Int32(-1)
+        last = Int32(-1)
+        if cutlass.const_expr(self.cfg.split):
+            begin_req, end_req, _, _ = sched
+            ns_first = mNumSplits[begin_req]
+            ns_last = mNumSplits[end_req]
+            offset = mTileMd[part, 4]
+            first_split = mTileMd[part, 5] != 0
+            last_split = mTileMd[part, 6] != 0
+            # As split_row: the begin_split_idx offset applies whenever req == begin_req.
+            row_last = ns_last + ptx.select_i32(end_req == begin_req, offset, 0)
+            first = ptx.select_i32(first_split, ns_first + offset, -1)
+            last = ptx.select_i32(last_split, row_last, -1)
+        return first, last
+
+    @cute.jit
+    def split_piece(self, req: Int32, begin_req: Int32, end_req: Int32, rows, mTileMd: cute.Tensor,
+                    mNumSplits: cute.Tensor, part: Int32):
+        """(is a split piece, its o_accum row) of request ``req`` in this partition (row undefined
+        when not split): from ``rows`` of :meth:`split_rows_of_partition` with
+        ``Tuning.early_metadata``, else loaded here (:meth:`request_is_split`, :meth:`split_row`)."""
+        is_split = cutlass.Boolean(False)
+        row = Int32(0)
+        if cutlass.const_expr(self.cfg.split):
+            if cutlass.const_expr(self.tuning.early_metadata):
+                first, last = rows
+                as_first = (req == begin_req) & (first >= 0)
+                is_split = as_first | ((req == end_req) & (last >= 0))
+                row = ptx.select_i32(as_first, first, last)
+            else:
+                is_split = self.request_is_split(req, begin_req, end_req, mTileMd, part)
+                if is_split:
+                    row = self.split_row(req, begin_req, mTileMd, mNumSplits, part)
+        return is_split, row
 
