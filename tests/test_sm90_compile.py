@@ -159,7 +159,7 @@ def test_launcher_passes_none_for_absent_optionals():
 
     cfg = Sm90SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False)
     launch_sparse_decode(Fake(), cfg, "q", "kv", "idx", "tl", "sink", "md", "ns", "out", "lse", "oa", "la", 0.5)
-    assert seen["args"] == ("q", "kv", "idx", None, None, "md", "ns", "out", "lse", None, None, 0.5)
+    assert seen["args"] == ("q", "kv", "idx", None, None, "md", "ns", "out", "lse", None, None, None, 0.5)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -235,3 +235,18 @@ def test_crossover_tuning_validation():
         Tuning(crossover=Crossover.WARP_COPIES, streaming=Streaming.OFF)
     with pytest.raises(ValueError, match="Crossover"):
         Tuning(crossover=True)
+
+
+def test_timeline_probe_is_debug_only(artifacts, tmp_path):
+    """``Tuning.timeline`` (benchmarks/timeline_probe.py) reads the SM clock once per Stamp slot;
+    the default kernels read it nowhere."""
+    from cute_mla.kernels.sm90.sparse_decode_common import Stamp
+
+    for name, (ptx, _) in artifacts.items():
+        assert "%clock64" not in ptx, f"{name}: a default kernel reads the clock"
+    cfg = Sm90SparseDecodeConfig(h_q=64, split=True, has_topk_length=False, has_attn_sink=False, oacc_from_registers=True)
+    compile_sparse_decode(cfg, dump_dir=str(tmp_path), tuning=Tuning(timeline=True))
+    ptx, _ = ki.find_artifacts(str(tmp_path), "sm_90a")
+    with open(ptx) as f:
+        text = f.read()
+    assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS])

@@ -78,7 +78,7 @@ from ..compat import sm90_utils
 from ..compile import CompiledKernel, compile_cached, compile_options
 from . import ptx
 from .sparse_decode_common import (DEFAULT_TUNING, REGS, TILE, Bar, Crossover, Role, ScheduleMixin, Sm90SparseDecodeConfig,
-                                   Streaming, Tuning)
+                                   Stamp, Streaming, Tuning)
 from .sparse_decode_crossover import CrossoverMixin
 from .sparse_decode_epilogue import LOG2E, EpilogueMixin
 from .sparse_decode_producer import ProducerMixin
@@ -109,6 +109,14 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         fenced before arriving). A plain function, inlined at trace time."""
         if self.tuning.consumer_proxy_fence:
             cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def stamp(self, slot: cutlass.Constexpr, leader):
+        """``Tuning.timeline``: ``leader`` writes clock64 into this CTA's slot ``slot`` (nothing otherwise)."""
+        if cutlass.const_expr(self.tuning.timeline):
+            if leader:
+                p = cute.make_ptr(Int64, self._stamps + int(slot) * 8, cute.AddressSpace.gmem, assumed_align=8)
+                cute.arch.store(p, cute.arch.clock64())
 
     @staticmethod
     def heads_dims_first(t: cute.Tensor) -> cute.Tensor:
@@ -148,6 +156,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         lse: cute.Tensor,  # (b, s_q, h_q) fp32
         o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) fp32
         lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32
+        timeline: Optional[cute.Tensor],  # (grid x, grid y, Stamp.SLOTS) int64, Tuning.timeline only
         softmax_scale: Float32,
         stream,
     ):
@@ -223,7 +232,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.kernel(
             qk_mma, pv_rs_mma, pv_ss_mma,
             tma_q, q_tma, tma_out, out_tma, tma_oacc, oacc_tma,
-            kv, indices, topk_length, attn_sink, tile_md, num_splits, lse, lse_accum,
+            kv, indices, topk_length, attn_sink, tile_md, num_splits, lse, lse_accum, timeline,
             scale_log2,
             q_layout, k_layout, p_layout, o_layout, oacc_layout,
         ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1,
@@ -250,6 +259,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         mNumSplits: cute.Tensor,
         mLse: cute.Tensor,
         mLseAcc: Optional[cute.Tensor],
+        mTimeline: Optional[cute.Tensor],
         scale_log2: Float32,
         q_layout: cute.ComposedLayout,
         k_layout: cute.ComposedLayout,
@@ -262,6 +272,10 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         wg = cute.arch.make_warp_uniform(tidx // TILE.threads_per_wg)
         s_idx = bidx // self.n_hblk
         hblk = bidx % self.n_hblk
+        if cutlass.const_expr(self.tuning.timeline):
+            # This CTA's row of stamps (a trace-time attribute: every warp group's code is inlined here).
+            self._stamps = mTimeline.iterator.toint() + Int64(bidx * mTimeline.shape[1] + part) * Int64(8 * Stamp.SLOTS)
+        self.stamp(Stamp.ENTRY, tidx == 0)
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -293,6 +307,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             if cutlass.const_expr(self.cfg.split and not self.oacc_direct):
                 cpasync.prefetch_descriptor(tma_oacc)
         cute.arch.sync_threads()
+        self.stamp(Stamp.PROLOGUE, tidx == 0)
 
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
@@ -313,6 +328,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         # never emitted by the schedulers; skipping it keeps a malformed row from hanging the
         # producer's scan, which would wait for a tile that never comes.)
         if (begin_req < batch) & (begin_req <= end_req):
+            self.stamp(Stamp.METADATA, tidx % TILE.threads_per_wg == 0)
             sched = (
                 begin_req,
                 end_req,  # inclusive
@@ -425,13 +441,16 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             l1 = Float32(0.0)
             acc_o.fill(0.0)
             cute.arch.mbarrier_wait(q_full, rq & 1)
+            self.stamp(Stamp.Q_READY, wtid == 0)
 
             if cutlass.const_expr(self.tuning.overlap_qk_pv):
                 if start < stop:
                     cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
+                    self.stamp(Stamp.K_READY, wtid == 0)
                     self.consumer_fence()
                     self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, n % TILE.k_bufs)
                     warpgroup.wait_group(0)
+                    self.stamp(Stamp.QK_DONE, wtid == 0)
             # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
             active = start < stop
             for blk in cutlass.range(start, stop, unroll=1):
@@ -495,6 +514,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                     cute.autovec_copy(tOrP_as_c, tSsP)
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+                    self.stamp(Stamp.P_READY, wtid == 0)
 
                     # ---- O_left = O_left * sc + P V[:, :256]
                     self.scale_rows(acc_o, sc0, sc1)
@@ -522,6 +542,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                     active = last_word == 0
 
             # ---- epilogue of this request
+            self.stamp(Stamp.PV_DONE, wtid == 0)
             l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
             l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
             l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
@@ -547,6 +568,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                     mLse[req, s_idx, head0] = lse0
                     mLse[req, s_idx, head0 + 8] = lse1
                 self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, 0, warp, hblk, s_idx, req, Bar.EPI_SOFTMAX)
+            self.stamp(Stamp.EPILOGUE, wtid == 0)
             rq += 1
 
         # Balance the barriers WG1 arrived on once more than WG0 synced.
@@ -591,6 +613,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                 if active:
                     buf = n % TILE.k_bufs
                     cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+                    self.stamp(Stamp.WG1_P, wtid == 0)
                     sc0 = s_row_scale[row0]
                     sc1 = s_row_scale[row0 + 8]
                     # WG0 already waited for this buffer; waiting on the same phase here gives WG1 its own
@@ -603,6 +626,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                     cute.gemm(pv_ss_mma, acc_o, tOrP[None, None, None, 0], tOrV[None, None, None, buf], acc_o)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+                    self.stamp(Stamp.WG1_PV_DONE, wtid == 0)
                     cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
                     cute.arch.mbarrier_arrive(k_free + buf)
                     n += 1
@@ -619,6 +643,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                     self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, 1, warp, hblk, s_idx, acc_row, Bar.EPI_PV_RIGHT)
             else:
                 self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, 1, warp, hblk, s_idx, req, Bar.EPI_PV_RIGHT)
+            self.stamp(Stamp.WG1_EPILOGUE, wtid == 0)
             # The staging (aliasing sQ) is no longer read: WG0 may load the next Q.
             cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=2 * TILE.threads_per_wg)
 
@@ -627,7 +652,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
 # --------------------------------------------------------------------------------------------------
 
 
-def _fake_arguments(cfg: Sm90SparseDecodeConfig):
+def _fake_arguments(cfg: Sm90SparseDecodeConfig, tuning: Tuning = DEFAULT_TUNING):
     """Fake tensors with symbolic dims/strides so one compile serves every shape (no GPU needed)."""
     rt = cute.runtime
     b, s_q = cute.sym_int(), cute.sym_int()
@@ -651,8 +676,11 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig):
     if cfg.split:
         o_accum = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q, cfg.d_v), stride_order=(3, 2, 1, 0), assumed_align=16)
         lse_accum = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
+    timeline = None
+    if tuning.timeline:
+        timeline = rt.make_fake_compact_tensor(Int64, (cute.sym_int(), parts, int(Stamp.SLOTS)), stride_order=(2, 1, 0), assumed_align=8)
     stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return (q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum, lse_accum, Float32(1.0), stream)
+    return (q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum, lse_accum, timeline, Float32(1.0), stream)
 
 
 def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None,
@@ -660,18 +688,19 @@ def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] =
     """Compile (once per ``cfg``, ``tuning``) the SM90 sparse decode kernel against fake tensors."""
 
     def build(dd):
-        return cute.compile(Sm90SparseDecodeKernel(cfg, tuning), *_fake_arguments(cfg), options=compile_options(cfg.arch, dd))
+        return cute.compile(Sm90SparseDecodeKernel(cfg, tuning), *_fake_arguments(cfg, tuning), options=compile_options(cfg.arch, dd))
 
     return compile_cached(("sm90_sparse_decode", cfg, tuning), build, dump_dir)
 
 
 def launch_sparse_decode(
     compiled: CompiledKernel, cfg: Sm90SparseDecodeConfig, q, kv, indices, topk_length, attn_sink, tile_md, num_splits,
-    out, lse, o_accum, lse_accum, softmax_scale: float,
+    out, lse, o_accum, lse_accum, softmax_scale: float, timeline=None,
 ) -> None:
     """Launch on torch's current stream. No host sync, no allocation.
 
     Absent optionals are passed as None (the compiled signature keeps a None slot for them).
+    ``timeline``: the stamp buffer of a kernel compiled with ``Tuning.timeline`` (probes only).
     Grid: x = s_q * (h_q // 64), y = tile_md.shape[0] (one CTA per 64 heads x token x partition).
     """
     compiled.fn(
@@ -681,5 +710,6 @@ def launch_sparse_decode(
         tile_md, num_splits, out, lse,
         o_accum if cfg.split else None,
         lse_accum if cfg.split else None,
+        timeline,
         float(softmax_scale),
     )

@@ -77,6 +77,29 @@ class Bar(IntEnum):
     XOVER_HALF = 7  # WG2 only, 128 threads: crossover half tile written (before its bulk copy)
 
 
+class Stamp(IntEnum):
+    """``Tuning.timeline`` (a debug probe, never on in the library): slots of a CTA's row of 64-bit
+    ``clock64`` stamps, each written by thread 0 of the warp group named (the last write wins, so
+    a one-tile piece gives one pass through the chain; ``benchmarks/timeline_probe.py``)."""
+
+    ENTRY = 0  # thread 0: kernel entry
+    PROLOGUE = 1  # thread 0: barriers initialised, sync_threads passed
+    METADATA = 2  # each warp group: the partition row's words 0-3 consumed (begin_req tested)
+    SCAN = 3  # producer: tile 0's indices in the ring (first scan_until returned)
+    K_FREE = 4  # producer: the tile's buffer free (conversion starts, waiting for its rows)
+    HANDED_OVER = 5  # producer: k_full arrive of the tile
+    Q_READY = 6  # WG0: q_full wait returned
+    K_READY = 7  # WG0: k_full wait returned (first QK issued next)
+    QK_DONE = 8  # WG0: S in registers
+    P_READY = 9  # WG0: P and the row factors in shared memory, P_READY arrived
+    PV_DONE = 10  # WG0: its PV of the request's last tile complete (epilogue starts)
+    EPILOGUE = 11  # WG0: out / o_accum store issued and its shared-memory reads done
+    WG1_P = 12  # WG1: P_READY passed
+    WG1_PV_DONE = 13  # WG1: its PV complete
+    WG1_EPILOGUE = 14  # WG1: its store done
+    SLOTS = 16
+
+
 @dataclass(frozen=True)
 class Tile:
     """Tile geometry (all compile-time)."""
@@ -248,6 +271,10 @@ class Tuning:
     # groups before their first tile instead of in their epilogue, where two dependent L2 round
     # trips sat between the last PV and the o_accum store. False: the loads where they are used.
     early_metadata: bool = True
+    # Debug probe only (the dispatcher never passes the buffer it needs): each CTA writes clock64
+    # stamps of its phases (Stamp) into a (grid x, grid y, Stamp.SLOTS) int64 tensor given as the
+    # kernel's ``timeline`` argument.
+    timeline: bool = False
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
     # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover). Needs the
     # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.

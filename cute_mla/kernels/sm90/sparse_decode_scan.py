@@ -40,7 +40,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from . import ptx
-from .sparse_decode_common import TILE, Bar, Streaming
+from .sparse_decode_common import TILE, Bar, Stamp, Streaming
 
 RING_MASK = TILE.ring_entries - 1
 assert TILE.ring_entries & RING_MASK == 0, "ring_entries must be a power of two"
@@ -204,6 +204,7 @@ class IndexScanMixin:
         (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
             self.scan_begin(begin_req, sched, mTopkLen, topk, mIdx, s_idx, ptid), TILE.tokens,
             ptid, lane, warp, ring_base, counts_base, *scan)
+        self.stamp(Stamp.SCAN, ptid == 0)
         idx_a, ok_a = self.ring_index(ring_base, tok_in_half)
         idx_b, ok_b = self.ring_index(ring_base, half_b + tok_in_half)
         if tail > 0:
@@ -225,6 +226,7 @@ class IndexScanMixin:
             has_next = first + TILE.tokens < tail
 
             cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
+            self.stamp(Stamp.K_FREE, ptid == 0)
             tile_base = sk_base + buf * TILE.k_tile_bytes
             next_ok_a = cutlass.Boolean(False)
             next_ok_b = cutlass.Boolean(False)
@@ -248,6 +250,7 @@ class IndexScanMixin:
 
             bit = Uint32(1) << Uint32(t % 32)
             self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, (ends & bit) != Uint32(0))
+            self.stamp(Stamp.HANDED_OVER, ptid == 0)
             ends = ends & ~bit
             # Rows of tile T+2 into L2 (this thread's share: prefetch_row_owner / prefetch_row).
             if cutlass.const_expr(self.tuning.prefetch_rows):
