@@ -329,12 +329,12 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         # producer's scan, which would wait for a tile that never comes.)
         if (begin_req < batch) & (begin_req <= end_req):
             self.stamp(Stamp.METADATA, tidx % TILE.threads_per_wg == 0)
-            sched = (
-                begin_req,
-                end_req,  # inclusive
-                first_blocks[0] if cutlass.const_expr(self.tuning.early_metadata) else mTileMd[part, 2],  # begin_block (of begin_req)
-                first_blocks[1] if cutlass.const_expr(self.tuning.early_metadata) else mTileMd[part, 3],  # end_block (of end_req, exclusive)
-            )
+            if cutlass.const_expr(self.tuning.early_metadata):
+                begin_block, end_block = first_blocks
+            else:
+                begin_block, end_block = mTileMd[part, 2], mTileMd[part, 3]
+            # begin_block: of begin_req; end_block: of end_req, exclusive; end_req: inclusive
+            sched = (begin_req, end_req, begin_block, end_block)
             if wg == Role.PRODUCER:
                 setmaxregister_decrease(REGS.producer)
                 self.producer(mKV, mIdx, mTopkLen, sched, s_idx)
