@@ -6,12 +6,13 @@ through the public API under CUDA graph replay (the dispatcher's kernel launch i
 the stamp buffer), and prints, for the CTAs that had work, each phase's cycles since kernel entry
 (median over CTAs and replays; max over CTAs in brackets).
 
-    python benchmarks/timeline_probe.py [--heads 64] [--replays 10]
+    python benchmarks/timeline_probe.py [--heads 64] [--replays 10] [--variant cpair]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -24,9 +25,9 @@ sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
 from cute_mla.kernels.sm90 import sparse_decode as sd  # noqa: E402
-from cute_mla.kernels.sm90.sparse_decode_common import Stamp, Tuning  # noqa: E402
+from cute_mla.kernels.sm90.sparse_decode_common import Stamp  # noqa: E402
 from bench_sparse_decode import call, make_inputs  # noqa: E402
-from sm90_variants import use_tuning  # noqa: E402
+from sm90_variants import VARIANTS, use_tuning  # noqa: E402
 
 CASES = [(64, 1.0), (64, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
 ORDER = [Stamp.PROLOGUE, Stamp.METADATA, Stamp.SCAN, Stamp.K_FREE, Stamp.HANDED_OVER, Stamp.Q_READY,
@@ -46,7 +47,7 @@ class with_timeline:
 
         def launch(compiled, cfg, q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum,
                    lse_accum, softmax_scale, timeline=None):
-            gx = q.shape[1] * (cfg.h_q // 64)
+            gx = q.shape[1] * (cfg.h_q // 64) * 2   # room for Tuning.column_pair's doubled grid
             key = (gx, tile_md.shape[0])
             if key not in self.buffers:
                 self.buffers[key] = torch.zeros(gx, tile_md.shape[0], int(Stamp.SLOTS), dtype=torch.int64, device=q.device)
@@ -65,6 +66,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="64")
     ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--variant", default="default", help="a name of sm90_variants.VARIANTS, timeline added")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: cycles since kernel entry, median over working CTAs and "
@@ -72,7 +74,7 @@ def main():
     for h in (int(v) for v in args.heads.split(",")):
         for topk, masked in CASES:
             q, cache, idx = make_inputs(1, 1, h, masked, g, topk=topk)
-            with use_tuning(Tuning(timeline=True)), with_timeline() as tl:
+            with use_tuning(dataclasses.replace(VARIANTS[args.variant], timeline=True)), with_timeline() as tl:
                 sched, _ = cute_mla.get_mla_metadata()
                 for _ in range(3):
                     call(cute_mla, sched, q, cache, idx)

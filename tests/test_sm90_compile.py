@@ -250,3 +250,25 @@ def test_timeline_probe_is_debug_only(artifacts, tmp_path):
     with open(ptx) as f:
         text = f.read()
     assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS])
+
+
+def test_column_pair_variant_compiles(tmp_path):
+    """``Tuning.column_pair`` (h=64 split, experimental): PV in 64x128 N-tiles (each CTA of the pair
+    computes 256 of the 512 columns), the gather shared through the crossover's bulk copies to the
+    peer, o_accum stored from registers (no o_accum tensor map), no spills. A kernel without the
+    split, or with h=128, ignores it."""
+    cfg = Sm90SparseDecodeConfig(h_q=64, split=True, has_topk_length=True, has_attn_sink=True)
+    compile_sparse_decode(cfg, dump_dir=str(tmp_path), tuning=Tuning(column_pair=True))
+    ptx, cubin = ki.find_artifacts(str(tmp_path), "sm_90a")
+    with open(ptx) as f:
+        text = f.read()
+    assert "cp.async.bulk.shared::cluster.shared::cta" in text
+    assert ki.tensor_map_params(text) == 1   # Q only: out and o_accum are stored from registers
+    sass = _sass_or_skip(cubin)
+    assert "HGMMA.64x128x16" in sass and "HGMMA.64x256x16" not in sass
+    assert ki.local_memory_ops(sass) == 0
+    from cute_mla.kernels.sm90.sparse_decode import Sm90SparseDecodeKernel
+    assert not Sm90SparseDecodeKernel(Sm90SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False), Tuning(column_pair=True)).cpair
+    assert not Sm90SparseDecodeKernel(Sm90SparseDecodeConfig(h_q=128, split=True, has_topk_length=False, has_attn_sink=False), Tuning(column_pair=True)).cpair
+    with pytest.raises(ValueError, match="column_pair"):
+        Tuning(column_pair=True, crossover=Crossover.OFF)

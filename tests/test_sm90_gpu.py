@@ -172,12 +172,14 @@ def _tuning(name):
         "oacc_direct_store": Tuning(oacc_direct_store=True),
         "next_q_prefetch": Tuning(prefetch_next_q=True),
         "late_metadata": Tuning(early_metadata=False),
+        # h=64 split pieces on a cluster of 2 that splits the output columns (experimental)
+        "column_pair": Tuning(column_pair=True),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
-                                  "next_q_prefetch", "late_metadata"])
+                                  "next_q_prefetch", "late_metadata", "column_pair"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""

@@ -97,11 +97,17 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.n_hblk = cfg.h_q // TILE.heads
         # h_q = 128 with Tuning.crossover: the two head-half CTAs of a token form a cluster of 2 and
         # each dequantizes half of every K tile for both (sparse_decode_crossover.py).
-        self.xover = tuning.crossover != Crossover.OFF and self.n_hblk == 2
+        # h_q = 64 split with Tuning.column_pair: the two column-half CTAs of a piece form a cluster
+        # of 2, share the gather the same way and each computes 256 of the 512 output columns.
+        self.cpair = tuning.column_pair and self.n_hblk == 1 and cfg.split
+        self.n_cblk = 2 if self.cpair else 1  # column-half CTAs per (token, 64 heads)
+        self.pv_cols = TILE.half_v // self.n_cblk  # output columns per MMA warp group
+        self.xover = (tuning.crossover != Crossover.OFF and self.n_hblk == 2) or self.cpair
         # split pieces store o_accum from registers: the config's (the plan's) choice unless the
-        # Tuning forces one
+        # Tuning forces one; the column pair always does (its 64 x 128 halves have no tensor map)
         direct = cfg.oacc_from_registers if tuning.oacc_direct_store is None else tuning.oacc_direct_store
-        self.oacc_direct = cfg.split and direct
+        self.oacc_direct = cfg.split and (direct or self.cpair)
+        self.out_direct = tuning.out_direct_store or self.cpair
 
     def consumer_fence(self):
         """With ``Tuning.consumer_proxy_fence``: the proxy fence between the producer's st.shared of a
@@ -117,6 +123,20 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             if leader:
                 p = cute.make_ptr(Int64, self._stamps + int(slot) * 8, cute.AddressSpace.gmem, assumed_align=8)
                 cute.arch.store(p, cute.arch.clock64())
+
+    def column_block(self, wg_half: int):
+        """This MMA warp group's block of ``pv_cols`` output columns: its half (0 = WG0, 1 = WG1),
+        within this CTA's column half in the column pair."""
+        if self.cpair:
+            return cute.arch.block_idx()[0] % self.n_cblk * 2 + wg_half
+        return wg_half
+
+    def writes_lse(self):
+        """Whether this CTA writes lse / lse_accum (in the column pair both compute the same
+        values: the first column half writes them)."""
+        if self.cpair:
+            return cute.arch.block_idx()[0] % self.n_cblk == 0
+        return cutlass.Boolean(True)
 
     @staticmethod
     def heads_dims_first(t: cute.Tensor) -> cute.Tensor:
@@ -167,11 +187,11 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         # P V: A = P (heads x tokens, K-major), B = V = transposed view of the K tile (MN-major).
         pv_rs_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
-            (TILE.heads, TILE.half_v), warpgroup.OperandSource.RMEM,
+            (TILE.heads, self.pv_cols), warpgroup.OperandSource.RMEM,
         )
         pv_ss_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
-            (TILE.heads, TILE.half_v),
+            (TILE.heads, self.pv_cols),
         )
 
         q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, 1)
@@ -194,8 +214,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             (TILE.heads, TILE.d_qk)
         )
         tma_out = None
-        out_tma = out  # Tuning.out_direct_store: stored from the accumulator registers, no tensor map
-        if cutlass.const_expr(not self.tuning.out_direct_store):
+        out_tma = out  # out_direct: stored from the accumulator registers, no tensor map
+        if cutlass.const_expr(not self.out_direct):
             tma_out, out_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), self.heads_dims_first(out), o_layout, (TILE.heads, TILE.half_v)
             )
@@ -228,7 +248,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.shared_storage = SharedStorage
 
         scale_log2 = softmax_scale * Float32(LOG2E)
-        grid = (q.shape[1] * self.n_hblk, tile_md.shape[0], 1)
+        grid = (q.shape[1] * self.n_hblk * self.n_cblk, tile_md.shape[0], 1)
         self.kernel(
             qk_mma, pv_rs_mma, pv_ss_mma,
             tma_q, q_tma, tma_out, out_tma, tma_oacc, oacc_tma,
@@ -270,8 +290,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         tidx, _, _ = cute.arch.thread_idx()
         bidx, part, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // TILE.threads_per_wg)
-        s_idx = bidx // self.n_hblk
-        hblk = bidx % self.n_hblk
+        s_idx = bidx // (self.n_hblk * self.n_cblk)
+        hblk = bidx % self.n_hblk  # (0 in the column pair: n_hblk = 1)
         if cutlass.const_expr(self.tuning.timeline):
             # This CTA's row of stamps (a trace-time attribute: every warp group's code is inlined here).
             self._stamps = mTimeline.iterator.toint() + Int64(bidx * mTimeline.shape[1] + part) * Int64(8 * Stamp.SLOTS)
@@ -302,7 +322,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         cute.arch.griddepcontrol_launch_dependents()
         if tidx < 32:
             cpasync.prefetch_descriptor(tma_q)
-            if cutlass.const_expr(not self.tuning.out_direct_store):
+            if cutlass.const_expr(not self.out_direct):
                 cpasync.prefetch_descriptor(tma_out)
             if cutlass.const_expr(self.cfg.split and not self.oacc_direct):
                 cpasync.prefetch_descriptor(tma_oacc)
@@ -357,20 +377,21 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
-    def k_tensors_for_pv(self, sK: cute.Tensor, col_half: int):
-        """V[:, 256*col_half : 256*(col_half+1)] of both K buffers as an MN-major B operand.
+    def k_tensors_for_pv(self, sK: cute.Tensor, col_block):
+        """V[:, w*col_block : w*(col_block+1)] (w = ``pv_cols``: 256, or 128 in the column pair) of
+        both K buffers as an MN-major B operand.
 
         V is the transposed view of the K tile: dims are contiguous inside a 128-B swizzled row
         (64 dims), 64-dim chunks are 8 KiB apart, tokens 128 B apart, buffers 72 KiB apart. This is
         the layout make_smem_layout_b(COL_MAJOR, (64, 512, 64)) prints, with the buffer stride of
         the K tiles (the helper's own stage stride would be 64 KiB).
         """
-        chunks = TILE.half_v // TILE.chunk
+        chunks = self.pv_cols // TILE.chunk
         outer = cute.make_layout(
             ((TILE.chunk, chunks), (8, TILE.tokens // 8), TILE.k_bufs),
             stride=((1, TILE.chunk * TILE.tokens), (TILE.chunk, TILE.chunk * 8), TILE.k_tile_elems),
         )
-        base = sK.iterator + col_half * chunks * TILE.chunk * TILE.tokens
+        base = sK.iterator + col_block * chunks * TILE.chunk * TILE.tokens
         return cute.make_tensor(base, outer)
 
     # ---------------------------------------------------------------- WG0: QK + softmax + PV left
@@ -402,9 +423,10 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         thr_pv = pv_rs_mma.get_slice(wtid)
-        sV = self.k_tensors_for_pv(sK, 0)
+        col = self.column_block(0)
+        sV = self.k_tensors_for_pv(sK, col)
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, TILE.half_v)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, self.pv_cols)))
         acc_s_shape = thr_qk.partition_shape_C((TILE.heads, TILE.tokens))
         # P (bf16) in the A-operand register layout of the RS wgmma, viewed with the accumulator layout.
         acc_s = thr_qk.make_fragment_C(acc_s_shape)
@@ -559,15 +581,15 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             head0 = hblk * TILE.heads + row0
             if is_split:
                 if cutlass.const_expr(self.cfg.split):
-                    if quad == 0:
+                    if (quad == 0) & self.writes_lse():
                         mLseAcc[acc_row, s_idx, head0] = lse0
                         mLseAcc[acc_row, s_idx, head0 + 8] = lse1
-                    self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, 0, warp, hblk, s_idx, acc_row, Bar.EPI_SOFTMAX)
+                    self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col, warp, hblk, s_idx, acc_row, Bar.EPI_SOFTMAX)
             else:
-                if quad == 0:
+                if (quad == 0) & self.writes_lse():
                     mLse[req, s_idx, head0] = lse0
                     mLse[req, s_idx, head0 + 8] = lse1
-                self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, 0, warp, hblk, s_idx, req, Bar.EPI_SOFTMAX)
+                self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col, warp, hblk, s_idx, req, Bar.EPI_SOFTMAX)
             self.stamp(Stamp.EPILOGUE, wtid == 0)
             rq += 1
 
@@ -594,9 +616,10 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         pv_ss_mma.set(warpgroup.Field.ACCUMULATE, True)
         thr_pv = pv_ss_mma.get_slice(wtid)
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-        sV = self.k_tensors_for_pv(sK, 1)
+        col = self.column_block(1)
+        sV = self.k_tensors_for_pv(sK, col)
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, TILE.half_v)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, self.pv_cols)))
 
         split_rows = (Int32(-1), Int32(-1))
         if cutlass.const_expr(self.tuning.early_metadata):
@@ -640,9 +663,9 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             is_split, acc_row = self.split_piece(req, begin_req, end_req, split_rows, mTileMd, mNumSplits, part)
             if is_split:
                 if cutlass.const_expr(self.cfg.split):
-                    self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, 1, warp, hblk, s_idx, acc_row, Bar.EPI_PV_RIGHT)
+                    self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col, warp, hblk, s_idx, acc_row, Bar.EPI_PV_RIGHT)
             else:
-                self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, 1, warp, hblk, s_idx, req, Bar.EPI_PV_RIGHT)
+                self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col, warp, hblk, s_idx, req, Bar.EPI_PV_RIGHT)
             self.stamp(Stamp.WG1_EPILOGUE, wtid == 0)
             # The staging (aliasing sQ) is no longer read: WG0 may load the next Q.
             cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=2 * TILE.threads_per_wg)

@@ -275,6 +275,14 @@ class Tuning:
     # stamps of its phases (Stamp) into a (grid x, grid y, Stamp.SLOTS) int64 tensor given as the
     # kernel's ``timeline`` argument.
     timeline: bool = False
+    # h_q = 64 split kernels: a "column pair". Each piece runs on a cluster of 2 CTAs that share
+    # the gather as the h=128 crossover does (each dequantizes half of every tile for both, the
+    # Crossover transport) and split the 512 output columns: both run QK and the softmax for the
+    # same 64 heads, each runs PV and the epilogue for its 256 columns (one 64x128 N-tile per MMA
+    # warp group), storing from registers. Halves the per-SM conversion, PV and store bytes of the
+    # latency rows' one-tile pieces (NOTES.md, session 2026-12-03 e, the timeline). Experimental:
+    # not yet run on a GPU; no plan picks it.
+    column_pair: bool = False
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
     # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover). Needs the
     # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.
@@ -288,6 +296,9 @@ class Tuning:
         if self.crossover != Crossover.OFF and not (self.compact_indices and self.streaming == Streaming.BOTH):
             raise ValueError("Tuning: crossover runs the streamed compacted producer: it needs compact_indices=True "
                              f"and streaming=Streaming.BOTH, got {self.compact_indices}, {self.streaming!r}")
+        if self.column_pair and self.crossover == Crossover.OFF:
+            raise ValueError("Tuning: column_pair shares the gather through the crossover transport: it needs "
+                             f"crossover != Crossover.OFF, got {self.crossover!r}")
 
 
 TILE = Tile()

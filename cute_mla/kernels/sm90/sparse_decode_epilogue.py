@@ -72,8 +72,8 @@ class EpilogueMixin:
         (``Tuning.out_direct_store``: per-thread stores from registers, no staging)."""
         r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
-        if cutlass.const_expr(self.tuning.out_direct_store):
-            tile = cute.local_tile(mOut[req, s_idx, None, None], (TILE.heads, TILE.half_v), (hblk, col_half))
+        if cutlass.const_expr(self.out_direct):
+            tile = cute.local_tile(mOut[req, s_idx, None, None], (TILE.heads, self.pv_cols), (hblk, col_half))
             cute.autovec_copy(r_o, thr_pv.partition_C(tile))
             return
         stage = cute.make_tensor(
@@ -116,7 +116,7 @@ class EpilogueMixin:
         o_accum (8-byte stores; the 4 threads of a quad fill 32 contiguous bytes of a row): no
         staging, barrier or TMA round trip before the CTA may finish."""
         rows = mOAcc[acc_row, s_idx, None, None]  # (h_q, 512)
-        tile = cute.local_tile(rows, (TILE.heads, TILE.half_v), (hblk, col_half))
+        tile = cute.local_tile(rows, (TILE.heads, self.pv_cols), (hblk, col_half))
         cute.autovec_copy(acc_o, thr_pv.partition_C(tile))
 
     @cute.jit
