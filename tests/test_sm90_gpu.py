@@ -229,6 +229,35 @@ def test_crossover_matches(pattern, shape, transport, seed):
     assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), "crossover: lse differs"
 
 
+# (b, s_q, topk, topk_length, transport): h_q = 64 split shapes for Tuning.column_pair, the latency
+# rows' one-tile pieces first.
+COLUMN_PAIR_SHAPES = [(1, 1, 2048, False, "WARP_COPIES"), (1, 8, 2048, False, "WARP_COPIES"),
+                      (2, 1, 1536, True, "HALF_COPY"), (9, 2, 1024, True, "WARP_COPIES_TWO_TILES")]
+
+
+@pytest.mark.parametrize("pattern", ["none", "sparse", "one_valid"])
+@pytest.mark.parametrize("shape", range(len(COLUMN_PAIR_SHAPES)))
+def test_column_pair_matches(pattern, shape, seed):
+    """h=64 column pair (a cluster of 2 per piece, each CTA 256 of the 512 output columns): the fp32
+    reference's answer and the default kernel's bits (same tiles, same k-steps per column)."""
+    from cute_mla.kernels.sm90.sparse_decode import Crossover, Tuning
+
+    b, s_q, topk, tl, transport = COLUMN_PAIR_SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(b, s_q, 64, topk, num_tokens=2 * topk, page_block_size=64, invalid_frac=0.2,
+                      out_of_range_frac=0.05, with_topk_length=tl, with_sink=True, device="cpu", generator=g)
+    _mask_pattern(inp.indices, pattern, g)
+    inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
+    parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 64)
+    out, lse, sched = run_kernel(inp, True, parts, Tuning(column_pair=True, crossover=Crossover[transport]))
+    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
+                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
+    check_out_lse(out, lse, ref_out, ref_lse)
+    out0, lse0, _ = run_kernel(inp, True, parts)
+    assert torch.equal(out, out0), "column pair: out differs from the default kernel's"
+    assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), "column pair: lse differs"
+
+
 @pytest.mark.parametrize("compact", [True, False])
 def test_negative_topk_length_means_empty(compact, seed):
     """A negative topk_length is an empty list (as 0): no valid token, like the reference."""

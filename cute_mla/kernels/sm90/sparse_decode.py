@@ -34,7 +34,8 @@ Synchronisation (producer -> consumer, arrive counts):
   buffer has retired (and it has read the buffer's ``tile_info``) -> the producer waits before
   overwriting either (first use passes: parity starts at 1).
 * named barrier ``INDEX_SCAN`` (128, producer only): the index scan's warp counts and ring writes.
-* h_q = 128 with ``Tuning.crossover`` (cluster of 2, ``sparse_decode_crossover.py``): ``k_full``
+* h_q = 128 with ``Tuning.crossover``, or h_q = 64 split with ``Tuning.column_pair`` (cluster of 2,
+  ``sparse_decode_crossover.py``): ``k_full``
   count 129 (+ producer thread 0's ``arrive.expect_tx`` of the peer's 36,864 B, completed by the
   peer's bulk copies); ``peer_free[2]`` mbarriers, count 1, peer producer -> local producer ("you
   may write into my buffer b"); named barrier ``XOVER_HALF`` (128, producer only, HALF_COPY); cluster
@@ -724,7 +725,8 @@ def launch_sparse_decode(
 
     Absent optionals are passed as None (the compiled signature keeps a None slot for them).
     ``timeline``: the stamp buffer of a kernel compiled with ``Tuning.timeline`` (probes only).
-    Grid: x = s_q * (h_q // 64), y = tile_md.shape[0] (one CTA per 64 heads x token x partition).
+    Grid: x = s_q * (h_q // 64) (x 2 with ``Tuning.column_pair``), y = tile_md.shape[0] (one CTA per
+    64 heads x token x partition, per column half in the column pair).
     """
     compiled.fn(
         q, kv, indices,

@@ -280,11 +280,14 @@ class Tuning:
     # Crossover transport) and split the 512 output columns: both run QK and the softmax for the
     # same 64 heads, each runs PV and the epilogue for its 256 columns (one 64x128 N-tile per MMA
     # warp group), storing from registers. Halves the per-SM conversion, PV and store bytes of the
-    # latency rows' one-tile pieces (NOTES.md, session 2026-12-03 e, the timeline). Experimental:
-    # not yet run on a GPU; no plan picks it.
+    # latency rows' one-tile pieces (NOTES.md, session 2026-12-03 e, the timeline). It overrides
+    # oacc_direct_store / out_direct_store = False (its 64 x 128 blocks have no tensor maps).
+    # Experimental: not yet run on a GPU; no plan picks it (a plan rule must also drop "out" and
+    # "o_accum" from SparseDecodePlan.tensor_maps, as oacc_from_registers does).
     column_pair: bool = False
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
-    # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover). Needs the
+    # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover; also the
+    # transport of ``column_pair``'s two column-half CTAs). Needs the
     # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.
     crossover: Crossover = Crossover.WARP_COPIES
 

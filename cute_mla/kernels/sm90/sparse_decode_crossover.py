@@ -1,5 +1,8 @@
 """h_q = 128 "crossover" producers (``Tuning.crossover``): a cluster of two CTAs shares each K tile.
 
+The same producers serve ``Tuning.column_pair`` (h_q = 64 split): there the pair is the two
+column-half CTAs of one 64-head piece instead of the two head halves; everything below holds as is.
+
 The two 64-head CTAs of a query token (grid x neighbours, one cluster of 2) gather the same rows.
 Without the crossover each gathers and dequantizes all 64 tokens of every tile. With it, CTA rank
 ``r`` gathers and dequantizes only tokens ``[32 r, 32 r + 32)`` into its own K buffer

@@ -68,8 +68,9 @@ class EpilogueMixin:
 
     @cute.jit
     def store_out(self, acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col_half: int, warp, hblk, s_idx, req, bar_id: int):
-        """bf16 O half (64 x 256, already scaled) -> staging in sQ -> TMA store to out[req, s, heads, cols]
-        (``Tuning.out_direct_store``: per-thread stores from registers, no staging)."""
+        """bf16 O block (64 x ``pv_cols``: 256, 128 in the column pair; already scaled) -> staging in sQ ->
+        TMA store to out[req, s, heads, cols] (``out_direct``: ``Tuning.out_direct_store`` or the
+        column pair, per-thread stores from registers, no staging)."""
         r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
         if cutlass.const_expr(self.out_direct):
