@@ -214,19 +214,30 @@ def test_crossover_matches(pattern, shape, transport, seed):
     from cute_mla.kernels.sm90.sparse_decode import Crossover, Tuning
 
     b, s_q, topk, split, tl = CROSSOVER_SHAPES[shape]
+    inp = _patterned_inputs(b, s_q, 128, topk, tl, 0.15, pattern, seed)
+    parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 128) if split else 1
+    _check_variant(inp, split, parts, Tuning(crossover=Crossover[transport]), Tuning(crossover=Crossover.OFF),
+                   "crossover", "the two-independent-CTA kernel's")
+
+
+def _patterned_inputs(b, s_q, h_q, topk, tl, invalid_frac, pattern, seed):
+    """Inputs made on the CPU (the masking pattern is drawn there), then moved to the GPU."""
     g = torch.Generator().manual_seed(seed)
-    inp = make_inputs(b, s_q, 128, topk, num_tokens=2 * topk, page_block_size=64, invalid_frac=0.15,
+    inp = make_inputs(b, s_q, h_q, topk, num_tokens=2 * topk, page_block_size=64, invalid_frac=invalid_frac,
                       out_of_range_frac=0.05, with_topk_length=tl, with_sink=True, device="cpu", generator=g)
     _mask_pattern(inp.indices, pattern, g)
-    inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
-    parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 128) if split else 1
-    out, lse, sched = run_kernel(inp, split, parts, Tuning(crossover=Crossover[transport]))
+    return type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
+
+
+def _check_variant(inp, split, parts, tuning, baseline, what, baseline_name):
+    """``tuning`` gives the fp32 reference's answer and ``baseline``'s bits."""
+    out, lse, _ = run_kernel(inp, split, parts, tuning)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     check_out_lse(out, lse, ref_out, ref_lse)
-    out0, lse0, _ = run_kernel(inp, split, parts, Tuning(crossover=Crossover.OFF))
-    assert torch.equal(out, out0), "crossover: out differs from the two-independent-CTA kernel's"
-    assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), "crossover: lse differs"
+    out0, lse0, _ = run_kernel(inp, split, parts, baseline)
+    assert torch.equal(out, out0), f"{what}: out differs from {baseline_name}"
+    assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), f"{what}: lse differs"
 
 
 # (b, s_q, topk, topk_length, transport): h_q = 64 split shapes for Tuning.column_pair, the latency
@@ -243,19 +254,10 @@ def test_column_pair_matches(pattern, shape, seed):
     from cute_mla.kernels.sm90.sparse_decode import Crossover, Tuning
 
     b, s_q, topk, tl, transport = COLUMN_PAIR_SHAPES[shape]
-    g = torch.Generator().manual_seed(seed)
-    inp = make_inputs(b, s_q, 64, topk, num_tokens=2 * topk, page_block_size=64, invalid_frac=0.2,
-                      out_of_range_frac=0.05, with_topk_length=tl, with_sink=True, device="cpu", generator=g)
-    _mask_pattern(inp.indices, pattern, g)
-    inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
+    inp = _patterned_inputs(b, s_q, 64, topk, tl, 0.2, pattern, seed)
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 64)
-    out, lse, sched = run_kernel(inp, True, parts, Tuning(column_pair=True, crossover=Crossover[transport]))
-    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
-                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
-    check_out_lse(out, lse, ref_out, ref_lse)
-    out0, lse0, _ = run_kernel(inp, True, parts)
-    assert torch.equal(out, out0), "column pair: out differs from the default kernel's"
-    assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), "column pair: lse differs"
+    _check_variant(inp, True, parts, Tuning(column_pair=True, crossover=Crossover[transport]), None,
+                   "column pair", "the default kernel's")
 
 
 @pytest.mark.parametrize("compact", [True, False])
