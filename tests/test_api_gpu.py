@@ -130,12 +130,13 @@ def test_schedule_first_uploaded_during_a_capture(seed):
     a capture of several layers holds one upload, not one per layer."""
     from cute_mla.interface import dispatch
 
-    topk, target, warm = 1536, (2, 1, 64), (1, 1, 64)   # top-k 1536: a plan no other test makes
+    topk, target, warm = 1536, (2, 1, 64), (1, 2, 64)   # top-k 1536: a plan no other test makes
     dev = torch.device("cuda")
     pt, pw = (plan_sparse_decode(*shape, 576, topk, arch=device_arch(dev), num_sms=device_num_sms(dev))
               for shape in (target, warm))
     # the same kernels, so nothing compiles or loads during the captures
-    assert pt.host_schedule is not None and (pt.split, pt.oacc_from_registers) == (pw.split, pw.oacc_from_registers)
+    assert pt.host_schedule is not None
+    assert (pt.split, pt.oacc_from_registers, pt.column_pair) == (pw.split, pw.oacc_from_registers, pw.column_pair)
     w = make_inputs(*warm, topk, num_tokens=4096, device="cuda")
     run_case(w)
     torch.cuda.synchronize()

@@ -226,3 +226,29 @@ def test_sm90_oacc_from_registers_where_few_ctas_store(b, s_q, h_q, tl, regs):
     if regs:
         busy = sum(1 for r in p.host_schedule.rows if r[0] < b and r[0] <= r[1])
         assert p.split and busy * s_q <= 66
+
+
+@pytest.mark.parametrize("b,s_q,h_q,topk,tl,pair", [(1, 1, 64, 2048, False, True), (1, 1, 64, 128, False, True),
+                                                    (2, 1, 64, 1024, False, True), (2, 1, 64, 2048, False, False),
+                                                    (1, 2, 64, 2048, False, False), (1, 8, 64, 2048, False, False),
+                                                    (1, 1, 128, 2048, False, False), (1, 1, 64, 2048, True, False),
+                                                    (1, 1, 64, 64, False, False)])
+def test_sm90_column_pair_where_few_pieces(b, s_q, h_q, topk, tl, pair):
+    """h=64 split plans with at most COLUMN_PAIR_MAX_BUSY_CTAS busy CTAs run column pairs (a cluster
+    of 2 per piece): o_accum and out from registers, Q the only tensor map. Device schedules,
+    h=128, no-split plans and busier shapes keep one CTA per piece."""
+    from cute_mla.interface.plan import COLUMN_PAIR_MAX_BUSY_CTAS
+
+    p = plan_sparse_decode(b, s_q, h_q, 576, topk, arch="sm_90a", num_sms=132, has_topk_length=tl)
+    assert p.column_pair is pair
+    if pair:
+        busy = sum(1 for r in p.host_schedule.rows if r[0] < b and r[0] <= r[1])
+        assert p.split and p.oacc_from_registers and busy * s_q <= COLUMN_PAIR_MAX_BUSY_CTAS
+        assert p.tensor_maps == ("q",) and "column pair" in p.describe()
+    else:
+        assert "column pair" not in p.describe()
+    # a GPU with few SMs: the doubled CTAs must stay well inside it (at most num_sms / 2)
+    small = plan_sparse_decode(b, s_q, h_q, 576, topk, arch="sm_90a", num_sms=16, has_topk_length=tl)
+    if small.column_pair:
+        assert sum(1 for r in small.host_schedule.rows if r[0] < b and r[0] <= r[1]) * s_q <= 16 // 4
+    assert small.column_pair is (pair and topk <= 128)

@@ -100,7 +100,7 @@ def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     from cute_mla import plan_sparse_decode
     no_split = plan_sparse_decode(1, 8192, 64, 576, 2048, arch="sm_90a", num_sms=132)
     split_tma = plan_sparse_decode(1, 8, 64, 576, 2048, arch="sm_90a", num_sms=132)
-    split_regs = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    split_regs = plan_sparse_decode(2, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)   # 64 busy CTAs: no column pair
     assert (no_split.split, split_tma.split, split_regs.split) == (False, True, True)
     assert (split_tma.oacc_from_registers, split_regs.oacc_from_registers) == (False, True)
     assert len(no_split.tensor_maps) == maps["nosplit"]
@@ -220,8 +220,10 @@ def test_crossover_variant_compiles(tmp_path, transport):
     if ki.find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not importable")
     res = ki.resource_usage(cubin)
-    st = ki.hgmma_stats(ki.sass(cubin))
+    sass = ki.sass(cubin)
+    st = ki.hgmma_stats(sass)
     assert not st.serialized, st
+    _check_cluster_start(ptx, sass)
     if transport != "WARP_COPIES_TWO_TILES":
         assert res["STACK"] == 0 and res["LOCAL"] == 0, res
 
@@ -252,23 +254,51 @@ def test_timeline_probe_is_debug_only(artifacts, tmp_path):
     assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS])
 
 
+def _check_cluster_start(ptx: str, sass: str):
+    """A cluster kernel's start (``Tuning.relaxed_cluster_start``): the cluster barrier after the
+    mbarrier inits arrives relaxed (no MEMBAR before it: the default arrive's release compiles to
+    MEMBAR.ALL.GPU, which would wait for the tile_md load), and the partition's tile_md words are
+    loaded before it, so their round trip overlaps the barrier."""
+    assert "barrier.cluster.arrive.relaxed" in ptx
+    lines = sass.splitlines()
+    first_arrive = next(i for i, ln in enumerate(lines) if "UCGABAR_ARV" in ln)
+    assert not any("MEMBAR" in ln for ln in lines[:first_arrive]), "a memory barrier before the start-up cluster arrive"
+    assert any("LDG.E.128 " in ln for ln in lines[:first_arrive]), "tile_md not loaded before the cluster barrier"
+
+
 def test_column_pair_variant_compiles(tmp_path):
-    """``Tuning.column_pair`` (h=64 split, experimental): PV in 64x128 N-tiles (each CTA of the pair
-    computes 256 of the 512 columns), the gather shared through the crossover's bulk copies to the
-    peer, o_accum stored from registers (no o_accum tensor map), no spills. A kernel without the
-    split, or with h=128, ignores it."""
-    cfg = Sm90SparseDecodeConfig(h_q=64, split=True, has_topk_length=True, has_attn_sink=True)
-    compile_sparse_decode(cfg, dump_dir=str(tmp_path), tuning=Tuning(column_pair=True))
+    """The column pair (h=64 split; the plan picks it through the config's ``column_pair``, or
+    ``Tuning.column_pair`` forces it): PV in 64x128 N-tiles (each CTA of the pair computes 256 of
+    the 512 columns), the gather shared through the crossover's bulk copies to the peer, out and
+    o_accum stored from registers (Q the only tensor map, as the plan lists), no spills, the
+    relaxed cluster start. A kernel without the split, or with h=128, ignores it."""
+    from cute_mla import plan_sparse_decode
+    from cute_mla.kernels.sm90.sparse_decode import Sm90SparseDecodeKernel
+
+    plan = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
+    assert plan.column_pair and plan.oacc_from_registers
+    cfg = Sm90SparseDecodeConfig(h_q=64, split=True, has_topk_length=True, has_attn_sink=True, oacc_from_registers=True,
+                                 column_pair=True)
+    assert Sm90SparseDecodeKernel(cfg).cpair
+    compile_sparse_decode(cfg, dump_dir=str(tmp_path))
     ptx, cubin = ki.find_artifacts(str(tmp_path), "sm_90a")
     with open(ptx) as f:
         text = f.read()
     assert "cp.async.bulk.shared::cluster.shared::cta" in text
-    assert ki.tensor_map_params(text) == 1   # Q only: out and o_accum are stored from registers
+    assert ki.tensor_map_params(text) == len(plan.tensor_maps) == 1   # Q only: out and o_accum from registers
     sass = _sass_or_skip(cubin)
     assert "HGMMA.64x128x16" in sass and "HGMMA.64x256x16" not in sass
     assert ki.local_memory_ops(sass) == 0
-    from cute_mla.kernels.sm90.sparse_decode import Sm90SparseDecodeKernel
+    _check_cluster_start(text, sass)
+    # the Tuning's force, and where the pair does not apply
+    assert Sm90SparseDecodeKernel(cfg.__class__(h_q=64, split=True, has_topk_length=False, has_attn_sink=False),
+                                  Tuning(column_pair=True)).cpair
     assert not Sm90SparseDecodeKernel(Sm90SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False), Tuning(column_pair=True)).cpair
     assert not Sm90SparseDecodeKernel(Sm90SparseDecodeConfig(h_q=128, split=True, has_topk_length=False, has_attn_sink=False), Tuning(column_pair=True)).cpair
+    # an experiment's Tuning without the crossover runs the plan's pair shapes as plain pieces
+    assert not Sm90SparseDecodeKernel(cfg, Tuning(crossover=Crossover.OFF)).cpair
     with pytest.raises(ValueError, match="column_pair"):
         Tuning(column_pair=True, crossover=Crossover.OFF)
+    for bad in (dict(h_q=128, split=True), dict(h_q=64, split=False)):
+        with pytest.raises(ValueError, match="column_pair"):
+            Sm90SparseDecodeConfig(has_topk_length=False, has_attn_sink=False, column_pair=True, **bad)

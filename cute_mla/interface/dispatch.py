@@ -154,7 +154,8 @@ def _main_kernel(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: b
     if plan.arch == "sm_90a":
         from ..kernels.sm90 import sparse_decode as mod
         cfg = mod.Sm90SparseDecodeConfig(h_q=plan.h_q, split=plan.split, has_topk_length=has_topk_length,
-                                         has_attn_sink=has_attn_sink, oacc_from_registers=plan.oacc_from_registers)
+                                         has_attn_sink=has_attn_sink, oacc_from_registers=plan.oacc_from_registers,
+                                         column_pair=plan.column_pair)
     else:
         from ..kernels.sm100 import sparse_decode as mod
         cfg = mod.Sm100SparseDecodeConfig(h_q=plan.h_q, split=plan.split, has_topk_length=has_topk_length,

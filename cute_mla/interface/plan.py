@@ -40,6 +40,7 @@ SM100_NO_SPLIT_MAX_TOPK = 640           # FlashMLA enables split-KV on SM100 onl
 MAX_GRID_Y = 65535
 BLOCK_TOPK = sched.BLOCK_TOPK
 ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus its fp32 lse_accum entry
+COLUMN_PAIR_MAX_BUSY_CTAS = 32         # sm90_column_pair: measured on the H200 (NOTES.md, 2026-12-03 f)
 
 # TMA tensor maps each kernel variant builds (what the compile tests check in the PTX). The SM90
 # split variant drops "o_accum" where the plan stores it from registers (oacc_from_registers).
@@ -71,6 +72,7 @@ class SparseDecodePlan:
     host_schedule: Optional[sched.HostSchedule]
     token_walk: bool = False            # the s_q tokens run as s_q one-token requests (module docstring)
     oacc_from_registers: bool = False   # SM90 split: o_accum stored from registers (sm90_oacc_from_registers)
+    column_pair: bool = False           # SM90 h=64 split: a cluster of 2 CTAs per piece (sm90_column_pair)
 
     @property
     def variant(self) -> str:
@@ -83,7 +85,10 @@ class SparseDecodePlan:
     @property
     def tensor_maps(self) -> Tuple[str, ...]:
         maps = _TENSOR_MAPS[(self.arch, self.split)]
-        return tuple(m for m in maps if m != "o_accum") if self.oacc_from_registers else maps
+        # stored from registers: o_accum (oacc_from_registers); out and o_accum (column pair, whose
+        # 64 x 128 column blocks have no tensor map)
+        direct = ("out", "o_accum") if self.column_pair else ("o_accum",) if self.oacc_from_registers else ()
+        return tuple(m for m in maps if m not in direct)
 
     @property
     def launches(self) -> Tuple[str, ...]:
@@ -108,6 +113,8 @@ class SparseDecodePlan:
         if self.token_walk:
             lines.append(f"token walk: {self.s_q} one-token requests over {len(self.host_schedule.rows)} partitions "
                          "of whole tokens")
+        if self.column_pair:
+            lines.append("column pair: each piece on a cluster of 2 CTAs, 256 of the 512 output columns each")
         lines += [
             f"launches: {', '.join(self.launches)}",
             f"accumulator rows: {self.accum_rows}  workspace: {self.workspace_bytes} bytes ({self.workspace_bytes / 2**20:.2f} MiB)",
@@ -166,11 +173,13 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         host_schedule = sched.plan_splits_host(sched.blocks_per_request(topk, b=b), parts, overhead)
         accum_rows = host_schedule.split_rows
     split = accum_rows > 0
+    pair = split and sm90_column_pair(arch, b, s_q, h_q, num_sms, host_schedule)
     return SparseDecodePlan(
         arch=arch, b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, d_v=d_v, topk=topk, has_topk_length=has_topk_length,
         num_sm_parts=parts, fixed_overhead=overhead, kernel=_KERNEL[arch], split=split,
         schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule, token_walk=token_walk,
-        oacc_from_registers=split and sm90_oacc_from_registers(arch, b, s_q, h_q, num_sms, host_schedule))
+        oacc_from_registers=pair or (split and sm90_oacc_from_registers(arch, b, s_q, h_q, num_sms, host_schedule)),
+        column_pair=pair)
 
 
 def sm90_oacc_from_registers(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
@@ -185,8 +194,27 @@ def sm90_oacc_from_registers(arch: str, b: int, s_q: int, h_q: int, num_sms: int
     (topk_length) keep the TMA store: their partitions are not known here."""
     if arch != "sm_90a" or h_q != 64 or host_schedule is None:
         return False
-    busy = sum(1 for r in host_schedule.rows if r[0] < b and r[0] <= r[1])
-    return busy * s_q <= num_sms // 2
+    return _busy_partitions(b, host_schedule) * s_q <= num_sms // 2
+
+
+def _busy_partitions(b: int, host_schedule: sched.HostSchedule) -> int:
+    """Partitions of a host schedule with a piece of work (an empty trailing one has begin_req == b)."""
+    return sum(1 for r in host_schedule.rows if r[0] < b and r[0] <= r[1])
+
+
+def sm90_column_pair(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
+                     host_schedule: Optional[sched.HostSchedule]) -> bool:
+    """SM90 split variant at h_q = 64: run each piece on a column pair (a cluster of 2 CTAs that
+    share the gather and each compute and store 256 of the 512 output columns) when at most
+    ``COLUMN_PAIR_MAX_BUSY_CTAS`` CTAs would have work without it (partitions with a piece x s_q).
+
+    The pair doubles the CTAs with work: it shortens a piece's chain (conversion, PV and the fp32
+    o_accum store halved per SM) where few pieces leave most SMs idle, and loses once the doubled
+    CTAs crowd the GPU (benchmarks/NOTES.md, session 2026-12-03 f). Device schedules (topk_length)
+    keep one CTA per piece: their partitions are not known here."""
+    if arch != "sm_90a" or h_q != 64 or host_schedule is None:
+        return False
+    return _busy_partitions(b, host_schedule) * s_q <= min(COLUMN_PAIR_MAX_BUSY_CTAS, num_sms // 4)
 
 
 def uses_token_walk(arch: str, b: int, s_q: int, h_q: int, parts: int, num_sms: int) -> bool:

@@ -34,12 +34,13 @@ Synchronisation (producer -> consumer, arrive counts):
   buffer has retired (and it has read the buffer's ``tile_info``) -> the producer waits before
   overwriting either (first use passes: parity starts at 1).
 * named barrier ``INDEX_SCAN`` (128, producer only): the index scan's warp counts and ring writes.
-* h_q = 128 with ``Tuning.crossover``, or h_q = 64 split with ``Tuning.column_pair`` (cluster of 2,
+* h_q = 128 with ``Tuning.crossover``, or h_q = 64 split in a column pair (cluster of 2,
   ``sparse_decode_crossover.py``): ``k_full``
   count 129 (+ producer thread 0's ``arrive.expect_tx`` of the peer's 36,864 B, completed by the
   peer's bulk copies); ``peer_free[2]`` mbarriers, count 1, peer producer -> local producer ("you
   may write into my buffer b"); named barrier ``XOVER_HALF`` (128, producer only, HALF_COPY); cluster
-  barriers after the mbarrier init and before exit.
+  barriers after the mbarrier init (relaxed arrive: ``fence.mbarrier_init`` releases the inits) and
+  before exit.
 * named barrier ``P_READY`` (256): WG0 arrives after writing sP / row_scale (+ fence) -> WG1 syncs.
 * named barrier ``P_FREE`` (256): WG1 arrives once it no longer reads sP / row_scale -> WG0 syncs
   before overwriting them. WG1 arrives once up front; WG0 syncs once more at the very end.
@@ -98,9 +99,14 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.n_hblk = cfg.h_q // TILE.heads
         # h_q = 128 with Tuning.crossover: the two head-half CTAs of a token form a cluster of 2 and
         # each dequantizes half of every K tile for both (sparse_decode_crossover.py).
-        # h_q = 64 split with Tuning.column_pair: the two column-half CTAs of a piece form a cluster
-        # of 2, share the gather the same way and each computes 256 of the 512 output columns.
-        self.cpair = tuning.column_pair and self.n_hblk == 1 and cfg.split
+        # h_q = 64 split with the config's (the plan's) or the Tuning's column_pair: the two
+        # column-half CTAs of a piece form a cluster of 2, share the gather the same way and each
+        # computes 256 of the 512 output columns.
+        # It shares the gather through the crossover transport: an experiment's Tuning with the
+        # crossover OFF runs the plan's column-pair shapes as plain pieces (Tuning.column_pair
+        # itself refuses crossover OFF).
+        self.cpair = ((cfg.column_pair and tuning.crossover != Crossover.OFF) or tuning.column_pair) \
+            and self.n_hblk == 1 and cfg.split
         self.n_cblk = 2 if self.cpair else 1  # column-half CTAs per (token, 64 heads)
         self.pv_cols = TILE.half_v // self.n_cblk  # output columns per MMA warp group
         self.xover = (tuning.crossover != Crossover.OFF and self.n_hblk == 2) or self.cpair
@@ -312,9 +318,21 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                 if cutlass.const_expr(self.xover):
                     cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
         cute.arch.mbarrier_init_fence()
+        md = None
+        if cutlass.const_expr(self.tuning.early_metadata):
+            # Words 0-3 of the partition's row in one 16-B load (rows are 32 B, 16-B aligned),
+            # issued before the prologue's barriers so its L2 round trip overlaps them (in a
+            # cluster the start-up cluster barrier alone took ~680 cycles: timeline, NOTES.md).
+            md = ptx.ld_global_v4(mTileMd.iterator.toint() + Int64(part) * Int64(4 * mTileMd.stride[0]), "", "")
         if cutlass.const_expr(self.xover):
-            # The peer's barriers are initialised before any remote arrive / st.async reaches them.
-            cute.arch.cluster_arrive()
+            # The peer's barriers are initialised before any remote arrive / st.async reaches them:
+            # fence.mbarrier_init (above) releases the inits to the cluster, so the arrive may be
+            # relaxed (PTX ISA, mbarrier init visibility); the default arrive's release costs a
+            # MEMBAR.ALL.GPU, which waits for the tile_md load just issued.
+            if cutlass.const_expr(self.tuning.relaxed_cluster_start):
+                cute.arch.cluster_arrive_relaxed()
+            else:
+                cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
         # Programmatic dependent launch: the combine (launched with PDL after this kernel in the
         # split case) may be scheduled right away; it reads nothing before its griddepcontrol.wait,
@@ -337,8 +355,6 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         batch = mIdx.shape[0]
         topk = mIdx.shape[2]
         if cutlass.const_expr(self.tuning.early_metadata):
-            # Words 0-3 of the partition's row in one 16-B load (rows are 32 B, 16-B aligned).
-            md = ptx.ld_global_v4(mTileMd.iterator.toint() + Int64(part) * Int64(4 * mTileMd.stride[0]), "", "")
             begin_req = ptx.vec_elem(md, 0)
             end_req = ptx.vec_elem(md, 1)
             first_blocks = (ptx.vec_elem(md, 2), ptx.vec_elem(md, 3))   # begin_block, end_block
@@ -725,7 +741,7 @@ def launch_sparse_decode(
 
     Absent optionals are passed as None (the compiled signature keeps a None slot for them).
     ``timeline``: the stamp buffer of a kernel compiled with ``Tuning.timeline`` (probes only).
-    Grid: x = s_q * (h_q // 64) (x 2 with ``Tuning.column_pair``), y = tile_md.shape[0] (one CTA per
+    Grid: x = s_q * (h_q // 64) (x 2 in the column pair), y = tile_md.shape[0] (one CTA per
     64 heads x token x partition, per column half in the column pair).
     """
     compiled.fn(

@@ -26,6 +26,10 @@ class Sm90SparseDecodeConfig:
     # split variant: store o_accum from the accumulator registers, no o_accum tensor map (the plan
     # picks it: SparseDecodePlan.oacc_from_registers); False: staged in sQ, stored by TMA
     oacc_from_registers: bool = False
+    # h_q = 64 split: each piece on a cluster of 2 CTAs that share the gather and split the 512
+    # output columns (the plan picks it: SparseDecodePlan.column_pair, ``sm90_column_pair``; the
+    # kernel as ``Tuning.column_pair`` describes it); out and o_accum are stored from registers.
+    column_pair: bool = False
     d_qk: int = 576
     d_v: int = 512
     arch: str = "sm_90a"
@@ -33,6 +37,9 @@ class Sm90SparseDecodeConfig:
     def __post_init__(self):
         if self.oacc_from_registers and not self.split:
             raise ValueError("oacc_from_registers: only the split variant stores o_accum (got split=False)")
+        if self.column_pair and not (self.split and self.h_q == 64):
+            raise ValueError(f"column_pair: only the h_q=64 split variant runs column pairs (got h_q={self.h_q}, "
+                             f"split={self.split})")
         if self.h_q not in (64, 128):
             raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
         if (self.d_qk, self.d_v) != (576, 512):
@@ -282,14 +289,21 @@ class Tuning:
     # warp group), storing from registers. Halves the per-SM conversion, PV and store bytes of the
     # latency rows' one-tile pieces (NOTES.md, session 2026-12-03 e, the timeline). It overrides
     # oacc_direct_store / out_direct_store = False (its 64 x 128 blocks have no tensor maps).
-    # Experimental: not yet run on a GPU; no plan picks it (a plan rule must also drop "out" and
-    # "o_accum" from SparseDecodePlan.tensor_maps, as oacc_from_registers does).
+    # True forces it on every h_q = 64 split kernel (experiments); the plan picks it per shape
+    # through the config's ``column_pair`` (``sm90_column_pair``: few busy pieces, where the grid's
+    # doubled CTAs still fit; NOTES.md, session 2026-12-03 f).
     column_pair: bool = False
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
     # dequantizes half of every K tile for both (sparse_decode_crossover.py, Crossover; also the
     # transport of ``column_pair``'s two column-half CTAs). Needs the
     # streamed compacted producer: a Tuning that turns compaction or streaming off sets it OFF.
     crossover: Crossover = Crossover.WARP_COPIES
+    # Cluster kernels (crossover, column pair): the start-up cluster barrier (the peer's mbarrier
+    # inits visible before any remote arrive or copy) arrives with barrier.cluster.arrive.relaxed;
+    # fence.mbarrier_init already releases the inits. False: the default arrive, whose release
+    # semantics compile to a MEMBAR.ALL.GPU (the timeline's prologue: ~680 cycles more than a
+    # kernel without a cluster).
+    relaxed_cluster_start: bool = True
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:
