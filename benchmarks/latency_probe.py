@@ -8,7 +8,10 @@ work: launch, prologue, epilogue) and with none masked (one full tile's chain); 
 pieces' skeleton and the combine) and 20 % masked (the benchmark row). Differences between rows
 are the costs of the parts.
 
-    python benchmarks/latency_probe.py [--heads 64,128]
+    python benchmarks/latency_probe.py [--heads 64,128] [--variants default,xover_off] [--topk 2048]
+
+``--variants``: names of sm90_variants.VARIANTS (the dispatcher compiles with that Tuning), one
+line per variant and case; ``--topk``: only the cases of that top-k.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import cute_mla  # noqa: E402
 from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
 from bench_sparse_decode import make_inputs  # noqa: E402
 from profile_small import graph_of, kernel_times, replay_us  # noqa: E402
+from sm90_variants import VARIANTS, use_tuning  # noqa: E402
 
 CASES = [(64, 1.0), (64, 0.0), (128, 0.0), (256, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
 
@@ -44,22 +48,29 @@ def floor_graph():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="64,128")
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--topk", type=int, default=None)
     args = ap.parse_args()
+    names = args.variants.split(",")
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}  graph replay of one trivial kernel: {replay_us(floor_graph()):.1f} us")
-    print(f"{'h':>4} {'topk':>5} {'masked':>6} | {'plan':<28} | {'replay us':>9} | kernels (device us, per replay)")
+    print(f"{'h':>4} {'topk':>5} {'masked':>6} {'variant':<14} | {'plan':<34} | {'replay us':>9} | kernels (device us, per replay)")
     g = torch.Generator(device="cuda").manual_seed(0)
     for h in (int(v) for v in args.heads.split(",")):
         for topk, masked in CASES:
+            if args.topk is not None and topk != args.topk:
+                continue
             q, cache, idx = make_inputs(1, 1, h, masked, g, topk=topk)
             plan = cute_mla.plan_sparse_decode(1, 1, h, 576, topk, arch=device_arch(dev), num_sms=device_num_sms(dev))
             ns = plan.host_schedule.num_splits
             pieces = ns[-1] - ns[0]
-            desc = f"{plan.variant}, {len(plan.host_schedule.rows)} parts, {pieces} pieces"
-            graph = graph_of(cute_mla, q, cache, idx)
-            t = kernel_times(graph)
-            ks = ", ".join(f"{k[:24]} {v[0]:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
-            print(f"{h:>4} {topk:>5} {masked:>6.1f} | {desc:<28} | {replay_us(graph):>9.1f} | {ks}", flush=True)
+            desc = f"{plan.variant}, {len(plan.host_schedule.rows)} parts, {pieces} pieces{', pair' if plan.column_pair else ''}"
+            for name in names:
+                with use_tuning(VARIANTS[name]):
+                    graph = graph_of(cute_mla, q, cache, idx)
+                t = kernel_times(graph)
+                ks = ", ".join(f"{k[:24]} {v[0]:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
+                print(f"{h:>4} {topk:>5} {masked:>6.1f} {name:<14} | {desc:<34} | {replay_us(graph):>9.1f} | {ks}", flush=True)
 
 
 if __name__ == "__main__":
