@@ -8,6 +8,7 @@ import torch
 from cute_mla.kernels.combine import (
     MAX_SPLITS_BUCKETS,
     ROWS_IN_FLIGHT,
+    ROWS_IN_FLIGHT_CHOICES,
     THREADS_PER_CTA,
     CombineConfig,
     combine_config,
@@ -59,18 +60,24 @@ def _sass_or_skip(cubin):
     return sass(cubin)
 
 
+# every bucket with the default batch; the other batch size at the bucket edges, with a sink
+SPILL_CASES = [(ms, sink, ROWS_IN_FLIGHT) for ms in MAX_SPLITS_BUCKETS for sink in (False, True)] + [
+    (ms, True, r) for r in ROWS_IN_FLIGHT_CHOICES if r != ROWS_IN_FLIGHT for ms in (64, 160, 256)]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("max_splits", MAX_SPLITS_BUCKETS)
-@pytest.mark.parametrize("has_attn_sink", [False, True])
-def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, tmp_path):
+@pytest.mark.parametrize("max_splits,has_attn_sink,rows_in_flight", SPILL_CASES)
+def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, rows_in_flight, tmp_path):
     """No local memory (no spill, no stack), and the batch of row loads issued back to back.
 
-    In the SASS the ROWS_IN_FLIGHT 16-byte loads form one run with nothing in between that uses
+    In the SASS the rows_in_flight 16-byte loads form one run with nothing in between that uses
     a row (FFMA), waits on the lse loads (SHFL, MUFU of the reduction) or ends the block (BRA),
     and the run ends its basic block, so ptxas cannot schedule the lse reduction ahead of it.
     """
-    cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch)
+    cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch,
+                        rows_in_flight=rows_in_flight)
     compile_combine(cfg, dump_dir=str(tmp_path))
+    assert read_ptx(str(tmp_path)).count("ld.global.v4") == rows_in_flight
     _, cubin = find_artifacts(str(tmp_path), arch)
     text = _sass_or_skip(cubin)
     res = resource_usage(cubin)
@@ -79,7 +86,7 @@ def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, tmp_path
     assert local_memory_ops(text) == 0
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.128")]
-    assert len(loads) == ROWS_IN_FLIGHT, ops
+    assert len(loads) == rows_in_flight, ops
     between = ops[loads[0] : loads[-1]]
     assert not [op for op in between if op.startswith(("SHFL", "FFMA", "BRA", "MUFU"))], between
     after = ops[loads[-1] + 1 :]
@@ -105,6 +112,10 @@ def test_buckets():
     assert all(b % 32 == 0 for b in MAX_SPLITS_BUCKETS)
     cfg = combine_config(arch="sm_90a", h_q=128, has_attn_sink=True, num_sm_parts=66)
     assert (cfg.max_splits, cfg.h_q, cfg.has_attn_sink, cfg.arch) == (128, 128, True, "sm_90a")
+    # 32 split rows per batch where the bucket takes them (one round trip for 32 one-block pieces)
+    assert cfg.rows_in_flight == 32
+    assert combine_config(arch="sm_90a", h_q=64, has_attn_sink=True, num_sm_parts=16).rows_in_flight == 16
+    assert combine_config(arch="sm_90a", h_q=64, has_attn_sink=True, num_sm_parts=132, rows_in_flight=16).rows_in_flight == 16
 
 
 def test_config_validation():
@@ -116,6 +127,12 @@ def test_config_validation():
         CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", d_v=256)
     with pytest.raises(ValueError, match="h_q"):
         CombineConfig(h_q=0, has_attn_sink=False, max_splits=32, arch="sm_90a")
+    with pytest.raises(ValueError, match="rows_in_flight"):
+        CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", rows_in_flight=24)
+    with pytest.raises(ValueError, match="max_splits >= 64"):
+        CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", rows_in_flight=32)
+    a, b = (CombineConfig(h_q=64, has_attn_sink=False, max_splits=64, arch="sm_90a", rows_in_flight=r) for r in (16, 32))
+    assert a.cache_key != b.cache_key, "one compiled kernel per batch size"
 
 
 def test_launcher_checks_before_launch():

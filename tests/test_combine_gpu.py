@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cute_mla.arch import device_arch
-from cute_mla.kernels.combine import CombineConfig, combine_max_splits, compile_combine, launch_combine
+from cute_mla.kernels.combine import (ROWS_IN_FLIGHT, ROWS_IN_FLIGHT_CHOICES, CombineConfig, combine_max_splits,
+                                      compile_combine, launch_combine)
 
 pytestmark = pytest.mark.gpu
 
@@ -91,9 +92,9 @@ def check(case):
     return split
 
 
-def run(case, h_q, max_splits):
+def run(case, h_q, max_splits, rows_in_flight=ROWS_IN_FLIGHT):
     cfg = CombineConfig(h_q=h_q, has_attn_sink=case["attn_sink"] is not None, max_splits=max_splits,
-                        arch=device_arch(torch.device("cuda")))
+                        arch=device_arch(torch.device("cuda")), rows_in_flight=rows_in_flight)
     compiled = compile_combine(cfg)
     launch_combine(compiled, cfg, case["lse_accum"], case["o_accum"], case["num_splits"], case["attn_sink"],
                    case["out"], case["lse"])
@@ -101,10 +102,11 @@ def run(case, h_q, max_splits):
     return cfg, compiled
 
 
+@pytest.mark.parametrize("rows_in_flight", ROWS_IN_FLIGHT_CHOICES)
 @pytest.mark.parametrize("h_q", [64, 128])
 @pytest.mark.parametrize("sink_kind", [None, "finite+inf", "-inf"])
 @pytest.mark.parametrize("shape", ["small", "over32", "over132"])
-def test_matches_fp64(h_q, sink_kind, shape, seed):
+def test_matches_fp64(h_q, sink_kind, shape, rows_in_flight, seed):
     gen = torch.Generator().manual_seed(seed)
     if shape == "small":
         counts = [1, 2, 0, 3, 2, 1, 5]
@@ -116,8 +118,10 @@ def test_matches_fp64(h_q, sink_kind, shape, seed):
         counts = [133, 150, 1, 160]
         s_q = 1
     max_splits = combine_max_splits(max(counts))
+    if rows_in_flight > ROWS_IN_FLIGHT:
+        max_splits = max(max_splits, 64)   # the larger batch needs two lse register slots
     case = make_case(counts, s_q, h_q, sink_kind, gen=gen)
-    run(case, h_q, max_splits)
+    run(case, h_q, max_splits, rows_in_flight)
     check(case)
     # make_case emptied (request r % 3 == 0, query 0, first half of the heads): out 0, lse +inf.
     r = next(i for i, c in enumerate(counts) if c > 1 and i % 3 == 0)
@@ -131,6 +135,13 @@ def test_random_counts_in_large_bucket(seed):
     case = make_case(counts, 1, 64, "finite+inf", gen=gen)
     run(case, 64, 160)
     check(case)
+    # every batch size accumulates the rows in the same order: the same bits
+    first = (case["out"].clone(), case["lse"].clone())
+    for r in ROWS_IN_FLIGHT_CHOICES:
+        case["out"].fill_(OUT_SENTINEL)
+        case["lse"].fill_(LSE_SENTINEL)
+        run(case, 64, 160, r)
+        assert torch.equal(case["out"], first[0]) and torch.equal(case["lse"], first[1]), f"rows_in_flight={r}"
 
 
 def test_grid_beyond_65535(seed):

@@ -20,9 +20,10 @@ row is written with one 8-byte store per lane.
 
 Every warp reduces the split lses itself (redundantly: at most ``max_splits`` floats), which
 needs no shared memory or barrier. Memory-level parallelism is what makes the kernel fast: the
-split rows are loaded ``ROWS_IN_FLIGHT`` (16) at a time, back to back, before any is
-accumulated, and the first batch is issued before the lse reduction so that its latency
-overlaps the lse loads and the reduction math.
+split rows are loaded ``rows_in_flight`` (a config value: 16 or 32) at a time, back to back,
+before any is accumulated, and the first batch is issued before the lse reduction so that its
+latency overlaps the lse loads and the reduction math. With 32, a request of up to 32 splits
+(b = s_q = 1 at top-k 2048: 32 one-block pieces) waits one round trip for its rows, not two.
 
 ``max_splits`` (a bucket from :data:`MAX_SPLITS_BUCKETS`) sizes the per-lane register array
 of split lses (``max_splits/32`` entries, loaded in one unrolled, fully overlapped pass). A
@@ -56,10 +57,11 @@ THREADS_PER_CTA = WARP_THREADS * WARPS_PER_CTA
 COLS_PER_LANE = D_V // THREADS_PER_CTA  # 4 contiguous columns per lane
 ROW_LOAD_BYTES = COLS_PER_LANE * (Float32.width // 8)  # 16: one vector load per split row and lane
 OUT_STORE_BYTES = COLS_PER_LANE * (BFloat16.width // 8)  # 8: one vector store per lane; out's base alignment
-ROWS_IN_FLIGHT = 16  # split rows loaded back to back before any is accumulated (memory-level parallelism)
+ROWS_IN_FLIGHT = 16  # default split rows loaded back to back before any is accumulated (memory-level parallelism)
+# Each divides 32: a batch of rows never straddles two lse register slots, so its weights come from one slot.
+ROWS_IN_FLIGHT_CHOICES = (16, 32)
 assert COLS_PER_LANE * THREADS_PER_CTA == D_V
-# A batch of rows never straddles two lse register slots, so its weights come from one slot.
-assert WARP_THREADS % ROWS_IN_FLIGHT == 0
+assert all(WARP_THREADS % r == 0 for r in ROWS_IN_FLIGHT_CHOICES)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -84,6 +86,7 @@ class CombineConfig:
     max_splits: int
     arch: str
     d_v: int = D_V
+    rows_in_flight: int = ROWS_IN_FLIGHT   # split rows per batch of back-to-back loads (ROWS_IN_FLIGHT_CHOICES)
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
@@ -93,15 +96,29 @@ class CombineConfig:
             raise ValueError(f"combine: max_splits must be one of {MAX_SPLITS_BUCKETS}, got {self.max_splits}")
         if self.h_q < 1:
             raise ValueError(f"combine: h_q must be >= 1, got {self.h_q}")
+        if self.rows_in_flight not in ROWS_IN_FLIGHT_CHOICES:
+            raise ValueError(f"combine: rows_in_flight must be one of {ROWS_IN_FLIGHT_CHOICES}, got {self.rows_in_flight}")
+        if self.rows_in_flight > ROWS_IN_FLIGHT and self.max_splits < 64:
+            # With one lse register slot ptxas interleaves a batch of 32 loads with the FFMAs that
+            # use them (34 registers, 4 loads ahead: serial round trips; tests/test_combine_compile.py).
+            raise ValueError(f"combine: rows_in_flight={self.rows_in_flight} needs max_splits >= 64, got {self.max_splits}")
 
     @property
     def cache_key(self):
-        return ("combine", self.arch, self.h_q, self.has_attn_sink, self.max_splits, self.d_v)
+        return ("combine", self.arch, self.h_q, self.has_attn_sink, self.max_splits, self.d_v, self.rows_in_flight)
 
 
-def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int) -> CombineConfig:
-    """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many splits)."""
-    return CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=combine_max_splits(num_sm_parts), arch=arch)
+def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int,
+                   rows_in_flight: Optional[int] = None) -> CombineConfig:
+    """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many splits).
+
+    ``rows_in_flight`` None: 32 where the bucket takes it (max_splits >= 64: b = s_q = 1 has up to
+    132 partitions, 32 pieces at top-k 2048), else 16."""
+    max_splits = combine_max_splits(num_sm_parts)
+    if rows_in_flight is None:
+        rows_in_flight = max(ROWS_IN_FLIGHT_CHOICES) if max_splits >= 64 else ROWS_IN_FLIGHT
+    return CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch,
+                         rows_in_flight=rows_in_flight)
 
 
 def _exp2(x):
@@ -123,10 +140,11 @@ def _combine_host(
     out: cute.Tensor,  # (b, s_q, h_q, 512) bf16
     lse: cute.Tensor,  # (b, s_q, h_q) fp32
     max_splits: cutlass.Constexpr[int],
+    rows_in_flight: cutlass.Constexpr[int],
     stream,
 ):
     grid_x = out.shape[0] * out.shape[1]
-    _combine_kernel(lse_accum, o_accum, num_splits, attn_sink, out, lse, max_splits).launch(
+    _combine_kernel(lse_accum, o_accum, num_splits, attn_sink, out, lse, max_splits, rows_in_flight).launch(
         grid=(grid_x, out.shape[2], 1),
         block=(THREADS_PER_CTA, 1, 1),
         stream=stream,
@@ -140,7 +158,8 @@ def _combine_host(
 
 @cute.jit
 def _load_rows(frags, lane_addr: Int64, row_bytes: Int64, first: Int32, last: Int32):
-    """Issue the loads of split rows ``first .. first+ROWS_IN_FLIGHT-1`` (clamped to ``last``) into ``frags``.
+    """Issue the loads of split rows ``first .. first+rows-1`` (clamped to ``last``) into ``frags``
+    (``rows``: its second mode, the config's ``rows_in_flight``).
 
     ``lane_addr`` is this lane's 16-byte chunk of the request's first split row and
     ``row_bytes`` the distance between split rows. The row number is non-negative, so it is
@@ -148,7 +167,7 @@ def _load_rows(frags, lane_addr: Int64, row_bytes: Int64, first: Int32, last: In
     back; nothing here waits on them. A clamped row is in bounds and gets weight 0 (its split
     lse is -inf), so no tail branch is needed.
     """
-    for u in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+    for u in cutlass.range_constexpr(cute.size(frags, mode=[1])):
         row = Int64(Uint32(cutlass.min(first + u, last)))
         ptr = cute.make_ptr(Float32, lane_addr + row * row_bytes, cute.AddressSpace.gmem, assumed_align=ROW_LOAD_BYTES)
         cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(COLS_PER_LANE)), frags[None, u])
@@ -162,7 +181,7 @@ def _out_cols(out: cute.Tensor, req, q, head, col_tile):
 @cute.jit
 def _accumulate(acc, frags, w_slot: Float32, src_lane: Int32):
     """``acc += w * frags[:, u]`` for the batch in ``frags``; row u's weight sits in lane ``src_lane + u`` of ``w_slot``."""
-    for u in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+    for u in cutlass.range_constexpr(cute.size(frags, mode=[1])):
         w = cute.arch.shuffle_sync(w_slot, src_lane + u)
         for e in cutlass.range_constexpr(COLS_PER_LANE):
             acc[e] += w * frags[e, u]
@@ -216,6 +235,7 @@ def _combine_kernel(
     out: cute.Tensor,
     lse: cute.Tensor,
     max_splits: cutlass.Constexpr[int],
+    rows_in_flight: cutlass.Constexpr[int],
 ):
     lse_slots = max_splits // WARP_THREADS  # splits lane, lane+32, ... held in registers
 
@@ -254,9 +274,9 @@ def _combine_kernel(
         if cutlass.const_expr(attn_sink is not None):
             sink = attn_sink[head] * Float32(LOG2E)
 
-        # 2) out = sum_i w_i o_i, ROWS_IN_FLIGHT split rows per batch, loaded back to back before
+        # 2) out = sum_i w_i o_i, rows_in_flight split rows per batch, loaded back to back before
         #    any is used. Split i's weight is in lane i % 32 of register slot i // 32; a batch
-        #    lies in one slot (ROWS_IN_FLIGHT divides 32) and a shuffle hands the weights out.
+        #    lies in one slot (rows_in_flight divides 32) and a shuffle hands the weights out.
         #    The first iteration turns the lses into weights after issuing its row loads: the
         #    loads end a basic block and the reduction starts the next one, so ptxas cannot
         #    schedule the reduction (which waits for the lses) ahead of them, and the row
@@ -266,11 +286,11 @@ def _combine_kernel(
         lane_addr = cute.local_tile(o_accum[row_begin, q, head, None], (COLS_PER_LANE,), (col_tile,)).iterator.toint()
         row_bytes = Int64(o_accum.stride[0]) * (Float32.width // 8)
         # Register tensors are column-major: COLS_PER_LANE goes first so each row's run is contiguous.
-        frags = cute.make_rmem_tensor((COLS_PER_LANE, ROWS_IN_FLIGHT), Float32)
+        frags = cute.make_rmem_tensor((COLS_PER_LANE, rows_in_flight), Float32)
         acc = cute.make_rmem_tensor((COLS_PER_LANE,), Float32)
         acc.fill(0.0)
         lse_nat = Float32(0.0)
-        for first in cutlass.range(0, n, ROWS_IN_FLIGHT, unroll=1):
+        for first in cutlass.range(0, n, rows_in_flight, unroll=1):
             _load_rows(frags, lane_addr, row_bytes, first, last)
             if first == 0:
                 lse_nat = _split_weights(lse_reg, sink, attn_sink is not None)
@@ -316,6 +336,7 @@ def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> Compi
             _combine_host,
             *_fake_args(cfg),
             cfg.max_splits,
+            cfg.rows_in_flight,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options=compile_options(cfg.arch, dump),
         )

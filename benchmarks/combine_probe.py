@@ -1,0 +1,70 @@
+"""The split-KV combine alone on the latency rows' accumulator shapes, per batch size of row loads.
+
+For each shape (the split counts the plan gives b=1, s_q in {1, 8}, h in {64, 128} at top-k 2048)
+random partials are combined by a CUDA graph holding one combine launch (no decode kernel before
+it, so its PDL wait returns at once): the graph replay time and the kernel's CUPTI device time,
+per ``rows_in_flight``; every batch size must give the first one's bits.
+
+    python benchmarks/combine_probe.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import cute_mla  # noqa: E402
+from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
+from cute_mla.kernels.combine import ROWS_IN_FLIGHT_CHOICES, combine_config, compile_combine, launch_combine  # noqa: E402
+from profile_small import kernel_times, replay_us  # noqa: E402
+
+SHAPES = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128)]
+TOPK = 2048
+
+
+def main():
+    dev = torch.device("cuda")
+    arch, sms = device_arch(dev), device_num_sms(dev)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  combine alone (graph of one launch)")
+    print(f"{'b':>3} {'s_q':>4} {'h':>4} {'splits':>6} | " + " | ".join(f"rows {r:>2}: replay / kernel us" for r in ROWS_IN_FLIGHT_CHOICES))
+    for b, s_q, h in SHAPES:
+        plan = cute_mla.plan_sparse_decode(b, s_q, h, 576, TOPK, arch=arch, num_sms=sms)
+        ns = torch.tensor(plan.host_schedule.num_splits, dtype=torch.int32, device=dev)
+        rows = plan.accum_rows
+        lse_accum = torch.rand(rows, s_q, h, device=dev, generator=g) * 8 - 4
+        o_accum = torch.randn(rows, s_q, h, 512, device=dev, generator=g)
+        sink = torch.randn(h, device=dev, generator=g)
+        cells, first = [], None
+        for r in ROWS_IN_FLIGHT_CHOICES:
+            try:
+                cfg = combine_config(arch, h, True, plan.num_sm_parts, rows_in_flight=r)
+            except ValueError:   # a batch size this bucket does not take
+                cells.append("-")
+                continue
+            fn = compile_combine(cfg)
+            out = torch.zeros(b, s_q, h, 512, dtype=torch.bfloat16, device=dev)
+            lse = torch.zeros(b, s_q, h, device=dev)
+            args = (lse_accum, o_accum, ns, sink, out, lse)
+            launch_combine(fn, cfg, *args)
+            torch.cuda.synchronize()
+            if first is None:
+                first = (out.clone(), lse.clone())
+            same = torch.equal(out, first[0]) and torch.equal(lse, first[1])
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                launch_combine(fn, cfg, *args, layout_checked=True)
+            kt = sum(v[0] for v in kernel_times(gr).values())
+            cells.append(f"{replay_us(gr):6.1f} / {kt:5.1f}{'' if same else ' DIFFERS'}")
+        splits = ns[1].item() - ns[0].item()
+        print(f"{b:>3} {s_q:>4} {h:>4} {splits:>6} | " + " | ".join(f"{c:>26}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
