@@ -112,10 +112,11 @@ def test_buckets():
     assert all(b % 32 == 0 for b in MAX_SPLITS_BUCKETS)
     cfg = combine_config(arch="sm_90a", h_q=128, has_attn_sink=True, num_sm_parts=66)
     assert (cfg.max_splits, cfg.h_q, cfg.has_attn_sink, cfg.arch) == (128, 128, True, "sm_90a")
-    # 32 split rows per batch where the bucket takes them (one round trip for 32 one-block pieces)
-    assert cfg.rows_in_flight == 32
-    assert combine_config(arch="sm_90a", h_q=64, has_attn_sink=True, num_sm_parts=16).rows_in_flight == 16
-    assert combine_config(arch="sm_90a", h_q=64, has_attn_sink=True, num_sm_parts=132, rows_in_flight=16).rows_in_flight == 16
+    # the dispatcher's batch stays 16 (32 is opt-in until measured on a GPU)
+    assert cfg.rows_in_flight == 16
+    assert combine_config(arch="sm_90a", h_q=64, has_attn_sink=True, num_sm_parts=132, rows_in_flight=32).rows_in_flight == 32
+    with pytest.raises(ValueError, match="max_splits >= 64"):
+        combine_config(arch="sm_90a", h_q=64, has_attn_sink=True, num_sm_parts=16, rows_in_flight=32)
 
 
 def test_config_validation():

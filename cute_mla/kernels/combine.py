@@ -20,10 +20,11 @@ row is written with one 8-byte store per lane.
 
 Every warp reduces the split lses itself (redundantly: at most ``max_splits`` floats), which
 needs no shared memory or barrier. Memory-level parallelism is what makes the kernel fast: the
-split rows are loaded ``rows_in_flight`` (a config value: 16 or 32) at a time, back to back,
-before any is accumulated, and the first batch is issued before the lse reduction so that its
-latency overlaps the lse loads and the reduction math. With 32, a request of up to 32 splits
-(b = s_q = 1 at top-k 2048: 32 one-block pieces) waits one round trip for its rows, not two.
+split rows are loaded ``rows_in_flight`` (a config value: 16, the default, or 32) at a time,
+back to back, before any is accumulated, and the first batch is issued before the lse reduction
+so that its latency overlaps the lse loads and the reduction math. With 32, a request of up to 32
+splits (b = s_q = 1 at top-k 2048: 32 one-block pieces) would wait one round trip for its rows,
+not two (not yet measured on a GPU).
 
 ``max_splits`` (a bucket from :data:`MAX_SPLITS_BUCKETS`) sizes the per-lane register array
 of split lses (``max_splits/32`` entries, loaded in one unrolled, fully overlapped pass). A
@@ -112,11 +113,13 @@ def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int,
                    rows_in_flight: Optional[int] = None) -> CombineConfig:
     """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many splits).
 
-    ``rows_in_flight`` None: 32 where the bucket takes it (max_splits >= 64: b = s_q = 1 has up to
-    132 partitions, 32 pieces at top-k 2048), else 16."""
+    ``rows_in_flight`` None: ROWS_IN_FLIGHT (16). 32 (buckets >= 64 only) would let the 32
+    one-block pieces of b = s_q = 1 at top-k 2048 wait one round trip for their rows instead of
+    two; it is compile-tested but has not run on a GPU yet (``benchmarks/combine_probe.py`` times
+    both; NOTES.md, session 2026-12-03 f), so the dispatcher keeps 16."""
     max_splits = combine_max_splits(num_sm_parts)
     if rows_in_flight is None:
-        rows_in_flight = max(ROWS_IN_FLIGHT_CHOICES) if max_splits >= 64 else ROWS_IN_FLIGHT
+        rows_in_flight = ROWS_IN_FLIGHT
     return CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch,
                          rows_in_flight=rows_in_flight)
 
