@@ -21,6 +21,7 @@ sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
 from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
+from cute_mla.scheduler import accum_offsets  # noqa: E402
 from cute_mla.kernels.combine import ROWS_IN_FLIGHT_CHOICES, combine_config, compile_combine, launch_combine  # noqa: E402
 from profile_small import kernel_times, replay_us  # noqa: E402
 
@@ -33,10 +34,11 @@ def main():
     arch, sms = device_arch(dev), device_num_sms(dev)
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  combine alone (graph of one launch)")
-    print(f"{'b':>3} {'s_q':>4} {'h':>4} {'splits':>6} | " + " | ".join(f"rows {r:>2}: replay / kernel us" for r in ROWS_IN_FLIGHT_CHOICES))
+    print(f"{'b':>3} {'s_q':>4} {'h':>4} {'splits':>6} | " + " | ".join(f"{f'rows {r}: replay / kernel us':>26}" for r in ROWS_IN_FLIGHT_CHOICES))
     for b, s_q, h in SHAPES:
         plan = cute_mla.plan_sparse_decode(b, s_q, h, 576, TOPK, arch=arch, num_sms=sms)
-        ns = torch.tensor(plan.host_schedule.num_splits, dtype=torch.int32, device=dev)
+        # the accumulator row offsets the dispatcher passes (only split requests own rows)
+        ns = torch.tensor(accum_offsets(plan.host_schedule.num_splits), dtype=torch.int32, device=dev)
         rows = plan.accum_rows
         lse_accum = torch.rand(rows, s_q, h, device=dev, generator=g) * 8 - 4
         o_accum = torch.randn(rows, s_q, h, 512, device=dev, generator=g)

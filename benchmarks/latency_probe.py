@@ -64,7 +64,7 @@ def main():
             plan = cute_mla.plan_sparse_decode(1, 1, h, 576, topk, arch=device_arch(dev), num_sms=device_num_sms(dev))
             ns = plan.host_schedule.num_splits
             pieces = ns[-1] - ns[0]
-            desc = f"{plan.variant}, {len(plan.host_schedule.rows)} parts, {pieces} pieces{', pair' if plan.column_pair else ''}"
+            desc = f"{plan.variant}, {len(plan.host_schedule.rows)} parts, {pieces} pieces{', plan: pair' if plan.column_pair else ''}"
             for name in names:
                 with use_tuning(VARIANTS[name]):
                     graph = graph_of(cute_mla, q, cache, idx)

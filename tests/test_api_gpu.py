@@ -130,14 +130,18 @@ def test_schedule_first_uploaded_during_a_capture(seed):
     a capture of several layers holds one upload, not one per layer."""
     from cute_mla.interface import dispatch
 
-    topk, target, warm = 1536, (2, 1, 64), (1, 2, 64)   # top-k 1536: a plan no other test makes
+    from cute_mla.kernels.combine import combine_config
+
+    # target: top-k 1536, a plan no other test makes; warm: another plan with the same kernels
+    (target, topk), (warm, warm_topk) = ((2, 1, 64), 1536), ((2, 1, 64), 2048)
     dev = torch.device("cuda")
-    pt, pw = (plan_sparse_decode(*shape, 576, topk, arch=device_arch(dev), num_sms=device_num_sms(dev))
-              for shape in (target, warm))
-    # the same kernels, so nothing compiles or loads during the captures
-    assert pt.host_schedule is not None
+    pt, pw = (plan_sparse_decode(*shape, 576, k, arch=device_arch(dev), num_sms=device_num_sms(dev))
+              for shape, k in ((target, topk), (warm, warm_topk)))
+    # the same kernels (decode variant and combine), so nothing compiles or loads during the captures
+    assert pt.host_schedule is not None and pt != pw
     assert (pt.split, pt.oacc_from_registers, pt.column_pair) == (pw.split, pw.oacc_from_registers, pw.column_pair)
-    w = make_inputs(*warm, topk, num_tokens=4096, device="cuda")
+    assert (combine_config(pt.arch, 64, False, pt.num_sm_parts) == combine_config(pw.arch, 64, False, pw.num_sm_parts))
+    w = make_inputs(*warm, warm_topk, num_tokens=4096, device="cuda")
     run_case(w)
     torch.cuda.synchronize()
     x = make_inputs(*target, topk, num_tokens=4096, device="cuda")

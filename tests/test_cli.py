@@ -24,6 +24,9 @@ def test_plan_acceptance_grid(capsys, s_q, parts, rows):
     # o_accum from registers (no tensor map) where few CTAs store (s_q=1), by TMA otherwise
     assert p["oacc_from_registers"] == (s_q == 1)
     assert ("o_accum" in p["tensor_maps"]) == (rows > 0 and s_q != 1)
+    # the column pair (s_q=1: 32 one-block pieces) stores out from registers too
+    assert p["column_pair"] == (s_q == 1)
+    assert ("out" in p["tensor_maps"]) == (s_q != 1)
 
 
 def test_plan_human_readable(capsys):

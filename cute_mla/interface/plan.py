@@ -43,7 +43,8 @@ ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus it
 COLUMN_PAIR_MAX_BUSY_CTAS = 32         # sm90_column_pair: measured on the H200 (NOTES.md, 2026-12-03 f)
 
 # TMA tensor maps each kernel variant builds (what the compile tests check in the PTX). The SM90
-# split variant drops "o_accum" where the plan stores it from registers (oacc_from_registers).
+# split variant drops "o_accum" where the plan stores it from registers (oacc_from_registers), and
+# "out" too in the column pair (column_pair).
 _TENSOR_MAPS = {
     ("sm_90a", False): ("q", "out"),
     ("sm_90a", True): ("q", "out", "o_accum"),
@@ -206,7 +207,8 @@ def sm90_column_pair(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
                      host_schedule: Optional[sched.HostSchedule]) -> bool:
     """SM90 split variant at h_q = 64: run each piece on a column pair (a cluster of 2 CTAs that
     share the gather and each compute and store 256 of the 512 output columns) when at most
-    ``COLUMN_PAIR_MAX_BUSY_CTAS`` CTAs would have work without it (partitions with a piece x s_q).
+    ``COLUMN_PAIR_MAX_BUSY_CTAS`` CTAs, and at most num_sms / 4, would have work without it
+    (partitions with a piece x s_q).
 
     The pair doubles the CTAs with work: it shortens a piece's chain (conversion, PV and the fp32
     o_accum store halved per SM) where few pieces leave most SMs idle, and loses once the doubled
