@@ -110,17 +110,14 @@ class CombineConfig:
 
 
 def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int,
-                   rows_in_flight: Optional[int] = None) -> CombineConfig:
+                   rows_in_flight: int = ROWS_IN_FLIGHT) -> CombineConfig:
     """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many splits).
 
-    ``rows_in_flight`` None: ROWS_IN_FLIGHT (16). 32 (buckets >= 64 only) would let the 32
-    one-block pieces of b = s_q = 1 at top-k 2048 wait one round trip for their rows instead of
-    two; it is compile-tested but has not run on a GPU yet (``benchmarks/combine_probe.py`` times
-    both; NOTES.md, session 2026-12-03 f), so the dispatcher keeps 16."""
-    max_splits = combine_max_splits(num_sm_parts)
-    if rows_in_flight is None:
-        rows_in_flight = ROWS_IN_FLIGHT
-    return CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch,
+    ``rows_in_flight`` 32 (buckets >= 64 only) would let the 32 one-block pieces of b = s_q = 1 at
+    top-k 2048 wait one round trip for their rows instead of two; it is compile-tested but has not
+    run on a GPU yet (``benchmarks/combine_probe.py`` times both; NOTES.md, session 2026-12-03 f),
+    so the dispatcher keeps the default 16."""
+    return CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=combine_max_splits(num_sm_parts), arch=arch,
                          rows_in_flight=rows_in_flight)
 
 

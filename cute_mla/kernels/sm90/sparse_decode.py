@@ -100,11 +100,10 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         # h_q = 128 with Tuning.crossover: the two head-half CTAs of a token form a cluster of 2 and
         # each dequantizes half of every K tile for both (sparse_decode_crossover.py).
         # h_q = 64 split with the config's (the plan's) or the Tuning's column_pair: the two
-        # column-half CTAs of a piece form a cluster of 2, share the gather the same way and each
-        # computes 256 of the 512 output columns.
-        # It shares the gather through the crossover transport: an experiment's Tuning with the
-        # crossover OFF runs the plan's column-pair shapes as plain pieces (Tuning.column_pair
-        # itself refuses crossover OFF).
+        # column-half CTAs of a piece form a cluster of 2, share the gather through the crossover
+        # transport and each computes 256 of the 512 output columns. An experiment's Tuning with
+        # the crossover OFF runs the plan's pair shapes as plain pieces (Tuning.column_pair itself
+        # refuses crossover OFF).
         self.cpair = ((cfg.column_pair and tuning.crossover != Crossover.OFF) or tuning.column_pair) \
             and self.n_hblk == 1 and cfg.split
         self.n_cblk = 2 if self.cpair else 1  # column-half CTAs per (token, 64 heads)
