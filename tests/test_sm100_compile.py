@@ -16,7 +16,7 @@ cute = pytest.importorskip("cutlass.cute")
 import cutlass  # noqa: E402
 from cutlass.cute.nvgpu import tcgen05  # noqa: E402
 
-from cute_mla.kernels.compile import CompiledKernel  # noqa: E402
+from cute_mla.kernels.compile import CompiledKernel, compile_options  # noqa: E402
 from cute_mla.kernels.inspect import find_tool, read_ptx, resource_usage, tensor_map_params  # noqa: E402
 from cute_mla.kernels.sm100 import sparse_decode as sd  # noqa: E402
 from cute_mla.kernels.sm100.sparse_decode import (  # noqa: E402
@@ -200,8 +200,10 @@ def _trace_layouts():
 @pytest.fixture(scope="module")
 def facts():
     if not _LAYOUT_FACTS:
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
-        _trace_layouts()
+        # The trace builds tcgen05 atoms, which check the arch: compiled for sm_100a, whatever
+        # CUTE_DSL_ARCH the caller's environment holds (called directly, the trace took the
+        # environment's arch, and a shell with CUTE_DSL_ARCH=sm_90a errored here).
+        cute.compile(_trace_layouts, options=compile_options("sm_100a"))
     return _LAYOUT_FACTS
 
 
