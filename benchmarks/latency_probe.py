@@ -11,7 +11,9 @@ are the costs of the parts.
     python benchmarks/latency_probe.py [--heads 64,128] [--variants default,xover_off] [--topk 2048]
 
 ``--variants``: names of sm90_variants.VARIANTS (the dispatcher compiles with that Tuning), one
-line per variant and case; ``--topk``: only the cases of that top-k.
+line per variant and case; ``--topk``: only the cases of that top-k; ``--combine-rows 16,32``:
+each variant again per combine batch size (``CombineConfig.rows_in_flight``; a bucket that does
+not take 32 keeps 16).
 """
 
 from __future__ import annotations
@@ -31,6 +33,28 @@ from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
 from bench_sparse_decode import make_inputs  # noqa: E402
 from profile_small import graph_of, kernel_times, replay_us  # noqa: E402
 from sm90_variants import VARIANTS, use_tuning  # noqa: E402
+from cute_mla.kernels import combine as cmb  # noqa: E402
+
+
+class use_combine_rows:
+    """Make the dispatcher's combine load ``rows`` split rows per batch where its bucket takes them."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __enter__(self):
+        self.orig = cmb.combine_config
+
+        def config(*args, **kw):
+            cfg = self.orig(*args, **kw)
+            if self.rows is None or (self.rows > cmb.ROWS_IN_FLIGHT and cfg.max_splits < 64):
+                return cfg
+            return self.orig(*args, **kw, rows_in_flight=self.rows)
+
+        cmb.combine_config = config
+
+    def __exit__(self, *exc):
+        cmb.combine_config = self.orig
 
 CASES = [(64, 1.0), (64, 0.0), (128, 0.0), (256, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
 
@@ -50,8 +74,10 @@ def main():
     ap.add_argument("--heads", default="64,128")
     ap.add_argument("--variants", default="default")
     ap.add_argument("--topk", type=int, default=None)
+    ap.add_argument("--combine-rows", default=None, help="e.g. 16,32")
     args = ap.parse_args()
     names = args.variants.split(",")
+    combine_rows = [int(v) for v in args.combine_rows.split(",")] if args.combine_rows else [None]
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}  graph replay of one trivial kernel: {replay_us(floor_graph()):.1f} us")
     print(f"{'h':>4} {'topk':>5} {'masked':>6} {'variant':<14} | {'plan':<34} | {'replay us':>9} | kernels (device us, per replay)")
@@ -66,11 +92,14 @@ def main():
             pieces = ns[-1] - ns[0]
             desc = f"{plan.variant}, {len(plan.host_schedule.rows)} parts, {pieces} pieces{', plan: pair' if plan.column_pair else ''}"
             for name in names:
-                with use_tuning(VARIANTS[name]):
-                    graph = graph_of(cute_mla, q, cache, idx)
-                t = kernel_times(graph)
-                ks = ", ".join(f"{k[:24]} {v[0]:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
-                print(f"{h:>4} {topk:>5} {masked:>6.1f} {name:<14} | {desc:<34} | {replay_us(graph):>9.1f} | {ks}", flush=True)
+                for rows in combine_rows:
+                    with use_tuning(VARIANTS[name]), use_combine_rows(rows):
+                        graph = graph_of(cute_mla, q, cache, idx)
+                    t = kernel_times(graph)
+                    ks = ", ".join(f"{k[:24]} {v[0]:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
+                    label = name if rows is None else f"{name} c{rows}"
+                    print(f"{h:>4} {topk:>5} {masked:>6.1f} {label:<14} | {desc:<34} | {replay_us(graph):>9.1f} | {ks}",
+                          flush=True)
 
 
 if __name__ == "__main__":
