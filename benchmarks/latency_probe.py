@@ -13,7 +13,8 @@ are the costs of the parts.
 ``--variants``: names of sm90_variants.VARIANTS (the dispatcher compiles with that Tuning), one
 line per variant and case; ``--topk``: only the cases of that top-k; ``--combine-rows 16,32``:
 each variant again per combine batch size (``CombineConfig.rows_in_flight``; a bucket that does
-not take 32 keeps 16).
+not take 32 keeps 16); ``--layers N``: N calls per graph, times per call (an engine replays one
+graph of every layer, so the per-call time there has no graph launch of its own).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def main():
     ap.add_argument("--variants", default="default")
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--combine-rows", default=None, help="e.g. 16,32")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="calls per captured graph; replay and kernel times are per call")
     args = ap.parse_args()
     names = args.variants.split(",")
     combine_rows = [int(v) for v in args.combine_rows.split(",")] if args.combine_rows else [None]
@@ -94,11 +97,11 @@ def main():
             for name in names:
                 for rows in combine_rows:
                     with use_tuning(VARIANTS[name]), use_combine_rows(rows):
-                        graph = graph_of(cute_mla, q, cache, idx)
+                        graph = graph_of(cute_mla, q, cache, idx, args.layers)
                     t = kernel_times(graph)
-                    ks = ", ".join(f"{k[:24]} {v[0]:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
+                    ks = ", ".join(f"{k[:24]} {v[0] / args.layers:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
                     label = name if rows is None else f"{name} c{rows}"
-                    print(f"{h:>4} {topk:>5} {masked:>6.1f} {label:<14} | {desc:<34} | {replay_us(graph):>9.1f} | {ks}",
+                    print(f"{h:>4} {topk:>5} {masked:>6.1f} {label:<14} | {desc:<34} | {replay_us(graph) / args.layers:>9.1f} | {ks}",
                           flush=True)
 
 

@@ -24,7 +24,8 @@ from bench_sparse_decode import call, flashmla, make_inputs  # noqa: E402
 ROWS = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128), (128, 1, 64)]
 
 
-def graph_of(mod, q, cache, idx):
+def graph_of(mod, q, cache, idx, layers=1):
+    """A CUDA graph of ``layers`` back-to-back calls (an engine's graph holds every layer)."""
     sched, _ = mod.get_mla_metadata()
     call(mod, sched, q, cache, idx)
     torch.cuda.synchronize()
@@ -35,7 +36,8 @@ def graph_of(mod, q, cache, idx):
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        call(mod, sched, q, cache, idx)
+        for _ in range(layers):
+            call(mod, sched, q, cache, idx)
     return g
 
 

@@ -12,7 +12,11 @@ Correctness comes first and gates the timings:
 Then CUDA-graph replay times of the public API (main kernel, + combine where the plan splits), the
 variants interleaved round by round, median per variant.
 
-    python benchmarks/sm90_variants.py [--json PATH] [--variants a,b,...] [--skip-edge]
+    python benchmarks/sm90_variants.py [--json PATH] [--variants a,b,...] [--skip-edge] [--layers N]
+
+``--layers N`` captures N calls per graph and reports per-call times: on the latency rows a
+replay of a one-call graph, timed right after a sync, may measure the host's submission more than
+the GPU (NOTES.md, session 2026-12-03 f).
 """
 
 from __future__ import annotations
@@ -137,7 +141,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--skip-edge", action="store_true", help="only the bit-identity check on the benchmark rows")
     ap.add_argument("--rows", default=None, help="b,s_q,h;b,s_q,h;... (default: ROWS)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="calls per captured graph (an engine's graph holds every layer); times are per call")
+    ap.add_argument("--warmup-s", type=float, default=2.0, help="GPU warm-up before timing (an idle H200 sits at 345 MHz)")
     args = ap.parse_args()
+    if args.layers < 1:
+        raise SystemExit(f"--layers: got {args.layers}, accepted: >= 1")
     names = [n for n in args.variants.split(",") if n]
     for n in ["default"] + list(names):
         if family(n) not in names:
@@ -145,7 +154,7 @@ def main():
     if "default" in names:
         names.remove("default")
     names.insert(0, "default")
-    from bench_sparse_decode import TOPK, make_inputs, call, parse_rows
+    from bench_sparse_decode import TOPK, make_inputs, call, parse_rows, warm_up
 
     t0 = time.time()
     bad = set() if args.skip_edge else set(edge_check(names))
@@ -153,6 +162,7 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     results = []
     rows = parse_rows(args.rows) if args.rows else ROWS
+    warm_up(args.warmup_s)
     for (b, s_q, h) in rows:
         q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
         flop = 2 * h * (576 + 512) * TOPK * b * s_q
@@ -172,7 +182,8 @@ def main():
             torch.cuda.current_stream().wait_stream(s)
             gr = torch.cuda.CUDAGraph()
             with torch.cuda.graph(gr):
-                call(cute_mla, sched, q, cache, idx)
+                for _ in range(args.layers):
+                    call(cute_mla, sched, q, cache, idx)
             graphs[name] = gr
         from cute_mla.testing import check_out_lse
 
@@ -202,7 +213,7 @@ def main():
                 for a, e in ev:
                     a.record(); gr.replay(); e.record()
                 torch.cuda.synchronize()
-                times[n] += [a.elapsed_time(e) * 1e3 for a, e in ev]
+                times[n] += [a.elapsed_time(e) * 1e3 / args.layers for a, e in ev]
         base_us = statistics.median(times["default"])
         for n in graphs:
             us = statistics.median(times[n])
