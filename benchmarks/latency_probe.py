@@ -47,10 +47,12 @@ class use_combine_rows:
         self.orig = cmb.combine_config
 
         def config(*args, **kw):
-            cfg = self.orig(*args, **kw)
-            if self.rows is None or (self.rows > cmb.ROWS_IN_FLIGHT and cfg.max_splits < 64):
-                return cfg
-            return self.orig(*args, **kw, rows_in_flight=self.rows)
+            if self.rows is not None:
+                try:
+                    return self.orig(*args, **kw, rows_in_flight=self.rows)
+                except ValueError:   # CombineConfig refuses this batch size for the bucket
+                    pass
+            return self.orig(*args, **kw)
 
         cmb.combine_config = config
 
