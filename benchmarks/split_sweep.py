@@ -7,8 +7,10 @@ and fewer partials. This script patches the count, re-plans, checks every output
 default count's (fp32 sums in another order: close, not bit-identical) and times the replays,
 counts interleaved round by round, median per count.
 
-    python benchmarks/split_sweep.py [--rows "1,1,64;1,8,64"] [--parts "0,f5,16,8"]
+    python benchmarks/split_sweep.py [--rows "1,1,64;1,8,64"] [--parts "0,f5,16,8"] [--variants default,cpair] [--layers 16]
 (part count 0 = the plan's default, f5 = the default count with FlashMLA's 5-block piece overhead).
+``--variants``: names of sm90_variants.VARIANTS, each count timed with each (the first variant
+at the first count is the base); ``--layers N``: N calls per graph, times per call.
 A numeric count goes through the plan's piece-charge rule (scheduler.partition.fixed_overhead_blocks);
 the sweep recorded at b31fe34 (results/h200-b31fe34-split-sweep.json) predates that rule: its counts
 always charged 5.
@@ -32,6 +34,7 @@ import cute_mla  # noqa: E402
 from cute_mla.interface import plan as plan_mod  # noqa: E402
 from bench_sparse_decode import call, make_inputs, parse_rows  # noqa: E402
 from profile_small import graph_of, replay_us  # noqa: E402
+from sm90_variants import VARIANTS, use_tuning  # noqa: E402
 
 _DEFAULT_PARTS = plan_mod.sched.num_sm_parts
 _DEFAULT_OVERHEAD = plan_mod.sched.fixed_overhead_blocks
@@ -52,7 +55,10 @@ def main():
     ap.add_argument("--parts", default="0,f5,32,16,8")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--layers", type=int, default=1)
     args = ap.parse_args()
+    names = args.variants.split(",")
     rows = parse_rows(args.rows)
     counts = [p if p == "f5" else int(p) for p in args.parts.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -61,29 +67,31 @@ def main():
         q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
         graphs, ref = {}, None
         for p in counts:
-            use_parts(p)
-            try:
-                s, _ = cute_mla.get_mla_metadata()
-                o, l = call(cute_mla, s, q, cache, idx)
-                torch.cuda.synchronize()
-                if ref is None:
-                    ref = (o.float().clone(), l.clone())
-                err = (o.float() - ref[0]).abs().max().item()
-                lerr = (l - ref[1]).abs().max().item()
-                assert err < 2e-2 and lerr < 1e-3, f"parts={p}: out differs by {err}, lse by {lerr}"
-                graphs[p] = (graph_of(cute_mla, q, cache, idx), err)
-            finally:
-                use_parts(0)
-        times = {p: [] for p in graphs}
+            for name in names:
+                use_parts(p)
+                try:
+                    with use_tuning(VARIANTS[name]):
+                        s, _ = cute_mla.get_mla_metadata()
+                        o, l = call(cute_mla, s, q, cache, idx)
+                        torch.cuda.synchronize()
+                        if ref is None:
+                            ref = (o.float().clone(), l.clone())
+                        err = (o.float() - ref[0]).abs().max().item()
+                        lerr = (l - ref[1]).abs().max().item()
+                        assert err < 2e-2 and lerr < 1e-3, f"parts={p} {name}: out differs by {err}, lse by {lerr}"
+                        graphs[(p, name)] = (graph_of(cute_mla, q, cache, idx, args.layers), err)
+                finally:
+                    use_parts(0)
+        times = {k: [] for k in graphs}
         for _ in range(args.rounds):
-            for p, (gr, _) in graphs.items():
-                times[p].append(replay_us(gr))
-        base = statistics.median(times[counts[0]])
-        for p in graphs:
-            t = statistics.median(times[p])
-            print(f"{b:>4} {s_q:>5} {h:>4} parts={p!s:>4} {t:8.2f} us x{base / t:.3f}  max|out-out0|={graphs[p][1]:.2e}",
-                  flush=True)
-            results.append(dict(b=b, s_q=s_q, h=h, parts=p, us=t, speedup=base / t))
+            for k, (gr, _) in graphs.items():
+                times[k].append(replay_us(gr) / args.layers)
+        base = statistics.median(times[(counts[0], names[0])])
+        for (p, name) in graphs:
+            t = statistics.median(times[(p, name)])
+            print(f"{b:>4} {s_q:>5} {h:>4} parts={p!s:>4} {name:<10} {t:8.2f} us x{base / t:.3f}  "
+                  f"max|out-out0|={graphs[(p, name)][1]:.2e}", flush=True)
+            results.append(dict(b=b, s_q=s_q, h=h, parts=p, variant=name, layers=args.layers, us=t, speedup=base / t))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), results=results), f, indent=1)

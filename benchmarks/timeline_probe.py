@@ -6,7 +6,10 @@ through the public API under CUDA graph replay (the dispatcher's kernel launch i
 the stamp buffer), and prints, for the CTAs that had work, each phase's cycles since kernel entry
 (median over CTAs and replays; max over CTAs in brackets).
 
-    python benchmarks/timeline_probe.py [--heads 64] [--replays 10] [--variant cpair]
+    python benchmarks/timeline_probe.py [--heads 64] [--replays 10] [--variant cpair] [--s-q 8 --topk 2048]
+
+``--s-q``: query tokens of the one request (default 1); ``--topk``: only the cases of that top-k.
+Stamps of phases a CTA passes once per tile hold the last tile's time.
 """
 
 from __future__ import annotations
@@ -67,13 +70,17 @@ def main():
     ap.add_argument("--heads", default="64")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--variant", default="default", help="a name of sm90_variants.VARIANTS, timeline added")
+    ap.add_argument("--s-q", type=int, default=1)
+    ap.add_argument("--topk", type=int, default=None)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: cycles since kernel entry, median over working CTAs and "
           f"{args.replays} graph replays [max over CTAs]; us at 1.98 GHz")
     for h in (int(v) for v in args.heads.split(",")):
         for topk, masked in CASES:
-            q, cache, idx = make_inputs(1, 1, h, masked, g, topk=topk)
+            if args.topk is not None and topk != args.topk:
+                continue
+            q, cache, idx = make_inputs(1, args.s_q, h, masked, g, topk=topk)
             with use_tuning(dataclasses.replace(VARIANTS[args.variant], timeline=True)), with_timeline() as tl:
                 sched, _ = cute_mla.get_mla_metadata()
                 for _ in range(3):
@@ -98,7 +105,7 @@ def main():
                                 rows[s].append(d)
                                 worst[s] = max(worst[s], d)
             ctas = len(rows[Stamp.METADATA]) // args.replays
-            print(f"\nh={h} top-k {topk} masked {masked}: {sched.plan.variant}, {ctas} CTAs with work")
+            print(f"\ns_q={args.s_q} h={h} top-k {topk} masked {masked}: {sched.plan.variant}, {ctas} CTAs with work")
             for s in ORDER:
                 if rows[s]:
                     m = statistics.median(rows[s])
