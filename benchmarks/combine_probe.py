@@ -3,7 +3,8 @@
 For each shape (the split counts the plan gives b=1, s_q in {1, 8}, h in {64, 128} at top-k 2048)
 random partials are combined by a CUDA graph holding one combine launch (no decode kernel before
 it, so its PDL wait returns at once): the graph replay time and the kernel's CUPTI device time,
-per ``rows_in_flight``; every batch size must give the first one's bits.
+per ``rows_in_flight`` and o_accum dtype (fp32, and bf16 as the SM90 plan picks); every batch
+size must give the bits of the first one with the same dtype.
 
     python benchmarks/combine_probe.py
 """
@@ -34,19 +35,22 @@ def main():
     arch, sms = device_arch(dev), device_num_sms(dev)
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  combine alone (graph of one launch)")
-    print(f"{'b':>3} {'s_q':>4} {'h':>4} {'splits':>6} | " + " | ".join(f"{f'rows {r}: replay / kernel us':>26}" for r in ROWS_IN_FLIGHT_CHOICES))
+    variants = [(r, "float32") for r in ROWS_IN_FLIGHT_CHOICES] + [(ROWS_IN_FLIGHT_CHOICES[0], "bfloat16")]
+    print(f"{'b':>3} {'s_q':>4} {'h':>4} {'splits':>6} | "
+          + " | ".join(f"{f'rows {r} {dt[:4]}: replay / kernel us':>31}" for r, dt in variants))
     for b, s_q, h in SHAPES:
         plan = cute_mla.plan_sparse_decode(b, s_q, h, 576, TOPK, arch=arch, num_sms=sms)
         # the accumulator row offsets the dispatcher passes (only split requests own rows)
         ns = torch.tensor(accum_offsets(plan.host_schedule.num_splits), dtype=torch.int32, device=dev)
         rows = plan.accum_rows
         lse_accum = torch.rand(rows, s_q, h, device=dev, generator=g) * 8 - 4
-        o_accum = torch.randn(rows, s_q, h, 512, device=dev, generator=g)
+        o_accum32 = torch.randn(rows, s_q, h, 512, device=dev, generator=g)
         sink = torch.randn(h, device=dev, generator=g)
-        cells, first = [], None
-        for r in ROWS_IN_FLIGHT_CHOICES:
+        cells, first = [], {}
+        for r, dt in variants:
+            o_accum = o_accum32.to(getattr(torch, dt))
             try:
-                cfg = combine_config(arch, h, True, plan.num_sm_parts, rows_in_flight=r)
+                cfg = combine_config(arch, h, True, plan.num_sm_parts, rows_in_flight=r, accum_dtype=dt)
             except ValueError:   # a batch size this bucket does not take
                 cells.append("-")
                 continue
@@ -56,16 +60,15 @@ def main():
             args = (lse_accum, o_accum, ns, sink, out, lse)
             launch_combine(fn, cfg, *args)
             torch.cuda.synchronize()
-            if first is None:
-                first = (out.clone(), lse.clone())
-            same = torch.equal(out, first[0]) and torch.equal(lse, first[1])
+            ref = first.setdefault(dt, (out.clone(), lse.clone()))
+            same = torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
             gr = torch.cuda.CUDAGraph()
             with torch.cuda.graph(gr):
                 launch_combine(fn, cfg, *args, layout_checked=True)
             kt = sum(v[0] for v in kernel_times(gr).values())
             cells.append(f"{replay_us(gr):6.1f} / {kt:5.1f}{'' if same else ' DIFFERS'}")
         splits = ns[1].item() - ns[0].item()
-        print(f"{b:>3} {s_q:>4} {h:>4} {splits:>6} | " + " | ".join(f"{c:>26}" for c in cells), flush=True)
+        print(f"{b:>3} {s_q:>4} {h:>4} {splits:>6} | " + " | ".join(f"{c:>31}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

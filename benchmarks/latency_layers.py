@@ -11,8 +11,10 @@
    of N ops, is printed and subtracted in the ``net`` column.
 
 Also the kernels' device time per call (CUPTI), as FlashMLA's ``bench_kineto`` reports it.
+``--accum float32``: cute-mla once more with every SM90 split plan's o_accum of that dtype
+(``cute-float32``), for an A/B against the plan's own choice in the same run.
 
-    python benchmarks/latency_layers.py [--rows "1,1,64;1,8,64;1,1,128;1,8,128"] [--layers 16] [--json PATH]
+    python benchmarks/latency_layers.py [--rows "1,1,64;1,8,64;1,1,128;1,8,128"] [--layers 16] [--accum float32] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, HERE)
 import cute_mla  # noqa: E402
 from bench_sparse_decode import call, flashmla, make_inputs, parse_rows, warm_up  # noqa: E402
 from profile_small import kernel_times, replay_us  # noqa: E402
+from split_sweep import use_accum_dtype  # noqa: E402
 
 
 def capture(fn, n):
@@ -78,9 +81,11 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--masked", type=float, default=0.2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--accum", default=None, help="also time cute-mla with this SM90 o_accum dtype")
     args = ap.parse_args()
     fm = flashmla()
-    libs = [("cute-mla", cute_mla)] + ([("FlashMLA", fm)] if fm is not None else [])
+    libs = [("cute-mla", cute_mla, None)] + ([(f"cute-{args.accum}", cute_mla, args.accum)] if args.accum else []) \
+        + ([("FlashMLA", fm, None)] if fm is not None else [])
     g = torch.Generator(device="cuda").manual_seed(0)
     warm_up(2.0)
     n = args.layers
@@ -92,19 +97,20 @@ def main():
         op = capture(lambda: stand_in_op(q, out), n)
         op_us = replay_us(op) / n
         row = dict(b=b, s_q=s_q, h=h, op_us=op_us)
-        for name, mod in libs:
-            r = measure(mod, q, cache, idx, n)
+        for name, mod, accum in libs:
+            with use_accum_dtype(accum):
+                r = measure(mod, q, cache, idx, n)
             r["net_us"] = r["layers_op_us"] - op_us
             row[name] = r
         results.append(row)
         print(f"\nb={b} s_q={s_q} h={h}   stand-in op alone: {op_us:.2f} us per layer")
-        print(f"  {'library':<9} | {'one-call graph':>14} | {'per layer':>9} | {'layer+op':>8} | {'net':>6} | {'device':>6} | kernels (device us per call)")
-        for name, _ in libs:
+        print(f"  {'library':<12} | {'one-call graph':>14} | {'per layer':>9} | {'layer+op':>8} | {'net':>6} | {'device':>6} | kernels (device us per call)")
+        for name, _, _ in libs:
             r = row[name]
             ks = ", ".join(f"{k[:28]} {v:.1f}" for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1]))
-            print(f"  {name:<9} | {r['one_us']:>14.1f} | {r['layers_us']:>9.1f} | {r['layers_op_us']:>8.1f} | "
+            print(f"  {name:<12} | {r['one_us']:>14.1f} | {r['layers_us']:>9.1f} | {r['layers_op_us']:>8.1f} | "
                   f"{r['net_us']:>6.1f} | {r['device_us']:>6.1f} | {ks}")
-        if len(libs) == 2:
+        if fm is not None:
             c, f = row["cute-mla"], row["FlashMLA"]
             print("  cute/FlashMLA time: " + ", ".join(
                 f"{k} {c[k] / f[k]:.3f}x" for k in ("one_us", "layers_us", "layers_op_us", "net_us", "device_us")))

@@ -49,6 +49,24 @@ def use_parts(parts):
     plan_mod.plan_sparse_decode.cache_clear()
 
 
+class use_accum_dtype:
+    """Make every SM90 split plan use o_accum of ``dtype`` ("float32" / "bfloat16"; None: the
+    plan's rule, ``sm90_accum_dtype``), dropping cached plans on entry and exit."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        self.orig = plan_mod.sm90_accum_dtype
+        if self.dtype is not None:
+            plan_mod.sm90_accum_dtype = lambda arch: self.dtype if arch == "sm_90a" else self.orig(arch)
+        plan_mod.plan_sparse_decode.cache_clear()
+
+    def __exit__(self, *exc):
+        plan_mod.sm90_accum_dtype = self.orig
+        plan_mod.plan_sparse_decode.cache_clear()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,1,64;1,8,64;1,1,128;1,8,128")

@@ -49,7 +49,7 @@ def cmd_plan(args) -> int:
         d = {k: getattr(plan, k) for k in ("arch", "b", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "num_sm_parts",
                                            "kernel", "variant", "schedule", "accum_rows", "workspace_bytes",
                                            "flashmla_workspace_bytes", "token_walk", "oacc_from_registers",
-                                           "column_pair")}
+                                           "column_pair", "accum_dtype")}
         # the partitions the kernel launches (num_sm_parts is FlashMLA's count; the token walk differs)
         d["partitions"] = len(plan.host_schedule.rows) if plan.host_schedule is not None else plan.num_sm_parts
         d["tensor_maps"] = list(plan.tensor_maps)

@@ -139,8 +139,10 @@ def test_schedule_first_uploaded_during_a_capture(seed):
               for shape, k in ((target, topk), (warm, warm_topk)))
     # the same kernels (decode variant and combine), so nothing compiles or loads during the captures
     assert pt.host_schedule is not None and pt != pw
-    assert (pt.split, pt.oacc_from_registers, pt.column_pair) == (pw.split, pw.oacc_from_registers, pw.column_pair)
-    assert (combine_config(pt.arch, 64, False, pt.num_sm_parts) == combine_config(pw.arch, 64, False, pw.num_sm_parts))
+    assert (pt.split, pt.oacc_from_registers, pt.column_pair, pt.accum_dtype) == \
+        (pw.split, pw.oacc_from_registers, pw.column_pair, pw.accum_dtype)
+    assert (combine_config(pt.arch, 64, False, pt.num_sm_parts, accum_dtype=pt.accum_dtype)
+            == combine_config(pw.arch, 64, False, pw.num_sm_parts, accum_dtype=pw.accum_dtype))
     w = make_inputs(*warm, warm_topk, num_tokens=4096, device="cuda")
     run_case(w)
     torch.cuda.synchronize()

@@ -19,7 +19,8 @@ def test_plan_acceptance_grid(capsys, s_q, parts, rows):
     assert p["num_sm_parts"] == parts and p["accum_rows"] == rows
     # s_q above one wave of CTAs: the token walk over 132 partitions of whole tokens
     assert p["token_walk"] == (s_q > 132) and p["partitions"] == (132 if s_q > 132 else parts)
-    assert p["workspace_bytes"] == rows * s_q * 64 * 2052
+    assert p["workspace_bytes"] == rows * s_q * 64 * 1028   # bf16 o_accum (512 x 2 B) + fp32 lse_accum
+    assert p["accum_dtype"] == ("bfloat16" if rows else "float32")
     assert (p["variant"] == "no_split") == (rows == 0)
     # o_accum from registers (no tensor map) where few CTAs store (s_q=1), by TMA otherwise
     assert p["oacc_from_registers"] == (s_q == 1)

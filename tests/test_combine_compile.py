@@ -60,32 +60,38 @@ def _sass_or_skip(cubin):
     return sass(cubin)
 
 
-# every bucket with the default batch; the other batch size at the bucket edges, with a sink
-SPILL_CASES = [(ms, sink, ROWS_IN_FLIGHT) for ms in MAX_SPLITS_BUCKETS for sink in (False, True)] + [
-    (ms, True, r) for r in ROWS_IN_FLIGHT_CHOICES if r != ROWS_IN_FLIGHT for ms in (64, 160, 256)]
+# every bucket with the default batch; the other batch size at the bucket edges, with a sink; bf16
+# partials (the SM90 plan's accum_dtype) at both ends of the bucket range
+SPILL_CASES = [(ms, sink, ROWS_IN_FLIGHT, "float32") for ms in MAX_SPLITS_BUCKETS for sink in (False, True)] + [
+    (ms, True, r, "float32") for r in ROWS_IN_FLIGHT_CHOICES if r != ROWS_IN_FLIGHT for ms in (64, 160, 256)] + [
+    (ms, True, ROWS_IN_FLIGHT, "bfloat16") for ms in (32, 160)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("max_splits,has_attn_sink,rows_in_flight", SPILL_CASES)
-def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, rows_in_flight, tmp_path):
+@pytest.mark.parametrize("max_splits,has_attn_sink,rows_in_flight,accum_dtype", SPILL_CASES)
+def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, rows_in_flight, accum_dtype, tmp_path):
     """No local memory (no spill, no stack), and the batch of row loads issued back to back.
 
-    In the SASS the rows_in_flight 16-byte loads form one run with nothing in between that uses
-    a row (FFMA), waits on the lse loads (SHFL, MUFU of the reduction) or ends the block (BRA),
-    and the run ends its basic block, so ptxas cannot schedule the lse reduction ahead of it.
+    In the SASS the rows_in_flight row loads (16 bytes per lane for fp32 partials, 8 for bf16)
+    form one run with nothing in between that uses a row (FFMA), waits on the lse loads (SHFL,
+    MUFU of the reduction) or ends the block (BRA), and the run ends its basic block, so ptxas
+    cannot schedule the lse reduction ahead of it.
     """
     cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch,
-                        rows_in_flight=rows_in_flight)
+                        rows_in_flight=rows_in_flight, accum_dtype=accum_dtype)
     compile_combine(cfg, dump_dir=str(tmp_path))
-    assert read_ptx(str(tmp_path)).count("ld.global.v4") == rows_in_flight
+    bf16 = accum_dtype == "bfloat16"
+    ptx = read_ptx(str(tmp_path))
+    assert ptx.count("ld.global.v2.b32" if bf16 else "ld.global.v4") == rows_in_flight
+    assert "ld.global.v4" not in ptx or not bf16
     _, cubin = find_artifacts(str(tmp_path), arch)
     text = _sass_or_skip(cubin)
     res = resource_usage(cubin)
-    print(arch, max_splits, has_attn_sink, res)
+    print(arch, max_splits, has_attn_sink, accum_dtype, res)
     assert res["STACK"] == 0 and res["LOCAL"] == 0, res
     assert local_memory_ops(text) == 0
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
-    loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.128")]
+    loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.64" if bf16 else "LDG.E.128")]
     assert len(loads) == rows_in_flight, ops
     between = ops[loads[0] : loads[-1]]
     assert not [op for op in between if op.startswith(("SHFL", "FFMA", "BRA", "MUFU"))], between

@@ -22,8 +22,9 @@ OUT_SENTINEL = 7.0  # what out/lse hold before the call: unsplit requests must k
 LSE_SENTINEL = 123.0
 
 
-def make_case(counts, s_q, h_q, sink_kind, empty_frac=0.3, gen=None, device="cuda"):
-    """Random split partials for per-request split counts ``counts`` (0/1 = not split)."""
+def make_case(counts, s_q, h_q, sink_kind, empty_frac=0.3, gen=None, device="cuda", accum_dtype="float32"):
+    """Random split partials for per-request split counts ``counts`` (0/1 = not split); o_accum of
+    ``accum_dtype`` (the fp64 reference reads the same, rounded values)."""
     b = len(counts)
     offs = torch.zeros(b + 1, dtype=torch.int64)
     offs[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
@@ -34,7 +35,7 @@ def make_case(counts, s_q, h_q, sink_kind, empty_frac=0.3, gen=None, device="cud
     for r in range(b):
         if counts[r] > 1 and r % 3 == 0:
             lse_accum[int(offs[r]):int(offs[r + 1]), 0, : h_q // 2] = -math.inf
-    o_accum = torch.randn(rows, s_q, h_q, D_V, generator=gen).to(device)
+    o_accum = torch.randn(rows, s_q, h_q, D_V, generator=gen).to(device=device, dtype=getattr(torch, accum_dtype))
     sink = None
     if sink_kind == "finite+inf":
         sink = (torch.randn(h_q, generator=gen) * 4).to(device)
@@ -94,7 +95,8 @@ def check(case):
 
 def run(case, h_q, max_splits, rows_in_flight=ROWS_IN_FLIGHT):
     cfg = CombineConfig(h_q=h_q, has_attn_sink=case["attn_sink"] is not None, max_splits=max_splits,
-                        arch=device_arch(torch.device("cuda")), rows_in_flight=rows_in_flight)
+                        arch=device_arch(torch.device("cuda")), rows_in_flight=rows_in_flight,
+                        accum_dtype=str(case["o_accum"].dtype).removeprefix("torch."))
     compiled = compile_combine(cfg)
     launch_combine(compiled, cfg, case["lse_accum"], case["o_accum"], case["num_splits"], case["attn_sink"],
                    case["out"], case["lse"])
@@ -124,6 +126,20 @@ def test_matches_fp64(h_q, sink_kind, shape, rows_in_flight, seed):
     run(case, h_q, max_splits, rows_in_flight)
     check(case)
     # make_case emptied (request r % 3 == 0, query 0, first half of the heads): out 0, lse +inf.
+    r = next(i for i, c in enumerate(counts) if c > 1 and i % 3 == 0)
+    assert bool((case["out"][r, 0, : h_q // 2] == 0).all())
+    assert bool((case["lse"][r, 0, : h_q // 2] == math.inf).all())
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("sink_kind", [None, "finite+inf"])
+@pytest.mark.parametrize("counts,s_q", [([1, 2, 0, 3, 2, 1, 5], 3), ([33, 1, 40, 2, 64], 2), ([133, 150, 1, 160], 1)])
+def test_bf16_partials_match_fp64(h_q, sink_kind, counts, s_q, seed):
+    """bf16 o_accum (the SM90 plan's accum_dtype): 8-byte row loads widened to fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    case = make_case(counts, s_q, h_q, sink_kind, gen=gen, accum_dtype="bfloat16")
+    run(case, h_q, combine_max_splits(max(counts)))
+    check(case)
     r = next(i for i, c in enumerate(counts) if c > 1 and i % 3 == 0)
     assert bool((case["out"][r, 0, : h_q // 2] == 0).all())
     assert bool((case["lse"][r, 0, : h_q // 2] == math.inf).all())

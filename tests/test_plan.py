@@ -1,7 +1,7 @@
 import pytest
 
 from cute_mla import plan_sparse_decode
-from cute_mla.interface.plan import ACCUM_BYTES_PER_HEAD
+from cute_mla.interface.plan import ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES
 from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
 
 
@@ -20,14 +20,17 @@ def test_sm90_mixed_batch_workspace(s_q):
         # exactly the real split rows of the host schedule
         off = accum_offsets(p.host_schedule.num_splits)
         assert p.accum_rows == off[-1] == p.host_schedule.num_splits[-1]
-        assert p.workspace_bytes == p.accum_rows * s_q * 64 * ACCUM_BYTES_PER_HEAD
+        # bf16 partials on SM90 (sm90_accum_dtype): 512 x 2 B + a 4-B lse per row, token and head
+        assert p.accum_dtype == "bfloat16"
+        assert p.workspace_bytes == p.accum_rows * s_q * 64 * (512 * 2 + LSE_ACCUM_BYTES)
     assert p.workspace_bytes <= p.flashmla_workspace_bytes
 
 
 def test_sm90_s_q_1_exact_rows():
     p = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
     assert p.num_sm_parts == 132 and p.accum_rows == 32      # 32 blocks -> 32 one-block pieces
-    assert p.workspace_bytes == 32 * 64 * (2048 + 4)
+    assert p.workspace_bytes == 32 * 64 * (1024 + 4)          # bf16 o_accum rows + fp32 lse_accum
+    assert p.flashmla_workspace_bytes == (1 + 132) * 64 * ACCUM_BYTES_PER_HEAD   # FlashMLA's fp32 rows
 
 
 @pytest.mark.parametrize("b,s_q,h_q,overhead,pieces", [

@@ -34,9 +34,15 @@ CONFIGS = {
     "split_h128_no_xover": (128, True, False, True),  # Crossover.OFF: each CTA gathers every row
     "split_regs": (64, True, True, True),             # config oacc_from_registers: o_accum from registers
     "nosplit_out_direct": (128, False, False, True),  # out_direct_store=True: bf16 out from registers
+    # bf16 partials (the SM90 plan's accum_dtype): staged + TMA, from registers, h=128 crossover
+    "split_bf16": (64, True, True, True),
+    "split_regs_bf16": (64, True, True, True),
+    "split_h128_bf16": (128, True, False, True),
 }
 TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "nosplit_out_direct": dict(out_direct_store=True)}
-CONFIG_EXTRA = {"split_regs": dict(oacc_from_registers=True)}
+CONFIG_EXTRA = {"split_regs": dict(oacc_from_registers=True), "split_bf16": dict(accum_dtype="bfloat16"),
+                "split_regs_bf16": dict(oacc_from_registers=True, accum_dtype="bfloat16"),
+                "split_h128_bf16": dict(accum_dtype="bfloat16")}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +102,9 @@ def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     assert maps["split_regs"] == maps["nosplit_tl_sink"], maps
     assert maps["nosplit_out_direct"] == 1, maps  # Q only: out from registers
     assert maps["split_h128"] == maps["split_h128_no_xover"] == 3, maps
+    # bf16 partials keep the same maps (o_accum's is a 64 x 256 bf16 box instead of 64 x 128 fp32)
+    assert (maps["split_bf16"], maps["split_regs_bf16"], maps["split_h128_bf16"]) == \
+        (maps["split_tl_sink"], maps["split_regs"], maps["split_h128"]), maps
     # ... and the plan lists exactly the tensor maps of the variant the dispatcher compiles for it
     from cute_mla import plan_sparse_decode
     no_split = plan_sparse_decode(1, 8192, 64, 576, 2048, arch="sm_90a", num_sms=132)
@@ -302,3 +311,16 @@ def test_column_pair_variant_compiles(tmp_path):
     for bad in (dict(h_q=128, split=True), dict(h_q=64, split=False)):
         with pytest.raises(ValueError, match="column_pair"):
             Sm90SparseDecodeConfig(has_topk_length=False, has_attn_sink=False, column_pair=True, **bad)
+
+
+def test_bf16_partials_are_stored_as_bf16(artifacts):
+    """fp32 o_accum from registers: 8-byte stores of two fp32 (the quad's 32 contiguous bytes);
+    bf16: 4-byte stores of two bf16 and no 8-byte ones. Staged: the fp32 path stores each 64 x 256
+    half in two 64 x 128 TMA passes, the bf16 path in one 64 x 256 box, as out."""
+    regs32, regs16 = artifacts["split_regs"][0], artifacts["split_regs_bf16"][0]
+    assert regs32.count("st.global.v2.b32") == 128 and "st.global.v2.b32" not in regs16
+    assert regs16.count("st.global.b32") >= 128
+    tma = "cp.async.bulk.tensor.4d.global.shared::cta"
+    staged32, staged16 = artifacts["split_tl_sink"][0], artifacts["split_bf16"][0]
+    # TMA store sites: out (one per MMA warp group) + o_accum (two passes per warp group in fp32)
+    assert staged32.count(tma) - staged16.count(tma) == staged16.count(tma) - artifacts["nosplit_tl_sink"][0].count(tma)

@@ -25,10 +25,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 NUM_SMS = 132
 
 
-def _kernel(h_q, split, has_topk_length, has_attn_sink, tuning=None):
+def _kernel(h_q, split, has_topk_length, has_attn_sink, tuning=None, accum_dtype="float32"):
     from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING, Sm90SparseDecodeConfig, compile_sparse_decode
 
-    cfg = Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink)
+    cfg = Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
+                                 accum_dtype=accum_dtype)
     return cfg, compile_sparse_decode(cfg, tuning=tuning or DEFAULT_TUNING)
 
 
@@ -40,8 +41,9 @@ def _schedule(topk, topk_length, b, parts, device):
     return s, tile_md, torch.tensor(offsets, dtype=torch.int32, device=device)
 
 
-def run_kernel(inp, split, parts, tuning=None):
-    """Launch the main kernel on ``inp``; for the split variant merge the partials in torch (fp32).
+def run_kernel(inp, split, parts, tuning=None, accum_dtype="float32"):
+    """Launch the main kernel on ``inp``; for the split variant merge the partials in torch (fp64),
+    the partials' o_accum of ``accum_dtype`` (fp32 or bf16: the config's).
 
     Returns (out (b, s_q, h, 512) fp32, lse (b, h, s_q) fp32, schedule)."""
     from cute_mla.kernels.sm90.sparse_decode import launch_sparse_decode
@@ -50,7 +52,8 @@ def run_kernel(inp, split, parts, tuning=None):
     b, s_q, h_q, _ = q.shape
     topk = inp.indices.shape[-1]
     kv = inp.k_cache.squeeze(2)
-    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None, tuning)
+    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None, tuning,
+                            accum_dtype if split else "float32")
     sched, tile_md, offsets = _schedule(topk, inp.topk_length, b, parts, dev)
     if not split:
         assert not sched.any_split, "the no-split variant only runs on schedules without split pieces"
@@ -59,7 +62,7 @@ def run_kernel(inp, split, parts, tuning=None):
     o_acc = lse_acc = None
     rows = max(sched.split_rows, 1)
     if split:
-        o_acc = torch.full((rows, s_q, h_q, 512), float("nan"), dtype=torch.float32, device=dev)
+        o_acc = torch.full((rows, s_q, h_q, 512), float("nan"), dtype=getattr(torch, accum_dtype), device=dev)
         lse_acc = torch.full((rows, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
     launch_sparse_decode(compiled, cfg, q, kv, inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets,
                          out, lse, o_acc, lse_acc, inp.softmax_scale)
@@ -83,15 +86,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + [f"{n}_bf16_accum" for n, c in CASES.items() if c[5]])
 def test_sparse_decode_matches_reference(name, seed):
-    b, s_q, h_q, topk, page, split, tl, sink, pow2, all_invalid, oor = CASES[name]
+    """Every case against the fp32 reference; the split cases once more with bf16 partials (the
+    SM90 plan's accum_dtype)."""
+    accum = "bfloat16" if name.endswith("_bf16_accum") else "float32"
+    b, s_q, h_q, topk, page, split, tl, sink, pow2, all_invalid, oor = CASES[name.removesuffix("_bf16_accum")]
     g = torch.Generator().manual_seed(seed)
     inp = make_inputs(b, s_q, h_q, topk, num_tokens=max(4096, 2 * topk), page_block_size=page, invalid_frac=0.15,
                       out_of_range_frac=oor, with_topk_length=tl, with_sink=sink, power_of_two_scales=pow2,
                       all_invalid_rows=all_invalid, device="cuda", generator=g)
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, h_q) if split else 1
-    out, lse, sched = run_kernel(inp, split, parts)
+    out, lse, sched = run_kernel(inp, split, parts, accum_dtype=accum)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     if split:
@@ -148,7 +154,7 @@ def test_index_compaction_patterns(pattern, shape, seed):
     _mask_pattern(inp.indices, pattern, g)
     inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, h_q) if split else 1
-    out, lse, sched = run_kernel(inp, split, parts)
+    out, lse, sched = run_kernel(inp, split, parts, accum_dtype=accum)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     try:
@@ -170,6 +176,7 @@ def _tuning(name):
         "bulk_prefetch_one_index_chunk_ahead": Tuning(prefetch_lines=False, scan_two_ahead=False),
         "no_row_prefetch": Tuning(prefetch_rows=False),
         "oacc_direct_store": Tuning(oacc_direct_store=True),
+        "oacc_direct_store_bf16_accum": Tuning(oacc_direct_store=True),   # run with bf16 partials
         "next_q_prefetch": Tuning(prefetch_next_q=True),
         "late_metadata": Tuning(early_metadata=False),
         # h=64 split pieces on a cluster of 2 that splits the output columns (experimental)
@@ -179,23 +186,24 @@ def _tuning(name):
 
 @pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
-                                  "next_q_prefetch", "late_metadata", "column_pair"])
+                                  "oacc_direct_store_bf16_accum", "next_q_prefetch", "late_metadata", "column_pair"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""
     from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING
 
     tuning = _tuning(name)
+    accum = "bfloat16" if name.endswith("_bf16_accum") else "float32"
     g = torch.Generator().manual_seed(seed)
     inp = make_inputs(74, 3, 64, 2048, num_tokens=4096, invalid_frac=0.2, with_topk_length=True, with_sink=True,
                       device="cuda", generator=g)
     parts = num_sm_parts("sm_90a", NUM_SMS, 3, 64)
-    out, lse, sched = run_kernel(inp, True, parts, tuning)
+    out, lse, sched = run_kernel(inp, True, parts, tuning, accum)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     check_out_lse(out, lse, ref_out, ref_lse)
     if tuning.compact_indices == DEFAULT_TUNING.compact_indices:
-        out0, lse0, _ = run_kernel(inp, True, parts)
+        out0, lse0, _ = run_kernel(inp, True, parts, accum_dtype=accum)
         assert torch.equal(out, out0), f"{name}: out differs from the default tuning's"
         assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), f"{name}: lse differs from the default tuning's"
 
@@ -229,13 +237,13 @@ def _patterned_inputs(b, s_q, h_q, topk, tl, invalid_frac, pattern, seed):
     return type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
 
 
-def _check_variant(inp, split, parts, tuning, baseline, what, baseline_name):
-    """``tuning`` gives the fp32 reference's answer and ``baseline``'s bits."""
-    out, lse, _ = run_kernel(inp, split, parts, tuning)
+def _check_variant(inp, split, parts, tuning, baseline, what, baseline_name, accum_dtype="float32"):
+    """``tuning`` gives the fp32 reference's answer and ``baseline``'s bits (both with o_accum of ``accum_dtype``)."""
+    out, lse, _ = run_kernel(inp, split, parts, tuning, accum_dtype)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     check_out_lse(out, lse, ref_out, ref_lse)
-    out0, lse0, _ = run_kernel(inp, split, parts, baseline)
+    out0, lse0, _ = run_kernel(inp, split, parts, baseline, accum_dtype)
     assert torch.equal(out, out0), f"{what}: out differs from {baseline_name}"
     assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), f"{what}: lse differs"
 
@@ -246,18 +254,20 @@ COLUMN_PAIR_SHAPES = [(1, 1, 2048, False, "WARP_COPIES"), (1, 8, 2048, False, "W
                       (2, 1, 1536, True, "HALF_COPY"), (9, 2, 1024, True, "WARP_COPIES_TWO_TILES")]
 
 
+@pytest.mark.parametrize("accum", ["float32", "bfloat16"])
 @pytest.mark.parametrize("pattern", ["none", "sparse", "one_valid"])
 @pytest.mark.parametrize("shape", range(len(COLUMN_PAIR_SHAPES)))
-def test_column_pair_matches(pattern, shape, seed):
+def test_column_pair_matches(pattern, shape, accum, seed):
     """h=64 column pair (a cluster of 2 per piece, each CTA 256 of the 512 output columns): the fp32
-    reference's answer and the default kernel's bits (same tiles, same k-steps per column)."""
+    reference's answer and the default kernel's bits (same tiles, same k-steps per column), with
+    fp32 and bf16 partials."""
     from cute_mla.kernels.sm90.sparse_decode import Crossover, Tuning
 
     b, s_q, topk, tl, transport = COLUMN_PAIR_SHAPES[shape]
     inp = _patterned_inputs(b, s_q, 64, topk, tl, 0.2, pattern, seed)
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 64)
     _check_variant(inp, True, parts, Tuning(column_pair=True, crossover=Crossover[transport]), None,
-                   "column pair", "the default kernel's")
+                   "column pair", "the default kernel's", accum)
 
 
 @pytest.mark.parametrize("compact", [True, False])

@@ -155,7 +155,7 @@ def _main_kernel(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: b
         from ..kernels.sm90 import sparse_decode as mod
         cfg = mod.Sm90SparseDecodeConfig(h_q=plan.h_q, split=plan.split, has_topk_length=has_topk_length,
                                          has_attn_sink=has_attn_sink, oacc_from_registers=plan.oacc_from_registers,
-                                         column_pair=plan.column_pair)
+                                         column_pair=plan.column_pair, accum_dtype=plan.accum_dtype)
     else:
         from ..kernels.sm100 import sparse_decode as mod
         cfg = mod.Sm100SparseDecodeConfig(h_q=plan.h_q, split=plan.split, has_topk_length=has_topk_length,
@@ -165,18 +165,20 @@ def _main_kernel(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: b
 
 def _combine_kernel(plan: SparseDecodePlan, has_attn_sink: bool):
     from ..kernels import combine as mod
-    cfg = mod.combine_config(arch=plan.arch, h_q=plan.h_q, has_attn_sink=has_attn_sink, num_sm_parts=plan.num_sm_parts)
+    cfg = mod.combine_config(arch=plan.arch, h_q=plan.h_q, has_attn_sink=has_attn_sink, num_sm_parts=plan.num_sm_parts,
+                             accum_dtype=plan.accum_dtype)
     return mod, cfg, mod.compile_combine(cfg)
 
 
 def allocate_workspace(plan: SparseDecodePlan, device: torch.device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """o_accum (rows, s_q, h_q, d_v) and lse_accum (rows, s_q, h_q) fp32, or (None, None) when nothing is split."""
+    """o_accum (rows, s_q, h_q, d_v) of the plan's accum_dtype and lse_accum (rows, s_q, h_q) fp32,
+    or (None, None) when nothing is split."""
     if not plan.split:
         return None, None
     # two allocations: on the H200's host one torch.empty costs ~2 µs and each slice + view of a
     # shared buffer as much again (host_profile.py measured 9.3 µs for one buffer and two views)
     shape = (plan.accum_rows, plan.s_q, plan.h_q)
-    o_accum = torch.empty(shape + (plan.d_v,), dtype=torch.float32, device=device)
+    o_accum = torch.empty(shape + (plan.d_v,), dtype=getattr(torch, plan.accum_dtype), device=device)
     lse_accum = torch.empty(shape, dtype=torch.float32, device=device)
     return o_accum, lse_accum
 

@@ -39,7 +39,9 @@ SUPPORTED_H_Q = (64, 128)
 SM100_NO_SPLIT_MAX_TOPK = 640           # FlashMLA enables split-KV on SM100 only above this top-k
 MAX_GRID_Y = 65535
 BLOCK_TOPK = sched.BLOCK_TOPK
-ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus its fp32 lse_accum entry
+ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus its fp32 lse_accum entry (FlashMLA's)
+ACCUM_ITEM_BYTES = {"float32": 4, "bfloat16": 2}   # o_accum element sizes (SparseDecodePlan.accum_dtype)
+LSE_ACCUM_BYTES = 4                    # one fp32 lse_accum entry per (row, token, head)
 COLUMN_PAIR_MAX_BUSY_CTAS = 32         # sm90_column_pair: measured on the H200 (NOTES.md, 2026-12-03 f)
 
 # TMA tensor maps each kernel variant builds (what the compile tests check in the PTX). The SM90
@@ -74,6 +76,7 @@ class SparseDecodePlan:
     token_walk: bool = False            # the s_q tokens run as s_q one-token requests (module docstring)
     oacc_from_registers: bool = False   # SM90 split: o_accum stored from registers (sm90_oacc_from_registers)
     column_pair: bool = False           # SM90 h=64 split: a cluster of 2 CTAs per piece (sm90_column_pair)
+    accum_dtype: str = "float32"        # o_accum's element type when split (sm90_accum_dtype); lse_accum is fp32
 
     @property
     def variant(self) -> str:
@@ -81,7 +84,7 @@ class SparseDecodePlan:
 
     @property
     def workspace_bytes(self) -> int:
-        return self.accum_rows * self.s_q * self.h_q * ACCUM_BYTES_PER_HEAD
+        return self.accum_rows * self.s_q * self.h_q * (self.d_v * ACCUM_ITEM_BYTES[self.accum_dtype] + LSE_ACCUM_BYTES)
 
     @property
     def tensor_maps(self) -> Tuple[str, ...]:
@@ -118,7 +121,8 @@ class SparseDecodePlan:
             lines.append("column pair: each piece on a cluster of 2 CTAs, 256 of the 512 output columns each")
         lines += [
             f"launches: {', '.join(self.launches)}",
-            f"accumulator rows: {self.accum_rows}  workspace: {self.workspace_bytes} bytes ({self.workspace_bytes / 2**20:.2f} MiB)",
+            f"accumulator rows: {self.accum_rows}{f' ({self.accum_dtype} o_accum)' if self.split else ''}  "
+            f"workspace: {self.workspace_bytes} bytes ({self.workspace_bytes / 2**20:.2f} MiB)",
             f"tensor maps: {', '.join(self.tensor_maps)}",
             f"FlashMLA would allocate: {self.flashmla_workspace_bytes / 2**20:.2f} MiB",
         ]
@@ -180,7 +184,19 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         num_sm_parts=parts, fixed_overhead=overhead, kernel=_KERNEL[arch], split=split,
         schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule, token_walk=token_walk,
         oacc_from_registers=pair or (split and sm90_oacc_from_registers(arch, b, s_q, h_q, num_sms, host_schedule)),
-        column_pair=pair)
+        column_pair=pair, accum_dtype=sm90_accum_dtype(arch) if split else "float32")
+
+
+def sm90_accum_dtype(arch: str) -> str:
+    """o_accum's element type for a split plan: bf16 on SM90, fp32 elsewhere (the SM100 kernel
+    stores fp32).
+
+    Why bf16 (benchmarks/NOTES.md, session 2026-12-03 g): on the latency rows the partials' bytes
+    are the largest cost left. At b=1, s_q=8, h=64 the 128 pieces store 16 MiB of fp32 partials
+    (the epilogue, ~8,000 cycles of a ~23,000-cycle kernel) and the combine reads them back.
+    Precision: O/L of a piece is a convex combination of V rows, so its bf16 rounding is at most
+    2^-9 max|V| per element, the bound the bf16 P that the PV MMA reads already puts on O."""
+    return "bfloat16" if arch == "sm_90a" else "float32"
 
 
 def sm90_oacc_from_registers(arch: str, b: int, s_q: int, h_q: int, num_sms: int,

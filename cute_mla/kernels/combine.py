@@ -1,7 +1,7 @@
 """Split-KV combine for sparse MLA decode (FlashMLA's combine, flashmla-sparse-decode.md §5.3).
 
-Each split of a request wrote ``o_accum[row] = O / L`` (fp32, already normalised by its own
-softmax sum, no sink) and ``lse_accum[row] = log2(L) + m`` (base 2, -inf for an empty split).
+Each split of a request wrote ``o_accum[row] = O / L`` (fp32, or bf16 where the plan halves the
+partials' bytes: ``CombineConfig.accum_dtype``; already normalised by its own softmax sum, no sink) and ``lse_accum[row] = log2(L) + m`` (base 2, -inf for an empty split).
 Request ``i`` owns rows ``[num_splits[i], num_splits[i+1])``. For every (request, query, head)
 with more than one split this kernel writes::
 
@@ -15,8 +15,8 @@ A request with a single split is left alone: the decode kernel already wrote its
 Grid ``(b*s_q, h_q)`` with 128 threads: one CTA per (token, head), so even b = s_q = 1 spreads
 the partials over h_q SMs; x carries b*s_q because y/z stop at 65535. Warp w owns the output
 columns ``[128w, 128w+128)`` and lane l the 4 contiguous columns ``[128w+4l, 128w+4l+4)``: a
-split row is read with one 16-byte load per lane (512 contiguous bytes per warp) and the bf16
-row is written with one 8-byte store per lane.
+split row is read with one 16-byte load per lane (512 contiguous bytes per warp; 8 bytes of bf16
+partials, widened to fp32 before use) and the bf16 row is written with one 8-byte store per lane.
 
 Every warp reduces the split lses itself (redundantly: at most ``max_splits`` floats), which
 needs no shared memory or barrier. Memory-level parallelism is what makes the kernel fast: the
@@ -58,6 +58,9 @@ THREADS_PER_CTA = WARP_THREADS * WARPS_PER_CTA
 COLS_PER_LANE = D_V // THREADS_PER_CTA  # 4 contiguous columns per lane
 ROW_LOAD_BYTES = COLS_PER_LANE * (Float32.width // 8)  # 16: one vector load per split row and lane
 OUT_STORE_BYTES = COLS_PER_LANE * (BFloat16.width // 8)  # 8: one vector store per lane; out's base alignment
+# o_accum element types (the split variants write them, this kernel reads them): fp32, or bf16 where
+# the plan halves the partials' bytes (SparseDecodePlan.accum_dtype). Accumulation is fp32 either way.
+ACCUM_DTYPES = ("float32", "bfloat16")
 ROWS_IN_FLIGHT = 16  # default split rows loaded back to back before any is accumulated (memory-level parallelism)
 # Each divides 32: a batch of rows never straddles two lse register slots, so its weights come from one slot.
 ROWS_IN_FLIGHT_CHOICES = (16, 32)
@@ -66,6 +69,7 @@ assert all(WARP_THREADS % r == 0 for r in ROWS_IN_FLIGHT_CHOICES)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+_ACCUM_TYPES = {"float32": Float32, "bfloat16": BFloat16}
 
 
 def combine_max_splits(max_splits_per_request: int) -> int:
@@ -88,6 +92,7 @@ class CombineConfig:
     arch: str
     d_v: int = D_V
     rows_in_flight: int = ROWS_IN_FLIGHT   # split rows per batch of back-to-back loads (ROWS_IN_FLIGHT_CHOICES)
+    accum_dtype: str = "float32"           # o_accum's element type (ACCUM_DTYPES)
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
@@ -97,6 +102,8 @@ class CombineConfig:
             raise ValueError(f"combine: max_splits must be one of {MAX_SPLITS_BUCKETS}, got {self.max_splits}")
         if self.h_q < 1:
             raise ValueError(f"combine: h_q must be >= 1, got {self.h_q}")
+        if self.accum_dtype not in ACCUM_DTYPES:
+            raise ValueError(f"combine: accum_dtype must be one of {ACCUM_DTYPES}, got {self.accum_dtype!r}")
         if self.rows_in_flight not in ROWS_IN_FLIGHT_CHOICES:
             raise ValueError(f"combine: rows_in_flight must be one of {ROWS_IN_FLIGHT_CHOICES}, got {self.rows_in_flight}")
         if self.rows_in_flight > ROWS_IN_FLIGHT and self.max_splits < 64:
@@ -106,19 +113,26 @@ class CombineConfig:
 
     @property
     def cache_key(self):
-        return ("combine", self.arch, self.h_q, self.has_attn_sink, self.max_splits, self.d_v, self.rows_in_flight)
+        return ("combine", self.arch, self.h_q, self.has_attn_sink, self.max_splits, self.d_v, self.rows_in_flight,
+                self.accum_dtype)
+
+    @property
+    def accum_type(self):
+        """o_accum's element type as a cutlass numeric type."""
+        return _ACCUM_TYPES[self.accum_dtype]
 
 
 def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int,
-                   rows_in_flight: int = ROWS_IN_FLIGHT) -> CombineConfig:
+                   rows_in_flight: int = ROWS_IN_FLIGHT, accum_dtype: str = "float32") -> CombineConfig:
     """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many splits).
 
-    ``rows_in_flight`` 32 (buckets >= 64 only) would let the 32 one-block pieces of b = s_q = 1 at
-    top-k 2048 wait one round trip for their rows instead of two; it is compile-tested but has not
-    run on a GPU yet (``benchmarks/combine_probe.py`` times both; NOTES.md, session 2026-12-03 f),
-    so the dispatcher keeps the default 16."""
+    ``rows_in_flight`` 32 (buckets >= 64 only) lets the 32 one-block pieces of b = s_q = 1 at
+    top-k 2048 wait one round trip for their rows instead of two, but measured no faster on the
+    H200 (``benchmarks/combine_probe.py`` at a07fa03, combine alone: 2.4 vs 2.5 µs at h=64, 2.8
+    vs 2.8 µs at h=128; NOTES.md, session 2026-12-03 g), so the dispatcher keeps the default 16.
+    ``accum_dtype``: the plan's (SparseDecodePlan.accum_dtype)."""
     return CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=combine_max_splits(num_sm_parts), arch=arch,
-                         rows_in_flight=rows_in_flight)
+                         rows_in_flight=rows_in_flight, accum_dtype=accum_dtype)
 
 
 def _exp2(x):
@@ -134,7 +148,7 @@ def _log2(x):
 @cute.jit
 def _combine_host(
     lse_accum: cute.Tensor,  # (rows, s_q, h_q) fp32
-    o_accum: cute.Tensor,  # (rows, s_q, h_q, 512) fp32
+    o_accum: cute.Tensor,  # (rows, s_q, h_q, 512) fp32 or bf16 (CombineConfig.accum_dtype)
     num_splits: cute.Tensor,  # (b+1,) int32
     attn_sink: Optional[cute.Tensor],  # (h_q,) fp32, or None when compiled without a sink
     out: cute.Tensor,  # (b, s_q, h_q, 512) bf16
@@ -167,9 +181,10 @@ def _load_rows(frags, lane_addr: Int64, row_bytes: Int64, first: Int32, last: In
     back; nothing here waits on them. A clamped row is in bounds and gets weight 0 (its split
     lse is -inf), so no tail branch is needed.
     """
+    align = COLS_PER_LANE * frags.element_type.width // 8   # one vector load per row: 16 B fp32, 8 B bf16
     for u in cutlass.range_constexpr(cute.size(frags, mode=[1])):
         row = Int64(Uint32(cutlass.min(first + u, last)))
-        ptr = cute.make_ptr(Float32, lane_addr + row * row_bytes, cute.AddressSpace.gmem, assumed_align=ROW_LOAD_BYTES)
+        ptr = cute.make_ptr(frags.element_type, lane_addr + row * row_bytes, cute.AddressSpace.gmem, assumed_align=align)
         cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(COLS_PER_LANE)), frags[None, u])
 
 
@@ -180,11 +195,16 @@ def _out_cols(out: cute.Tensor, req, q, head, col_tile):
 
 @cute.jit
 def _accumulate(acc, frags, w_slot: Float32, src_lane: Int32):
-    """``acc += w * frags[:, u]`` for the batch in ``frags``; row u's weight sits in lane ``src_lane + u`` of ``w_slot``."""
+    """``acc += w * frags[:, u]`` for the batch in ``frags`` (bf16 rows widened to fp32 first); row
+    u's weight sits in lane ``src_lane + u`` of ``w_slot``."""
+    vals = frags
+    if cutlass.const_expr(frags.element_type != Float32):
+        vals = cute.make_rmem_tensor(frags.layout, Float32)
+        vals.store(frags.load().to(Float32))
     for u in cutlass.range_constexpr(cute.size(frags, mode=[1])):
         w = cute.arch.shuffle_sync(w_slot, src_lane + u)
         for e in cutlass.range_constexpr(COLS_PER_LANE):
-            acc[e] += w * frags[e, u]
+            acc[e] += w * vals[e, u]
 
 
 @cute.jit
@@ -284,9 +304,9 @@ def _combine_kernel(
         #    ptxas issues the loads just ahead of their use, a few at a time.)
         last = n - 1
         lane_addr = cute.local_tile(o_accum[row_begin, q, head, None], (COLS_PER_LANE,), (col_tile,)).iterator.toint()
-        row_bytes = Int64(o_accum.stride[0]) * (Float32.width // 8)
+        row_bytes = Int64(o_accum.stride[0]) * (o_accum.element_type.width // 8)
         # Register tensors are column-major: COLS_PER_LANE goes first so each row's run is contiguous.
-        frags = cute.make_rmem_tensor((COLS_PER_LANE, rows_in_flight), Float32)
+        frags = cute.make_rmem_tensor((COLS_PER_LANE, rows_in_flight), o_accum.element_type)
         acc = cute.make_rmem_tensor((COLS_PER_LANE,), Float32)
         acc.fill(0.0)
         lse_nat = Float32(0.0)
@@ -316,7 +336,7 @@ def _fake_args(cfg: CombineConfig):
     rows, s_q, b, b_plus_1 = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     h = cfg.h_q
     lse_accum = make_fake_compact_tensor(Float32, (rows, s_q, h), stride_order=(2, 1, 0), assumed_align=4)
-    o_accum = make_fake_compact_tensor(Float32, (rows, s_q, h, D_V), stride_order=(3, 2, 1, 0), assumed_align=16)
+    o_accum = make_fake_compact_tensor(cfg.accum_type, (rows, s_q, h, D_V), stride_order=(3, 2, 1, 0), assumed_align=16)
     num_splits = make_fake_compact_tensor(Int32, (b_plus_1,), assumed_align=4)
     attn_sink = make_fake_compact_tensor(Float32, (h,), assumed_align=4) if cfg.has_attn_sink else None
     # out may be a strided view (e.g. a slice of a larger buffer): only the last dim must be

@@ -55,8 +55,9 @@ Shared memory: barriers, tile_info, scan counts, row factors and the 1 KiB index
 fp32 64x128 per warp group at a time) aliases the Q buffer, which is free between the last QK of a
 request and the next request's Q load.
 Outputs: bf16 ``out`` by TMA store (+ natural-log ``lse``) for requests whole in the partition;
-fp32 ``o_accum`` = O/L by TMA store (the split variant's extra tensor map; or straight from
-registers where the plan picks ``oacc_from_registers``) + base-2 ``lse_accum`` for split pieces. Every CTA
+``o_accum`` = O/L (fp32, or bf16 as the plan's ``accum_dtype`` picks on SM90: staged and stored as
+out is) by TMA store (the split variant's extra tensor map; or straight from registers where the
+plan picks ``oacc_from_registers``) + base-2 fp32 ``lse_accum`` for split pieces. Every CTA
 signals ``griddepcontrol.launch_dependents`` at its start, so the combine (launched with PDL)
 is scheduled early and waits for this grid in ``griddepcontrol.wait``.
 
@@ -113,6 +114,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         # Tuning forces one; the column pair always does (its 64 x 128 halves have no tensor map)
         direct = cfg.oacc_from_registers if tuning.oacc_direct_store is None else tuning.oacc_direct_store
         self.oacc_direct = cfg.split and (direct or self.cpair)
+        # bf16 partials (the config's, i.e. the plan's accum_dtype): stored like out
+        self.accum_bf16 = cfg.split and cfg.accum_dtype == "bfloat16"
         self.out_direct = tuning.out_direct_store or self.cpair
 
     def consumer_fence(self):
@@ -180,7 +183,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         num_splits: cute.Tensor,  # (b+1,) int32
         out: cute.Tensor,  # (b, s_q, h_q, 512) bf16
         lse: cute.Tensor,  # (b, s_q, h_q) fp32
-        o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) fp32
+        o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) fp32 or bf16 (cfg.accum_dtype)
         lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32
         timeline: Optional[cute.Tensor],  # (grid x, grid y, Stamp.SLOTS) int64, Tuning.timeline only
         softmax_scale: Float32,
@@ -212,6 +215,10 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         oacc_layout = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32), (TILE.heads, TILE.half_v // 2), (0, 1)
         )
+        oacc_box = (TILE.heads, TILE.half_v // 2)
+        if cutlass.const_expr(self.accum_bf16):
+            oacc_layout = o_layout   # bf16 partials are staged and stored as out is: 64 x 256 boxes
+            oacc_box = (TILE.heads, TILE.half_v)
 
         # Q, out and o_accum as (h, d, s_q, b|rows) for TMA box grids of 64 heads: Q in 9 boxes of
         # 64x64 (SW128), out / o_accum in 64-head x 256 / 128-column boxes.
@@ -232,8 +239,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         elif cutlass.const_expr(cfg.split):
             # The accumulator tensor map exists only in the split variant.
             tma_oacc, oacc_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), self.heads_dims_first(o_accum), oacc_layout,
-                (TILE.heads, TILE.half_v // 2)
+                cpasync.CopyBulkTensorTileS2GOp(), self.heads_dims_first(o_accum), oacc_layout, oacc_box
             )
 
         @cute.struct
@@ -713,7 +719,8 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig, tuning: Tuning = DEFAULT_TUNING
     lse = rt.make_fake_compact_tensor(Float32, (b, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
     o_accum = lse_accum = None
     if cfg.split:
-        o_accum = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q, cfg.d_v), stride_order=(3, 2, 1, 0), assumed_align=16)
+        accum_type = BFloat16 if cfg.accum_dtype == "bfloat16" else Float32
+        o_accum = rt.make_fake_compact_tensor(accum_type, (rows, s_q, cfg.h_q, cfg.d_v), stride_order=(3, 2, 1, 0), assumed_align=16)
         lse_accum = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
     timeline = None
     if tuning.timeline:

@@ -14,6 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from ..combine import ACCUM_DTYPES
 from . import ptx
 
 
@@ -30,6 +31,11 @@ class Sm90SparseDecodeConfig:
     # output columns (the plan picks it: SparseDecodePlan.column_pair, ``sm90_column_pair``; the
     # kernel as ``Tuning.column_pair`` describes it); out and o_accum are stored from registers.
     column_pair: bool = False
+    # split variant: dtype of the o_accum partials, "float32" or "bfloat16" (the plan picks it:
+    # SparseDecodePlan.accum_dtype, ``sm90_accum_dtype``). bf16 halves the bytes every split piece
+    # stores and the combine reads back; its rounding (2^-9 relative) is that of the bf16 P the
+    # PV MMA already reads.
+    accum_dtype: str = "float32"
     d_qk: int = 576
     d_v: int = 512
     arch: str = "sm_90a"
@@ -42,6 +48,10 @@ class Sm90SparseDecodeConfig:
                              f"split={self.split})")
         if self.h_q not in (64, 128):
             raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
+        if self.accum_dtype not in ACCUM_DTYPES:
+            raise ValueError(f"accum_dtype: got {self.accum_dtype!r}, accepted: {', '.join(map(repr, ACCUM_DTYPES))}")
+        if self.accum_dtype != "float32" and not self.split:
+            raise ValueError(f"accum_dtype: only the split variant has accumulators (got {self.accum_dtype!r} with split=False)")
         if (self.d_qk, self.d_v) != (576, 512):
             raise ValueError(f"(d_qk, d_v): got {(self.d_qk, self.d_v)}, accepted: (576, 512) (V3.2 cache)")
         if self.arch != "sm_90a":

@@ -68,13 +68,22 @@ class EpilogueMixin:
 
     @cute.jit
     def store_out(self, acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col_half: int, warp, hblk, s_idx, req, bar_id: int):
-        """bf16 O block (64 x ``pv_cols``: 256, 128 in the column pair; already scaled) -> staging in sQ ->
-        TMA store to out[req, s, heads, cols] (``out_direct``: ``Tuning.out_direct_store`` or the
-        column pair, per-thread stores from registers, no staging)."""
+        """bf16 O block (64 x ``pv_cols``: 256, 128 in the column pair; already scaled) -> out[req, s, heads, cols]
+        (:meth:`store_bf16_block`; from registers with ``out_direct``: ``Tuning.out_direct_store`` or the column pair)."""
+        self.store_bf16_block(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col_half, warp, hblk, s_idx, req, bar_id,
+                              self.out_direct, self.tuning.l2_hints)
+
+    @cute.jit
+    def store_bf16_block(self, acc_o, thr_pv, tma, mDst, sQ, o_layout, col_half: int, warp, hblk, s_idx, row,
+                         bar_id: int, direct: bool, evict_first: bool):
+        """An O block (64 x ``pv_cols``, fp32 registers) as bf16 -> mDst[row, s, heads, cols]: staged in
+        this warp group's half of sQ and stored by TMA, or (``direct``) per-thread stores from the
+        registers, no staging. ``evict_first``: the TMA store's L2 hint (out with ``Tuning.l2_hints``;
+        never for o_accum, which the combine reads back)."""
         r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
-        if cutlass.const_expr(self.out_direct):
-            tile = cute.local_tile(mOut[req, s_idx, None, None], (TILE.heads, self.pv_cols), (hblk, col_half))
+        if cutlass.const_expr(direct):
+            tile = cute.local_tile(mDst[row, s_idx, None, None], (TILE.heads, self.pv_cols), (hblk, col_half))
             cute.autovec_copy(r_o, thr_pv.partition_C(tile))
             return
         stage = cute.make_tensor(
@@ -84,27 +93,30 @@ class EpilogueMixin:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
         if warp == 0:
-            g_o = cute.flat_divide(mOut, (TILE.heads, TILE.half_v))
-            t_s, t_g = cpasync.tma_partition(tma_out, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2), cute.group_modes(g_o, 0, 2))
+            g_o = cute.flat_divide(mDst, (TILE.heads, TILE.half_v))
+            t_s, t_g = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2), cute.group_modes(g_o, 0, 2))
             # TMA stores are not elected by cute.copy (loads are): one lane issues, commits and waits.
             with cute.arch.elect_one():
-                if cutlass.const_expr(self.tuning.l2_hints):
-                    cute.copy(tma_out, t_s, t_g[None, hblk, col_half, s_idx, req], cache_policy=ptx.l2_policy("evict_first"))
+                if cutlass.const_expr(evict_first):
+                    cute.copy(tma, t_s, t_g[None, hblk, col_half, s_idx, row], cache_policy=ptx.l2_policy("evict_first"))
                 else:
-                    cute.copy(tma_out, t_s, t_g[None, hblk, col_half, s_idx, req])
+                    cute.copy(tma, t_s, t_g[None, hblk, col_half, s_idx, row])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.sync_warp()
 
     @cute.jit
     def store_o_accum(self, acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col_half: int, warp, hblk, s_idx, acc_row, bar_id: int):
-        """fp32 O half (already divided by L) -> o_accum[acc_row, s, heads, cols] in two 64x128 passes.
+        """The O block (already divided by L) -> o_accum[acc_row, s, heads, cols].
 
-        A pass stages 32 KiB (fp32 64x128, SW128) in this warp group's half of sQ; the view below
-        maps accumulator columns c and c+128 onto the same staging element, so pass p copies the
-        fragment entries of columns [128p, 128p+128) (fragment entries [64p, 64p+64)).
+        bf16 o_accum (``accum_bf16``): as out (:meth:`store_bf16_block`; ``oacc_layout`` is then
+        the bf16 64 x 256 staging layout). fp32: from registers (``oacc_direct``) or in two 64x128
+        TMA passes (:meth:`store_o_accum_staged`).
         """
-        if cutlass.const_expr(self.oacc_direct):
+        if cutlass.const_expr(self.accum_bf16):
+            self.store_bf16_block(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col_half, warp, hblk, s_idx, acc_row,
+                                  bar_id, self.oacc_direct, False)
+        elif cutlass.const_expr(self.oacc_direct):
             self.store_o_accum_direct(acc_o, thr_pv, mOAcc, col_half, hblk, s_idx, acc_row)
         else:
             self.store_o_accum_staged(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col_half, warp, hblk, s_idx,
@@ -123,7 +135,12 @@ class EpilogueMixin:
     @cute.jit
     def store_o_accum_staged(self, acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col_half: int, warp, hblk, s_idx,
                              acc_row, bar_id: int):
-        """The TMA path of :meth:`store_o_accum`."""
+        """The fp32 TMA path of :meth:`store_o_accum`.
+
+        A pass stages 32 KiB (fp32 64x128, SW128) in this warp group's half of sQ; the view below
+        maps accumulator columns c and c+128 onto the same staging element, so pass p copies the
+        fragment entries of columns [128p, 128p+128) (fragment entries [64p, 64p+64)).
+        """
         stage_ptr = cute.recast_ptr(sQ.iterator + col_half * (TILE.stage_bytes // 2), oacc_layout.inner, Float32)
         stage = cute.make_tensor(stage_ptr, oacc_layout.outer)
         aliased = cute.make_tensor(
