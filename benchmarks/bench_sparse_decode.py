@@ -3,7 +3,11 @@
 Inputs as in ../shared/reference/peers-and-limits.md: V3.2 FP8 cache, page block 64, a pool of
 131072 tokens, top-k 2048 with 20% of the indices -1. FLOPs = 2*h*(576+512)*topk per query token.
 Times: CUDA graph replay (median of per-replay events) and eager (median of events around a call).
-Transient = peak allocation during one call beyond out and lse.
+On the latency rows (b * s_q <= 8) also ``layer_us``: the per-call time in one graph of
+LAYER_CALLS calls (an engine captures every layer of a decode step in one graph, so a call there
+pays no graph launch of its own; a one-call graph's replay includes the host's graph launch, ~10 µs
+for a graph of one trivial kernel on the H200: latency_probe.py). Transient = peak allocation
+during one call beyond out and lse.
 
     python benchmarks/bench_sparse_decode.py [--rows all|quick|h128] [--json PATH] [--masked 0.2]
 """
@@ -29,6 +33,8 @@ GRID = [(1, 1, 64), (1, 8, 64), (1, 128, 64), (1, 1024, 64), (1, 8192, 64), (1, 
         (128, 2, 128), (64, 2, 64), (128, 1, 64)]
 QUICK = [(1, 1, 64), (1, 8, 64), (1, 1024, 64), (1, 8192, 64), (1, 1024, 128), (128, 2, 128), (64, 2, 64), (128, 1, 64)]
 POOL, PAGE, TOPK = 131072, 64, 2048
+LAYER_CALLS = 16           # calls per graph for layer_us
+LATENCY_ROW_TOKENS = 8     # rows with b * s_q at most this get layer_us
 
 
 def flashmla():
@@ -84,6 +90,18 @@ def time_one(mod, q, cache, idx, target_s=0.25):
     torch.cuda.synchronize()
     eager = statistics.median(a.elapsed_time(b_) * 1e3 for a, b_ in ev)
     # graph replay
+    gr, (go, gl) = capture_calls(mod, sched, q, cache, idx, 1)
+    n = max(5, min(200, int(target_s / max(eager * 1e-6, 1e-6))))
+    res = dict(us=replay_median_us(gr, n), eager_us=eager, transient_mib=transient / 2**20)
+    if q.shape[0] * q.shape[1] <= LATENCY_ROW_TOKENS:
+        layers, _ = capture_calls(mod, sched, q, cache, idx, LAYER_CALLS)
+        res["layer_us"] = replay_median_us(layers, 50) / LAYER_CALLS
+    return res, (go, gl)
+
+
+def capture_calls(mod, sched, q, cache, idx, n):
+    """A CUDA graph of ``n`` back-to-back calls (one warm-up call on a side stream first, as torch
+    requires) and the last captured call's outputs."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -91,17 +109,21 @@ def time_one(mod, q, cache, idx, target_s=0.25):
     torch.cuda.current_stream().wait_stream(s)
     gr = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gr):
-        go, gl = call(mod, sched, q, cache, idx)
+        for _ in range(n):
+            outs = call(mod, sched, q, cache, idx)
+    return gr, outs
+
+
+def replay_median_us(gr, n):
+    """Median µs of ``n`` replays, each between two events (3 warm-up replays first)."""
     for _ in range(3):
         gr.replay()
     torch.cuda.synchronize()
-    n = max(5, min(200, int(target_s / max(eager * 1e-6, 1e-6))))
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for a, b_ in ev:
         a.record(); gr.replay(); b_.record()
     torch.cuda.synchronize()
-    replay = statistics.median(a.elapsed_time(b_) * 1e3 for a, b_ in ev)
-    return dict(us=replay, eager_us=eager, transient_mib=transient / 2**20), (go, gl)
+    return statistics.median(a.elapsed_time(b_) * 1e3 for a, b_ in ev)
 
 
 def warm_up(seconds):
@@ -156,6 +178,8 @@ def main():
             r["flashmla_tflops"] = flop / theirs["us"] * 1e-6
             if oo is not None:
                 r["ratio"] = theirs["us"] / ours["us"]
+                if "layer_us" in ours:
+                    r["layer_ratio"] = theirs["layer_us"] / ours["layer_us"]
                 r["max_abs_diff_vs_flashmla"] = (oo.float() - fo.float()).abs().max().item()
                 fin = torch.isfinite(fl)
                 r["lse_max_abs_diff_vs_flashmla"] = (ol[fin] - fl[fin]).abs().max().item() if fin.any() else 0.0
@@ -174,7 +198,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
     print(f"\n{meta['gpu']}  commit {meta['commit']}  masked {args.masked}")
-    print(f"{'b':>4} {'s_q':>6} {'h':>4} | {'cute us':>9} {'eager':>8} {'TF/s':>6} {'MiB':>7} | {'FlashMLA us':>11} {'eager':>8} {'TF/s':>6} {'MiB':>8} | {'ratio':>6} {'maxdiff':>8}")
+    print(f"{'b':>4} {'s_q':>6} {'h':>4} | {'cute us':>9} {'eager':>8} {'TF/s':>6} {'MiB':>7} | {'FlashMLA us':>11} {'eager':>8} {'TF/s':>6} {'MiB':>8} | {'ratio':>6} {'maxdiff':>8}"
+          f" | per call in a {LAYER_CALLS}-call graph: cute / FlashMLA us, time ratio")
     for r in results:
         if "cute_error" in r:
             print(f"{r['b']:>4} {r['s_q']:>6} {r['h_q']:>4} | ERROR {r['cute_error'][:90]}")
@@ -182,7 +207,10 @@ def main():
         fl = lambda k, f: (f % r[k]) if k in r else "-"
         print(f"{r['b']:>4} {r['s_q']:>6} {r['h_q']:>4} | {r['cute_us']:>9.1f} {r['cute_eager_us']:>8.1f} {r['cute_tflops']:>6.1f} {r['cute_transient_mib']:>7.2f} | "
               f"{fl('flashmla_us', '%11.1f')} {fl('flashmla_eager_us', '%8.1f')} {fl('flashmla_tflops', '%6.1f')} {fl('flashmla_transient_mib', '%8.1f')} | "
-              f"{fl('ratio', '%6.2f')} {fl('max_abs_diff_vs_flashmla', '%8.1e')}")
+              f"{fl('ratio', '%6.2f')} {fl('max_abs_diff_vs_flashmla', '%8.1e')}"
+              + (f" | {r['cute_layer_us']:.1f} / {fl('flashmla_layer_us', '%.1f')}"
+                 + (f", {r['cute_layer_us'] / r['flashmla_layer_us']:.3f}x" if 'flashmla_layer_us' in r else "")
+                 if "cute_layer_us" in r else ""))
 
 
 if __name__ == "__main__":

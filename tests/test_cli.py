@@ -22,9 +22,9 @@ def test_plan_acceptance_grid(capsys, s_q, parts, rows):
     assert p["workspace_bytes"] == rows * s_q * 64 * 1028   # bf16 o_accum (512 x 2 B) + fp32 lse_accum
     assert p["accum_dtype"] == ("bfloat16" if rows else "float32")
     assert (p["variant"] == "no_split") == (rows == 0)
-    # o_accum from registers (no tensor map) where few CTAs store (s_q=1), by TMA otherwise
-    assert p["oacc_from_registers"] == (s_q == 1)
-    assert ("o_accum" in p["tensor_maps"]) == (rows > 0 and s_q != 1)
+    # bf16 partials: staged and stored by TMA (an o_accum tensor map), in the column pair too
+    assert not p["oacc_from_registers"]
+    assert ("o_accum" in p["tensor_maps"]) == (rows > 0)
     # the column pair (s_q=1: 32 one-block pieces) stores out from registers too
     assert p["column_pair"] == (s_q == 1)
     assert ("out" in p["tensor_maps"]) == (s_q != 1)

@@ -15,8 +15,8 @@ def test_sm90_mixed_batch_workspace(s_q):
         assert "o_accum" not in p.tensor_maps and "combine" not in p.launches
     else:
         assert p.split and p.launches[-1] == "combine"
-        # o_accum from registers (no tensor map) where few CTAs store: s_q=1 (32 CTAs), not s_q=8 (128)
-        assert p.oacc_from_registers == (s_q == 1) and ("o_accum" in p.tensor_maps) == (s_q != 1)
+        # bf16 partials: always staged and stored by TMA (an o_accum tensor map), the pair (s_q=1) too
+        assert not p.oacc_from_registers and "o_accum" in p.tensor_maps
         # exactly the real split rows of the host schedule
         off = accum_offsets(p.host_schedule.num_splits)
         assert p.accum_rows == off[-1] == p.host_schedule.num_splits[-1]
@@ -219,12 +219,23 @@ def test_token_walk_needs_a_partition_per_head_half():
                                                (1, 3, 64, False, False), (8, 1, 64, False, False), (1, 8, 64, False, False),
                                                (1, 1, 128, False, False), (16, 1, 128, False, False),
                                                (4, 1, 64, True, False), (128, 1, 64, False, False)])
-def test_sm90_oacc_from_registers_where_few_ctas_store(b, s_q, h_q, tl, regs):
-    """The split variant stores o_accum from registers (no o_accum tensor map) for h=64 with at most
-    num_sms/2 CTAs holding work, the shapes where it measured faster; device schedules and no-split
-    plans never do."""
+def test_sm90_oacc_from_registers_where_few_ctas_store(b, s_q, h_q, tl, regs, monkeypatch):
+    """bf16 partials (the SM90 default) are always staged and stored by TMA. fp32 partials (the
+    dtype rule patched) come from registers (no o_accum tensor map) for h=64 with at most
+    num_sms/2 CTAs holding work, the shapes where that measured faster; device schedules and
+    no-split plans never do."""
+    from cute_mla.interface import plan as plan_mod
+
     p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=tl)
-    assert p.oacc_from_registers is regs
+    assert p.accum_dtype == ("bfloat16" if p.split else "float32") and not p.oacc_from_registers
+    assert ("o_accum" in p.tensor_maps) == p.split
+    monkeypatch.setattr(plan_mod, "sm90_accum_dtype", lambda arch: "float32")
+    plan_sparse_decode.cache_clear()
+    try:
+        p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=tl)
+    finally:
+        plan_sparse_decode.cache_clear()
+    assert p.accum_dtype == "float32" and p.oacc_from_registers is regs
     assert ("o_accum" in p.tensor_maps) == (p.split and not regs)
     if regs:
         busy = sum(1 for r in p.host_schedule.rows if r[0] < b and r[0] <= r[1])
@@ -238,16 +249,16 @@ def test_sm90_oacc_from_registers_where_few_ctas_store(b, s_q, h_q, tl, regs):
                                                     (1, 1, 64, 64, False, False)])
 def test_sm90_column_pair_where_few_pieces(b, s_q, h_q, topk, tl, pair):
     """h=64 split plans with at most COLUMN_PAIR_MAX_BUSY_CTAS busy CTAs run column pairs (a cluster
-    of 2 per piece): o_accum and out from registers, Q the only tensor map. Device schedules,
-    h=128, no-split plans and busier shapes keep one CTA per piece."""
+    of 2 per piece): out from registers, the bf16 partials by TMA (Q and o_accum the tensor maps).
+    Device schedules, h=128, no-split plans and busier shapes keep one CTA per piece."""
     from cute_mla.interface.plan import COLUMN_PAIR_MAX_BUSY_CTAS
 
     p = plan_sparse_decode(b, s_q, h_q, 576, topk, arch="sm_90a", num_sms=132, has_topk_length=tl)
     assert p.column_pair is pair
     if pair:
         busy = sum(1 for r in p.host_schedule.rows if r[0] < b and r[0] <= r[1])
-        assert p.split and p.oacc_from_registers and busy * s_q <= COLUMN_PAIR_MAX_BUSY_CTAS
-        assert p.tensor_maps == ("q",) and "column pair" in p.describe()
+        assert p.split and not p.oacc_from_registers and busy * s_q <= COLUMN_PAIR_MAX_BUSY_CTAS
+        assert p.tensor_maps == ("q", "o_accum") and "column pair" in p.describe()
     else:
         assert "column pair" not in p.describe()
     # a GPU with few SMs: the doubled CTAs must stay well inside it (at most num_sms / 2)

@@ -109,11 +109,13 @@ def test_accumulator_tensor_map_only_in_split_variant(artifacts):
     from cute_mla import plan_sparse_decode
     no_split = plan_sparse_decode(1, 8192, 64, 576, 2048, arch="sm_90a", num_sms=132)
     split_tma = plan_sparse_decode(1, 8, 64, 576, 2048, arch="sm_90a", num_sms=132)
-    split_regs = plan_sparse_decode(2, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)   # 64 busy CTAs: no column pair
-    assert (no_split.split, split_tma.split, split_regs.split) == (False, True, True)
-    assert (split_tma.oacc_from_registers, split_regs.oacc_from_registers) == (False, True)
+    few = plan_sparse_decode(2, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)   # 64 busy CTAs: no column pair
+    assert (no_split.split, split_tma.split, few.split) == (False, True, True)
+    # bf16 partials are stored by TMA even where few CTAs store (fp32 ones came from registers there)
+    assert (split_tma.accum_dtype, few.accum_dtype) == ("bfloat16", "bfloat16")
+    assert (split_tma.oacc_from_registers, few.oacc_from_registers) == (False, False)
     assert len(no_split.tensor_maps) == maps["nosplit"]
-    assert len(split_tma.tensor_maps) == maps["split_tl_sink"] and len(split_regs.tensor_maps) == maps["split_regs"]
+    assert len(split_tma.tensor_maps) == len(few.tensor_maps) == maps["split_bf16"]
 
 
 # The streamed producer over compacted tiles (the default) keeps two 44-register row sets, the next
@@ -278,23 +280,26 @@ def _check_cluster_start(ptx: str, sass: str):
 def test_column_pair_variant_compiles(tmp_path):
     """The column pair (h=64 split; the plan picks it through the config's ``column_pair``, or
     ``Tuning.column_pair`` forces it): PV in 64x128 N-tiles (each CTA of the pair computes 256 of
-    the 512 columns), the gather shared through the crossover's bulk copies to the peer, out and
-    o_accum stored from registers (Q the only tensor map, as the plan lists), no spills, the
-    relaxed cluster start. A kernel without the split, or with h=128, ignores it."""
+    the 512 columns), the gather shared through the crossover's bulk copies to the peer, out stored
+    from registers, the plan's bf16 partials staged and stored by TMA in 64 x 128 boxes (Q and
+    o_accum the tensor maps, as the plan lists), no spills, the relaxed cluster start. A kernel
+    without the split, or with h=128, ignores it."""
     from cute_mla import plan_sparse_decode
     from cute_mla.kernels.sm90.sparse_decode import Sm90SparseDecodeKernel
 
     plan = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
-    assert plan.column_pair and plan.oacc_from_registers
-    cfg = Sm90SparseDecodeConfig(h_q=64, split=True, has_topk_length=True, has_attn_sink=True, oacc_from_registers=True,
-                                 column_pair=True)
+    assert plan.column_pair and not plan.oacc_from_registers and plan.accum_dtype == "bfloat16"
+    cfg = Sm90SparseDecodeConfig(h_q=64, split=True, has_topk_length=True, has_attn_sink=True,
+                                 oacc_from_registers=plan.oacc_from_registers, column_pair=True,
+                                 accum_dtype=plan.accum_dtype)
     assert Sm90SparseDecodeKernel(cfg).cpair
     compile_sparse_decode(cfg, dump_dir=str(tmp_path))
     ptx, cubin = ki.find_artifacts(str(tmp_path), "sm_90a")
     with open(ptx) as f:
         text = f.read()
     assert "cp.async.bulk.shared::cluster.shared::cta" in text
-    assert ki.tensor_map_params(text) == len(plan.tensor_maps) == 1   # Q only: out and o_accum from registers
+    assert ki.tensor_map_params(text) == len(plan.tensor_maps) == 2   # Q and o_accum: out from registers
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in text, "the bf16 partials' TMA store"
     sass = _sass_or_skip(cubin)
     assert "HGMMA.64x128x16" in sass and "HGMMA.64x256x16" not in sass
     assert ki.local_memory_ops(sass) == 0

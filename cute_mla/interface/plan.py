@@ -89,9 +89,9 @@ class SparseDecodePlan:
     @property
     def tensor_maps(self) -> Tuple[str, ...]:
         maps = _TENSOR_MAPS[(self.arch, self.split)]
-        # stored from registers: o_accum (oacc_from_registers); out and o_accum (column pair, whose
-        # 64 x 128 column blocks have no tensor map)
-        direct = ("out", "o_accum") if self.column_pair else ("o_accum",) if self.oacc_from_registers else ()
+        # stored from registers: o_accum (oacc_from_registers); out in the column pair (its 64 x 128
+        # column blocks have no tensor map; bf16 partials there have one)
+        direct = (("out",) if self.column_pair else ()) + (("o_accum",) if self.oacc_from_registers else ())
         return tuple(m for m in maps if m not in direct)
 
     @property
@@ -179,12 +179,15 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         accum_rows = host_schedule.split_rows
     split = accum_rows > 0
     pair = split and sm90_column_pair(arch, b, s_q, h_q, num_sms, host_schedule)
+    accum = sm90_accum_dtype(arch) if split else "float32"
+    # fp32 partials come from registers in the column pair and where few CTAs store; bf16 ones are
+    # always staged and stored by TMA (sm90_accum_dtype)
+    regs = accum == "float32" and (pair or (split and sm90_oacc_from_registers(arch, b, s_q, h_q, num_sms, host_schedule)))
     return SparseDecodePlan(
         arch=arch, b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, d_v=d_v, topk=topk, has_topk_length=has_topk_length,
         num_sm_parts=parts, fixed_overhead=overhead, kernel=_KERNEL[arch], split=split,
         schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule, token_walk=token_walk,
-        oacc_from_registers=pair or (split and sm90_oacc_from_registers(arch, b, s_q, h_q, num_sms, host_schedule)),
-        column_pair=pair, accum_dtype=sm90_accum_dtype(arch) if split else "float32")
+        oacc_from_registers=regs, column_pair=pair, accum_dtype=accum)
 
 
 def sm90_accum_dtype(arch: str) -> str:
@@ -193,7 +196,10 @@ def sm90_accum_dtype(arch: str) -> str:
 
     Why bf16 (benchmarks/NOTES.md, session 2026-12-03 g): on the latency rows the partials' bytes
     are the largest cost left. At b=1, s_q=8, h=64 the 128 pieces store 16 MiB of fp32 partials
-    (the epilogue, ~8,000 cycles of a ~23,000-cycle kernel) and the combine reads them back.
+    (the epilogue, ~8,000 cycles of a ~23,000-cycle kernel; an SM stores ~24 B/cycle) and the
+    combine reads them back. bf16 partials are staged and stored by TMA (full 128-B lines): from
+    registers each thread's 4-byte stores fill half sectors, which measured slower than fp32's
+    8-byte stores (1x1x64 per call: 11.9 against 10.2 µs).
     Precision: O/L of a piece is a convex combination of V rows, so its bf16 rounding is at most
     2^-9 max|V| per element, the bound the bf16 P that the PV MMA reads already puts on O."""
     return "bfloat16" if arch == "sm_90a" else "float32"

@@ -112,10 +112,13 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.xover = (tuning.crossover != Crossover.OFF and self.n_hblk == 2) or self.cpair
         # split pieces store o_accum from registers: the config's (the plan's) choice unless the
         # Tuning forces one; the column pair always does (its 64 x 128 halves have no tensor map)
-        direct = cfg.oacc_from_registers if tuning.oacc_direct_store is None else tuning.oacc_direct_store
-        self.oacc_direct = cfg.split and (direct or self.cpair)
-        # bf16 partials (the config's, i.e. the plan's accum_dtype): stored like out
+        # bf16 partials (the config's, i.e. the plan's accum_dtype) are staged and stored by TMA as
+        # out is, in the column pair too: from registers each thread's 4-byte bf16 stores fill half
+        # sectors, as many as the fp32 stores fill whole (measured slower on 1x1x64, NOTES.md
+        # session 2026-12-03 g)
         self.accum_bf16 = cfg.split and cfg.accum_dtype == "bfloat16"
+        direct = cfg.oacc_from_registers if tuning.oacc_direct_store is None else tuning.oacc_direct_store
+        self.oacc_direct = cfg.split and (direct or (self.cpair and not self.accum_bf16))
         self.out_direct = tuning.out_direct_store or self.cpair
 
     def consumer_fence(self):
@@ -217,8 +220,12 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         )
         oacc_box = (TILE.heads, TILE.half_v // 2)
         if cutlass.const_expr(self.accum_bf16):
-            oacc_layout = o_layout   # bf16 partials are staged and stored as out is: 64 x 256 boxes
-            oacc_box = (TILE.heads, TILE.half_v)
+            # bf16 partials are staged and stored as out is: one 64 x pv_cols box per warp group
+            # (64 x 256; 64 x 128 in the column pair)
+            oacc_box = (TILE.heads, self.pv_cols)
+            oacc_layout = cute.tile_to_shape(
+                warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16), oacc_box, (0, 1)
+            )
 
         # Q, out and o_accum as (h, d, s_q, b|rows) for TMA box grids of 64 heads: Q in 9 boxes of
         # 64x64 (SW128), out / o_accum in 64-head x 256 / 128-column boxes.

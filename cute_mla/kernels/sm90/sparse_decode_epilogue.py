@@ -77,8 +77,9 @@ class EpilogueMixin:
     def store_bf16_block(self, acc_o, thr_pv, tma, mDst, sQ, o_layout, col_half: int, warp, hblk, s_idx, row,
                          bar_id: int, direct: bool, evict_first: bool):
         """An O block (64 x ``pv_cols``, fp32 registers) as bf16 -> mDst[row, s, heads, cols]: staged in
-        this warp group's half of sQ and stored by TMA, or (``direct``) per-thread stores from the
-        registers, no staging. ``evict_first``: the TMA store's L2 hint (out with ``Tuning.l2_hints``;
+        this warp group's half of sQ (``o_layout``: 64 x ``pv_cols``) and stored by TMA (a 64 x
+        ``pv_cols`` box; ``col_half`` counts such blocks, 0-3 in the column pair), or (``direct``)
+        per-thread stores from the registers, no staging. ``evict_first``: the TMA store's L2 hint (out with ``Tuning.l2_hints``;
         never for o_accum, which the combine reads back)."""
         r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
@@ -86,14 +87,15 @@ class EpilogueMixin:
             tile = cute.local_tile(mDst[row, s_idx, None, None], (TILE.heads, self.pv_cols), (hblk, col_half))
             cute.autovec_copy(r_o, thr_pv.partition_C(tile))
             return
+        # the warp group's staging slot: its half of sQ (col_half % 2 is the warp group in the pair too)
         stage = cute.make_tensor(
-            cute.recast_ptr(sQ.iterator + col_half * (TILE.stage_bytes // 2), o_layout.inner, BFloat16), o_layout.outer
+            cute.recast_ptr(sQ.iterator + (col_half % 2) * (TILE.stage_bytes // 2), o_layout.inner, BFloat16), o_layout.outer
         )
         cute.autovec_copy(r_o, thr_pv.partition_C(stage))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
         if warp == 0:
-            g_o = cute.flat_divide(mDst, (TILE.heads, TILE.half_v))
+            g_o = cute.flat_divide(mDst, (TILE.heads, self.pv_cols))
             t_s, t_g = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2), cute.group_modes(g_o, 0, 2))
             # TMA stores are not elected by cute.copy (loads are): one lane issues, commits and waits.
             with cute.arch.elect_one():
