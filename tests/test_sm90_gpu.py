@@ -154,7 +154,7 @@ def test_index_compaction_patterns(pattern, shape, seed):
     _mask_pattern(inp.indices, pattern, g)
     inp = type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, h_q) if split else 1
-    out, lse, sched = run_kernel(inp, split, parts, accum_dtype=accum)
+    out, lse, sched = run_kernel(inp, split, parts)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     try:

@@ -1,0 +1,53 @@
+"""CPU-only: every global name a function in the test modules and the benchmark scripts reads is defined.
+
+The GPU tests and the benchmarks do not run on the CPU machine, so a typo in one (a name left over
+from an edit) would only show on the H200, one device call later. Python resolves a name a function never assigns
+as a global at run time; this reads each function's bytecode for such loads (LOAD_GLOBAL, and
+LOAD_NAME in class bodies) and checks them against the module's globals and the builtins.
+"""
+
+import builtins
+import dis
+import importlib.util
+import pathlib
+import types
+
+import pytest
+
+TESTS = pathlib.Path(__file__).parent
+BENCHMARKS = TESTS.parent / "benchmarks"
+MODULES = sorted(TESTS.glob("test_*.py")) + sorted(BENCHMARKS.glob("*.py"))
+
+
+def _code_objects(code):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _global_loads(code):
+    for c in _code_objects(code):
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                yield c.co_name, ins.argval
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[f"{p.parent.name}/{p.stem}" for p in MODULES])
+def test_global_names_are_defined(path, monkeypatch):
+    monkeypatch.syspath_prepend(str(path.parent))   # benchmark scripts import their siblings
+    spec = importlib.util.spec_from_file_location(f"_names_check_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    code = compile(path.read_text(), str(path), "exec")
+    # names the module body itself binds (imports and assignments under ``if __name__ == "__main__"``
+    # too, which exec_module does not run)
+    stored = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("STORE_NAME", "STORE_GLOBAL", "IMPORT_NAME")}
+    known = set(vars(module)) | set(dir(builtins)) | stored
+    missing = sorted({f"{fn}: {name}" for fn, name in _global_loads(code) if name not in known})
+    assert not missing, f"{path.name}: undefined names {missing}"
+
+
+def test_the_check_finds_an_undefined_name():
+    code = compile("def f():\n    return undefined_here + 1\n", "<t>", "exec")
+    assert ("f", "undefined_here") in set(_global_loads(code))
