@@ -99,19 +99,25 @@ def time_one(mod, q, cache, idx, target_s=0.25):
     return res, (go, gl)
 
 
-def capture_calls(mod, sched, q, cache, idx, n):
-    """A CUDA graph of ``n`` back-to-back calls (one warm-up call on a side stream first, as torch
-    requires) and the last captured call's outputs."""
+def capture_graph(fn, n=1):
+    """A CUDA graph of ``n`` back-to-back ``fn()`` (one warm-up ``fn()`` on a side stream first, as
+    torch requires) and what the last captured ``fn()`` returned. The benchmark scripts' one
+    capture helper."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        call(mod, sched, q, cache, idx)
+        fn()
     torch.cuda.current_stream().wait_stream(s)
     gr = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gr):
         for _ in range(n):
-            outs = call(mod, sched, q, cache, idx)
-    return gr, outs
+            res = fn()
+    return gr, res
+
+
+def capture_calls(mod, sched, q, cache, idx, n):
+    """A CUDA graph of ``n`` back-to-back calls and the last captured call's outputs."""
+    return capture_graph(lambda: call(mod, sched, q, cache, idx), n)
 
 
 def replay_median_us(gr, n):

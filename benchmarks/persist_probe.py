@@ -31,7 +31,7 @@ sys.path.insert(0, HERE)
 import cute_mla  # noqa: E402
 from cute_mla.kernels.sm90.sparse_decode import (  # noqa: E402
     DEFAULT_TUNING, Sm90SparseDecodeConfig, compile_sparse_decode, launch_sparse_decode)
-from bench_sparse_decode import TOPK, call, make_inputs, parse_rows  # noqa: E402
+from bench_sparse_decode import TOPK, call, capture_graph, make_inputs, parse_rows  # noqa: E402
 from profile_small import replay_us  # noqa: E402
 
 
@@ -43,18 +43,6 @@ def whole_request_rows(n_req: int, parts: int, blocks: int):
         if r1 > r0:
             rows.append([r0, r1 - 1, 0, blocks, 0, 0, 0, 0])
     return rows
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def main():
@@ -82,13 +70,13 @@ def main():
         one = torch.tensor([[0, 0, 0, TOPK // 64, 0, 0, 0, 0]], dtype=torch.int32, device="cuda")
         run_a = launcher(q, idx, out_a, lse_a, one)
         run_a()
-        t_a = replay_us(graph_of(run_a), reps=20)
+        t_a = replay_us(capture_graph(run_a)[0], reps=20)
         line = f"b={b} s_q={s_q} h={h}: one CTA per token {t_a:9.1f} us"
         # the public call (the plan's token walk where it applies)
         sched, _ = cute_mla.get_mla_metadata()
         o, l = call(cute_mla, sched, q, cache, idx)
         same = torch.equal(o, out_a) and torch.equal(l, lse_a.transpose(1, 2))
-        t_p = replay_us(graph_of(lambda: call(cute_mla, sched, q, cache, idx)), reps=20)
+        t_p = replay_us(capture_graph(lambda: call(cute_mla, sched, q, cache, idx))[0], reps=20)
         line += (f" | public call ({'token walk' if sched.plan.token_walk else 'no walk'}) {t_p:9.1f} us "
                  f"x{t_a / t_p:.3f} {'bit-identical' if same else 'DIFFERENT'}")
         # the probe's own walks over other CTA counts
@@ -102,7 +90,7 @@ def main():
             walk()
             torch.cuda.synchronize()
             same = torch.equal(out_b.view_as(out_a), out_a) and torch.equal(lse_b.view_as(lse_a), lse_a)
-            t_b = replay_us(graph_of(walk), reps=20)
+            t_b = replay_us(capture_graph(walk)[0], reps=20)
             line += f" | walk {ctas} CTAs {t_b:9.1f} us x{t_a / t_b:.3f} {'bit-identical' if same else 'DIFFERENT'}"
         print(line, flush=True)
 

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import cute_mla  # noqa: E402
-from bench_sparse_decode import call, flashmla, make_inputs  # noqa: E402
+from bench_sparse_decode import call, capture_graph, flashmla, make_inputs  # noqa: E402
 
 ROWS = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128), (128, 1, 64)]
 
@@ -29,16 +29,7 @@ def graph_of(mod, q, cache, idx, layers=1):
     sched, _ = mod.get_mla_metadata()
     call(mod, sched, q, cache, idx)
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call(mod, sched, q, cache, idx)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(layers):
-            call(mod, sched, q, cache, idx)
-    return g
+    return capture_graph(lambda: call(mod, sched, q, cache, idx), layers)[0]
 
 
 def kernel_times(g, reps=20):

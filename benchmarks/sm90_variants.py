@@ -154,7 +154,7 @@ def main():
     if "default" in names:
         names.remove("default")
     names.insert(0, "default")
-    from bench_sparse_decode import TOPK, make_inputs, call, parse_rows, warm_up
+    from bench_sparse_decode import TOPK, call, capture_graph, make_inputs, parse_rows, warm_up
 
     t0 = time.time()
     bad = set() if args.skip_edge else set(edge_check(names))
@@ -175,16 +175,7 @@ def main():
                 o, l = call(cute_mla, sched, q, cache, idx)   # compiles (cached per tuning) and plans
             torch.cuda.synchronize()
             outs[name] = (o.clone(), l.clone())
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                call(cute_mla, sched, q, cache, idx)
-            torch.cuda.current_stream().wait_stream(s)
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(args.layers):
-                    call(cute_mla, sched, q, cache, idx)
-            graphs[name] = gr
+            graphs[name], _ = capture_graph(lambda: call(cute_mla, sched, q, cache, idx), args.layers)
         from cute_mla.testing import check_out_lse
 
         ok = []
