@@ -51,6 +51,7 @@ VARIANTS = {
     "late_md": Tuning(early_metadata=False),  # tile_md / num_splits read where used (the kernel before early_metadata)
     "late_md_cfence": Tuning(early_metadata=False, consumer_proxy_fence=True),
     "cpair": Tuning(column_pair=True),  # h=64 split: a cluster of 2 per piece splitting the 512 columns, forced (the plan picks it on few-piece shapes)
+    "help2": Tuning(help_second_tile=True),  # WG1 converts a two-tile partition's second tile (1x8x64's pieces)
     "strict_cstart": Tuning(relaxed_cluster_start=False),  # cluster kernels: the release arrive at the start (its MEMBAR.ALL.GPU also waits for the tile_md load issued before it; before 3a8c83d that load came after the barrier)
     "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers everywhere (no staging, no TMA store)
     "oacc_tma": Tuning(oacc_direct_store=False),  # o_accum by TMA everywhere (the plan picks registers on few-CTA h=64 shapes)

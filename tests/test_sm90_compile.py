@@ -38,8 +38,11 @@ CONFIGS = {
     "split_bf16": (64, True, True, True),
     "split_regs_bf16": (64, True, True, True),
     "split_h128_bf16": (128, True, False, True),
+    # Tuning.help_second_tile: WG1 converts a two-tile partition's second tile (off by default)
+    "split_help_second": (64, True, True, True),
 }
-TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "nosplit_out_direct": dict(out_direct_store=True)}
+TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "nosplit_out_direct": dict(out_direct_store=True),
+           "split_help_second": dict(help_second_tile=True)}
 CONFIG_EXTRA = {"split_regs": dict(oacc_from_registers=True), "split_bf16": dict(accum_dtype="bfloat16"),
                 "split_regs_bf16": dict(oacc_from_registers=True, accum_dtype="bfloat16"),
                 "split_h128_bf16": dict(accum_dtype="bfloat16")}
@@ -329,3 +332,16 @@ def test_bf16_partials_are_stored_as_bf16(artifacts):
     staged32, staged16 = artifacts["split_tl_sink"][0], artifacts["split_bf16"][0]
     # TMA store sites: out (one per MMA warp group) + o_accum (two passes per warp group in fp32)
     assert staged32.count(tma) - staged16.count(tma) == staged16.count(tma) - artifacts["nosplit_tl_sink"][0].count(tma)
+
+
+def test_help_second_tile_handshake(artifacts):
+    """Tuning.help_second_tile: the producer arrives on Bar.HELP (256 threads) once, WG1 syncs on it
+    once, and WG1 issues its own 2 x 11 row loads; the default kernel has neither."""
+    from cute_mla.kernels.sm90.sparse_decode_common import Bar
+
+    help_ptx, plain = artifacts["split_help_second"][0], artifacts["split_tl_sink"][0]
+    arrive, sync = f"bar.arrive {int(Bar.HELP)}, 256", f"bar.sync \t{int(Bar.HELP)}, 256"
+    assert help_ptx.count(arrive) == 1 and help_ptx.count(sync) == 1
+    assert arrive not in plain and sync not in plain
+    load = "ld.global.L1::evict_last"
+    assert help_ptx.count(load) - plain.count(load) == 22

@@ -181,12 +181,14 @@ def _tuning(name):
         "late_metadata": Tuning(early_metadata=False),
         # h=64 split pieces on a cluster of 2 that splits the output columns (experimental)
         "column_pair": Tuning(column_pair=True),
+        "help_second_tile": Tuning(help_second_tile=True),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
-                                  "oacc_direct_store_bf16_accum", "next_q_prefetch", "late_metadata", "column_pair"])
+                                  "oacc_direct_store_bf16_accum", "next_q_prefetch", "late_metadata", "column_pair",
+                                  "help_second_tile"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""
@@ -246,6 +248,26 @@ def _check_variant(inp, split, parts, tuning, baseline, what, baseline_name, acc
     out0, lse0, _ = run_kernel(inp, split, parts, baseline, accum_dtype)
     assert torch.equal(out, out0), f"{what}: out differs from {baseline_name}"
     assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), f"{what}: lse differs"
+
+
+# (b, s_q, topk, split, topk_length): h_q = 64 shapes whose partitions hold two compacted tiles
+# (1x8x64's 2-block split pieces; 74 requests of 2 blocks over 132 partitions, mostly whole
+# requests that store out) next to one-tile and longer ones, for Tuning.help_second_tile.
+HELP_SECOND_SHAPES = [(1, 8, 2048, True, False), (2, 4, 1024, True, True), (74, 1, 128, True, False)]
+
+
+@pytest.mark.parametrize("pattern", ["none", "front_half", "sparse", "runs", "one_valid"])
+@pytest.mark.parametrize("shape", range(len(HELP_SECOND_SHAPES)))
+def test_help_second_tile_matches(pattern, shape, seed):
+    """WG1 converting a two-tile partition's second tile: the fp32 reference's answer and the
+    default kernel's bits (the same tiles and conversion, only another warp group doing it)."""
+    from cute_mla.kernels.sm90.sparse_decode import Tuning
+
+    b, s_q, topk, split, tl = HELP_SECOND_SHAPES[shape]
+    inp = _patterned_inputs(b, s_q, 64, topk, tl, 0.2, pattern, seed)
+    parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 64) if split else 1
+    _check_variant(inp, split, parts, Tuning(help_second_tile=True), None, "help_second_tile",
+                   "the default kernel's", "bfloat16")
 
 
 # (b, s_q, topk, topk_length, transport): h_q = 64 split shapes for Tuning.column_pair, the latency

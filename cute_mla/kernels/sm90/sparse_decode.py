@@ -120,6 +120,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         direct = cfg.oacc_from_registers if tuning.oacc_direct_store is None else tuning.oacc_direct_store
         self.oacc_direct = cfg.split and (direct or (self.cpair and not self.accum_bf16))
         self.out_direct = tuning.out_direct_store or self.cpair
+        # WG1 converts a two-tile partition's second tile (one-CTA kernels, compacted producer)
+        self.help_second = tuning.help_second_tile and tuning.compact_indices and not self.xover
 
     def consumer_fence(self):
         """With ``Tuning.consumer_proxy_fence``: the proxy fence between the producer's st.shared of a
@@ -258,6 +260,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             # Per K buffer: 64-bit token mask + last-tile-of-request flag (producer -> consumers).
             tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
             scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
+            help_flag: cute.struct.MemRange[Int32, 1]  # producer -> WG1: Tuning.help_second_tile applies
             row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
             ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]  # compacted indices
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(q_layout)], 1024]
@@ -398,7 +401,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                 setmaxregister_decrease(REGS.pv_right)
                 self.pv_right_wg(
                     pv_ss_mma, tma_out, mOut, tma_oacc, mOAcc, mTopkLen, mTileMd, mNumSplits, sched, topk, s_idx, hblk, part,
-                    sQ, sK, sP, o_layout, oacc_layout, storage,
+                    sQ, sK, sP, o_layout, oacc_layout, storage, mKV, mIdx,
                 )
         if cutlass.const_expr(self.xover):
             # Neither CTA of the pair exits while its peer may still write into its shared memory
@@ -630,7 +633,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
     @cute.jit
     def pv_right_wg(
         self, pv_ss_mma, tma_out, mOut, tma_oacc, mOAcc, mTopkLen, mTileMd, mNumSplits, sched, topk, s_idx, hblk, part,
-        sQ, sK, sP, o_layout, oacc_layout, storage,
+        sQ, sK, sP, o_layout, oacc_layout, storage, mKV, mIdx,
     ):
         begin_req, end_req, begin_block, end_block = sched
         wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
@@ -655,6 +658,12 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             split_rows = self.split_rows_of_partition(sched, mTileMd, mNumSplits, part)
         # sP / row_scale start out free.
         cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=2 * TILE.threads_per_wg)
+        if cutlass.const_expr(self.help_second):
+            # Tuning.help_second_tile: the producer's first scan tells whether this partition is
+            # exactly two tiles; then tile 1 is ours (before acc_o is live).
+            cute.arch.barrier(barrier_id=Bar.HELP, number_of_threads=2 * TILE.threads_per_wg)
+            if ptx.ld_shared_i32(storage.help_flag.data_ptr().toint()) != 0:
+                self.convert_second_tile(mKV, mIdx)
         n = Int32(0)
         for req in cutlass.range(begin_req, end_req + 1, unroll=1):
             start, stop, length = self.request_range(req, sched, mTopkLen, topk)

@@ -92,6 +92,7 @@ class Bar(IntEnum):
     EPI_PV_RIGHT = 5  # WG1 only, 128 threads
     INDEX_SCAN = 6  # WG2 only, 128 threads: index compaction (warp counts, then ring visibility)
     XOVER_HALF = 7  # WG2 only, 128 threads: crossover half tile written (before its bulk copy)
+    HELP = 8  # WG2 -> WG1, 256 threads: Tuning.help_second_tile's flag written (producer arrives, WG1 syncs)
 
 
 class Stamp(IntEnum):
@@ -314,6 +315,15 @@ class Tuning:
     # semantics compile to a MEMBAR.ALL.GPU (the timeline's prologue: ~680 cycles more than a
     # kernel without a cluster).
     relaxed_cluster_start: bool = True
+    # A partition that holds exactly two compacted tiles of one request (1x8x64's pieces: 128
+    # positions, ~102 valid): WG1, idle until tile 0's P is ready and with its accumulators not
+    # yet live, gathers and converts tile 1 into K buffer 1 while the producer does tile 0, so
+    # both tiles are ready together (the timeline has tile 1 ~4,000 cycles behind tile 0). The
+    # producer learns the count from its first scan (the ring holds 128 entries and the scan is
+    # over) and tells WG1 through ``help_flag`` and Bar.HELP. One-CTA kernels with the compacted
+    # producer only: ignored in cluster kernels (crossover, column pair). Compile-tested, not yet
+    # measured (NOTES.md, session 2026-12-03 g): off.
+    help_second_tile: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:
@@ -323,6 +333,8 @@ class Tuning:
         if self.crossover != Crossover.OFF and not (self.compact_indices and self.streaming == Streaming.BOTH):
             raise ValueError("Tuning: crossover runs the streamed compacted producer: it needs compact_indices=True "
                              f"and streaming=Streaming.BOTH, got {self.compact_indices}, {self.streaming!r}")
+        if self.help_second_tile and not self.compact_indices:
+            raise ValueError("Tuning: help_second_tile needs compact_indices=True (it reads the compacted ring)")
         if self.column_pair and self.crossover == Crossover.OFF:
             raise ValueError("Tuning: column_pair shares the gather through the crossover transport: it needs "
                              f"crossover != Crossover.OFF, got {self.crossover!r}")

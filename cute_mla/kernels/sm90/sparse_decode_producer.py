@@ -82,6 +82,32 @@ class ProducerMixin:
         cute.arch.mbarrier_arrive(k_full + buf)
 
     @cute.jit
+    def convert_second_tile(self, mKV: cute.Tensor, mIdx: cute.Tensor):
+        """``Tuning.help_second_tile``, run by WG1 in a partition of exactly two compacted tiles:
+        tile 1 (ring entries 64-127, which the producer's scan never overwrites once the partition
+        is scanned) into K buffer 1, handed over as the producer hands over a tile: its validity
+        mask, the last-tile flag (tile 1 is the request's last) and the 128 ``k_full`` arrivals the
+        consumers wait for. The thread map is the producer's (thread index mod 128); buffer 1's
+        first use, so its ``k_free`` wait passes at once.
+        """
+        (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
+         sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
+        ring_base, _ = self.scan_smem()
+        half_b = TILE.tokens // 2
+        reg_a = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+        reg_b = cute.make_rmem_tensor(cute.make_layout(44), Int32)
+        idx_a, ok_a = self.ring_index(ring_base, TILE.tokens + tok_in_half)
+        idx_b, ok_b = self.ring_index(ring_base, TILE.tokens + half_b + tok_in_half)
+        self.issue_row_loads(reg_a, kv_base, stride0, page, idx_a, sub)
+        self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
+        buf = 1
+        cute.arch.mbarrier_wait(k_free + buf, 1)
+        tile_base = sk_base + buf * TILE.k_tile_bytes
+        self.convert_and_store(reg_a, ok_a, tile_base, tok_in_half, sub, swz)
+        self.convert_and_store(reg_b, ok_b, tile_base + half_b * 128, tok_in_half, sub, swz)
+        self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, cutlass.Boolean(True))
+
+    @cute.jit
     def fetch_first_tiles(self, begin_req: Int32, end_req: Int32, sched, mTopkLen, mIdx: cute.Tensor, s_idx: Int32,
                           tok_in_half: Int32, topk: Int32, topk_blocks: Int32):
         """Prologue of the uncompacted producers: raw indices of the partition's first tile and of the tile after it.

@@ -205,6 +205,16 @@ class IndexScanMixin:
             self.scan_begin(begin_req, sched, mTopkLen, topk, mIdx, s_idx, ptid), TILE.tokens,
             ptid, lane, warp, ring_base, counts_base, *scan)
         self.stamp(Stamp.SCAN, ptid == 0)
+        # Tuning.help_second_tile: a partition of exactly two tiles (128 entries queued, nothing
+        # left to scan; the scan state is the same in every producer thread) leaves tile 1 to WG1.
+        help_second = cutlass.Boolean(False)
+        if cutlass.const_expr(self.help_second):
+            help_second = (tail == 2 * TILE.tokens) & (not scanning)
+            if ptid == 0:
+                ptx.st_shared_i32(self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
+                                  .help_flag.data_ptr().toint(), ptx.select_i32(help_second, 1, 0))
+            cute.arch.barrier_arrive(barrier_id=Bar.HELP, number_of_threads=2 * TILE.threads_per_wg)
+        my_tiles = ptx.select_i32(help_second, 1, 0x7FFFFFFF)   # tiles this warp group converts: 1, or all
         idx_a, ok_a = self.ring_index(ring_base, tok_in_half)
         idx_b, ok_b = self.ring_index(ring_base, half_b + tok_in_half)
         if tail > 0:
@@ -213,7 +223,7 @@ class IndexScanMixin:
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
 
         t = Int32(0)
-        while t * TILE.tokens < tail:
+        while (t * TILE.tokens < tail) & (t < my_tiles):
             buf = t % TILE.k_bufs
             first = t * TILE.tokens
             if cutlass.const_expr(not streamed):
@@ -223,7 +233,7 @@ class IndexScanMixin:
             (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
                 (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next),
                 first + TILE.tiles_ahead * TILE.tokens, ptid, lane, warp, ring_base, counts_base, *scan)
-            has_next = first + TILE.tokens < tail
+            has_next = (first + TILE.tokens < tail) & (t + 1 < my_tiles)
 
             cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
             self.stamp(Stamp.K_FREE, ptid == 0)
