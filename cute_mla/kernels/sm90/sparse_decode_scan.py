@@ -178,6 +178,15 @@ class IndexScanMixin:
         v = ptx.ld_shared_i32(ring_base + (p & RING_MASK) * 4)
         return cutlass.max(v, 0), v >= 0
 
+    def converts_tile(self, t, tail, my_tiles):
+        """Whether the producer converts tile ``t``: it is queued (``tail`` entries), and within
+        ``my_tiles`` (None: no limit; Tuning.help_second_tile's partitions: 1). A plain function,
+        inlined at trace time: without the knob the kernel keeps its one comparison."""
+        queued = t * TILE.tokens < tail
+        if my_tiles is None:
+            return queued
+        return queued & (t < my_tiles)
+
     @cute.jit
     def producer_compacted(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
         """The half-tile software pipeline of :meth:`producer_half_pipelined` over compacted tiles.
@@ -207,14 +216,14 @@ class IndexScanMixin:
         self.stamp(Stamp.SCAN, ptid == 0)
         # Tuning.help_second_tile: a partition of exactly two tiles (128 entries queued, nothing
         # left to scan; the scan state is the same in every producer thread) leaves tile 1 to WG1.
-        help_second = cutlass.Boolean(False)
+        my_tiles = None   # tiles this warp group converts: all (None), or 1 when WG1 takes tile 1
         if cutlass.const_expr(self.help_second):
             help_second = (tail == 2 * TILE.tokens) & (not scanning)
             if ptid == 0:
                 ptx.st_shared_i32(self.shared_storage(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024))
                                   .help_flag.data_ptr().toint(), ptx.select_i32(help_second, 1, 0))
             cute.arch.barrier_arrive(barrier_id=Bar.HELP, number_of_threads=2 * TILE.threads_per_wg)
-        my_tiles = ptx.select_i32(help_second, 1, 0x7FFFFFFF)   # tiles this warp group converts: 1, or all
+            my_tiles = ptx.select_i32(help_second, 1, 0x7FFFFFFF)
         idx_a, ok_a = self.ring_index(ring_base, tok_in_half)
         idx_b, ok_b = self.ring_index(ring_base, half_b + tok_in_half)
         if tail > 0:
@@ -223,7 +232,7 @@ class IndexScanMixin:
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
 
         t = Int32(0)
-        while (t * TILE.tokens < tail) & (t < my_tiles):
+        while self.converts_tile(t, tail, my_tiles):
             buf = t % TILE.k_bufs
             first = t * TILE.tokens
             if cutlass.const_expr(not streamed):
@@ -233,7 +242,9 @@ class IndexScanMixin:
             (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = self.scan_until(
                 (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next),
                 first + TILE.tiles_ahead * TILE.tokens, ptid, lane, warp, ring_base, counts_base, *scan)
-            has_next = (first + TILE.tokens < tail) & (t + 1 < my_tiles)
+            has_next = first + TILE.tokens < tail
+            if cutlass.const_expr(my_tiles is not None):
+                has_next = has_next & (t + 1 < my_tiles)
 
             cute.arch.mbarrier_wait(k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
             self.stamp(Stamp.K_FREE, ptid == 0)
