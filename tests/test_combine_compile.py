@@ -138,6 +138,12 @@ def test_config_validation():
         CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", rows_in_flight=24)
     with pytest.raises(ValueError, match="max_splits >= 64"):
         CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", rows_in_flight=32)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", accum_dtype="float16")
+    # bf16 rows with 32 in flight: ptxas interleaves the loads with the FFMAs (refused)
+    with pytest.raises(ValueError, match="fp32 partials only"):
+        CombineConfig(h_q=64, has_attn_sink=False, max_splits=160, arch="sm_90a", rows_in_flight=32,
+                      accum_dtype="bfloat16")
     a, b = (CombineConfig(h_q=64, has_attn_sink=False, max_splits=64, arch="sm_90a", rows_in_flight=r) for r in (16, 32))
     assert a.cache_key != b.cache_key, "one compiled kernel per batch size"
 

@@ -40,9 +40,10 @@ def test_global_names_are_defined(path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     code = compile(path.read_text(), str(path), "exec")
-    # names the module body itself binds (imports and assignments under ``if __name__ == "__main__"``
-    # too, which exec_module does not run)
-    stored = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("STORE_NAME", "STORE_GLOBAL", "IMPORT_NAME")}
+    # names the module body binds (imports and assignments under ``if __name__ == "__main__"`` too,
+    # which exec_module does not run), class bodies bind, and functions declare global
+    stored = {ins.argval for c in _code_objects(code) for ins in dis.get_instructions(c)
+              if ins.opname in ("STORE_NAME", "STORE_GLOBAL", "IMPORT_NAME")}
     known = set(vars(module)) | set(dir(builtins)) | stored
     missing = sorted({f"{fn}: {name}" for fn, name in _global_loads(code) if name not in known})
     assert not missing, f"{path.name}: undefined names {missing}"

@@ -33,15 +33,16 @@ def _kernel(h_q, split, has_topk_length, has_attn_sink, tuning=None, accum_dtype
     return cfg, compile_sparse_decode(cfg, tuning=tuning or DEFAULT_TUNING)
 
 
-def _schedule(topk, topk_length, b, parts, device):
+def _schedule(topk, topk_length, b, parts, device, overhead=None):
+    """The host schedule (FlashMLA's piece charge of 5 blocks unless ``overhead`` is given)."""
     nb = blocks_per_request(topk, None if topk_length is None else topk_length.tolist(), b)
-    s = plan_splits_host(nb, parts)
+    s = plan_splits_host(nb, parts) if overhead is None else plan_splits_host(nb, parts, overhead)
     tile_md = torch.tensor(s.rows, dtype=torch.int32, device=device).reshape(parts, 8)
     offsets = accum_offsets(s.num_splits)
     return s, tile_md, torch.tensor(offsets, dtype=torch.int32, device=device)
 
 
-def run_kernel(inp, split, parts, tuning=None, accum_dtype="float32"):
+def run_kernel(inp, split, parts, tuning=None, accum_dtype="float32", overhead=None):
     """Launch the main kernel on ``inp``; for the split variant merge the partials in torch (fp64),
     the partials' o_accum of ``accum_dtype`` (fp32 or bf16: the config's).
 
@@ -54,7 +55,7 @@ def run_kernel(inp, split, parts, tuning=None, accum_dtype="float32"):
     kv = inp.k_cache.squeeze(2)
     cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None, tuning,
                             accum_dtype if split else "float32")
-    sched, tile_md, offsets = _schedule(topk, inp.topk_length, b, parts, dev)
+    sched, tile_md, offsets = _schedule(topk, inp.topk_length, b, parts, dev, overhead)
     if not split:
         assert not sched.any_split, "the no-split variant only runs on schedules without split pieces"
     out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -239,21 +240,46 @@ def _patterned_inputs(b, s_q, h_q, topk, tl, invalid_frac, pattern, seed):
     return type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
 
 
-def _check_variant(inp, split, parts, tuning, baseline, what, baseline_name, accum_dtype="float32"):
-    """``tuning`` gives the fp32 reference's answer and ``baseline``'s bits (both with o_accum of ``accum_dtype``)."""
-    out, lse, _ = run_kernel(inp, split, parts, tuning, accum_dtype)
+def _check_variant(inp, split, parts, tuning, baseline, what, baseline_name, accum_dtype="float32", overhead=None):
+    """``tuning`` gives the fp32 reference's answer and ``baseline``'s bits (both with o_accum of
+    ``accum_dtype``, on the schedule with piece charge ``overhead``). Returns the schedule."""
+    out, lse, sched = run_kernel(inp, split, parts, tuning, accum_dtype, overhead)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
                                                attn_sink=inp.attn_sink, topk_length=inp.topk_length)
     check_out_lse(out, lse, ref_out, ref_lse)
-    out0, lse0, _ = run_kernel(inp, split, parts, baseline, accum_dtype)
+    out0, lse0, _ = run_kernel(inp, split, parts, baseline, accum_dtype, overhead)
     assert torch.equal(out, out0), f"{what}: out differs from {baseline_name}"
     assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), f"{what}: lse differs"
+    return sched
 
 
 # (b, s_q, topk, split, topk_length): h_q = 64 shapes whose partitions hold two compacted tiles
-# (1x8x64's 2-block split pieces; 74 requests of 2 blocks over 132 partitions, mostly whole
-# requests that store out) next to one-tile and longer ones, for Tuning.help_second_tile.
-HELP_SECOND_SHAPES = [(1, 8, 2048, True, False), (2, 4, 1024, True, True), (74, 1, 128, True, False)]
+# (1x8x64's 2-block split pieces with the plan's piece charge; 74 requests of 2 blocks over 132
+# partitions, whole requests that store out) next to one-tile and longer ones, for
+# Tuning.help_second_tile.
+HELP_SECOND_SHAPES = [(1, 8, 2048, True, False), (2, 4, 1024, True, False), (74, 1, 128, True, False)]
+
+
+def _two_tile_ctas(inp, sched):
+    """(request, token) CTAs whose partition is one request's range of at most 128 positions with
+    65-128 valid indices: two compacted tiles found by the producer's first scan, the partitions
+    Tuning.help_second_tile hands tile 1 of to WG1."""
+    idx = inp.indices.cpu()
+    b, s_q, topk = idx.shape
+    num_tokens = inp.k_cache.shape[0] * inp.k_cache.shape[1]
+    n = 0
+    for r in sched.rows:
+        req, end_req, b0, b1 = r[0], r[1], r[2], r[3]
+        if req != end_req or req >= b:
+            continue
+        length = topk if inp.topk_length is None else max(min(int(inp.topk_length[req]), topk), 0)
+        lo, hi = b0 * 64, min(b1 * 64, length)
+        if hi - lo > 128 or hi <= lo:
+            continue
+        seg = idx[req, :, lo:hi]
+        valid = ((seg >= 0) & (seg < num_tokens)).sum(dim=-1)
+        n += int(((valid > 64) & (valid <= 128)).sum())
+    return n
 
 
 @pytest.mark.parametrize("pattern", ["none", "front_half", "sparse", "runs", "one_valid"])
@@ -263,11 +289,16 @@ def test_help_second_tile_matches(pattern, shape, seed):
     default kernel's bits (the same tiles and conversion, only another warp group doing it)."""
     from cute_mla.kernels.sm90.sparse_decode import Tuning
 
+    from cute_mla.scheduler import fixed_overhead_blocks
+
     b, s_q, topk, split, tl = HELP_SECOND_SHAPES[shape]
     inp = _patterned_inputs(b, s_q, 64, topk, tl, 0.2, pattern, seed)
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 64) if split else 1
-    _check_variant(inp, split, parts, Tuning(help_second_tile=True), None, "help_second_tile",
-                   "the default kernel's", "bfloat16")
+    overhead = fixed_overhead_blocks("sm_90a", 64, b=b, parts=parts, blocks=topk // 64)   # the plan's charge
+    sched = _check_variant(inp, split, parts, Tuning(help_second_tile=True), None, "help_second_tile",
+                           "the default kernel's", "bfloat16", overhead)
+    if pattern == "none":   # ~20 % masked: the shapes are chosen so that two-tile partitions occur
+        assert _two_tile_ctas(inp, sched) > 0, "no partition takes the help path"
 
 
 # (b, s_q, topk, topk_length, transport): h_q = 64 split shapes for Tuning.column_pair, the latency

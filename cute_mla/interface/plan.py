@@ -232,9 +232,9 @@ def sm90_column_pair(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
     ``COLUMN_PAIR_MAX_BUSY_CTAS`` CTAs, and at most num_sms / 4, would have work without it
     (partitions with a piece x s_q).
 
-    The pair doubles the CTAs with work: it shortens a piece's chain (conversion, PV and the fp32
-    o_accum store halved per SM) where few pieces leave most SMs idle, and loses once the doubled
-    CTAs crowd the GPU (benchmarks/NOTES.md, session 2026-12-03 f). Device schedules (topk_length)
+    The pair doubles the CTAs with work: it shortens a piece's chain (conversion, PV and the
+    o_accum store bytes halved per SM) where few pieces leave most SMs idle, and loses once the
+    doubled CTAs crowd the GPU (benchmarks/NOTES.md, session 2026-12-03 f). Device schedules (topk_length)
     keep one CTA per piece: their partitions are not known here."""
     if arch != "sm_90a" or h_q != 64 or host_schedule is None:
         return False

@@ -56,7 +56,6 @@ WARP_THREADS = 32
 WARPS_PER_CTA = 4  # one CTA per (token, head); warp w owns output columns [128w, 128w+128)
 THREADS_PER_CTA = WARP_THREADS * WARPS_PER_CTA
 COLS_PER_LANE = D_V // THREADS_PER_CTA  # 4 contiguous columns per lane
-ROW_LOAD_BYTES = COLS_PER_LANE * (Float32.width // 8)  # 16: one vector load per split row and lane
 OUT_STORE_BYTES = COLS_PER_LANE * (BFloat16.width // 8)  # 8: one vector store per lane; out's base alignment
 # o_accum element types (the split variants write them, this kernel reads them): fp32, or bf16 where
 # the plan halves the partials' bytes (SparseDecodePlan.accum_dtype). Accumulation is fp32 either way.
@@ -110,6 +109,11 @@ class CombineConfig:
             # With one lse register slot ptxas interleaves a batch of 32 loads with the FFMAs that
             # use them (34 registers, 4 loads ahead: serial round trips; tests/test_combine_compile.py).
             raise ValueError(f"combine: rows_in_flight={self.rows_in_flight} needs max_splits >= 64, got {self.max_splits}")
+        if self.rows_in_flight > ROWS_IN_FLIGHT and self.accum_dtype != "float32":
+            # With bf16 rows ptxas interleaves the batch's 32 loads with the FFMAs of the rows
+            # already widened (tests/test_combine_compile.py); 32 measured no gain with fp32 either.
+            raise ValueError(f"combine: rows_in_flight={self.rows_in_flight} takes fp32 partials only, "
+                             f"got accum_dtype={self.accum_dtype!r}")
 
     @property
     def cache_key(self):

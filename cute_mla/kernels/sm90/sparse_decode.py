@@ -51,9 +51,9 @@ Synchronisation (producer -> consumer, arrive counts):
   warp group's first warp, and store read done -> staging reusable.
 
 Shared memory: barriers, tile_info, scan counts, row factors and the 1 KiB index ring 2 KiB + Q
-72 KiB + 2 K buffers 144 KiB + P 8 KiB = 231,424 B of 232,448. The output staging (bf16 64x256 or
-fp32 64x128 per warp group at a time) aliases the Q buffer, which is free between the last QK of a
-request and the next request's Q load.
+72 KiB + 2 K buffers 144 KiB + P 8 KiB = 231,424 B of 232,448. The output staging (bf16 64x256,
+64x128 in the column pair, or fp32 64x128 per warp group at a time) aliases the Q buffer, which is
+free between the last QK of a request and the next request's Q load.
 Outputs: bf16 ``out`` by TMA store (+ natural-log ``lse``) for requests whole in the partition;
 ``o_accum`` = O/L (fp32, or bf16 as the plan's ``accum_dtype`` picks on SM90: staged and stored as
 out is) by TMA store (the split variant's extra tensor map; or straight from registers where the
@@ -111,8 +111,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.pv_cols = TILE.half_v // self.n_cblk  # output columns per MMA warp group
         self.xover = (tuning.crossover != Crossover.OFF and self.n_hblk == 2) or self.cpair
         # split pieces store o_accum from registers: the config's (the plan's) choice unless the
-        # Tuning forces one; the column pair always does (its 64 x 128 halves have no tensor map)
-        # bf16 partials (the config's, i.e. the plan's accum_dtype) are staged and stored by TMA as
+        # Tuning forces one; the column pair always does with fp32 partials. bf16 partials (the config's, i.e. the plan's accum_dtype) are staged and stored by TMA as
         # out is, in the column pair too: from registers each thread's 4-byte bf16 stores fill half
         # sectors, as many as the fp32 stores fill whole (measured slower on 1x1x64, NOTES.md
         # session 2026-12-03 g)

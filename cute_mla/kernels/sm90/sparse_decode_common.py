@@ -29,7 +29,8 @@ class Sm90SparseDecodeConfig:
     oacc_from_registers: bool = False
     # h_q = 64 split: each piece on a cluster of 2 CTAs that share the gather and split the 512
     # output columns (the plan picks it: SparseDecodePlan.column_pair, ``sm90_column_pair``; the
-    # kernel as ``Tuning.column_pair`` describes it); out and o_accum are stored from registers.
+    # kernel as ``Tuning.column_pair`` describes it); out is stored from registers, o_accum from
+    # registers when fp32 and by TMA (64 x 128 boxes) when bf16.
     column_pair: bool = False
     # split variant: dtype of the o_accum partials, "float32" or "bfloat16" (the plan picks it:
     # SparseDecodePlan.accum_dtype, ``sm90_accum_dtype``). bf16 halves the bytes every split piece
@@ -297,9 +298,10 @@ class Tuning:
     # the gather as the h=128 crossover does (each dequantizes half of every tile for both, the
     # Crossover transport) and split the 512 output columns: both run QK and the softmax for the
     # same 64 heads, each runs PV and the epilogue for its 256 columns (one 64x128 N-tile per MMA
-    # warp group), storing from registers. Halves the per-SM conversion, PV and store bytes of the
-    # latency rows' one-tile pieces (NOTES.md, session 2026-12-03 e, the timeline). It overrides
-    # oacc_direct_store / out_direct_store = False (its 64 x 128 blocks have no tensor maps).
+    # warp group). Halves the per-SM conversion, PV and store bytes of the latency rows' one-tile
+    # pieces (NOTES.md, session 2026-12-03 e, the timeline). out is stored from registers (it
+    # overrides out_direct_store = False: its 64 x 128 blocks have no tensor map); fp32 partials
+    # from registers too, bf16 ones staged and stored by TMA in 64 x 128 boxes.
     # True forces it on every h_q = 64 split kernel (experiments); the plan picks it per shape
     # through the config's ``column_pair`` (``sm90_column_pair``: few busy pieces, where the grid's
     # doubled CTAs still fit; NOTES.md, session 2026-12-03 f).
