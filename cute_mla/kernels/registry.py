@@ -16,17 +16,23 @@ KERNELS = ("sparse_decode", "combine", "scheduler")
 
 
 def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool):
+    # the o_accum dtype a split plan of this arch uses (what the dispatcher compiles)
+    from ..interface.plan import sm90_accum_dtype
+
     if name == "sparse_decode":
         if arch == "sm_90a":
             from .sm90 import sparse_decode as mod
-            cfg = mod.Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink)
+            cfg = mod.Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
+                                             accum_dtype=sm90_accum_dtype(arch) if split else "float32")
         else:
             from .sm100 import sparse_decode as mod
             cfg = mod.Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink)
         return mod.compile_sparse_decode(cfg, dump_dir=out_dir)
     if name == "combine":
         from . import combine as mod
-        return mod.compile_combine(mod.combine_config(arch=arch, h_q=h_q, has_attn_sink=has_attn_sink, num_sm_parts=132), dump_dir=out_dir)
+        cfg = mod.combine_config(arch=arch, h_q=h_q, has_attn_sink=has_attn_sink, num_sm_parts=132,
+                                 accum_dtype=sm90_accum_dtype(arch))
+        return mod.compile_combine(cfg, dump_dir=out_dir)
     if name == "scheduler":
         from ..scheduler import device as mod
         return mod.compile_scheduler(mod.SchedulerKernelConfig(arch=arch), dump_dir=out_dir)
