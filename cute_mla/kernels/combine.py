@@ -1,7 +1,8 @@
 """Split-KV combine for sparse MLA decode (FlashMLA's combine, flashmla-sparse-decode.md §5.3).
 
 Each split of a request wrote ``o_accum[row] = O / L`` (fp32, or bf16 where the plan halves the
-partials' bytes: ``CombineConfig.accum_dtype``; already normalised by its own softmax sum, no sink) and ``lse_accum[row] = log2(L) + m`` (base 2, -inf for an empty split).
+partials' bytes: ``CombineConfig.accum_dtype``; already normalised by its own softmax sum, no
+sink) and ``lse_accum[row] = log2(L) + m`` (base 2, -inf for an empty split).
 Request ``i`` owns rows ``[num_splits[i], num_splits[i+1])``. For every (request, query, head)
 with more than one split this kernel writes::
 
@@ -20,11 +21,11 @@ partials, widened to fp32 before use) and the bf16 row is written with one 8-byt
 
 Every warp reduces the split lses itself (redundantly: at most ``max_splits`` floats), which
 needs no shared memory or barrier. Memory-level parallelism is what makes the kernel fast: the
-split rows are loaded ``rows_in_flight`` (a config value: 16, the default, or 32) at a time,
-back to back, before any is accumulated, and the first batch is issued before the lse reduction
-so that its latency overlaps the lse loads and the reduction math. With 32, a request of up to 32
-splits (b = s_q = 1 at top-k 2048: 32 one-block pieces) would wait one round trip for its rows,
-not two (not yet measured on a GPU).
+split rows are loaded ``rows_in_flight`` (a config value: 16, the default, or 32 with fp32
+partials) at a time, back to back, before any is accumulated, and the first batch is issued
+before the lse reduction so that its latency overlaps the lse loads and the reduction math. 32
+lets a request of up to 32 splits wait one round trip for its rows, not two, but measured no
+faster on the H200 (:func:`combine_config`).
 
 ``max_splits`` (a bucket from :data:`MAX_SPLITS_BUCKETS`) sizes the per-lane register array
 of split lses (``max_splits/32`` entries, loaded in one unrolled, fully overlapped pass). A
@@ -69,6 +70,12 @@ assert all(WARP_THREADS % r == 0 for r in ROWS_IN_FLIGHT_CHOICES)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _ACCUM_TYPES = {"float32": Float32, "bfloat16": BFloat16}
+
+
+def accum_type(accum_dtype: str):
+    """The cutlass numeric type of an o_accum dtype name (ACCUM_DTYPES): the combine's and the
+    split decode kernels' fake tensors."""
+    return _ACCUM_TYPES[accum_dtype]
 
 
 def combine_max_splits(max_splits_per_request: int) -> int:
@@ -123,7 +130,7 @@ class CombineConfig:
     @property
     def accum_type(self):
         """o_accum's element type as a cutlass numeric type."""
-        return _ACCUM_TYPES[self.accum_dtype]
+        return accum_type(self.accum_dtype)
 
 
 def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int,

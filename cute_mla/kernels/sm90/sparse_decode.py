@@ -76,6 +76,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..combine import accum_type
 from ..compat import LayoutEnum, OperandMajorMode, SmemAllocator, setmaxregister_decrease, setmaxregister_increase
 from ..compat import sm90_utils
 from ..compile import CompiledKernel, compile_cached, compile_options
@@ -111,10 +112,11 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.pv_cols = TILE.half_v // self.n_cblk  # output columns per MMA warp group
         self.xover = (tuning.crossover != Crossover.OFF and self.n_hblk == 2) or self.cpair
         # split pieces store o_accum from registers: the config's (the plan's) choice unless the
-        # Tuning forces one; the column pair always does with fp32 partials. bf16 partials (the config's, i.e. the plan's accum_dtype) are staged and stored by TMA as
-        # out is, in the column pair too: from registers each thread's 4-byte bf16 stores fill half
-        # sectors, as many as the fp32 stores fill whole (measured slower on 1x1x64, NOTES.md
-        # session 2026-12-03 g)
+        # Tuning forces one; the column pair always does with fp32 partials. bf16 partials (the
+        # config's, i.e. the plan's accum_dtype) are staged and stored by TMA as out is, in the
+        # column pair too: from registers each thread's 4-byte bf16 stores fill half sectors, as
+        # many as the fp32 stores fill whole (measured slower on 1x1x64, NOTES.md session
+        # 2026-12-03 g)
         self.accum_bf16 = cfg.split and cfg.accum_dtype == "bfloat16"
         direct = cfg.oacc_from_registers if tuning.oacc_direct_store is None else tuning.oacc_direct_store
         self.oacc_direct = cfg.split and (direct or (self.cpair and not self.accum_bf16))
@@ -734,8 +736,8 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig, tuning: Tuning = DEFAULT_TUNING
     lse = rt.make_fake_compact_tensor(Float32, (b, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
     o_accum = lse_accum = None
     if cfg.split:
-        accum_type = BFloat16 if cfg.accum_dtype == "bfloat16" else Float32
-        o_accum = rt.make_fake_compact_tensor(accum_type, (rows, s_q, cfg.h_q, cfg.d_v), stride_order=(3, 2, 1, 0), assumed_align=16)
+        o_accum = rt.make_fake_compact_tensor(accum_type(cfg.accum_dtype), (rows, s_q, cfg.h_q, cfg.d_v),
+                                              stride_order=(3, 2, 1, 0), assumed_align=16)
         lse_accum = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
     timeline = None
     if tuning.timeline:

@@ -79,8 +79,8 @@ class EpilogueMixin:
         """An O block (64 x ``pv_cols``, fp32 registers) as bf16 -> mDst[row, s, heads, cols]: staged in
         this warp group's half of sQ (``o_layout``: 64 x ``pv_cols``) and stored by TMA (a 64 x
         ``pv_cols`` box; ``col_half`` counts such blocks, 0-3 in the column pair), or (``direct``)
-        per-thread stores from the registers, no staging. ``evict_first``: the TMA store's L2 hint (out with ``Tuning.l2_hints``;
-        never for o_accum, which the combine reads back)."""
+        per-thread stores from the registers, no staging. ``evict_first``: the TMA store's L2 hint
+        (out with ``Tuning.l2_hints``; never for o_accum, which the combine reads back)."""
         r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
         if cutlass.const_expr(direct):
@@ -112,7 +112,7 @@ class EpilogueMixin:
         """The O block (already divided by L) -> o_accum[acc_row, s, heads, cols].
 
         bf16 o_accum (``accum_bf16``): as out (:meth:`store_bf16_block`; ``oacc_layout`` is then
-        the bf16 64 x 256 staging layout). fp32: from registers (``oacc_direct``) or in two 64x128
+        the bf16 64 x ``pv_cols`` staging layout). fp32: from registers (``oacc_direct``) or in two 64x128
         TMA passes (:meth:`store_o_accum_staged`).
         """
         if cutlass.const_expr(self.accum_bf16):
