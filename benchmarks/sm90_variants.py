@@ -22,6 +22,7 @@ the GPU (NOTES.md, session 2026-12-03 f).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -37,6 +38,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import cute_mla  # noqa: E402
+from cute_mla.kernels import combine  # noqa: E402
 from cute_mla.kernels.sm90 import sparse_decode as sd  # noqa: E402
 from cute_mla.kernels.sm90.sparse_decode import DEFAULT_TUNING, Crossover, Streaming, Tuning  # noqa: E402
 
@@ -51,6 +53,7 @@ VARIANTS = {
     "late_md": Tuning(early_metadata=False),  # tile_md / num_splits read where used (the kernel before early_metadata)
     "late_md_cfence": Tuning(early_metadata=False, consumer_proxy_fence=True),
     "cpair": Tuning(column_pair=True),  # h=64 split: a cluster of 2 per piece splitting the 512 columns, forced (the plan picks it on few-piece shapes)
+    "pdl": Tuning(pdl_wait=True),  # the decode kernel launched with PDL, griddepcontrol.wait after its barrier inits
     "help2": Tuning(help_second_tile=True),  # WG1 converts a two-tile partition's second tile (1x8x64's pieces)
     "strict_cstart": Tuning(relaxed_cluster_start=False),  # cluster kernels: the release arrive at the start (its MEMBAR.ALL.GPU also waits for the tile_md load issued before it; before 3a8c83d that load came after the barrier)
     "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers everywhere (no staging, no TMA store)
@@ -89,17 +92,30 @@ ROWS = [(1, 1024, 64), (128, 2, 128), (1, 1024, 128), (1, 1, 64)]
 
 
 class use_tuning:
-    """Make the dispatcher compile with ``tuning`` (compile_sparse_decode's default argument)."""
+    """Make the dispatcher compile with ``tuning`` (compile_sparse_decode's default argument);
+    ``combine_trigger``: and the combine with ``CombineConfig.trigger_dependents``."""
 
-    def __init__(self, tuning):
+    def __init__(self, tuning, combine_trigger=False):
         self.tuning = tuning
+        self.combine_trigger = combine_trigger
 
     def __enter__(self):
         self.orig = sd.compile_sparse_decode
         sd.compile_sparse_decode = functools.partial(self.orig, tuning=self.tuning)
+        self.orig_cc = combine.combine_config
+        if self.combine_trigger:
+            combine.combine_config = lambda *a, **k: dataclasses.replace(self.orig_cc(*a, **k), trigger_dependents=True)
 
     def __exit__(self, *exc):
         sd.compile_sparse_decode = self.orig
+        combine.combine_config = self.orig_cc
+
+
+def use_variant(name):
+    """``use_tuning`` of a variant name: a VARIANTS key, with "+ctrig" appended for the combine's
+    ``trigger_dependents``."""
+    base, trig = (name[:-len("+ctrig")], True) if name.endswith("+ctrig") else (name, False)
+    return use_tuning(VARIANTS[base], trig)
 
 
 def edge_check(names):

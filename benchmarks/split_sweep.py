@@ -9,7 +9,7 @@ counts interleaved round by round, median per count.
 
     python benchmarks/split_sweep.py [--rows "1,1,64;1,8,64"] [--parts "0,f5,16,8"] [--variants default,cpair] [--layers 16]
 (part count 0 = the plan's default, f5 = the default count with FlashMLA's 5-block piece overhead).
-``--variants``: names of sm90_variants.VARIANTS, each count timed with each (the first variant
+``--variants``: names of sm90_variants.VARIANTS (+ "+ctrig": the combine triggers its dependents), each count timed with each (the first variant
 at the first count is the base); ``--layers N``: N calls per graph, times per call.
 A numeric count goes through the plan's piece-charge rule (scheduler.partition.fixed_overhead_blocks);
 the sweep recorded at b31fe34 (results/h200-b31fe34-split-sweep.json) predates that rule: its counts
@@ -34,7 +34,7 @@ import cute_mla  # noqa: E402
 from cute_mla.interface import plan as plan_mod  # noqa: E402
 from bench_sparse_decode import call, make_inputs, parse_rows  # noqa: E402
 from profile_small import graph_of, replay_us  # noqa: E402
-from sm90_variants import VARIANTS, use_tuning  # noqa: E402
+from sm90_variants import use_variant  # noqa: E402
 
 _DEFAULT_PARTS = plan_mod.sched.num_sm_parts
 _DEFAULT_OVERHEAD = plan_mod.sched.fixed_overhead_blocks
@@ -88,7 +88,7 @@ def main():
             for name in names:
                 use_parts(p)
                 try:
-                    with use_tuning(VARIANTS[name]):
+                    with use_variant(name):
                         s, _ = cute_mla.get_mla_metadata()
                         o, l = call(cute_mla, s, q, cache, idx)
                         torch.cuda.synchronize()

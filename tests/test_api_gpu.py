@@ -263,3 +263,52 @@ def test_mixed_batch_beyond_65535_tokens(seed):
     rows = torch.cat([torch.arange(0, 64), torch.arange(65500, 65600), torch.arange(s_q - 64, s_q)]).cuda()
     ro, rl = sparse_decode_reference(q[:, rows], k_cache, idx[:, rows], 0.05)
     check_out_lse(o[:, rows], l[:, :, rows], ro, rl)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 64), (2, 1, 128), (64, 2, 64)])   # split, split + crossover, whole requests
+def test_pdl_wait_chained_calls(seed, shape, monkeypatch):
+    """Tuning.pdl_wait (the decode kernel launched with PDL): three calls in one graph. Call b's q
+    is made by a torch op from call a's out (read after write across the PDL edge); call c runs
+    right behind call b's combine (its partials may reuse memory that combine reads: write after
+    read). Every call matches the fp32 reference, on each of three replays with fresh inputs."""
+    import functools
+
+    from cute_mla.kernels.sm90 import sparse_decode as sd
+
+    if device_arch(torch.device("cuda")) != "sm_90a":
+        pytest.skip("an SM90 kernel knob")
+    monkeypatch.setattr(sd, "compile_sparse_decode",
+                        functools.partial(sd.compile_sparse_decode, tuning=sd.Tuning(pdl_wait=True)))
+    b, s_q, h_q = shape
+    g = torch.Generator().manual_seed(seed)
+    x = make_inputs(b, s_q, h_q, 2048, num_tokens=8192, invalid_frac=0.2, with_sink=True, device="cuda", generator=g)
+    qa, qb, qc = (torch.empty_like(x.q) for _ in range(3))
+    sched, _ = get_mla_metadata()
+    kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices, attn_sink=x.attn_sink)
+
+    def fresh():
+        for t in (qa, qb, qc):
+            t.copy_(torch.randn(x.q.shape, generator=g).to(torch.bfloat16))
+
+    def calls():
+        oa, la = flash_mla_with_kvcache(qa, x.k_cache, None, None, 512, sched, **kw)
+        qb[..., :512].copy_(oa * 4)
+        ob, lb = flash_mla_with_kvcache(qb, x.k_cache, None, None, 512, sched, **kw)
+        oc, lc = flash_mla_with_kvcache(qc, x.k_cache, None, None, 512, sched, **kw)
+        return (oa, la), (ob, lb), (oc, lc)
+
+    fresh()
+    calls()   # compiles, plans and uploads the schedule outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = calls()
+    for _ in range(3):
+        fresh()
+        for o, _ in results:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for qx, (o, l) in zip((qa, qb, qc), results):
+            ro, rl = sparse_decode_reference(qx, x.k_cache, x.indices, x.softmax_scale, x.attn_sink, None)
+            check_out_lse(o, l, ro, rl)

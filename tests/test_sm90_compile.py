@@ -40,12 +40,14 @@ CONFIGS = {
     "split_h128_bf16": (128, True, False, True),
     # Tuning.help_second_tile: WG1 converts a two-tile partition's second tile (off by default)
     "split_help_second": (64, True, True, True),
+    # Tuning.pdl_wait: launched with PDL, griddepcontrol.wait before any global access (off by default)
+    "split_pdl": (64, True, True, True),
 }
 TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "nosplit_out_direct": dict(out_direct_store=True),
-           "split_help_second": dict(help_second_tile=True)}
+           "split_help_second": dict(help_second_tile=True), "split_pdl": dict(pdl_wait=True)}
 CONFIG_EXTRA = {"split_regs": dict(oacc_from_registers=True), "split_bf16": dict(accum_dtype="bfloat16"),
                 "split_regs_bf16": dict(oacc_from_registers=True, accum_dtype="bfloat16"),
-                "split_h128_bf16": dict(accum_dtype="bfloat16")}
+                "split_h128_bf16": dict(accum_dtype="bfloat16"), "split_pdl": dict(accum_dtype="bfloat16")}
 
 
 @pytest.fixture(scope="module")
@@ -345,3 +347,15 @@ def test_help_second_tile_handshake(artifacts):
     assert arrive not in plain and sync not in plain
     load = "ld.global.L1::evict_last"
     assert help_ptx.count(load) - plain.count(load) == 22
+
+
+def test_pdl_wait_precedes_global_access(artifacts):
+    """Tuning.pdl_wait: one griddepcontrol.wait, before the kernel's first global load, store or
+    TMA copy (the partition metadata's load included); the default kernel waits on nothing."""
+    pdl, plain = artifacts["split_pdl"][0], artifacts["split_bf16"][0]
+    assert pdl.count("griddepcontrol.wait") == 1 and "griddepcontrol.wait" not in plain
+    body = pdl[pdl.index(".entry"):]
+    wait = body.index("griddepcontrol.wait")
+    first = min(i for i in (body.find(op) for op in ("ld.global", "st.global", "cp.async.bulk", "red.global",
+                                                      "atom.global", "prefetch.global")) if i >= 0)
+    assert wait < first

@@ -183,13 +183,14 @@ def _tuning(name):
         # h=64 split pieces on a cluster of 2 that splits the output columns (experimental)
         "column_pair": Tuning(column_pair=True),
         "help_second_tile": Tuning(help_second_tile=True),
+        "pdl_wait": Tuning(pdl_wait=True),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
                                   "oacc_direct_store_bf16_accum", "next_q_prefetch", "late_metadata", "column_pair",
-                                  "help_second_tile"])
+                                  "help_second_tile", "pdl_wait"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""

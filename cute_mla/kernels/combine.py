@@ -99,6 +99,10 @@ class CombineConfig:
     d_v: int = D_V
     rows_in_flight: int = ROWS_IN_FLIGHT   # split rows per batch of back-to-back loads (ROWS_IN_FLIGHT_CHOICES)
     accum_dtype: str = "float32"           # o_accum's element type (ACCUM_DTYPES)
+    # griddepcontrol.launch_dependents at the start of every CTA: a kernel launched with PDL behind
+    # the combine (the next layer's decode kernel with Tuning.pdl_wait) may be scheduled once every
+    # combine CTA is resident; it still waits for the whole combine in griddepcontrol.wait.
+    trigger_dependents: bool = False
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
@@ -125,7 +129,7 @@ class CombineConfig:
     @property
     def cache_key(self):
         return ("combine", self.arch, self.h_q, self.has_attn_sink, self.max_splits, self.d_v, self.rows_in_flight,
-                self.accum_dtype)
+                self.accum_dtype, self.trigger_dependents)
 
     @property
     def accum_type(self):
@@ -166,10 +170,12 @@ def _combine_host(
     lse: cute.Tensor,  # (b, s_q, h_q) fp32
     max_splits: cutlass.Constexpr[int],
     rows_in_flight: cutlass.Constexpr[int],
+    trigger_dependents: cutlass.Constexpr[bool],
     stream,
 ):
     grid_x = out.shape[0] * out.shape[1]
-    _combine_kernel(lse_accum, o_accum, num_splits, attn_sink, out, lse, max_splits, rows_in_flight).launch(
+    _combine_kernel(lse_accum, o_accum, num_splits, attn_sink, out, lse, max_splits, rows_in_flight,
+                    trigger_dependents).launch(
         grid=(grid_x, out.shape[2], 1),
         block=(THREADS_PER_CTA, 1, 1),
         stream=stream,
@@ -267,8 +273,11 @@ def _combine_kernel(
     lse: cute.Tensor,
     max_splits: cutlass.Constexpr[int],
     rows_in_flight: cutlass.Constexpr[int],
+    trigger_dependents: cutlass.Constexpr[bool],
 ):
     lse_slots = max_splits // WARP_THREADS  # splits lane, lane+32, ... held in registers
+    if cutlass.const_expr(trigger_dependents):
+        cute.arch.griddepcontrol_launch_dependents()
 
     bs, head, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -368,6 +377,7 @@ def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> Compi
             *_fake_args(cfg),
             cfg.max_splits,
             cfg.rows_in_flight,
+            cfg.trigger_dependents,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options=compile_options(cfg.arch, dump),
         )

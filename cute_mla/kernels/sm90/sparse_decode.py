@@ -279,7 +279,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             scale_log2,
             q_layout, k_layout, p_layout, o_layout, oacc_layout,
         ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1,
-                 cluster=[2, 1, 1] if self.xover else None)
+                 cluster=[2, 1, 1] if self.xover else None, use_pdl=self.tuning.pdl_wait)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -334,6 +334,10 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                 if cutlass.const_expr(self.xover):
                     cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
         cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.tuning.pdl_wait):
+            # Launched with PDL: nothing global is read or written before the kernel before us in
+            # the stream has completed and flushed (the metadata load below included).
+            cute.arch.griddepcontrol_wait()
         md = None
         if cutlass.const_expr(self.tuning.early_metadata):
             # Words 0-3 of the partition's row in one 16-B load (rows are 32 B, 16-B aligned),
@@ -610,6 +614,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                 s_row_scale[row0] = o_scale0
                 s_row_scale[row0 + 8] = o_scale1
             cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=2 * TILE.threads_per_wg)
+            self.stamp(Stamp.EPI_FINAL, wtid == 0)
             self.scale_rows(acc_o, o_scale0, o_scale1)
             head0 = hblk * TILE.heads + row0
             if is_split:

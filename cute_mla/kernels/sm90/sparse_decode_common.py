@@ -116,7 +116,10 @@ class Stamp(IntEnum):
     WG1_P = 12  # WG1: P_READY passed
     WG1_PV_DONE = 13  # WG1: its PV complete
     WG1_EPILOGUE = 14  # WG1: its store done
-    SLOTS = 16
+    EPI_FINAL = 15  # WG0: row factors exchanged with WG1 (the epilogue's barrier pair passed)
+    EPI_STAGED = 16  # WG0: bf16 block staged in sQ, the warp group's barrier passed (TMA store next)
+    WG1_EPI_STAGED = 17  # WG1: the same
+    SLOTS = 20
 
 
 @dataclass(frozen=True)
@@ -324,8 +327,16 @@ class Tuning:
     # producer learns the count from its first scan (the ring holds 128 entries and the scan is
     # over) and tells WG1 through ``help_flag`` and Bar.HELP. One-CTA kernels with the compacted
     # producer only: ignored in cluster kernels (crossover, column pair). Compile-tested, not yet
-    # measured (NOTES.md, session 2026-12-03 g): off.
+    # Measured on the H200 (NOTES.md, session 2026-12-03 h): 1x8x64 x0.962, 2x4x64 x0.983. Tile 0
+    # comes later (8,393 against 7,182 cycles) and tile 1 no earlier: the two warp groups' loads
+    # and conversions compete rather than overlap. Off.
     help_second_tile: bool = False
+    # Programmatic dependent launch of the decode kernel itself: it is launched with the PDL
+    # attribute and every thread runs griddepcontrol.wait right after the barrier inits, before
+    # its first global read or write (the partition metadata included), so its launch and
+    # prologue overlap the tail of the kernel before it in the stream (in an engine's decode
+    # graph: the previous layer's kernels; in a graph of calls: the previous call's combine).
+    pdl_wait: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

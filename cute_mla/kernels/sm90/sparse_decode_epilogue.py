@@ -11,7 +11,7 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from . import ptx
-from .sparse_decode_common import TILE
+from .sparse_decode_common import TILE, Bar, Stamp
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -94,6 +94,8 @@ class EpilogueMixin:
         cute.autovec_copy(r_o, thr_pv.partition_C(stage))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+        self.stamp(Stamp.EPI_STAGED if bar_id == Bar.EPI_SOFTMAX else Stamp.WG1_EPI_STAGED,
+                   cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0)
         if warp == 0:
             g_o = cute.flat_divide(mDst, (TILE.heads, self.pv_cols))
             t_s, t_g = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2), cute.group_modes(g_o, 0, 2))
