@@ -289,3 +289,20 @@ def is_fast_scale(scale_bits: Int32):
 
 def select_i32(pred, a, b) -> Int32:
     return Int32(cutlass.select_(pred, Int32(a), Int32(b)))
+
+
+def stmatrix_x4(addr: Int32, r0, r1, r2, r3) -> None:
+    """``stmatrix.sync.aligned.m8n8.x4.shared.b16``: four 8x8 bf16 matrices, warp-wide. Lane l gives
+    the shared address of row l % 8 of matrix l // 8 (16 contiguous bytes) and, in ``r<i>``, its
+    own two elements of matrix i (row l // 4, columns 2 (l % 4) and + 1: the MMA accumulator's
+    fragment of an 8x8 block, the lower column in the low half)."""
+    llvm.inline_asm(
+        None,
+        [Int32(addr).ir_value()] + [Int32(r).ir_value() for r in (r0, r1, r2, r3)],
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+

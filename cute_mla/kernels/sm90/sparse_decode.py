@@ -123,6 +123,8 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.out_direct = tuning.out_direct_store or self.cpair
         # WG1 converts a two-tile partition's second tile (one-CTA kernels, compacted producer)
         self.help_second = tuning.help_second_tile and tuning.compact_indices and not self.xover
+        # bf16 out / o_accum blocks staged by stmatrix and stored in 64-column TMA chunks
+        self.chunked = tuning.chunked_epilogue
 
     def consumer_fence(self):
         """With ``Tuning.consumer_proxy_fence``: the proxy fence between the producer's st.shared of a
@@ -138,6 +140,14 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             if leader:
                 p = cute.make_ptr(Int64, self._stamps + int(slot) * 8, cute.AddressSpace.gmem, assumed_align=8)
                 cute.arch.store(p, cute.arch.clock64())
+
+    @staticmethod
+    def bf16_chunk_layout():
+        """A 64 x 64 bf16 block in SW128 K-major atoms (8 KiB, rows of 128 B): one staged chunk and
+        TMA box of ``Tuning.chunked_epilogue``."""
+        return cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.heads, TILE.chunk), (0, 1)
+        )
 
     def column_block(self, wg_half: int):
         """This MMA warp group's block of ``pv_cols`` output columns: its half (0 = WG0, 1 = WG1),
@@ -236,11 +246,18 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             cpasync.CopyBulkTensorTileG2SOp(), self.heads_dims_first(q), cute.slice_(q_layout, (None, None, 0)),
             (TILE.heads, TILE.d_qk)
         )
+        o_box = (TILE.heads, TILE.half_v)
+        if cutlass.const_expr(self.chunked):
+            # Tuning.chunked_epilogue: bf16 blocks go out in 64 x 64 boxes, one per staged chunk
+            o_box = (TILE.heads, TILE.chunk)
+            o_layout = self.bf16_chunk_layout()
+            if cutlass.const_expr(self.accum_bf16):
+                oacc_box, oacc_layout = o_box, o_layout
         tma_out = None
         out_tma = out  # out_direct: stored from the accumulator registers, no tensor map
         if cutlass.const_expr(not self.out_direct):
             tma_out, out_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), self.heads_dims_first(out), o_layout, (TILE.heads, TILE.half_v)
+                cpasync.CopyBulkTensorTileS2GOp(), self.heads_dims_first(out), o_layout, o_box
             )
         tma_oacc = None
         oacc_tma = None

@@ -337,6 +337,12 @@ class Tuning:
     # prologue overlap the tail of the kernel before it in the stream (in an engine's decode
     # graph: the previous layer's kernels; in a graph of calls: the previous call's combine).
     pdl_wait: bool = False
+    # bf16 blocks (out, and o_accum where the plan stores bf16 partials) staged with stmatrix (16 x
+    # 4 matrices per thread instead of 64 4-byte st.shared) and stored by TMA in 64-column chunks:
+    # chunk k's store is issued as soon as it is staged, so the stores overlap the staging of the
+    # chunks after it. The timeline (NOTES.md, session 2026-12-03 h) has 1x8x64's epilogue at
+    # ~1,850 cycles of staging, then ~2,700 of store.
+    chunked_epilogue: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

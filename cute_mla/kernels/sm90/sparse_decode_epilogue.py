@@ -81,6 +81,9 @@ class EpilogueMixin:
         ``pv_cols`` box; ``col_half`` counts such blocks, 0-3 in the column pair), or (``direct``)
         per-thread stores from the registers, no staging. ``evict_first``: the TMA store's L2 hint
         (out with ``Tuning.l2_hints``; never for o_accum, which the combine reads back)."""
+        if cutlass.const_expr(self.chunked and not direct):
+            self.store_bf16_chunked(acc_o, tma, mDst, sQ, o_layout, col_half, warp, hblk, s_idx, row, bar_id, evict_first)
+            return
         r_o = cute.make_rmem_tensor(acc_o.layout, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
         if cutlass.const_expr(direct):
@@ -106,6 +109,64 @@ class EpilogueMixin:
                 else:
                     cute.copy(tma, t_s, t_g[None, hblk, col_half, s_idx, row])
                 cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def store_bf16_chunked(self, acc_o, tma, mDst, sQ, chunk_layout, col_half: int, warp, hblk, s_idx, row, bar_id: int,
+                           evict_first: bool):
+        """``Tuning.chunked_epilogue``: :meth:`store_bf16_block`'s staged path in 64-column chunks.
+
+        The O block's ``pv_cols / 64`` chunks are staged one after the other in this warp group's
+        half of sQ (chunk k at +8 KiB k, ``chunk_layout``: 64 x 64 in SW128 rows of 128 B), each
+        with four ``stmatrix.x4`` per thread, and chunk k's TMA store (one 64 x 64 box) is issued
+        by warp 0 once the warp group has staged it, so the store of chunk k overlaps the staging
+        of chunk k+1. Warp 0 waits for the reads of all of them at the end.
+
+        Accumulator fragment entry v = c + 2 r + 4 j of a thread (lane l of warp w) holds row
+        16 w + l // 4 + 8 r, column 8 j + 2 (l % 4) + c. One stmatrix.x4 covers the 8-column
+        groups j0 and j0 + 1 of both row halves: matrix m is (j0 + m // 2, r = m % 2), and lane l
+        addresses row l % 8 of matrix l // 8, whose 16 bytes sit at 16-byte unit
+        ``(j % 8) ^ (row % 8)`` of its 128-byte row (the SW128 swizzle; the staging is 1 KiB aligned).
+        """
+        lane = cute.arch.lane_idx()
+        n_chunks = self.pv_cols // TILE.chunk
+        half_elems = (col_half % 2) * (TILE.stage_bytes // 2)   # bf16 elements: this warp group's staging slot
+        base = sQ.iterator.toint() + half_elems * 2
+        m = lane // 8
+        r = lane % 8
+        row_addr = base + (warp * 16 + 8 * (m % 2) + r) * TILE.chunk_row_bytes
+        g_o = cute.flat_divide(mDst, (TILE.heads, TILE.chunk))
+        for k in cutlass.range_constexpr(n_chunks):
+            for jp in cutlass.range_constexpr(TILE.chunk // 16):
+                j0 = k * (TILE.chunk // 8) + 2 * jp
+                regs = []
+                for mm in cutlass.range_constexpr(4):
+                    v = 4 * (j0 + mm // 2) + 2 * (mm % 2)
+                    regs.append(ptx.bf16x2_pack(acc_o[v], acc_o[v + 1]))
+                unit = (2 * jp + m // 2) ^ r
+                ptx.stmatrix_x4(row_addr + k * TILE.chunk_bytes + unit * 16, regs[0], regs[1], regs[2], regs[3])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+            if cutlass.const_expr(k == n_chunks - 1):
+                self.stamp(Stamp.EPI_STAGED if bar_id == Bar.EPI_SOFTMAX else Stamp.WG1_EPI_STAGED,
+                           cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0)
+            if warp == 0:
+                stage = cute.make_tensor(
+                    cute.recast_ptr(sQ.iterator + half_elems + k * (TILE.chunk_bytes // 2), chunk_layout.inner, BFloat16),
+                    chunk_layout.outer,
+                )
+                t_s, t_g = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2),
+                                                 cute.group_modes(g_o, 0, 2))
+                with cute.arch.elect_one():
+                    dst = t_g[None, hblk, col_half * n_chunks + k, s_idx, row]
+                    if cutlass.const_expr(evict_first):
+                        cute.copy(tma, t_s, dst, cache_policy=ptx.l2_policy("evict_first"))
+                    else:
+                        cute.copy(tma, t_s, dst)
+                    cute.arch.cp_async_bulk_commit_group()
+        if warp == 0:
+            with cute.arch.elect_one():
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.sync_warp()
 
