@@ -54,7 +54,8 @@ VARIANTS = {
     "late_md_cfence": Tuning(early_metadata=False, consumer_proxy_fence=True),
     "cpair": Tuning(column_pair=True),  # h=64 split: a cluster of 2 per piece splitting the 512 columns, forced (the plan picks it on few-piece shapes)
     "pdl": Tuning(pdl_wait=True),
-    "chunked": Tuning(chunked_epilogue=True),  # bf16 out / o_accum staged by stmatrix, stored in 64-column TMA chunks  # the decode kernel launched with PDL, griddepcontrol.wait after its barrier inits
+    "unchunked": Tuning(chunked_epilogue=False),  # bf16 out / o_accum staged by 4-B st.shared, one TMA store per warp group (the default before 2026-12-03 h)
+    "lse_first": Tuning(store_lse_first=True),  # lse stores before the O block's staging (the order before 2026-12-03 h)  # the decode kernel launched with PDL, griddepcontrol.wait after its barrier inits
     "help2": Tuning(help_second_tile=True),  # WG1 converts a two-tile partition's second tile (1x8x64's pieces)
     "strict_cstart": Tuning(relaxed_cluster_start=False),  # cluster kernels: the release arrive at the start (its MEMBAR.ALL.GPU also waits for the tile_md load issued before it; before 3a8c83d that load came after the barrier)
     "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers everywhere (no staging, no TMA store)

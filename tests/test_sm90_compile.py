@@ -42,17 +42,17 @@ CONFIGS = {
     "split_help_second": (64, True, True, True),
     # Tuning.pdl_wait: launched with PDL, griddepcontrol.wait before any global access (off by default)
     "split_pdl": (64, True, True, True),
-    # Tuning.chunked_epilogue: bf16 blocks staged by stmatrix, stored in 64-column TMA chunks
-    "split_bf16_chunked": (64, True, True, True),
-    "nosplit_chunked": (64, False, True, True),
+    # Tuning.chunked_epilogue=False: bf16 blocks staged by 4-B st.shared, one TMA store per warp group
+    "split_bf16_unchunked": (64, True, True, True),
+    "nosplit_unchunked": (64, False, True, True),
 }
 TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "nosplit_out_direct": dict(out_direct_store=True),
            "split_help_second": dict(help_second_tile=True), "split_pdl": dict(pdl_wait=True),
-           "split_bf16_chunked": dict(chunked_epilogue=True), "nosplit_chunked": dict(chunked_epilogue=True)}
+           "split_bf16_unchunked": dict(chunked_epilogue=False), "nosplit_unchunked": dict(chunked_epilogue=False)}
 CONFIG_EXTRA = {"split_regs": dict(oacc_from_registers=True), "split_bf16": dict(accum_dtype="bfloat16"),
                 "split_regs_bf16": dict(oacc_from_registers=True, accum_dtype="bfloat16"),
                 "split_h128_bf16": dict(accum_dtype="bfloat16"), "split_pdl": dict(accum_dtype="bfloat16"),
-                "split_bf16_chunked": dict(accum_dtype="bfloat16")}
+                "split_bf16_unchunked": dict(accum_dtype="bfloat16")}
 
 
 @pytest.fixture(scope="module")
@@ -367,12 +367,13 @@ def test_pdl_wait_precedes_global_access(artifacts):
 
 
 def test_chunked_epilogue_stmatrix(artifacts):
-    """Tuning.chunked_epilogue: each MMA warp group stages a bf16 block with 16 stmatrix.x4 per
-    thread (4 per 64-column chunk) and stores it in 4 TMA boxes: the split kernel has two blocks
-    per warp group (out, o_accum), the no-split kernel one; the default kernels use no stmatrix."""
+    """Tuning.chunked_epilogue (default): each MMA warp group stages a bf16 block with 16
+    stmatrix.x4 per thread (4 per 64-column chunk) and stores it in 4 TMA boxes: the split kernel
+    has two blocks per warp group (out, o_accum), the no-split kernel one; without the knob no
+    stmatrix, and one TMA store instruction sequence per block."""
     stm = "stmatrix.sync.aligned.m8n8.x4.shared.b16"
     store = "cp.async.bulk.tensor.4d.global.shared::cta"
-    split, nosplit = artifacts["split_bf16_chunked"][0], artifacts["nosplit_chunked"][0]
+    split, nosplit = artifacts["split_bf16"][0], artifacts["nosplit"][0]
     assert split.count(stm) == 2 * 2 * 16 and nosplit.count(stm) == 2 * 16
     assert split.count(store) == 2 * 2 * 4 and nosplit.count(store) == 2 * 4
-    assert stm not in artifacts["split_bf16"][0] and stm not in artifacts["nosplit"][0]
+    assert stm not in artifacts["split_bf16_unchunked"][0] and stm not in artifacts["nosplit_unchunked"][0]

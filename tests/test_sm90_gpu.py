@@ -184,17 +184,18 @@ def _tuning(name):
         "column_pair": Tuning(column_pair=True),
         "help_second_tile": Tuning(help_second_tile=True),
         "pdl_wait": Tuning(pdl_wait=True),
-        "chunked_epilogue": Tuning(chunked_epilogue=True),
-        "chunked_epilogue_bf16_accum": Tuning(chunked_epilogue=True),   # run with bf16 partials
-        "column_pair_chunked_epilogue_bf16_accum": Tuning(column_pair=True, chunked_epilogue=True),
+        "unchunked_epilogue": Tuning(chunked_epilogue=False),
+        "unchunked_epilogue_bf16_accum": Tuning(chunked_epilogue=False),   # run with bf16 partials
+        "column_pair_unchunked_epilogue_bf16_accum": Tuning(column_pair=True, chunked_epilogue=False),
+        "lse_first": Tuning(store_lse_first=True),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["uncompacted", "uncompacted_streamed", "compacted_half_pipelined", "no_qk_pv_overlap",
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
                                   "oacc_direct_store_bf16_accum", "next_q_prefetch", "late_metadata", "column_pair",
-                                  "help_second_tile", "pdl_wait", "chunked_epilogue", "chunked_epilogue_bf16_accum",
-                                  "column_pair_chunked_epilogue_bf16_accum"])
+                                  "help_second_tile", "pdl_wait", "unchunked_epilogue", "unchunked_epilogue_bf16_accum",
+                                  "column_pair_unchunked_epilogue_bf16_accum", "lse_first"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""

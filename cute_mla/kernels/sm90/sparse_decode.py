@@ -141,6 +141,14 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
                 p = cute.make_ptr(Int64, self._stamps + int(slot) * 8, cute.AddressSpace.gmem, assumed_align=8)
                 cute.arch.store(p, cute.arch.clock64())
 
+    @cute.jit
+    def store_lse_rows(self, mDst: cute.Tensor, row, s_idx, head0, lse0: Float32, lse1: Float32, quad):
+        """lse (or lse_accum) of this thread's two accumulator rows: one lane per quad, in the CTA
+        that writes lse (:meth:`writes_lse`)."""
+        if (quad == 0) & self.writes_lse():
+            mDst[row, s_idx, head0] = lse0
+            mDst[row, s_idx, head0 + 8] = lse1
+
     @staticmethod
     def bf16_chunk_layout():
         """A 64 x 64 bf16 block in SW128 K-major atoms (8 KiB, rows of 128 B): one staged chunk and
@@ -634,17 +642,22 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             self.stamp(Stamp.EPI_FINAL, wtid == 0)
             self.scale_rows(acc_o, o_scale0, o_scale1)
             head0 = hblk * TILE.heads + row0
+            # The lse stores go after the O block's (Tuning.store_lse_first: before): the block's
+            # staging fences the generic proxy, which may wait for this thread's global stores.
+            lse_first = self.tuning.store_lse_first
             if is_split:
                 if cutlass.const_expr(self.cfg.split):
-                    if (quad == 0) & self.writes_lse():
-                        mLseAcc[acc_row, s_idx, head0] = lse0
-                        mLseAcc[acc_row, s_idx, head0 + 8] = lse1
+                    if cutlass.const_expr(lse_first):
+                        self.store_lse_rows(mLseAcc, acc_row, s_idx, head0, lse0, lse1, quad)
                     self.store_o_accum(acc_o, thr_pv, tma_oacc, mOAcc, sQ, oacc_layout, col, warp, hblk, s_idx, acc_row, Bar.EPI_SOFTMAX)
+                    if cutlass.const_expr(not lse_first):
+                        self.store_lse_rows(mLseAcc, acc_row, s_idx, head0, lse0, lse1, quad)
             else:
-                if (quad == 0) & self.writes_lse():
-                    mLse[req, s_idx, head0] = lse0
-                    mLse[req, s_idx, head0 + 8] = lse1
+                if cutlass.const_expr(lse_first):
+                    self.store_lse_rows(mLse, req, s_idx, head0, lse0, lse1, quad)
                 self.store_out(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col, warp, hblk, s_idx, req, Bar.EPI_SOFTMAX)
+                if cutlass.const_expr(not lse_first):
+                    self.store_lse_rows(mLse, req, s_idx, head0, lse0, lse1, quad)
             self.stamp(Stamp.EPILOGUE, wtid == 0)
             rq += 1
 

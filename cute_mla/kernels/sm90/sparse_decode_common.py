@@ -341,8 +341,13 @@ class Tuning:
     # 4 matrices per thread instead of 64 4-byte st.shared) and stored by TMA in 64-column chunks:
     # chunk k's store is issued as soon as it is staged, so the stores overlap the staging of the
     # chunks after it. The timeline (NOTES.md, session 2026-12-03 h) has 1x8x64's epilogue at
-    # ~1,850 cycles of staging, then ~2,700 of store.
-    chunked_epilogue: bool = False
+    # ~1,850 cycles of staging, then ~2,700 of store. Measured +3.6 to +5.5 % per call on the
+    # latency rows (1x1x64 .. 2x1x64), neutral on the throughput rows: on.
+    chunked_epilogue: bool = True
+    # WG0 stores lse / lse_accum before the O block (the order before session 2026-12-03 h) instead of after it:
+    # the block's staging ends in a generic -> async proxy fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S),
+    # which may wait for the lse stores still in flight.
+    store_lse_first: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:
