@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import cute_mla  # noqa: E402
 from cute_mla.formats import quantize_v32  # noqa: E402
+from cute_mla.testing import transient_bytes  # noqa: E402
 
 GRID = [(1, 1, 64), (1, 8, 64), (1, 128, 64), (1, 1024, 64), (1, 8192, 64), (1, 32768, 64),
         (1, 1, 128), (1, 8, 128), (1, 128, 128), (1, 1024, 128), (1, 8192, 128),
@@ -77,12 +78,7 @@ def time_one(mod, q, cache, idx, target_s=0.25):
     torch.cuda.synchronize()
     # transient memory of one call
     del out
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    o, l = call(mod, sched, q, cache, idx)
-    torch.cuda.synchronize()
-    transient = torch.cuda.max_memory_allocated() - before - o.nbytes - l.nbytes
+    (o, l), transient = transient_bytes(lambda: call(mod, sched, q, cache, idx))
     # eager
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(15)]
     for a, b_ in ev:

@@ -23,7 +23,7 @@ SHAPES = [  # (name, b, s_q, h_q)
 def _gpu(args) -> int:
     from . import flash_mla_with_kvcache, get_mla_metadata
     from .reference import sparse_decode_reference
-    from .testing import check_out_lse, make_inputs
+    from .testing import check_out_lse, make_inputs, transient_bytes
 
     dev = torch.device("cuda")
     print(f"GPU: {gpu_summary()}")
@@ -38,15 +38,15 @@ def _gpu(args) -> int:
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         del out, lse
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        out, lse = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)
-        e1.record()
-        torch.cuda.synchronize()
-        transient = torch.cuda.max_memory_allocated() - before - out.nbytes - lse.nbytes
+
+        def timed_call():
+            e0.record()
+            o = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)
+            e1.record()
+            return o
+
+        (out, lse), transient = transient_bytes(timed_call)
         ro, rl = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale)
         check_out_lse(out, lse, ro, rl)
         us = e0.elapsed_time(e1) * 1e3

@@ -200,3 +200,23 @@ def median_event_us(fn, iters: int = 20, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def transient_bytes(fn):
+    """Run ``fn()`` (returning the call's output tensors) and measure its transient device memory:
+    the peak bytes *requested* from torch's caching allocator during the call, beyond those held
+    before, minus the returned tensors. Returns ``(result, bytes)``.
+
+    Requested bytes, not ``memory_allocated``'s blocks: a request served from a cached free block
+    takes the whole block when the remainder is too small to split (up to 1 MiB in the large pool),
+    which ``max_memory_allocated`` counts (an 8.031 MiB plan read 8.496 MiB that way on the H200).
+    """
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.memory_stats()["requested_bytes.all.peak"] - before
+    outs = result if isinstance(result, (tuple, list)) else (result,)
+    return result, peak - sum(t.nbytes for t in outs if isinstance(t, torch.Tensor))

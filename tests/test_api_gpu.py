@@ -9,7 +9,7 @@ import torch
 from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decode
 from cute_mla.arch import device_arch, device_num_sms
 from cute_mla.reference import sparse_decode_reference
-from cute_mla.testing import check_out_lse, make_inputs
+from cute_mla.testing import check_out_lse, make_inputs, transient_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -178,17 +178,8 @@ def _transient_bytes(x):
     kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices, topk_length=x.topk_length)
     o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)   # warm-up: compile, schedule
     del o, l
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    # Requested bytes, not the allocator's blocks: a request served from a cached free block takes
-    # the whole block when the remainder is too small to split (up to 1 MiB in the large pool),
-    # which memory_allocated counts (1x8x128 measured 8.496 MiB for an 8.031 MiB plan that way).
-    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
-    torch.cuda.reset_peak_memory_stats()
-    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)
-    torch.cuda.synchronize()
-    peak = torch.cuda.memory_stats()["requested_bytes.all.peak"] - before
-    return peak - o.nbytes - l.nbytes, sched.plan
+    _, transient = transient_bytes(lambda: flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw))
+    return transient, sched.plan
 
 
 @pytest.mark.parametrize("b,s_q,h_q", [(1, 8192, 64), (1, 1024, 128), (128, 1, 64)])
