@@ -150,11 +150,12 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             mDst[row, s_idx, head0 + 8] = lse1
 
     @staticmethod
-    def bf16_chunk_layout():
-        """A 64 x 64 bf16 block in SW128 K-major atoms (8 KiB, rows of 128 B): one staged chunk and
-        TMA box of ``Tuning.chunked_epilogue``."""
+    def bf16_block_layout(cols: int):
+        """A 64 x ``cols`` bf16 staging block in SW128 K-major atoms (rows of 128 B per 64 columns,
+        64-column blocks 8 KiB apart), TMA-storable: out / bf16 o_accum staging, and with 64
+        columns one chunk and TMA box of ``Tuning.chunked_epilogue``."""
         return cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.heads, TILE.chunk), (0, 1)
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.heads, cols), (0, 1)
         )
 
     def column_block(self, wg_half: int):
@@ -233,9 +234,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         )
         p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
         # Output staging tiles (SW128 K-major atoms, TMA-storable): bf16 64x256, fp32 64x128.
-        o_layout = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.heads, TILE.half_v), (0, 1)
-        )
+        o_layout = self.bf16_block_layout(TILE.half_v)
         oacc_layout = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32), (TILE.heads, TILE.half_v // 2), (0, 1)
         )
@@ -244,9 +243,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
             # bf16 partials are staged and stored as out is: one 64 x pv_cols box per warp group
             # (64 x 256; 64 x 128 in the column pair)
             oacc_box = (TILE.heads, self.pv_cols)
-            oacc_layout = cute.tile_to_shape(
-                warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16), oacc_box, (0, 1)
-            )
+            oacc_layout = self.bf16_block_layout(self.pv_cols)
 
         # Q, out and o_accum as (h, d, s_q, b|rows) for TMA box grids of 64 heads: Q in 9 boxes of
         # 64x64 (SW128), out / o_accum in 64-head x 256 / 128-column boxes.
@@ -258,7 +255,7 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         if cutlass.const_expr(self.chunked):
             # Tuning.chunked_epilogue: bf16 blocks go out in 64 x 64 boxes, one per staged chunk
             o_box = (TILE.heads, TILE.chunk)
-            o_layout = self.bf16_chunk_layout()
+            o_layout = self.bf16_block_layout(TILE.chunk)
             if cutlass.const_expr(self.accum_bf16):
                 oacc_box, oacc_layout = o_box, o_layout
         tma_out = None

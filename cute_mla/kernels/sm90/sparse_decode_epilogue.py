@@ -73,6 +73,12 @@ class EpilogueMixin:
         self.store_bf16_block(acc_o, thr_pv, tma_out, mOut, sQ, o_layout, col_half, warp, hblk, s_idx, req, bar_id,
                               self.out_direct, self.tuning.l2_hints)
 
+    def stamp_staged(self, bar_id: int):
+        """``Tuning.timeline``: this warp group's block staged (the warp group is named by its
+        epilogue barrier). A plain function, inlined at trace time."""
+        self.stamp(Stamp.EPI_STAGED if bar_id == Bar.EPI_SOFTMAX else Stamp.WG1_EPI_STAGED,
+                   cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0)
+
     @cute.jit
     def store_bf16_block(self, acc_o, thr_pv, tma, mDst, sQ, o_layout, col_half: int, warp, hblk, s_idx, row,
                          bar_id: int, direct: bool, evict_first: bool):
@@ -97,8 +103,7 @@ class EpilogueMixin:
         cute.autovec_copy(r_o, thr_pv.partition_C(stage))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
-        self.stamp(Stamp.EPI_STAGED if bar_id == Bar.EPI_SOFTMAX else Stamp.WG1_EPI_STAGED,
-                   cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0)
+        self.stamp_staged(bar_id)
         if warp == 0:
             g_o = cute.flat_divide(mDst, (TILE.heads, self.pv_cols))
             t_s, t_g = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(stage, 0, 2), cute.group_modes(g_o, 0, 2))
@@ -149,8 +154,7 @@ class EpilogueMixin:
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
             if cutlass.const_expr(k == n_chunks - 1):
-                self.stamp(Stamp.EPI_STAGED if bar_id == Bar.EPI_SOFTMAX else Stamp.WG1_EPI_STAGED,
-                           cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0)
+                self.stamp_staged(bar_id)
             if warp == 0:
                 stage = cute.make_tensor(
                     cute.recast_ptr(sQ.iterator + half_elems + k * (TILE.chunk_bytes // 2), chunk_layout.inner, BFloat16),
