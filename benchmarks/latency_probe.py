@@ -33,31 +33,8 @@ import cute_mla  # noqa: E402
 from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
 from bench_sparse_decode import make_inputs  # noqa: E402
 from profile_small import graph_of, kernel_times, replay_us  # noqa: E402
-from sm90_variants import VARIANTS, use_tuning  # noqa: E402
-from cute_mla.kernels import combine as cmb  # noqa: E402
+from sm90_variants import VARIANTS, use_combine, use_tuning  # noqa: E402
 
-
-class use_combine_rows:
-    """Make the dispatcher's combine load ``rows`` split rows per batch where its bucket takes them."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __enter__(self):
-        self.orig = cmb.combine_config
-
-        def config(*args, **kw):
-            if self.rows is not None:
-                try:
-                    return self.orig(*args, **kw, rows_in_flight=self.rows)
-                except ValueError:   # CombineConfig refuses this batch size for the bucket
-                    pass
-            return self.orig(*args, **kw)
-
-        cmb.combine_config = config
-
-    def __exit__(self, *exc):
-        cmb.combine_config = self.orig
 
 CASES = [(64, 1.0), (64, 0.0), (128, 0.0), (256, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
 
@@ -98,7 +75,7 @@ def main():
             desc = f"{plan.variant}, {len(plan.host_schedule.rows)} parts, {pieces} pieces{', plan: pair' if plan.column_pair else ''}"
             for name in names:
                 for rows in combine_rows:
-                    with use_tuning(VARIANTS[name]), use_combine_rows(rows):
+                    with use_tuning(VARIANTS[name]), use_combine(**({} if rows is None else {"rows_in_flight": rows})):
                         graph = graph_of(cute_mla, q, cache, idx, args.layers)
                     t = kernel_times(graph)
                     ks = ", ".join(f"{k[:24]} {v[0] / args.layers:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))

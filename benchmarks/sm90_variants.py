@@ -22,6 +22,7 @@ the GPU (NOTES.md, session 2026-12-03 f).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -53,9 +54,9 @@ VARIANTS = {
     "late_md": Tuning(early_metadata=False),  # tile_md / num_splits read where used (the kernel before early_metadata)
     "late_md_cfence": Tuning(early_metadata=False, consumer_proxy_fence=True),
     "cpair": Tuning(column_pair=True),  # h=64 split: a cluster of 2 per piece splitting the 512 columns, forced (the plan picks it on few-piece shapes)
-    "pdl": Tuning(pdl_wait=True),
+    "pdl": Tuning(pdl_wait=True),  # the decode kernel launched with PDL, griddepcontrol.wait after its barrier inits
     "unchunked": Tuning(chunked_epilogue=False),  # bf16 out / o_accum staged by 4-B st.shared, one TMA store per warp group (the default before 2026-12-03 h)
-    "lse_first": Tuning(store_lse_first=True),  # lse stores before the O block's staging (the order before 2026-12-03 h)  # the decode kernel launched with PDL, griddepcontrol.wait after its barrier inits
+    "lse_first": Tuning(store_lse_first=True),  # lse stores before the O block's staging (the order before 2026-12-03 h)
     "help2": Tuning(help_second_tile=True),  # WG1 converts a two-tile partition's second tile (1x8x64's pieces)
     "strict_cstart": Tuning(relaxed_cluster_start=False),  # cluster kernels: the release arrive at the start (its MEMBAR.ALL.GPU also waits for the tile_md load issued before it; before 3a8c83d that load came after the barrier)
     "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers everywhere (no staging, no TMA store)
@@ -94,30 +95,49 @@ ROWS = [(1, 1024, 64), (128, 2, 128), (1, 1024, 128), (1, 1, 64)]
 
 
 class use_tuning:
-    """Make the dispatcher compile with ``tuning`` (compile_sparse_decode's default argument);
-    ``combine_trigger``: and the combine with ``CombineConfig.trigger_dependents``."""
+    """Make the dispatcher compile with ``tuning`` (compile_sparse_decode's default argument)."""
 
-    def __init__(self, tuning, combine_trigger=False):
+    def __init__(self, tuning):
         self.tuning = tuning
-        self.combine_trigger = combine_trigger
 
     def __enter__(self):
         self.orig = sd.compile_sparse_decode
         sd.compile_sparse_decode = functools.partial(self.orig, tuning=self.tuning)
-        self.orig_cc = combine.combine_config
-        if self.combine_trigger:
-            combine.combine_config = lambda *a, **k: dataclasses.replace(self.orig_cc(*a, **k), trigger_dependents=True)
 
     def __exit__(self, *exc):
         sd.compile_sparse_decode = self.orig
-        combine.combine_config = self.orig_cc
 
 
+class use_combine:
+    """Make the dispatcher's combine configs take ``overrides`` (CombineConfig fields), where the
+    config accepts them: a bucket that refuses one (a ValueError) keeps the plain config."""
+
+    def __init__(self, **overrides):
+        self.overrides = overrides
+
+    def __enter__(self):
+        self.orig = combine.combine_config
+
+        def config(*args, **kw):
+            cfg = self.orig(*args, **kw)
+            try:
+                return dataclasses.replace(cfg, **self.overrides)
+            except ValueError:
+                return cfg
+
+        combine.combine_config = config
+
+    def __exit__(self, *exc):
+        combine.combine_config = self.orig
+
+
+@contextlib.contextmanager
 def use_variant(name):
     """``use_tuning`` of a variant name: a VARIANTS key, with "+ctrig" appended for the combine's
     ``trigger_dependents``."""
     base, trig = (name[:-len("+ctrig")], True) if name.endswith("+ctrig") else (name, False)
-    return use_tuning(VARIANTS[base], trig)
+    with use_tuning(VARIANTS[base]), use_combine(**({"trigger_dependents": True} if trig else {})):
+        yield
 
 
 def edge_check(names):
