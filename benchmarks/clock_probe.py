@@ -1,7 +1,10 @@
 """Is a long row clock- or power-limited? SM clock, power and temperature while each library runs one
 shape back to back for a few seconds (nvidia-smi sampled every 100 ms), with the time per call.
 
-    python benchmarks/clock_probe.py [--row 1,32768,64] [--seconds 4]
+    python benchmarks/clock_probe.py [--row 1,32768,64] [--seconds 4] [--variants default,no_pf]
+
+``--variants`` (sm90_variants.py's names) runs each cute-mla Tuning variant in turn, FlashMLA after
+each round: at the power cap a variant that spends less energy per call runs at a higher clock.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
 from bench_sparse_decode import call, flashmla, make_inputs, parse_row  # noqa: E402
+from sm90_variants import use_variant  # noqa: E402
 
 
 def run_for(mod, q, cache, idx, seconds):
@@ -50,17 +54,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--row", default="1,32768,64")
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--variants", default="default", help="cute-mla Tuning variants (sm90_variants.py names)")
     args = ap.parse_args()
     b, s_q, h = parse_row(args.row)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
-    mods = [("cute-mla", cute_mla)] + ([("FlashMLA", flashmla())] if flashmla() else [])
+    variants = args.variants.split(",")
+    fm = flashmla()
+    mods = [(f"cute:{v}" if v != "default" else "cute-mla", cute_mla, v) for v in variants]
+    mods += [("FlashMLA", fm, None)] if fm else []
     print(f"{torch.cuda.get_device_name()}  row b={b} s_q={s_q} h={h}")
-    print(f"{'library':10} {'us/call':>10} {'SM MHz':>8} {'min MHz':>8} {'W':>6} {'C':>4}")
+    print(f"{'library':18} {'us/call':>10} {'SM MHz':>8} {'min MHz':>8} {'W':>6} {'C':>4}")
     for _ in range(2):   # twice, alternating, so neither library always runs on a hotter card
-        for name, mod in mods:
-            us, clk, pwr, tmp, cmin = run_for(mod, q, cache, idx, args.seconds)
-            print(f"{name:10} {us:10.1f} {clk:8.0f} {cmin:8.0f} {pwr:6.0f} {tmp:4.0f}", flush=True)
+        for name, mod, variant in mods:
+            if variant is None:
+                us, clk, pwr, tmp, cmin = run_for(mod, q, cache, idx, args.seconds)
+            else:
+                with use_variant(variant):
+                    us, clk, pwr, tmp, cmin = run_for(mod, q, cache, idx, args.seconds)
+            print(f"{name:18} {us:10.1f} {clk:8.0f} {cmin:8.0f} {pwr:6.0f} {tmp:4.0f}", flush=True)
 
 
 if __name__ == "__main__":
