@@ -33,7 +33,7 @@ from bench_sparse_decode import call, make_inputs  # noqa: E402
 from sm90_variants import VARIANTS, use_tuning  # noqa: E402
 
 CASES = [(64, 1.0), (64, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
-ORDER = [Stamp.PROLOGUE, Stamp.METADATA, Stamp.SCAN, Stamp.K_FREE, Stamp.HANDED_OVER, Stamp.Q_READY,
+ORDER = [Stamp.PROLOGUE, Stamp.METADATA, Stamp.SCAN, Stamp.K_FREE, Stamp.HALF_A, Stamp.HANDED_OVER, Stamp.Q_READY,
          Stamp.K_READY, Stamp.QK_DONE, Stamp.P_READY, Stamp.WG1_P, Stamp.WG1_PV_DONE, Stamp.PV_DONE,
          Stamp.EPI_FINAL, Stamp.EPI_STAGED, Stamp.EPILOGUE, Stamp.WG1_EPI_STAGED, Stamp.WG1_EPILOGUE]
 

@@ -119,6 +119,7 @@ class Stamp(IntEnum):
     EPI_FINAL = 15  # WG0: row factors exchanged with WG1 (the epilogue's barrier pair passed)
     EPI_STAGED = 16  # WG0: bf16 block staged in sQ, the warp group's barrier passed (TMA store next)
     WG1_EPI_STAGED = 17  # WG1: the same
+    HALF_A = 18  # producer: half A of the tile converted and stored (half B next)
     SLOTS = 20
 
 

@@ -322,6 +322,7 @@ class IndexScanMixin:
                 na_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok_a, na_idx, 0))
                 nb_addr = self.row_address(kv_base, stride0, page, ptx.select_i32(next_ok_b, nb_idx, 0))
                 self.convert_store_reload(reg_a, ok_a, tile_base, tok_in_half, sub, swz, na_addr)
+                self.stamp(Stamp.HALF_A, ptid == 0)
                 self.convert_store_reload(reg_b, ok_b, tile_base + half_b * 128, tok_in_half, sub, swz, nb_addr)
             else:
                 self.convert_and_store(reg_a, ok_a, tile_base, tok_in_half, sub, swz)
