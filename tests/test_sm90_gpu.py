@@ -189,6 +189,7 @@ def _tuning(name):
         "column_pair_unchunked_epilogue_bf16_accum": Tuning(column_pair=True, chunked_epilogue=False),
         "lse_first": Tuning(store_lse_first=True),
         "async_second_tile": Tuning(async_second_tile=True),
+        "prefetch_tile1": Tuning(prefetch_tile1=True),
     }[name]
 
 
@@ -196,7 +197,8 @@ def _tuning(name):
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
                                   "oacc_direct_store_bf16_accum", "next_q_prefetch", "late_metadata", "column_pair",
                                   "help_second_tile", "pdl_wait", "unchunked_epilogue", "unchunked_epilogue_bf16_accum",
-                                  "column_pair_unchunked_epilogue_bf16_accum", "lse_first", "async_second_tile"])
+                                  "column_pair_unchunked_epilogue_bf16_accum", "lse_first", "async_second_tile",
+                                  "prefetch_tile1"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""

@@ -358,6 +358,11 @@ class Tuning:
     # them conversion). One-CTA kernels with the compacted producer (ignored in cluster kernels
     # and with help_second_tile).
     async_second_tile: bool = False
+    # With prefetch_rows, the compacted producer also L2-prefetches tile 1's rows right after
+    # issuing tile 0's loads (the tile loop prefetches tile T+2 once T is handed over, so tile 1's
+    # rows are otherwise loaded cold, slot by slot during tile 0's conversion: the latency rows'
+    # two-tile pieces wait ~1,300 cycles for them; timeline, NOTES.md session 2026-12-03 i).
+    prefetch_tile1: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

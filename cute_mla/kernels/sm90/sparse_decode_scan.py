@@ -188,6 +188,19 @@ class IndexScanMixin:
         return queued & (t < my_tiles)
 
     @cute.jit
+    def prefetch_queued_tile(self, ring_base: Int32, first: Int32, tok_in_half: Int32, sub: Int32, kv_base: Int64,
+                             stride0: Int64, page: Int32):
+        """L2 prefetch of the rows of the queued tile at ring entry ``first``, this thread's share
+        (:meth:`prefetch_row_owner` / :meth:`prefetch_row`); invalid entries none."""
+        in_b = self.prefetch_row_owner(sub)
+        p_idx, p_ok = self.ring_index(ring_base, first + ptx.select_i32(in_b, TILE.tokens // 2, 0) + tok_in_half)
+        takes = in_b | (sub == 0)
+        if cutlass.const_expr(self.tuning.prefetch_lines):
+            takes = cutlass.Boolean(True)
+        if p_ok & takes:
+            self.prefetch_row(self.row_address(kv_base, stride0, page, p_idx), sub)
+
+    @cute.jit
     def convert_two_tiles(self, reg_a: cute.Tensor, reg_b: cute.Tensor, ok_a, ok_b, ends: Uint32,
                           ring_base: Int32, sk_base: Int32, info_base: Int32, k_full, k_free, warp: Int32,
                           lane: Int32, tok_in_half: Int32, sub: Int32, swz: Int32, kv_base: Int64,
@@ -262,6 +275,10 @@ class IndexScanMixin:
             self.issue_row_loads(reg_a, kv_base, stride0, page, idx_a, sub)
             if cutlass.const_expr(streamed):
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
+        if cutlass.const_expr(self.tuning.prefetch_rows and self.tuning.prefetch_tile1):
+            # Tuning.prefetch_tile1: tile 1's rows into L2 now (the loop prefetches tile T+2 only)
+            if tail > TILE.tokens:
+                self.prefetch_queued_tile(ring_base, Int32(TILE.tokens), tok_in_half, sub, kv_base, stride0, page)
 
         state = (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next)
         limit = my_tiles if cutlass.const_expr(my_tiles is not None) else Int32(0x7FFFFFFF)
@@ -338,14 +355,8 @@ class IndexScanMixin:
             # Rows of tile T+2 into L2 (this thread's share: prefetch_row_owner / prefetch_row).
             if cutlass.const_expr(self.tuning.prefetch_rows):
                 if first + 2 * TILE.tokens < tail:
-                    in_b = self.prefetch_row_owner(sub)
-                    p_idx, p_ok = self.ring_index(
-                        ring_base, first + 2 * TILE.tokens + ptx.select_i32(in_b, half_b, 0) + tok_in_half)
-                    takes = in_b | (sub == 0)
-                    if cutlass.const_expr(self.tuning.prefetch_lines):
-                        takes = cutlass.Boolean(True)
-                    if p_ok & takes:
-                        self.prefetch_row(self.row_address(kv_base, stride0, page, p_idx), sub)
+                    self.prefetch_queued_tile(ring_base, first + 2 * TILE.tokens, tok_in_half, sub, kv_base, stride0,
+                                              page)
             ok_a = next_ok_a
             if cutlass.const_expr(streamed):
                 ok_b = next_ok_b
