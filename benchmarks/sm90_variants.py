@@ -58,8 +58,6 @@ VARIANTS = {
     "unchunked": Tuning(chunked_epilogue=False),  # bf16 out / o_accum staged by 4-B st.shared, one TMA store per warp group (the default before 2026-12-03 h)
     "lse_first": Tuning(store_lse_first=True),  # lse stores before the O block's staging (the order before 2026-12-03 h)
     "help2": Tuning(help_second_tile=True),  # WG1 converts a two-tile partition's second tile (1x8x64's pieces)
-    "pf1": Tuning(prefetch_tile1=True),  # tile 1's rows L2-prefetched at the partition's start
-    "async2": Tuning(async_second_tile=True),  # a two-tile partition's second tile by cp.async at the start, converted in place
     "strict_cstart": Tuning(relaxed_cluster_start=False),  # cluster kernels: the release arrive at the start (its MEMBAR.ALL.GPU also waits for the tile_md load issued before it; before 3a8c83d that load came after the barrier)
     "oacc_direct": Tuning(oacc_direct_store=True),  # o_accum from registers everywhere (no staging, no TMA store)
     "oacc_tma": Tuning(oacc_direct_store=False),  # o_accum by TMA everywhere (the plan picks registers on few-CTA h=64 shapes)

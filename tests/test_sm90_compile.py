@@ -45,20 +45,14 @@ CONFIGS = {
     # Tuning.chunked_epilogue=False: bf16 blocks staged by 4-B st.shared, one TMA store per warp group
     "split_bf16_unchunked": (64, True, True, True),
     "nosplit_unchunked": (64, False, True, True),
-    # Tuning.async_second_tile: a two-tile partition's tile 1 copied by cp.async, converted in place
-    "split_async_second": (64, True, True, True),
-    # Tuning.prefetch_tile1: tile 1's rows L2-prefetched at the partition's start
-    "split_prefetch_tile1": (64, True, True, True),
 }
 TUNINGS = {"split_h128_no_xover": dict(crossover=Crossover.OFF), "nosplit_out_direct": dict(out_direct_store=True),
            "split_help_second": dict(help_second_tile=True), "split_pdl": dict(pdl_wait=True),
-           "split_bf16_unchunked": dict(chunked_epilogue=False), "nosplit_unchunked": dict(chunked_epilogue=False),
-           "split_async_second": dict(async_second_tile=True), "split_prefetch_tile1": dict(prefetch_tile1=True)}
+           "split_bf16_unchunked": dict(chunked_epilogue=False), "nosplit_unchunked": dict(chunked_epilogue=False)}
 CONFIG_EXTRA = {"split_regs": dict(oacc_from_registers=True), "split_bf16": dict(accum_dtype="bfloat16"),
                 "split_regs_bf16": dict(oacc_from_registers=True, accum_dtype="bfloat16"),
                 "split_h128_bf16": dict(accum_dtype="bfloat16"), "split_pdl": dict(accum_dtype="bfloat16"),
-                "split_bf16_unchunked": dict(accum_dtype="bfloat16"), "split_async_second": dict(accum_dtype="bfloat16"),
-                "split_prefetch_tile1": dict(accum_dtype="bfloat16")}
+                "split_bf16_unchunked": dict(accum_dtype="bfloat16")}
 
 
 @pytest.fixture(scope="module")
@@ -358,23 +352,6 @@ def test_help_second_tile_handshake(artifacts):
     assert arrive not in plain and sync not in plain
     load = "ld.global.L1::evict_last"
     assert help_ptx.count(load) - plain.count(load) == 22
-
-
-def test_async_second_tile_copies(artifacts):
-    """Tuning.async_second_tile: tile 1's pieces by cp.async (2 halves x (8 fp8 + 2 RoPE + the
-    scales)), one commit group and one wait; the default kernel has no cp.async (non-bulk)."""
-    asy, plain = artifacts["split_async_second"][0], artifacts["split_bf16"][0]
-    copy = "cp.async.cg.shared.global.L2::256B"
-    assert asy.count(copy) == 2 * (8 + 2 + 1)
-    assert asy.count("cp.async.commit_group") == 1 and asy.count("cp.async.wait_group 0") == 1
-    assert "cp.async.cg" not in plain and "cp.async.commit_group" not in plain
-
-
-def test_prefetch_tile1_adds_one_prefetch_site(artifacts):
-    """Tuning.prefetch_tile1: one more prefetch site (3 line prefetches per thread) than the default."""
-    pf = "prefetch.global.L2 ["
-    assert DEFAULT_TUNING.prefetch_lines
-    assert artifacts["split_prefetch_tile1"][0].count(pf) - artifacts["split_bf16"][0].count(pf) == 3
 
 
 def test_pdl_wait_precedes_global_access(artifacts):

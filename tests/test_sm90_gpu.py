@@ -188,8 +188,6 @@ def _tuning(name):
         "unchunked_epilogue_bf16_accum": Tuning(chunked_epilogue=False),   # run with bf16 partials
         "column_pair_unchunked_epilogue_bf16_accum": Tuning(column_pair=True, chunked_epilogue=False),
         "lse_first": Tuning(store_lse_first=True),
-        "async_second_tile": Tuning(async_second_tile=True),
-        "prefetch_tile1": Tuning(prefetch_tile1=True),
     }[name]
 
 
@@ -197,8 +195,7 @@ def _tuning(name):
                                   "bulk_prefetch_one_index_chunk_ahead", "no_row_prefetch", "oacc_direct_store",
                                   "oacc_direct_store_bf16_accum", "next_q_prefetch", "late_metadata", "column_pair",
                                   "help_second_tile", "pdl_wait", "unchunked_epilogue", "unchunked_epilogue_bf16_accum",
-                                  "column_pair_unchunked_epilogue_bf16_accum", "lse_first", "async_second_tile",
-                                  "prefetch_tile1"])
+                                  "column_pair_unchunked_epilogue_bf16_accum", "lse_first"])
 def test_schedule_knobs_match(name, seed):
     """Every non-default Tuning is checked against the fp32 reference; the ones that keep the
     default's tiles (compaction on) must also give the default's bits: they only reschedule work."""
@@ -265,14 +262,14 @@ def _check_variant(inp, split, parts, tuning, baseline, what, baseline_name, acc
 # (b, s_q, topk, split, topk_length): h_q = 64 shapes whose partitions hold two compacted tiles
 # (1x8x64's 2-block split pieces with the plan's piece charge; 74 requests of 2 blocks over 132
 # partitions, whole requests that store out) next to one-tile and longer ones, for
-# Tuning.help_second_tile and Tuning.async_second_tile.
+# Tuning.help_second_tile.
 HELP_SECOND_SHAPES = [(1, 8, 2048, True, False), (2, 4, 1024, True, False), (74, 1, 128, True, False)]
 
 
 def _two_tile_ctas(inp, sched):
     """(request, token) CTAs whose partition is one request's range of at most 128 positions with
     65-128 valid indices: two compacted tiles found by the producer's first scan, the partitions
-    Tuning.help_second_tile hands tile 1 of to WG1 (and async_second_tile copies by cp.async)."""
+    Tuning.help_second_tile hands tile 1 of to WG1."""
     idx = inp.indices.cpu()
     b, s_q, topk = idx.shape
     num_tokens = inp.k_cache.shape[0] * inp.k_cache.shape[1]
@@ -291,13 +288,11 @@ def _two_tile_ctas(inp, sched):
     return n
 
 
-@pytest.mark.parametrize("knob", ["help_second_tile", "async_second_tile"])
 @pytest.mark.parametrize("pattern", ["none", "front_half", "sparse", "runs", "one_valid"])
 @pytest.mark.parametrize("shape", range(len(HELP_SECOND_SHAPES)))
-def test_second_tile_knobs_match(pattern, shape, knob, seed):
-    """A two-tile partition's second tile converted by WG1 (help_second_tile) or copied by
-    cp.async and converted in place (async_second_tile): the fp32 reference's answer and the
-    default kernel's bits (the same tiles and conversion, only done elsewhere or from elsewhere)."""
+def test_help_second_tile_matches(pattern, shape, seed):
+    """WG1 converting a two-tile partition's second tile: the fp32 reference's answer and the
+    default kernel's bits (the same tiles and conversion, only another warp group doing it)."""
     from cute_mla.kernels.sm90.sparse_decode import Tuning
 
     from cute_mla.scheduler import fixed_overhead_blocks
@@ -306,10 +301,10 @@ def test_second_tile_knobs_match(pattern, shape, knob, seed):
     inp = _patterned_inputs(b, s_q, 64, topk, tl, 0.2, pattern, seed)
     parts = num_sm_parts("sm_90a", NUM_SMS, s_q, 64) if split else 1
     overhead = fixed_overhead_blocks("sm_90a", 64, b=b, parts=parts, blocks=topk // 64)   # the plan's charge
-    sched = _check_variant(inp, split, parts, Tuning(**{knob: True}), None, knob,
+    sched = _check_variant(inp, split, parts, Tuning(help_second_tile=True), None, "help_second_tile",
                            "the default kernel's", "bfloat16", overhead)
     if pattern == "none":   # ~20 % masked: the shapes are chosen so that two-tile partitions occur
-        assert _two_tile_ctas(inp, sched) > 0, "no partition takes the two-tile path"
+        assert _two_tile_ctas(inp, sched) > 0, "no partition takes the help path"
 
 
 # (b, s_q, topk, topk_length, transport): h_q = 64 split shapes for Tuning.column_pair, the latency

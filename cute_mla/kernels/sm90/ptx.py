@@ -123,36 +123,6 @@ def prefetch_l2_line(addr: Int64) -> None:
     )
 
 
-def cp_async_16(dst: Int32, src: Int64) -> None:
-    """``cp.async.cg.shared.global.L2::256B [dst], [src], 16``: 16 bytes from global memory into
-    this CTA's shared memory without passing through registers (SASS ``LDGSTS``), L1 bypassed.
-    Both addresses 16-B aligned. Complete (and visible to this thread) after
-    :func:`cp_async_commit` and :func:`cp_async_wait_all`."""
-    llvm.inline_asm(
-        None,
-        [Int32(dst).ir_value(), Int64(src).ir_value()],
-        "cp.async.cg.shared.global.L2::256B [$0], [$1], 16;",
-        "r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-def cp_async_commit() -> None:
-    """``cp.async.commit_group``: close this thread's group of :func:`cp_async_16` copies."""
-    llvm.inline_asm(None, [], "cp.async.commit_group;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-def cp_async_wait_all() -> None:
-    """``cp.async.wait_group 0``: wait until every committed :func:`cp_async_16` group of this
-    thread has landed (the data is then visible to this thread; a warp sync makes it visible to
-    the warp's other lanes)."""
-    llvm.inline_asm(None, [], "cp.async.wait_group 0;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
 def mapa_shared_cluster(addr: Int32, rank) -> Int32:
     """``mapa.shared::cluster.u32``: the shared::cluster address of CTA ``rank``'s copy of the
     local shared address ``addr`` (a 32-bit window address, usable by bulk copies / remote mbarrier ops)."""

@@ -123,9 +123,6 @@ class Sm90SparseDecodeKernel(ScheduleMixin, ProducerMixin, IndexScanMixin, Cross
         self.out_direct = tuning.out_direct_store or self.cpair
         # WG1 converts a two-tile partition's second tile (one-CTA kernels, compacted producer)
         self.help_second = tuning.help_second_tile and tuning.compact_indices and not self.xover
-        # the producer cp.asyncs a two-tile partition's second tile into its buffer at the start
-        self.async_second = (tuning.async_second_tile and tuning.compact_indices and not self.xover
-                             and not self.help_second)
         # bf16 out / o_accum blocks staged by stmatrix and stored in 64-column TMA chunks
         self.chunked = tuning.chunked_epilogue
 

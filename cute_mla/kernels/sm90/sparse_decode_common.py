@@ -349,20 +349,6 @@ class Tuning:
     # the block's staging ends in a generic -> async proxy fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S),
     # which may wait for the lse stores still in flight.
     store_lse_first: bool = False
-    # A partition that holds exactly two compacted tiles (1x8x64's pieces): the producer copies
-    # tile 1's raw rows with cp.async straight into K buffer 1 (free at the start) right after
-    # issuing tile 0's loads, so both tiles' rows are in flight together; tile 1 is then converted
-    # in place from shared memory (gather_tile_async / convert_in_place). The streamed producer
-    # holds registers for one tile in flight, so today tile 1's loads are issued slot by slot
-    # during tile 0's conversion and tile 1 is handed over ~4,200 cycles after tile 0 (~2,200 of
-    # them conversion). One-CTA kernels with the compacted producer (ignored in cluster kernels
-    # and with help_second_tile).
-    async_second_tile: bool = False
-    # With prefetch_rows, the compacted producer also L2-prefetches tile 1's rows right after
-    # issuing tile 0's loads (the tile loop prefetches tile T+2 once T is handed over, so tile 1's
-    # rows are otherwise loaded cold, slot by slot during tile 0's conversion: the latency rows'
-    # two-tile pieces wait ~1,300 cycles for them; timeline, NOTES.md session 2026-12-03 i).
-    prefetch_tile1: bool = False
 
     def __post_init__(self):
         if self.compact_indices and self.streaming == Streaming.FIRST_HALF:

@@ -108,65 +108,6 @@ class ProducerMixin:
         self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, buf, k_full, cutlass.Boolean(True))
 
     @cute.jit
-    def gather_tile_async(self, ring_base: Int32, first: Int32, tile_base: Int32, tok_in_half: Int32, sub: Int32,
-                          swz: Int32, kv_base: Int64, stride0: Int64, page: Int32):
-        """``Tuning.async_second_tile``: the raw bytes of the tile of ring entries ``first .. first+63``
-        copied by ``cp.async`` straight into its K buffer (no registers held), where
-        :meth:`convert_in_place` reads them. This thread's (token ``t``, ``sub``) 16-B pieces go to:
-
-        * fp8 piece ``c`` (dims ``64c + 16 sub ..``): bf16 chunk ``2 sub`` of column block ``c``, the
-          first chunk its own conversion writes, after reading it;
-        * RoPE: chunks ``2 sub`` and ``2 sub + 1`` of block 8, their final place (stored as is);
-        * the scales (``sub == 0`` only): chunk 1 of block 0, which no raw piece uses and only sub 0's
-          conversion overwrites, after the warp has read them.
-
-        All at SW128 offsets ``((j ^ (t & 7)) << 4)`` of the token's row. Invalid tokens get no copy
-        (their conversion zeroes them). One commit group; returns (ok_a, ok_b).
-        """
-        half_b = TILE.tokens // 2
-        even = ((2 * sub) ^ swz) << 4
-        oks = []
-        for h in cutlass.range_constexpr(2):
-            idx, ok = self.ring_index(ring_base, first + h * half_b + tok_in_half)
-            row_base = tile_base + (h * half_b) * TILE.chunk_row_bytes + tok_in_half * TILE.chunk_row_bytes
-            if ok:
-                addr = self.row_address(kv_base, stride0, page, idx)
-                for c in cutlass.range_constexpr(8):
-                    ptx.cp_async_16(row_base + c * TILE.chunk_bytes + even, addr + Int64(c * TILE.chunk) + Int64(sub * 16))
-                for r in cutlass.range_constexpr(2):
-                    ptx.cp_async_16(row_base + 8 * TILE.chunk_bytes + (((2 * sub + r) ^ swz) << 4),
-                                    addr + Int64(TILE.rope_offset) + Int64(sub * 32 + r * 16))
-                if sub == 0:
-                    ptx.cp_async_16(row_base + ((1 ^ swz) << 4), addr + Int64(TILE.scale_offset))
-            oks.append(ok)
-        ptx.cp_async_commit()
-        return oks[0], oks[1]
-
-    @cute.jit
-    def convert_in_place(self, regs: cute.Tensor, ok, half_base: Int32, tok_in_half: Int32, sub: Int32, swz: Int32):
-        """``Tuning.async_second_tile``: one half tile that :meth:`gather_tile_async` copied, read from
-        shared memory into ``regs`` (the layout :meth:`issue_row_loads` gives) and converted there by
-        :meth:`convert_and_store`. The caller has waited for its copies and synced the warp (the
-        scales are sub 0's copy); the warp sync here orders every lane's reads before the stores
-        (sub 0's block-0 store overwrites the scales; each other store hits its own piece or a
-        chunk no piece uses)."""
-        row_base = half_base + tok_in_half * TILE.chunk_row_bytes
-        even = ((2 * sub) ^ swz) << 4
-        for c in cutlass.range_constexpr(8):
-            v = ptx.ld_shared_v4(row_base + c * TILE.chunk_bytes + even)
-            for e in cutlass.range_constexpr(4):
-                regs[4 * c + e] = ptx.vec_elem(v, e)
-        v = ptx.ld_shared_v4(row_base + ((1 ^ swz) << 4))
-        for e in cutlass.range_constexpr(4):
-            regs[32 + e] = ptx.vec_elem(v, e)
-        for r in cutlass.range_constexpr(2):
-            v = ptx.ld_shared_v4(row_base + 8 * TILE.chunk_bytes + (((2 * sub + r) ^ swz) << 4))
-            for e in cutlass.range_constexpr(4):
-                regs[36 + 4 * r + e] = ptx.vec_elem(v, e)
-        cute.arch.sync_warp()
-        self.convert_and_store(regs, ok, half_base, tok_in_half, sub, swz)
-
-    @cute.jit
     def fetch_first_tiles(self, begin_req: Int32, end_req: Int32, sched, mTopkLen, mIdx: cute.Tensor, s_idx: Int32,
                           tok_in_half: Int32, topk: Int32, topk_blocks: Int32):
         """Prologue of the uncompacted producers: raw indices of the partition's first tile and of the tile after it.

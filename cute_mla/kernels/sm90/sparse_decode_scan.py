@@ -188,51 +188,6 @@ class IndexScanMixin:
         return queued & (t < my_tiles)
 
     @cute.jit
-    def prefetch_queued_tile(self, ring_base: Int32, first: Int32, tok_in_half: Int32, sub: Int32, kv_base: Int64,
-                             stride0: Int64, page: Int32):
-        """L2 prefetch of the rows of the queued tile at ring entry ``first``, this thread's share
-        (:meth:`prefetch_row_owner` / :meth:`prefetch_row`); invalid entries none."""
-        in_b = self.prefetch_row_owner(sub)
-        p_idx, p_ok = self.ring_index(ring_base, first + ptx.select_i32(in_b, TILE.tokens // 2, 0) + tok_in_half)
-        takes = in_b | (sub == 0)
-        if cutlass.const_expr(self.tuning.prefetch_lines):
-            takes = cutlass.Boolean(True)
-        if p_ok & takes:
-            self.prefetch_row(self.row_address(kv_base, stride0, page, p_idx), sub)
-
-    @cute.jit
-    def convert_two_tiles(self, reg_a: cute.Tensor, reg_b: cute.Tensor, ok_a, ok_b, ends: Uint32,
-                          ring_base: Int32, sk_base: Int32, info_base: Int32, k_full, k_free, warp: Int32,
-                          lane: Int32, tok_in_half: Int32, sub: Int32, swz: Int32, kv_base: Int64,
-                          stride0: Int64, page: Int32):
-        """``Tuning.async_second_tile``: a partition of exactly two queued tiles, both loaded at once.
-        Tile 1's rows are copied by cp.async into K buffer 1 (its first use: free) while tile 0's
-        register loads (issued by the prologue) are in flight; tile 0 is converted from registers
-        into buffer 0 and handed over, then tile 1 in place. Both buffers are at their first phase,
-        so neither ``k_free`` wait blocks; the last-tile flags come from ``ends`` as in the loop."""
-        half_b = TILE.tokens // 2
-        tile1 = sk_base + TILE.k_tile_bytes
-        ok_a1, ok_b1 = self.gather_tile_async(ring_base, TILE.tokens, tile1, tok_in_half, sub, swz, kv_base, stride0,
-                                              page)
-        if cutlass.const_expr(self.tuning.streaming != Streaming.BOTH):   # else the prologue loaded half B
-            idx_b, _ = self.ring_index(ring_base, half_b + tok_in_half)
-            self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
-        ptid = warp * 32 + lane
-        cute.arch.mbarrier_wait(k_free + 0, 1)
-        self.stamp(Stamp.K_FREE, ptid == 0)
-        self.convert_and_store(reg_a, ok_a, sk_base, tok_in_half, sub, swz)
-        self.convert_and_store(reg_b, ok_b, sk_base + half_b * TILE.chunk_row_bytes, tok_in_half, sub, swz)
-        self.hand_over_tile(ok_a, ok_b, lane, warp, info_base, 0, k_full, (ends & Uint32(1)) != Uint32(0))
-        self.stamp(Stamp.HANDED_OVER, ptid == 0)
-        ptx.cp_async_wait_all()
-        cute.arch.sync_warp()   # sub 0's copy of the scales visible to the token's other lanes
-        cute.arch.mbarrier_wait(k_free + 1, 1)
-        self.convert_in_place(reg_a, ok_a1, tile1, tok_in_half, sub, swz)
-        self.convert_in_place(reg_b, ok_b1, tile1 + half_b * TILE.chunk_row_bytes, tok_in_half, sub, swz)
-        self.hand_over_tile(ok_a1, ok_b1, lane, warp, info_base, 1, k_full, (ends & Uint32(2)) != Uint32(0))
-        self.stamp(Stamp.HANDED_OVER, ptid == 0)
-
-    @cute.jit
     def producer_compacted(self, mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
         """The half-tile software pipeline of :meth:`producer_half_pipelined` over compacted tiles.
 
@@ -275,40 +230,7 @@ class IndexScanMixin:
             self.issue_row_loads(reg_a, kv_base, stride0, page, idx_a, sub)
             if cutlass.const_expr(streamed):
                 self.issue_row_loads(reg_b, kv_base, stride0, page, idx_b, sub)
-        if cutlass.const_expr(self.tuning.prefetch_rows and self.tuning.prefetch_tile1):
-            # Tuning.prefetch_tile1: tile 1's rows into L2 now (the loop prefetches tile T+2 only)
-            if tail > TILE.tokens:
-                self.prefetch_queued_tile(ring_base, Int32(TILE.tokens), tok_in_half, sub, kv_base, stride0, page)
 
-        state = (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next)
-        limit = my_tiles if cutlass.const_expr(my_tiles is not None) else Int32(0x7FFFFFFF)
-        if cutlass.const_expr(self.async_second):
-            # Tuning.async_second_tile: a partition of exactly two tiles (the same test in every
-            # producer thread) takes both tiles' rows in flight at once.
-            if (tail == 2 * TILE.tokens) & (not scanning):
-                self.convert_two_tiles(reg_a, reg_b, ok_a, ok_b, ends, ring_base, sk_base, info_base,
-                                       k_full, k_free, warp, lane, tok_in_half, sub, swz, kv_base, stride0, page)
-            else:
-                self.convert_queued_tiles(state, limit, reg_a, reg_b, ok_a, ok_b, mKV, mIdx, mTopkLen, sched, s_idx)
-        else:
-            self.convert_queued_tiles(state, limit, reg_a, reg_b, ok_a, ok_b, mKV, mIdx, mTopkLen, sched, s_idx)
-
-    @cute.jit
-    def convert_queued_tiles(self, state, limit: Int32, reg_a: cute.Tensor, reg_b: cute.Tensor, ok_a, ok_b,
-                             mKV: cute.Tensor, mIdx: cute.Tensor, mTopkLen, sched, s_idx: Int32):
-        """The producer's tile loop of :meth:`producer_compacted`, from tile 0 (its half-A rows, and with
-        streaming its half-B rows, in flight in ``reg_a`` / ``reg_b``) on, with the scan ``state`` of the
-        prologue: scan ahead, convert, hand over, prefetch, until the queued tiles are done (or
-        ``limit`` tiles with Tuning.help_second_tile)."""
-        streamed = self.tuning.streaming == Streaming.BOTH
-        (warp, lane, sub, tok_in_half, swz, topk, topk_blocks, kv_base, stride0, page, num_tokens,
-         sk_base, info_base, k_full, k_free) = self.producer_setup(mKV, mIdx)
-        ring_base, counts_base = self.scan_smem()
-        ptid = warp * 32 + lane
-        half_b = TILE.tokens // 2
-        scan = (mIdx, mTopkLen, sched, s_idx, topk, mKV)
-        my_tiles = limit if cutlass.const_expr(self.help_second) else None
-        (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = state
         t = Int32(0)
         while self.converts_tile(t, tail, my_tiles):
             buf = t % TILE.k_bufs
@@ -355,8 +277,14 @@ class IndexScanMixin:
             # Rows of tile T+2 into L2 (this thread's share: prefetch_row_owner / prefetch_row).
             if cutlass.const_expr(self.tuning.prefetch_rows):
                 if first + 2 * TILE.tokens < tail:
-                    self.prefetch_queued_tile(ring_base, first + 2 * TILE.tokens, tok_in_half, sub, kv_base, stride0,
-                                              page)
+                    in_b = self.prefetch_row_owner(sub)
+                    p_idx, p_ok = self.ring_index(
+                        ring_base, first + 2 * TILE.tokens + ptx.select_i32(in_b, half_b, 0) + tok_in_half)
+                    takes = in_b | (sub == 0)
+                    if cutlass.const_expr(self.tuning.prefetch_lines):
+                        takes = cutlass.Boolean(True)
+                    if p_ok & takes:
+                        self.prefetch_row(self.row_address(kv_base, stride0, page, p_idx), sub)
             ok_a = next_ok_a
             if cutlass.const_expr(streamed):
                 ok_b = next_ok_b
