@@ -28,7 +28,7 @@ from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream  # noqa: E402
 from cutlass.cutlass_dsl import T  # noqa: E402
 
-from cute_mla.kernels.compile import compile_options  # noqa: E402
+from cute_mla.kernels.compile import compile_cached, compile_options  # noqa: E402
 
 THREADS = 384
 SMEM = 216 * 1024
@@ -71,9 +71,9 @@ class ResidencyKernel:
 
 def compile_probe(grid: int, cluster: int, spin_ns: int):
     fake = make_fake_compact_tensor(Int64, (grid * 3,), assumed_align=8)
-    compiled = cute.compile(ResidencyKernel(grid, cluster, spin_ns), fake, make_fake_stream(use_tvm_ffi_env_stream=True),
-                            options=compile_options("sm_90a"))
-    return compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
+    return compile_cached(("cluster_probe", grid, cluster, spin_ns), lambda _: cute.compile(
+        ResidencyKernel(grid, cluster, spin_ns), fake, make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=compile_options("sm_90a"))).fn
 
 
 def main():
