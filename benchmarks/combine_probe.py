@@ -24,6 +24,7 @@ import cute_mla  # noqa: E402
 from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
 from cute_mla.scheduler import accum_offsets  # noqa: E402
 from cute_mla.kernels.combine import ROWS_IN_FLIGHT_CHOICES, combine_config, compile_combine, launch_combine  # noqa: E402
+from bench_sparse_decode import capture_graph  # noqa: E402
 from profile_small import kernel_times, replay_us  # noqa: E402
 
 SHAPES = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128)]
@@ -62,9 +63,7 @@ def main():
             torch.cuda.synchronize()
             ref = first.setdefault(dt, (out.clone(), lse.clone()))
             same = torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                launch_combine(fn, cfg, *args, layout_checked=True)
+            gr, _ = capture_graph(lambda: launch_combine(fn, cfg, *args, layout_checked=True))
             kt = sum(v[0] for v in kernel_times(gr).values())
             cells.append(f"{replay_us(gr):6.1f} / {kt:5.1f}{'' if same else ' DIFFERS'}")
         splits = ns[1].item() - ns[0].item()

@@ -31,7 +31,7 @@ sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
 from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
-from bench_sparse_decode import make_inputs  # noqa: E402
+from bench_sparse_decode import capture_graph, make_inputs  # noqa: E402
 from profile_small import graph_of, kernel_times, replay_us  # noqa: E402
 from sm90_variants import VARIANTS, use_combine, use_tuning  # noqa: E402
 
@@ -41,12 +41,7 @@ CASES = [(64, 1.0), (64, 0.0), (128, 0.0), (256, 0.0), (2048, 1.0), (2048, 0.2)]
 
 def floor_graph():
     x = torch.zeros(1, device="cuda")
-    x.add_(1)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x.add_(1)
-    return g
+    return capture_graph(lambda: x.add_(1))[0]
 
 
 def main():

@@ -23,6 +23,7 @@ from cutlass import Int32  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream  # noqa: E402
 
 from cute_mla.kernels.compile import compile_cached, compile_options  # noqa: E402
+from bench_sparse_decode import capture_graph  # noqa: E402
 from profile_small import kernel_times  # noqa: E402
 
 # (name, grid CTAs, threads per CTA, dynamic shared memory bytes)
@@ -58,21 +59,12 @@ def compile_empty(grid: int, threads: int, smem: int):
         options=compile_options("sm_90a"))).fn
 
 
-def graph_of_fn(fn, *args):
-    fn(*args)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(*args)
-    return g
-
-
 def main():
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"{torch.cuda.get_device_name()}  CUPTI device time per launch (mean of 20 graph replays)")
     for name, grid, threads, smem in SHAPES:
         fn = compile_empty(grid, threads, smem)
-        t = kernel_times(graph_of_fn(fn, flag))
+        t = kernel_times(capture_graph(lambda: fn(flag))[0])
         print(f"  empty kernel, {name:<30} {sum(v[0] for v in t.values()):6.2f} us")
 
 

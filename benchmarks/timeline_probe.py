@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 import cute_mla  # noqa: E402
 from cute_mla.kernels.sm90 import sparse_decode as sd  # noqa: E402
 from cute_mla.kernels.sm90.sparse_decode_common import Stamp  # noqa: E402
-from bench_sparse_decode import call, make_inputs  # noqa: E402
+from bench_sparse_decode import call, capture_graph, make_inputs  # noqa: E402
 from sm90_variants import VARIANTS, use_tuning  # noqa: E402
 
 CASES = [(64, 1.0), (64, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
@@ -86,9 +86,7 @@ def main():
                 for _ in range(3):
                     call(cute_mla, sched, q, cache, idx)
                 torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    call(cute_mla, sched, q, cache, idx)
+                graph, _ = capture_graph(lambda: call(cute_mla, sched, q, cache, idx))
                 rows = {s: [] for s in ORDER}
                 worst = {s: 0 for s in ORDER}
                 for _ in range(args.replays):

@@ -305,4 +305,3 @@ def stmatrix_x4(addr: Int32, r0, r1, r2, r3) -> None:
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
-

@@ -327,8 +327,8 @@ class Tuning:
     # both tiles are ready together (the timeline has tile 1 ~4,000 cycles behind tile 0). The
     # producer learns the count from its first scan (the ring holds 128 entries and the scan is
     # over) and tells WG1 through ``help_flag`` and Bar.HELP. One-CTA kernels with the compacted
-    # producer only: ignored in cluster kernels (crossover, column pair). Compile-tested, not yet
-    # Measured on the H200 (NOTES.md, session 2026-12-03 h): 1x8x64 x0.962, 2x4x64 x0.983. Tile 0
+    # producer only: ignored in cluster kernels (crossover, column pair). Measured on the H200
+    # (NOTES.md, session 2026-12-03 h): 1x8x64 x0.962, 2x4x64 x0.983. Tile 0
     # comes later (8,393 against 7,182 cycles) and tile 1 no earlier: the two warp groups' loads
     # and conversions compete rather than overlap. Off.
     help_second_tile: bool = False
@@ -345,9 +345,10 @@ class Tuning:
     # ~1,850 cycles of staging, then ~2,700 of store. Measured +3.6 to +5.5 % per call on the
     # latency rows (1x1x64 .. 2x1x64), neutral on the throughput rows: on.
     chunked_epilogue: bool = True
-    # WG0 stores lse / lse_accum before the O block (the order before session 2026-12-03 h) instead of after it:
-    # the block's staging ends in a generic -> async proxy fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S),
-    # which may wait for the lse stores still in flight.
+    # WG0 stores lse / lse_accum before the O block (the order before session 2026-12-03 h) instead
+    # of after it: the block's staging ends in a generic -> async proxy fence (MEMBAR.ALL.CTA +
+    # FENCE.VIEW.ASYNC.S), which may wait for the lse stores still in flight. Measured x0.981-0.997
+    # per call on the latency rows (NOTES.md, session 2026-12-03 i): off.
     store_lse_first: bool = False
 
     def __post_init__(self):
