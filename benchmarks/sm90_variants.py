@@ -132,11 +132,26 @@ class use_combine:
 
 
 @contextlib.contextmanager
+def skip_combine():
+    """A bound, not a variant: the dispatcher launches no combine, so split outputs stay unwritten.
+    Times what a call would take if the combine cost nothing (its kernel and its boundary)."""
+    orig = combine.launch_combine
+    combine.launch_combine = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        combine.launch_combine = orig
+
+
+@contextlib.contextmanager
 def use_variant(name):
     """``use_tuning`` of a variant name: a VARIANTS key, with "+ctrig" appended for the combine's
-    ``trigger_dependents``."""
+    ``trigger_dependents``, or "+nocomb" for the no-combine bound (``skip_combine``)."""
+    nocomb = name.endswith("+nocomb")
+    name = name[:-len("+nocomb")] if nocomb else name
     base, trig = (name[:-len("+ctrig")], True) if name.endswith("+ctrig") else (name, False)
-    with use_tuning(VARIANTS[base]), use_combine(**({"trigger_dependents": True} if trig else {})):
+    with use_tuning(VARIANTS[base]), use_combine(**({"trigger_dependents": True} if trig else {})), \
+            (skip_combine() if nocomb else contextlib.nullcontext()):
         yield
 
 
