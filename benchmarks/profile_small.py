@@ -60,23 +60,28 @@ def replay_us(g, reps=50):
 
 def launch_parts():
     """Replay times of the whole call and of each launch alone (the other one skipped)."""
-    from cute_mla.kernels import combine as cmb
-    from cute_mla.kernels.sm90 import sparse_decode as sd
+    import contextlib
 
+    from cute_mla.kernels.sm90 import sparse_decode as sd
+    from sm90_variants import skip_combine
+
+    @contextlib.contextmanager
+    def skip_decode():
+        orig = sd.launch_sparse_decode
+        sd.launch_sparse_decode = lambda *a, **k: None
+        try:
+            yield
+        finally:
+            sd.launch_sparse_decode = orig
+
+    parts = {"whole": contextlib.nullcontext, "decode only": skip_combine, "combine only": skip_decode}
     g = torch.Generator(device="cuda").manual_seed(0)
     for (b, s_q, h) in ROWS[:4]:
         q, cache, idx = make_inputs(b, s_q, h, 0.2, g)
         res = {}
-        for name in ("whole", "decode only", "combine only"):
-            orig = (cmb.launch_combine, sd.launch_sparse_decode)
-            if name == "decode only":
-                cmb.launch_combine = lambda *a, **k: None
-            if name == "combine only":
-                sd.launch_sparse_decode = lambda *a, **k: None
-            try:
+        for name, skipping in parts.items():
+            with skipping():
                 res[name] = replay_us(graph_of(cute_mla, q, cache, idx))
-            finally:
-                cmb.launch_combine, sd.launch_sparse_decode = orig
         print(f"b={b} s_q={s_q} h={h} replay us: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
 
 
