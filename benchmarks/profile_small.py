@@ -63,18 +63,10 @@ def launch_parts():
     import contextlib
 
     from cute_mla.kernels.sm90 import sparse_decode as sd
-    from sm90_variants import skip_combine
+    from sm90_variants import skip_combine, skip_launch
 
-    @contextlib.contextmanager
-    def skip_decode():
-        orig = sd.launch_sparse_decode
-        sd.launch_sparse_decode = lambda *a, **k: None
-        try:
-            yield
-        finally:
-            sd.launch_sparse_decode = orig
-
-    parts = {"whole": contextlib.nullcontext, "decode only": skip_combine, "combine only": skip_decode}
+    parts = {"whole": contextlib.nullcontext, "decode only": skip_combine,
+             "combine only": lambda: skip_launch(sd, "launch_sparse_decode")}
     g = torch.Generator(device="cuda").manual_seed(0)
     for (b, s_q, h) in ROWS[:4]:
         q, cache, idx = make_inputs(b, s_q, h, 0.2, g)

@@ -132,15 +132,20 @@ class use_combine:
 
 
 @contextlib.contextmanager
-def skip_combine():
-    """A bound, not a variant: the dispatcher launches no combine, so split outputs stay unwritten.
-    Times what a call would take if the combine cost nothing (its kernel and its boundary)."""
-    orig = combine.launch_combine
-    combine.launch_combine = lambda *a, **k: None
+def skip_launch(module, name):
+    """A bound, not a variant: ``module.name`` (a launch function the dispatcher calls) does nothing."""
+    orig = getattr(module, name)
+    setattr(module, name, lambda *a, **k: None)
     try:
         yield
     finally:
-        combine.launch_combine = orig
+        setattr(module, name, orig)
+
+
+def skip_combine():
+    """The dispatcher launches no combine, so split outputs stay unwritten: what a call would take
+    if the combine cost nothing (its kernel and its boundary)."""
+    return skip_launch(combine, "launch_combine")
 
 
 @contextlib.contextmanager
