@@ -31,6 +31,18 @@ SHAPES = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128)]
 TOPK = 2048
 
 
+def random_partials(plan, g):
+    """A split plan's combine inputs with random values: the accumulator row offsets the dispatcher
+    passes (only split requests own rows), lse_accum (rows, s_q, h) fp32 and o_accum
+    (rows, s_q, h, 512) fp32 (callers cast it to the dtype they time), on the generator's device."""
+    dev = g.device
+    ns = torch.tensor(accum_offsets(plan.host_schedule.num_splits), dtype=torch.int32, device=dev)
+    shape = (plan.accum_rows, plan.s_q, plan.h_q)
+    lse_accum = torch.rand(shape, device=dev, generator=g) * 8 - 4
+    o_accum = torch.randn(shape + (plan.d_v,), device=dev, generator=g)
+    return ns, lse_accum, o_accum
+
+
 def main():
     dev = torch.device("cuda")
     arch, sms = device_arch(dev), device_num_sms(dev)
@@ -41,11 +53,7 @@ def main():
           + " | ".join(f"{f'rows {r} {dt[:4]}: replay / kernel us':>31}" for r, dt in variants))
     for b, s_q, h in SHAPES:
         plan = cute_mla.plan_sparse_decode(b, s_q, h, 576, TOPK, arch=arch, num_sms=sms)
-        # the accumulator row offsets the dispatcher passes (only split requests own rows)
-        ns = torch.tensor(accum_offsets(plan.host_schedule.num_splits), dtype=torch.int32, device=dev)
-        rows = plan.accum_rows
-        lse_accum = torch.rand(rows, s_q, h, device=dev, generator=g) * 8 - 4
-        o_accum32 = torch.randn(rows, s_q, h, 512, device=dev, generator=g)
+        ns, lse_accum, o_accum32 = random_partials(plan, g)
         sink = torch.randn(h, device=dev, generator=g)
         cells, first = [], {}
         for r, dt in variants:

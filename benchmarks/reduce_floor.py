@@ -29,9 +29,9 @@ sys.path.insert(0, HERE)
 
 import cute_mla  # noqa: E402
 from cute_mla.arch import device_arch, device_num_sms  # noqa: E402
-from cute_mla.scheduler import accum_offsets  # noqa: E402
 from cute_mla.kernels.combine import combine_config, compile_combine, launch_combine  # noqa: E402
 from bench_sparse_decode import capture_graph, parse_rows  # noqa: E402
+from combine_probe import random_partials  # noqa: E402
 from profile_small import replay_us  # noqa: E402
 
 TOPK = 2048
@@ -55,10 +55,8 @@ def main():
     print(f"empty (1-element add): {per_call_us(lambda: tiny.add_(1), args.layers):.2f} us")
     for b, s_q, h in parse_rows(args.rows):
         plan = cute_mla.plan_sparse_decode(b, s_q, h, 576, TOPK, arch=arch, num_sms=sms)
-        ns = torch.tensor(accum_offsets(plan.host_schedule.num_splits), dtype=torch.int32, device=dev)
-        rows = plan.accum_rows
-        lse_accum = torch.rand(rows, s_q, h, device=dev, generator=g) * 8 - 4
-        o_accum = torch.randn(rows, s_q, h, 512, device=dev, generator=g).to(getattr(torch, plan.accum_dtype))
+        ns, lse_accum, o_accum = random_partials(plan, g)
+        o_accum, rows = o_accum.to(getattr(torch, plan.accum_dtype)), plan.accum_rows
         cfg = combine_config(arch, h, False, plan.num_sm_parts, accum_dtype=plan.accum_dtype)
         fn = compile_combine(cfg)
         out = torch.zeros(b, s_q, h, 512, dtype=torch.bfloat16, device=dev)
