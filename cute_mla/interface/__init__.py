@@ -1,4 +1,5 @@
-"""Public API and dispatcher: FlashMLA-compatible entry points and the workspace-aware plan."""
+"""The public API: FlashMLA-compatible entry points, their argument checks and the launcher that
+turns a call's plan into kernel launches."""
 
+from ..plan import SparseDecodePlan, plan_sparse_decode  # noqa: F401
 from .api import FlashMLASchedMeta, flash_mla_with_kvcache, get_mla_metadata  # noqa: F401
-from .plan import SparseDecodePlan, plan_sparse_decode  # noqa: F401

@@ -1,4 +1,4 @@
-"""The public, FlashMLA-compatible sparse decode API (spec §1).
+"""The public, FlashMLA-compatible sparse decode API.
 
 ``get_mla_metadata()`` returns an empty :class:`FlashMLASchedMeta`; the first
 ``flash_mla_with_kvcache`` call that uses it plans the call, makes the schedule (on the host when
@@ -15,11 +15,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..arch import device_arch, device_num_sms
+from ..archs import UnsupportedDeviceError, device_arch, device_num_sms
 from ..formats import detect_format
-from ..scheduler import accum_offsets_device
-from . import dispatch
-from .plan import SparseDecodePlan, check_problem, plan_sparse_decode
+from ..plan import SparseDecodePlan, check_problem, plan_sparse_decode
+from ..plan.schedule import Schedule, make_schedule
+from .launcher import Launcher
 from .validate import KV_CACHE_DTYPES, check_aligned_strides, check_tensor
 
 
@@ -31,6 +31,10 @@ class FlashMLASchedMeta:
     FlashMLA's (under the plan's token walk the partitions' requests are the s_q tokens).
     ``accum_offsets`` (b+1,) int32 is cute-mla's compact prefix sum of accumulator rows (only
     split requests own rows); ``plan`` is the call's :class:`SparseDecodePlan`.
+
+    ``tuning``: a kernel variant (the arch kernel module's tuning type, e.g.
+    ``cute_mla.kernels.sm90.Sm90Tuning``) that every call with this object compiles and runs
+    instead of the default; for benchmarks and kernel authors (:class:`~.launcher.Launcher`).
     """
 
     have_initialized: bool = False
@@ -39,14 +43,20 @@ class FlashMLASchedMeta:
     num_splits: Optional[torch.Tensor] = None
     accum_offsets: Optional[torch.Tensor] = None
     plan: Optional[SparseDecodePlan] = None
-    _keepalive: list = field(default_factory=list, repr=False)
-    _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> dispatch.Launcher
-    # the process-wide upload of a host schedule (None for device schedules): checked by every call,
-    # since an upload first made during a graph capture holds nothing before that graph replays
-    _upload: Optional["dispatch.UploadedSchedule"] = field(default=None, repr=False, compare=False)
+    tuning: Optional[object] = None
+    schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
+    _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> Launcher
     # tensor signatures (_tensor_key) that passed _validate_tensors -> (b, s_q, h_q, topk): every
     # layer of a decode step calls with the same signatures, so only the first pays the checks
     _validated: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def launcher(self, has_attn_sink: bool) -> Launcher:
+        """The filled object's launcher for calls with or without a sink (made once each)."""
+        launcher = self._launchers.get(has_attn_sink)
+        if launcher is None:
+            launcher = self._launchers[has_attn_sink] = Launcher(self.plan, self.plan.has_topk_length, has_attn_sink,
+                                                                 self.tuning)
+        return launcher
 
 
 def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
@@ -76,11 +86,12 @@ def flash_mla_with_kvcache(
     """Sparse MLA decode, FlashMLA's signature. Returns ``out`` (b, s_q, h_q, 512) bf16 and ``lse``
     (b, h_q, s_q) fp32 natural log (a transposed view, as FlashMLA's). ``block_table`` and
     ``cache_seqlens`` are ignored in sparse mode (the indices already address the cache)."""
-    kv, b, s_q, h_q, topk = _validate(q, k_cache, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
-                                      causal, is_fp8_kvcache, indices, attn_sink, extra_k_cache,
-                                      extra_indices_in_kvcache, topk_length, extra_topk_length, out)
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    _check_arguments(tile_scheduler_metadata, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
+                     extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     sched = tile_scheduler_metadata
+    b, s_q, h_q, topk = _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out)
+    kv = k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     launcher = _schedule(sched, q, b, s_q, h_q, topk, topk_length, attn_sink is not None)
     if out is None:
         out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
@@ -90,7 +101,7 @@ def flash_mla_with_kvcache(
 
 
 def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: int, topk: int,
-              topk_length: Optional[torch.Tensor], has_attn_sink: bool = False) -> "dispatch.Launcher":
+              topk_length: Optional[torch.Tensor], has_attn_sink: bool = False) -> Launcher:
     """The call's launcher; the first call of a FlashMLASchedMeta also plans and makes the schedule."""
     config = (b, s_q, h_q, topk, topk_length is not None, q.device)
     if sched.have_initialized:
@@ -98,44 +109,20 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: 
             raise ValueError(
                 "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, topk, has_topk_length, device)="
                 f"{sched.config}, got {config}; use a fresh get_mla_metadata() object per shape")
-        upload = sched._upload
-        if upload is not None and not upload.ready:   # (the launch path: once ready, no call)
-            upload.ensure_uploaded()
-        launcher = sched._launchers.get(has_attn_sink)
-        if launcher is None:
-            launcher = sched._launchers[has_attn_sink] = dispatch.Launcher(sched.plan, topk_length is not None, has_attn_sink)
-        return launcher
-    arch = device_arch(q.device)
-    plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=arch, num_sms=device_num_sms(q.device),
+        sched.schedule.ensure_ready()
+        return sched.launcher(has_attn_sink)
+    plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=device_arch(q.device), num_sms=device_num_sms(q.device),
                               has_topk_length=topk_length is not None)
-    if plan.host_schedule is not None:
-        sched._upload = dispatch.uploaded_schedule(plan, q.device)
-        tile_md, num_splits, offsets = sched._upload.views
-    else:
-        from ..scheduler import per_request_schedule_device, plan_splits
-        # blocks per request from the device lengths, clamped to [1, topk] (spec §4.4), no host sync
-        nb = ((topk_length.clamp(0, topk) - 1).clamp_min(0) // 64 + 1).to(torch.int32)
-        if plan.schedule == "per_request":
-            tile_md, num_splits = per_request_schedule_device(nb)
-        else:
-            tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
-        offsets = accum_offsets_device(num_splits)
-        sched._keepalive.append(nb)
-    sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = tile_md, num_splits, offsets
-    sched.plan, sched.config, sched.have_initialized = plan, config, True
-    launcher = sched._launchers[has_attn_sink] = dispatch.Launcher(plan, topk_length is not None, has_attn_sink)
-    return launcher
+    schedule = make_schedule(plan, q.device, topk_length)
+    sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = schedule.tile_md, schedule.num_splits, schedule.accum_offsets
+    sched.schedule, sched.plan, sched.config, sched.have_initialized = schedule, plan, config, True
+    return sched.launcher(has_attn_sink)
 
 
-def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
-              extra_k_cache, extra_indices, topk_length, extra_topk_length, out):
-    """Every check of the call's arguments; returns (kv as uint8 (blocks, page, bytes), b, s_q, h_q, topk).
-
-    The scalar checks run on every call. The tensor checks depend only on each tensor's type,
-    layout, dtype, shape, strides, device, base-pointer alignment and neg bit (_tensor_key): a
-    signature that passed once for this FlashMLASchedMeta is not checked again (the other layers
-    of the decode step).
-    """
+def _check_arguments(sched, num_splits, softmax_scale, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices,
+                     extra_topk_length) -> None:
+    """The checks of the call's non-tensor arguments and of what cute-mla does not implement; they
+    run on every call."""
     if indices is None:
         raise NotImplementedError("indices: dense decode (indices=None) is not implemented; cute-mla implements sparse decode, pass indices (b, s_q, topk) int32")
     if extra_k_cache is not None or extra_indices is not None or extra_topk_length is not None:
@@ -147,9 +134,18 @@ def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, 
     if causal:
         raise ValueError("causal: must be False with indices (sparse decode has no causal mask; causality comes from the indices)")
     if not is_fp8_kvcache:
-        raise ValueError("is_fp8_kvcache: must be True with indices (sparse decode reads the FP8 V3.2 cache)")
+        raise ValueError("is_fp8_kvcache: must be True with indices (sparse decode reads the FP8 cache)")
     if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
+
+
+def _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out):
+    """(b, s_q, h_q, topk) of the call's tensors, checked.
+
+    The tensor checks depend only on each tensor's type, layout, dtype, shape, strides, device,
+    base-pointer alignment and neg bit (_tensor_key): a signature that passed once for this
+    FlashMLASchedMeta is not checked again (the other layers of the decode step).
+    """
     key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v)
     dims = sched._validated.get(key) if key is not None else None
     if dims is None:
@@ -158,8 +154,7 @@ def _validate(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal, 
             if len(sched._validated) >= _MAX_VALIDATED:
                 sched._validated.clear()
             sched._validated[key] = dims
-    kv = k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
-    return (kv,) + dims
+    return dims
 
 
 _MAX_VALIDATED = 16
@@ -183,12 +178,11 @@ def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v):
 
 def _require_cuda(q) -> None:
     if q.device.type != "cuda":
-        from ..arch import UnsupportedDeviceError
         raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
 
 
 def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out):
-    """The tensor checks of :func:`_validate`; returns (b, s_q, h_q, topk)."""
+    """The tensor checks of :func:`_checked_dims`; returns (b, s_q, h_q, topk)."""
     check_tensor("q", q, dtypes=(torch.bfloat16,), dim=4, shape_doc="(b, s_q, h_q, d_qk)")
     b, s_q, h_q, d_qk = q.shape
     if not isinstance(head_dim_v, int) or head_dim_v != 512:

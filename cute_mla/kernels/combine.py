@@ -1,9 +1,9 @@
-"""Split-KV combine for sparse MLA decode (FlashMLA's combine, flashmla-sparse-decode.md §5.3).
+"""Split-KV combine for sparse MLA decode (FlashMLA's combine).
 
 Each split of a request wrote ``o_accum[row] = O / L`` (fp32, or bf16 where the plan halves the
 partials' bytes: ``CombineConfig.accum_dtype``; already normalised by its own softmax sum, no
 sink) and ``lse_accum[row] = log2(L) + m`` (base 2, -inf for an empty split).
-Request ``i`` owns rows ``[num_splits[i], num_splits[i+1])``. For every (request, query, head)
+Request ``i`` owns rows ``[accum_offsets[i], accum_offsets[i+1])``. For every (request, query, head)
 with more than one split this kernel writes::
 
     G       = log2(sum_i 2^lse_i)                      (+inf when every split is empty)
@@ -21,11 +21,10 @@ partials, widened to fp32 before use) and the bf16 row is written with one 8-byt
 
 Every warp reduces the split lses itself (redundantly: at most ``max_splits`` floats), which
 needs no shared memory or barrier. Memory-level parallelism is what makes the kernel fast: the
-split rows are loaded ``rows_in_flight`` (a config value: 16, the default, or 32 with fp32
-partials) at a time, back to back, before any is accumulated, and the first batch is issued
-before the lse reduction so that its latency overlaps the lse loads and the reduction math. 32
-lets a request of up to 32 splits wait one round trip for its rows, not two, but measured no
-faster on the H200 (:func:`combine_config`).
+split rows are loaded ``ROWS_IN_FLIGHT`` at a time, back to back, before any is accumulated, and
+the first batch is issued before the lse reduction so that its latency overlaps the lse loads and
+the reduction math. (32 rows in flight let a request of up to 32 splits wait one round trip for
+its rows, not two, but measured no faster on the H200.)
 
 ``max_splits`` (a bucket from :data:`MAX_SPLITS_BUCKETS`) sizes the per-lane register array
 of split lses (``max_splits/32`` entries, loaded in one unrolled, fully overlapped pass). A
@@ -45,7 +44,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-from cute_mla.kernels.compile import CompiledKernel, check_arch, compile_cached, compile_options
+from ..archs import check_arch
+from ..dsl.compile import CompiledKernel, compile_cached, compile_options
 
 # The template buckets: FlashMLA's {32, 64, 96, 128, 160} plus the fork's 256, minus 96/192/224
 # (fewer compiled variants; a larger bucket only costs max_splits/32 registers per lane).
@@ -61,11 +61,10 @@ OUT_STORE_BYTES = COLS_PER_LANE * (BFloat16.width // 8)  # 8: one vector store p
 # o_accum element types (the split variants write them, this kernel reads them): fp32, or bf16 where
 # the plan halves the partials' bytes (SparseDecodePlan.accum_dtype). Accumulation is fp32 either way.
 ACCUM_DTYPES = ("float32", "bfloat16")
-ROWS_IN_FLIGHT = 16  # default split rows loaded back to back before any is accumulated (memory-level parallelism)
-# Each divides 32: a batch of rows never straddles two lse register slots, so its weights come from one slot.
-ROWS_IN_FLIGHT_CHOICES = (16, 32)
+ROWS_IN_FLIGHT = 16  # split rows loaded back to back before any is accumulated (memory-level parallelism)
 assert COLS_PER_LANE * THREADS_PER_CTA == D_V
-assert all(WARP_THREADS % r == 0 for r in ROWS_IN_FLIGHT_CHOICES)
+# It divides 32: a batch of rows never straddles two lse register slots, so its weights come from one slot.
+assert WARP_THREADS % ROWS_IN_FLIGHT == 0
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -97,12 +96,7 @@ class CombineConfig:
     max_splits: int
     arch: str
     d_v: int = D_V
-    rows_in_flight: int = ROWS_IN_FLIGHT   # split rows per batch of back-to-back loads (ROWS_IN_FLIGHT_CHOICES)
     accum_dtype: str = "float32"           # o_accum's element type (ACCUM_DTYPES)
-    # griddepcontrol.launch_dependents at the start of every CTA: a kernel launched with PDL behind
-    # the combine (the next layer's decode kernel with Tuning.pdl_wait) may be scheduled once every
-    # combine CTA is resident; it still waits for the whole combine in griddepcontrol.wait.
-    trigger_dependents: bool = False
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
@@ -114,22 +108,10 @@ class CombineConfig:
             raise ValueError(f"combine: h_q must be >= 1, got {self.h_q}")
         if self.accum_dtype not in ACCUM_DTYPES:
             raise ValueError(f"combine: accum_dtype must be one of {ACCUM_DTYPES}, got {self.accum_dtype!r}")
-        if self.rows_in_flight not in ROWS_IN_FLIGHT_CHOICES:
-            raise ValueError(f"combine: rows_in_flight must be one of {ROWS_IN_FLIGHT_CHOICES}, got {self.rows_in_flight}")
-        if self.rows_in_flight > ROWS_IN_FLIGHT and self.max_splits < 64:
-            # With one lse register slot ptxas interleaves a batch of 32 loads with the FFMAs that
-            # use them (34 registers, 4 loads ahead: serial round trips; tests/test_combine_compile.py).
-            raise ValueError(f"combine: rows_in_flight={self.rows_in_flight} needs max_splits >= 64, got {self.max_splits}")
-        if self.rows_in_flight > ROWS_IN_FLIGHT and self.accum_dtype != "float32":
-            # With bf16 rows ptxas interleaves the batch's 32 loads with the FFMAs of the rows
-            # already widened (tests/test_combine_compile.py); 32 measured no gain with fp32 either.
-            raise ValueError(f"combine: rows_in_flight={self.rows_in_flight} takes fp32 partials only, "
-                             f"got accum_dtype={self.accum_dtype!r}")
 
     @property
     def cache_key(self):
-        return ("combine", self.arch, self.h_q, self.has_attn_sink, self.max_splits, self.d_v, self.rows_in_flight,
-                self.accum_dtype, self.trigger_dependents)
+        return ("combine", self.arch, self.h_q, self.has_attn_sink, self.max_splits, self.d_v, self.accum_dtype)
 
     @property
     def accum_type(self):
@@ -138,16 +120,11 @@ class CombineConfig:
 
 
 def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int,
-                   rows_in_flight: int = ROWS_IN_FLIGHT, accum_dtype: str = "float32") -> CombineConfig:
-    """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many splits).
-
-    ``rows_in_flight`` 32 (buckets >= 64 only) lets the 32 one-block pieces of b = s_q = 1 at
-    top-k 2048 wait one round trip for their rows instead of two, but measured no faster on the
-    H200 (``benchmarks/combine_probe.py`` at a07fa03, combine alone: 2.4 vs 2.5 µs at h=64, 2.8
-    vs 2.8 µs at h=128; NOTES.md, session 2026-12-03 g), so the dispatcher keeps the default 16.
-    ``accum_dtype``: the plan's (SparseDecodePlan.accum_dtype)."""
+                   accum_dtype: str = "float32") -> CombineConfig:
+    """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many
+    splits); ``accum_dtype``: the plan's (SparseDecodePlan.accum_dtype)."""
     return CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=combine_max_splits(num_sm_parts), arch=arch,
-                         rows_in_flight=rows_in_flight, accum_dtype=accum_dtype)
+                         accum_dtype=accum_dtype)
 
 
 def _exp2(x):
@@ -164,18 +141,15 @@ def _log2(x):
 def _combine_host(
     lse_accum: cute.Tensor,  # (rows, s_q, h_q) fp32
     o_accum: cute.Tensor,  # (rows, s_q, h_q, 512) fp32 or bf16 (CombineConfig.accum_dtype)
-    num_splits: cute.Tensor,  # (b+1,) int32
+    accum_offsets: cute.Tensor,  # (b+1,) int32
     attn_sink: Optional[cute.Tensor],  # (h_q,) fp32, or None when compiled without a sink
     out: cute.Tensor,  # (b, s_q, h_q, 512) bf16
     lse: cute.Tensor,  # (b, s_q, h_q) fp32
     max_splits: cutlass.Constexpr[int],
-    rows_in_flight: cutlass.Constexpr[int],
-    trigger_dependents: cutlass.Constexpr[bool],
     stream,
 ):
     grid_x = out.shape[0] * out.shape[1]
-    _combine_kernel(lse_accum, o_accum, num_splits, attn_sink, out, lse, max_splits, rows_in_flight,
-                    trigger_dependents).launch(
+    _combine_kernel(lse_accum, o_accum, accum_offsets, attn_sink, out, lse, max_splits).launch(
         grid=(grid_x, out.shape[2], 1),
         block=(THREADS_PER_CTA, 1, 1),
         stream=stream,
@@ -190,7 +164,7 @@ def _combine_host(
 @cute.jit
 def _load_rows(frags, lane_addr: Int64, row_bytes: Int64, first: Int32, last: Int32):
     """Issue the loads of split rows ``first .. first+rows-1`` (clamped to ``last``) into ``frags``
-    (``rows``: its second mode, the config's ``rows_in_flight``).
+    (``rows``: its second mode, ``ROWS_IN_FLIGHT``).
 
     ``lane_addr`` is this lane's 16-byte chunk of the request's first split row and
     ``row_bytes`` the distance between split rows. The row number is non-negative, so it is
@@ -267,17 +241,13 @@ def _split_weights(lse_reg, sink: Float32, has_sink: cutlass.Constexpr[bool]) ->
 def _combine_kernel(
     lse_accum: cute.Tensor,
     o_accum: cute.Tensor,
-    num_splits: cute.Tensor,
+    accum_offsets: cute.Tensor,
     attn_sink: Optional[cute.Tensor],
     out: cute.Tensor,
     lse: cute.Tensor,
     max_splits: cutlass.Constexpr[int],
-    rows_in_flight: cutlass.Constexpr[int],
-    trigger_dependents: cutlass.Constexpr[bool],
 ):
     lse_slots = max_splits // WARP_THREADS  # splits lane, lane+32, ... held in registers
-    if cutlass.const_expr(trigger_dependents):
-        cute.arch.griddepcontrol_launch_dependents()
 
     bs, head, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -287,8 +257,8 @@ def _combine_kernel(
     req = bs // s_q
     q = bs - req * s_q
 
-    row_begin = num_splits[req]
-    n = num_splits[req + 1] - row_begin
+    row_begin = accum_offsets[req]
+    n = accum_offsets[req + 1] - row_begin
 
     if n > max_splits:
         # Not representable in this bucket: poison rather than return a wrong answer.
@@ -314,9 +284,9 @@ def _combine_kernel(
         if cutlass.const_expr(attn_sink is not None):
             sink = attn_sink[head] * Float32(LOG2E)
 
-        # 2) out = sum_i w_i o_i, rows_in_flight split rows per batch, loaded back to back before
+        # 2) out = sum_i w_i o_i, ROWS_IN_FLIGHT split rows per batch, loaded back to back before
         #    any is used. Split i's weight is in lane i % 32 of register slot i // 32; a batch
-        #    lies in one slot (rows_in_flight divides 32) and a shuffle hands the weights out.
+        #    lies in one slot (ROWS_IN_FLIGHT divides 32) and a shuffle hands the weights out.
         #    The first iteration turns the lses into weights after issuing its row loads: the
         #    loads end a basic block and the reduction starts the next one, so ptxas cannot
         #    schedule the reduction (which waits for the lses) ahead of them, and the row
@@ -326,11 +296,11 @@ def _combine_kernel(
         lane_addr = cute.local_tile(o_accum[row_begin, q, head, None], (COLS_PER_LANE,), (col_tile,)).iterator.toint()
         row_bytes = Int64(o_accum.stride[0]) * (o_accum.element_type.width // 8)
         # Register tensors are column-major: COLS_PER_LANE goes first so each row's run is contiguous.
-        frags = cute.make_rmem_tensor((COLS_PER_LANE, rows_in_flight), o_accum.element_type)
+        frags = cute.make_rmem_tensor((COLS_PER_LANE, ROWS_IN_FLIGHT), o_accum.element_type)
         acc = cute.make_rmem_tensor((COLS_PER_LANE,), Float32)
         acc.fill(0.0)
         lse_nat = Float32(0.0)
-        for first in cutlass.range(0, n, rows_in_flight, unroll=1):
+        for first in cutlass.range(0, n, ROWS_IN_FLIGHT, unroll=1):
             _load_rows(frags, lane_addr, row_bytes, first, last)
             if first == 0:
                 lse_nat = _split_weights(lse_reg, sink, attn_sink is not None)
@@ -357,7 +327,7 @@ def _fake_args(cfg: CombineConfig):
     h = cfg.h_q
     lse_accum = make_fake_compact_tensor(Float32, (rows, s_q, h), stride_order=(2, 1, 0), assumed_align=4)
     o_accum = make_fake_compact_tensor(cfg.accum_type, (rows, s_q, h, D_V), stride_order=(3, 2, 1, 0), assumed_align=16)
-    num_splits = make_fake_compact_tensor(Int32, (b_plus_1,), assumed_align=4)
+    accum_offsets = make_fake_compact_tensor(Int32, (b_plus_1,), assumed_align=4)
     attn_sink = make_fake_compact_tensor(Float32, (h,), assumed_align=4) if cfg.has_attn_sink else None
     # out may be a strided view (e.g. a slice of a larger buffer): only the last dim must be
     # contiguous, and every other stride a multiple of COLS_PER_LANE (4) elements so each lane's
@@ -365,7 +335,7 @@ def _fake_args(cfg: CombineConfig):
     out_stride = [cute.sym_int64(divisibility=COLS_PER_LANE) for _ in range(3)]
     out = make_fake_tensor(BFloat16, (b, s_q, h, D_V), stride=(*out_stride, 1), assumed_align=OUT_STORE_BYTES)
     lse = make_fake_compact_tensor(Float32, (b, s_q, h), stride_order=(2, 1, 0), assumed_align=4)
-    return lse_accum, o_accum, num_splits, attn_sink, out, lse
+    return lse_accum, o_accum, accum_offsets, attn_sink, out, lse
 
 
 def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
@@ -376,8 +346,6 @@ def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> Compi
             _combine_host,
             *_fake_args(cfg),
             cfg.max_splits,
-            cfg.rows_in_flight,
-            cfg.trigger_dependents,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options=compile_options(cfg.arch, dump),
         )
@@ -385,31 +353,31 @@ def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> Compi
     return compile_cached(cfg.cache_key, build, dump_dir)
 
 
-def launch_combine(compiled: CompiledKernel, cfg: CombineConfig, lse_accum, o_accum, num_splits, attn_sink, out, lse,
+def launch_combine(compiled: CompiledKernel, cfg: CombineConfig, lse_accum, o_accum, accum_offsets, attn_sink, out, lse,
                    layout_checked: bool = False) -> None:
     """Run the combine on torch's current stream. No sync, no allocation.
 
     Shapes, dtypes, devices and base alignment are checked by the compiled function itself
     (TVM-FFI names the bad argument). Checked here, from tensor metadata only, is what it does
     not validate: symbolic strides (the kernel assumes their divisibility), b+1 and the sink.
-    ``layout_checked``: the caller guarantees those (the dispatcher's Launcher: it allocated
-    the accumulators and lse itself, num_splits is its plan's, and the API checked ``out``),
+    ``layout_checked``: the caller guarantees those (the launcher: it allocated the accumulators
+    and lse itself, accum_offsets is its plan's schedule's, and the API checked ``out``),
     so these host checks (about a dozen tensor-metadata calls) are skipped on the launch path.
     """
     if not layout_checked:
-        _check_layout(cfg, lse_accum, o_accum, num_splits, attn_sink, out, lse)
+        _check_layout(cfg, lse_accum, o_accum, accum_offsets, attn_sink, out, lse)
     # A sink-less build keeps the parameter slot, typed None.
-    compiled.fn(lse_accum, o_accum, num_splits, attn_sink, out, lse)
+    compiled.fn(lse_accum, o_accum, accum_offsets, attn_sink, out, lse)
 
 
-def _check_layout(cfg: CombineConfig, lse_accum, o_accum, num_splits, attn_sink, out, lse) -> None:
+def _check_layout(cfg: CombineConfig, lse_accum, o_accum, accum_offsets, attn_sink, out, lse) -> None:
     if cfg.has_attn_sink != (attn_sink is not None):
         raise ValueError(
             f"combine: compiled with has_attn_sink={cfg.has_attn_sink}, "
             f"got attn_sink={'a tensor' if attn_sink is not None else None}"
         )
-    if num_splits.shape[0] != out.shape[0] + 1:
-        raise ValueError(f"combine: num_splits must have b+1={out.shape[0] + 1} entries, got {num_splits.shape[0]}")
+    if accum_offsets.shape[0] != out.shape[0] + 1:
+        raise ValueError(f"combine: accum_offsets must have b+1={out.shape[0] + 1} entries, got {accum_offsets.shape[0]}")
     for name, t in (("lse_accum", lse_accum), ("o_accum", o_accum), ("lse", lse)):
         if not t.is_contiguous():
             raise ValueError(f"combine: {name} must be contiguous, got strides {tuple(t.stride())}")

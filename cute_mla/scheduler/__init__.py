@@ -1,4 +1,7 @@
-"""Split-KV scheduler: the partition count, FlashMLA's greedy partitioning, on host or device."""
+"""Split-KV scheduler: the partition count, FlashMLA's greedy partitioning, on the host or the device.
+
+Nothing here imports a kernel module: the device scheduler (:mod:`.device`) compiles through the
+DSL plumbing (``cute_mla.dsl``) like every kernel."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from .partition import (  # noqa: F401
     HostSchedule,
     SchedField,
     accum_offsets,
+    blocks_of_length,
     blocks_per_request,
     fixed_overhead_blocks,
     longest_partition,
@@ -42,7 +46,7 @@ def plan_splits(num_blocks: torch.Tensor, num_sm_parts: int, fixed_overhead: int
         return (torch.tensor(s.rows, dtype=torch.int32).reshape(num_sm_parts, SCHED_ROW_INTS),
                 torch.tensor(s.num_splits, dtype=torch.int32))
     from .device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
-    from ..arch import device_arch
+    from ..archs import device_arch
 
     tile_md = torch.empty(num_sm_parts, SCHED_ROW_INTS, dtype=torch.int32, device=num_blocks.device)
     num_splits = torch.empty(b + 1, dtype=torch.int32, device=num_blocks.device)
@@ -58,15 +62,3 @@ def accum_offsets_device(num_splits: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(num_splits)
     torch.cumsum(rows, dim=0, out=out[1:])
     return out
-
-
-def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`per_request_rows` with torch ops on the device: (tile_md (b, 8), num_splits (b+1,))."""
-    b = num_blocks.shape[0]
-    ar = torch.arange(b, dtype=torch.int32, device=num_blocks.device)
-    tile_md = torch.zeros(b, SCHED_ROW_INTS, dtype=torch.int32, device=num_blocks.device)
-    tile_md[:, 0] = ar
-    tile_md[:, 1] = ar
-    tile_md[:, 3] = num_blocks
-    num_splits = torch.arange(b + 1, dtype=torch.int32, device=num_blocks.device)
-    return tile_md, num_splits

@@ -1,6 +1,6 @@
 """The decode scheduler ("tile scheduler metadata") as a one-warp CuTe DSL kernel.
 
-It runs FlashMLA's greedy partitioning (flashmla-sparse-decode.md §4.5) on the GPU, so building
+It runs FlashMLA's greedy partitioning on the GPU, so building
 the metadata needs no device-to-host copy and can be captured in a CUDA graph. The result is,
 entry by entry, what the host version ``cute_mla.scheduler.partition.plan_splits_host`` returns
 for the same ``num_blocks``, ``num_sm_parts`` and ``fixed_overhead``.
@@ -33,8 +33,9 @@ import cutlass.cute as cute
 from cutlass import Boolean, Int32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from cute_mla.kernels.compile import CompiledKernel, check_arch, compile_cached, compile_options
-from cute_mla.scheduler.partition import SCHED_ROW_INTS, SchedField
+from ..archs import check_arch
+from ..dsl.compile import CompiledKernel, compile_cached, compile_options
+from .partition import SCHED_ROW_INTS, SchedField
 
 
 WARP_THREADS = 32

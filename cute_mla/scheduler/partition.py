@@ -1,4 +1,4 @@
-"""The split-KV scheduler (spec §4): how many partitions, and which partition does which blocks.
+"""The split-KV scheduler: how many partitions, and which partition does which blocks.
 
 This module is the host (pure Python) half and the single definition of the algorithm; the
 device half (:mod:`cute_mla.scheduler.device`) runs the same greedy loop in a one-thread CuTe DSL
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import List, Sequence, Tuple
+
+from .. import archs
 
 BLOCK_TOPK = 64          # tokens per scheduling block (the kernels' top-k tile)
 MIN_PIECE_BLOCKS = 2     # SM90 zero-charge rule: blocks per partition on average at least this
@@ -33,41 +35,36 @@ class SchedField(IntEnum):
 SCHED_ROW_INTS = 8
 
 
-def num_sm_parts(arch: str, num_sms: int, s_q: int, h_q: int, d_qk: int = 576) -> int:
-    """Number of scheduler partitions (spec §4.1): the grid is sized so that CTAs ~ num_sms."""
+def num_sm_parts(arch: str, num_sms: int, s_q: int, h_q: int) -> int:
+    """Number of scheduler partitions: the grid is sized so that CTAs ~ num_sms (FlashMLA's count;
+    on SM90 each token's 64-head blocks are CTAs of their own)."""
     if num_sms <= 0 or s_q <= 0 or h_q <= 0:
         raise ValueError(f"num_sm_parts: num_sms, s_q and h_q must be positive, got {num_sms}, {s_q}, {h_q}")
-    if arch == "sm_90a":
-        return max(num_sms // s_q // (h_q // 64), 1)
-    if arch == "sm_100a":
-        if h_q == 128 and d_qk == 512:      # head128 CTA-pair kernel
-            return max(num_sms // s_q // 2, 1)
-        return max(num_sms // s_q, 1)       # head64 (h_q=128, d_qk=576 runs it on two head halves)
-    raise ValueError(f"arch: got {arch!r}, accepted: 'sm_90a', 'sm_100a'")
+    per_token = h_q // 64 if archs.get(arch).parts_per_head_block else 1
+    return max(num_sms // s_q // per_token, 1)
 
 
-def fixed_overhead_blocks(arch: str, h_q: int, d_qk: int = 576, *, b: int, parts: int, blocks: int) -> int:
+def fixed_overhead_blocks(arch: str, *, b: int, parts: int, blocks: int) -> int:
     """Virtual blocks the greedy partitioner charges per request piece (``blocks``: top-k blocks
     per request, an upper bound where ``topk_length`` may shorten them).
 
-    SM90 with fewer requests than partitions: 0 when that leaves at least ``MIN_PIECE_BLOCKS``
-    blocks per partition on average *and* shortens the most loaded partition; else FlashMLA's 5.
-    FlashMLA's charge makes the pieces longer than the partitions allow, so partitions, hence SMs,
-    stay empty: at b=1, s_q=8 it cuts 11 pieces of 3 blocks for 16 partitions (h=64), 7 pieces of 5
-    for 8 (h=128); charging 0 fills them (16 pieces of 2, 8 of 4). Measured on the H200 (CUDA-graph
-    replay, benchmarks/split_sweep.py, against the charge of 5): 1x8x64 1.10x, 1x8x128 1.06x,
-    16x1x128 1.05x, 100x1x64 1.04x. One-block pieces are where it lost (4x1x64: 128 one-block
-    pieces instead of 64 two-block ones, 0.95x: each piece stores a 64 x 512 fp32 partial that the
-    combine reads back), hence the average floor; a charge that does not shorten the longest
-    partition only adds pieces, hence the second condition. Individual pieces may still be one
-    block long (the greedy cuts where budgets end).
+    FlashMLA charges ``FIXED_OVERHEAD``. On SM90 with fewer requests than partitions the charge is
+    0 when that leaves at least ``MIN_PIECE_BLOCKS`` blocks per partition on average *and*
+    shortens the most loaded partition. FlashMLA's charge makes the pieces longer than the
+    partitions allow, so partitions, hence SMs, stay empty: at b=1, s_q=8 it cuts 11 pieces of 3
+    blocks for 16 partitions (h=64), 7 pieces of 5 for 8 (h=128); charging 0 fills them (16
+    pieces of 2, 8 of 4): 1x8x64 1.10x, 1x8x128 1.06x, 16x1x128 1.05x, 100x1x64 1.04x on the H200.
+    One-block pieces are where it lost (4x1x64: 128 one-block pieces instead of 64 two-block
+    ones, 0.95x: each piece stores a partial that the combine reads back), hence the average
+    floor; a charge that does not shorten the longest partition only adds pieces, hence the second
+    condition. Individual pieces may still be one block long (the greedy cuts where budgets end).
     """
-    if arch == "sm_90a" and b < parts and b * blocks >= MIN_PIECE_BLOCKS * parts:
+    if archs.get(arch).zero_overhead_rule and b < parts and b * blocks >= MIN_PIECE_BLOCKS * parts:
         zero = plan_splits_host([blocks] * b, parts, 0)
         flashmla = plan_splits_host([blocks] * b, parts, FIXED_OVERHEAD)
         if longest_partition(zero.rows, blocks) < longest_partition(flashmla.rows, blocks):
             return 0
-    return 3 if (arch == "sm_100a" and h_q == 128 and d_qk == 512) else FIXED_OVERHEAD
+    return FIXED_OVERHEAD
 
 
 def longest_partition(rows: Sequence[Sequence[int]], blocks: int) -> int:
@@ -82,18 +79,26 @@ def longest_partition(rows: Sequence[Sequence[int]], blocks: int) -> int:
     return max(work(r) for r in rows)
 
 
+def blocks_of_length(length, topk, minimum=min, maximum=max):
+    """FlashMLA's rule for a request with ``topk_length``: its effective length ``min(length,
+    topk)`` (a position at or past it is invalid) and its 64-token blocks, ``ceil(length / 64)``
+    but at least one (a zero or negative length still takes one block). Without ``topk_length`` a
+    request has ``topk // BLOCK_TOPK`` blocks (top-k is a multiple of 64).
+
+    The one definition of the rule for every place that applies it: the host plan (Python ints,
+    the default ``minimum`` / ``maximum``), the device schedule (torch tensors) and the kernels
+    (DSL integers): each passes its own min and max."""
+    length = minimum(length, topk)
+    return length, maximum((length + (BLOCK_TOPK - 1)) // BLOCK_TOPK, 1)
+
+
 def blocks_per_request(topk: int, topk_length: Sequence[int] | None = None, b: int | None = None) -> List[int]:
-    """64-token blocks of each request's top-k list (spec §4.4): a zero length still counts as one block."""
+    """64-token blocks of each request's top-k list (:func:`blocks_of_length`)."""
     if topk_length is None:
         if b is None:
             raise ValueError("blocks_per_request: give b when topk_length is None")
-        return [max((topk - 1) // BLOCK_TOPK + 1, 1)] * b
-    out = []
-    for n in topk_length:
-        s_k = min(max(int(n), 0), topk)
-        s_k = s_k if s_k > 0 else 1
-        out.append((s_k - 1) // BLOCK_TOPK + 1)
-    return out
+        return [topk // BLOCK_TOPK] * b
+    return [blocks_of_length(int(n), topk)[1] for n in topk_length]
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,7 @@ class HostSchedule:
 
 
 def plan_splits_host(num_blocks: Sequence[int], num_sm_parts: int, fixed_overhead: int = FIXED_OVERHEAD) -> HostSchedule:
-    """FlashMLA's greedy partitioning (spec §4.5), in plain Python.
+    """FlashMLA's greedy partitioning, in plain Python.
 
     Every request costs its blocks plus ``fixed_overhead`` virtual blocks; each partition gets a
     budget of ``ceil(total / P) + fixed_overhead``. A request is cut only where it crosses a budget

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, Optional
 
-SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+from ..archs import check_arch
 
 _lock = threading.RLock()
 _cache: Dict[Hashable, "CompiledKernel"] = {}
@@ -30,12 +30,6 @@ class CompiledKernel:
     key: Hashable
     fn: Any  # tvm_ffi.Function: call it with torch tensors and Python scalars
     dump_dir: Optional[str] = None
-
-
-def check_arch(arch: str) -> str:
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"arch: got {arch!r}, accepted: {', '.join(SUPPORTED_ARCHS)}")
-    return arch
 
 
 def compile_options(arch: str, dump_dir: Optional[str] = None, extra: str = "") -> str:

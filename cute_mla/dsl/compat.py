@@ -2,7 +2,7 @@
 
 Kernels import drifting names from here, never from their DSL home directly, so that a DSL
 upgrade touches this file only. Add a name here when a kernel needs one that moved between
-releases (see ../shared/reference/cute-dsl-notes.md §6.7 for the known moves).
+releases.
 """
 
 from __future__ import annotations

@@ -1,17 +1,29 @@
-"""From a plan to launches: the kernels a plan names, compiled once per config, and the workspace.
+"""The schedule of a planned call, as its kernels read it: one module builds it and uploads it.
 
-This is the only place that allocates the split-KV accumulators, and it allocates exactly
-``plan.accum_rows`` rows, only for the split variant (the tests hold it to that).
+Three int32 tensors on the call's device, made once per decode step (``FlashMLASchedMeta``):
+
+* ``tile_md`` (partitions, 8): one row per partition (``scheduler.SchedField``);
+* ``num_splits`` (b+1,): FlashMLA's prefix sum of the split count of each request;
+* ``accum_offsets`` (b+1,): cute-mla's prefix sum of accumulator rows, where only split requests
+  own rows (``scheduler.accum_offsets``); the kernels and the combine index ``o_accum`` with it.
+
+Where the host knows the schedule (no ``topk_length``) the plan computed it: :func:`make_schedule`
+uploads it once per (plan, device) into a cached buffer (:class:`UploadedSchedule`). With
+``topk_length`` (device values the host must not read) it is built on the device: the blocks of
+each request from the lengths (``scheduler.partition.blocks_of_length``), then the scheduler
+kernel or, for SM100's one-partition-per-request plans, torch ops; no host synchronization.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
 
-from ..scheduler import SCHED_ROW_INTS, accum_offsets
+from ..scheduler import (SCHED_ROW_INTS, SchedField, accum_offsets, accum_offsets_device, blocks_of_length,
+                         plan_splits)
 from .plan import SparseDecodePlan
 
 _lock = threading.Lock()
@@ -124,7 +136,7 @@ def _pinned(host: torch.Tensor) -> torch.Tensor:
             driver.cuThreadExchangeStreamCaptureMode(previous)
 
 
-def uploaded_schedule(plan: SparseDecodePlan, device: torch.device) -> UploadedSchedule:
+def uploaded_schedule(plan: "SparseDecodePlan", device: torch.device) -> UploadedSchedule:
     """The plan's host schedule on ``device``: ``.views`` = (tile_md, num_splits, accum_offsets).
 
     Cached per (plan, device): every call with the same shapes reads the same, stable addresses
@@ -150,72 +162,59 @@ def uploaded_schedule(plan: SparseDecodePlan, device: torch.device) -> UploadedS
     return entry
 
 
-def _main_kernel(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool):
-    if plan.arch == "sm_90a":
-        from ..kernels.sm90 import sparse_decode as mod
-        cfg = mod.Sm90SparseDecodeConfig(h_q=plan.h_q, split=plan.split, has_topk_length=has_topk_length,
-                                         has_attn_sink=has_attn_sink, oacc_from_registers=plan.oacc_from_registers,
-                                         column_pair=plan.column_pair, accum_dtype=plan.accum_dtype)
+@dataclass
+class Schedule:
+    """The schedule tensors of one call (views of a cached upload, or tensors made on the device)."""
+
+    tile_md: torch.Tensor
+    num_splits: torch.Tensor
+    accum_offsets: torch.Tensor
+    upload: Optional[UploadedSchedule] = None      # host schedules: the cached upload
+    keepalive: Tuple[torch.Tensor, ...] = field(default=(), repr=False)
+
+    def ensure_ready(self) -> None:
+        """Before every launch that reads the schedule (:class:`UploadedSchedule`: an upload first
+        made during a graph capture holds nothing before that graph replays); a flag test once
+        an eager upload is known complete, nothing for device schedules."""
+        if self.upload is not None and not self.upload.ready:
+            self.upload.ensure_uploaded()
+
+
+def _torch_min(a, b):
+    return a.clamp(max=b)
+
+
+def _torch_max(a, b):
+    return a.clamp(min=b)
+
+
+def device_num_blocks(topk_length: torch.Tensor, topk: int) -> torch.Tensor:
+    """Blocks of each request from the device lengths (``blocks_of_length``, torch ops, no sync)."""
+    return blocks_of_length(topk_length, topk, _torch_min, _torch_max)[1].to(torch.int32)
+
+
+def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One partition per request, nothing split, with torch ops on the device: (tile_md (b, 8),
+    num_splits (b+1,)); ``scheduler.per_request_rows`` on the host."""
+    b = num_blocks.shape[0]
+    ar = torch.arange(b, dtype=torch.int32, device=num_blocks.device)
+    tile_md = torch.zeros(b, SCHED_ROW_INTS, dtype=torch.int32, device=num_blocks.device)
+    tile_md[:, SchedField.BEGIN_REQ] = ar
+    tile_md[:, SchedField.END_REQ] = ar
+    tile_md[:, SchedField.END_BLOCK] = num_blocks
+    num_splits = torch.arange(b + 1, dtype=torch.int32, device=num_blocks.device)
+    return tile_md, num_splits
+
+
+def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Optional[torch.Tensor]) -> Schedule:
+    """The schedule of ``plan`` on ``device``: the host's, uploaded (cached), or built on the device
+    from ``topk_length``."""
+    if plan.host_schedule is not None:
+        upload = uploaded_schedule(plan, device)
+        return Schedule(*upload.views, upload=upload)
+    nb = device_num_blocks(topk_length, plan.topk)
+    if plan.schedule == "per_request":
+        tile_md, num_splits = per_request_schedule_device(nb)
     else:
-        from ..kernels.sm100 import sparse_decode as mod
-        cfg = mod.Sm100SparseDecodeConfig(h_q=plan.h_q, split=plan.split, has_topk_length=has_topk_length,
-                                          has_attn_sink=has_attn_sink)
-    return mod, cfg, mod.compile_sparse_decode(cfg)
-
-
-def _combine_kernel(plan: SparseDecodePlan, has_attn_sink: bool):
-    from ..kernels import combine as mod
-    cfg = mod.combine_config(arch=plan.arch, h_q=plan.h_q, has_attn_sink=has_attn_sink, num_sm_parts=plan.num_sm_parts,
-                             accum_dtype=plan.accum_dtype)
-    return mod, cfg, mod.compile_combine(cfg)
-
-
-def allocate_workspace(plan: SparseDecodePlan, device: torch.device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """o_accum (rows, s_q, h_q, d_v) of the plan's accum_dtype and lse_accum (rows, s_q, h_q) fp32,
-    or (None, None) when nothing is split."""
-    if not plan.split:
-        return None, None
-    # two allocations: on the H200's host one torch.empty costs ~2 µs and each slice + view of a
-    # shared buffer as much again (host_profile.py measured 9.3 µs for one buffer and two views)
-    shape = (plan.accum_rows, plan.s_q, plan.h_q)
-    o_accum = torch.empty(shape + (plan.d_v,), dtype=getattr(torch, plan.accum_dtype), device=device)
-    lse_accum = torch.empty(shape, dtype=torch.float32, device=device)
-    return o_accum, lse_accum
-
-
-class Launcher:
-    """Everything a plan's launches need, resolved once (modules, configs, compiled kernels).
-
-    Built by the first call of a decode step and kept in its ``FlashMLASchedMeta``, so that every
-    later call (every layer) only allocates its outputs and launches: the host work between the
-    main kernel and the combine is one Python call.
-    """
-
-    __slots__ = ("plan", "main_mod", "main_cfg", "main_compiled", "combine_mod", "combine_cfg", "combine_compiled")
-
-    def __init__(self, plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool):
-        if plan.split and plan.token_walk:
-            # the walk's num_splits is the call's one request, not the s_q requests the combine
-            # would index (and its layout_checked launch relies on b + 1 entries)
-            raise ValueError(f"plan: a token walk never splits, got split with token_walk ({plan})")
-        self.plan = plan
-        self.main_mod, self.main_cfg, self.main_compiled = _main_kernel(plan, has_topk_length, has_attn_sink)
-        self.combine_mod = self.combine_cfg = self.combine_compiled = None
-        if plan.split:
-            self.combine_mod, self.combine_cfg, self.combine_compiled = _combine_kernel(plan, has_attn_sink)
-
-    def __call__(self, q, kv, indices, topk_length, attn_sink, tile_md, offsets, out, lse, softmax_scale: float) -> None:
-        """Launch what the plan says: the main kernel, then the combine only for the split variant."""
-        if self.plan.token_walk:
-            # b == 1: the s_q tokens become s_q one-token requests (views, no copy; plan docstring)
-            q, indices, out, lse = q[0].unsqueeze(1), indices[0].unsqueeze(1), out[0].unsqueeze(1), lse[0].unsqueeze(1)
-        o_accum, lse_accum = allocate_workspace(self.plan, q.device)
-        self.main_mod.launch_sparse_decode(self.main_compiled, self.main_cfg, q, kv, indices, topk_length, attn_sink,
-                                           tile_md, offsets, out, lse, o_accum, lse_accum, softmax_scale)
-        if o_accum is not None:
-            # layout_checked: the accumulators and lse were allocated contiguous here and by the API,
-            # offsets has the plan's b+1 entries, the sink matches has_attn_sink (the combine config),
-            # and the API's _validate checked out (16-byte strides on every dim longer than 1; a
-            # dim of length 1 is only indexed at 0)
-            self.combine_mod.launch_combine(self.combine_compiled, self.combine_cfg, lse_accum, o_accum, offsets,
-                                            attn_sink, out, lse, layout_checked=True)
+        tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
+    return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))

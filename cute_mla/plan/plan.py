@@ -22,7 +22,7 @@ for ~26 tiles of work. The plan instead treats the s_q tokens as s_q requests of
 call's one request, unsplit) and gives each of ``num_sms // (h_q/64)`` partitions a contiguous
 range of whole tokens, nothing split: each CTA walks ~s_q/num_sms tokens and overlaps
 one token's end with the next one's rows (measured 1.02-1.04x against FlashMLA's grid on
-1x1024..1x32768, h = 64 and 128, bit-identical outputs; benchmarks/NOTES.md). It assumes the whole GPU: with fewer SMs
+1x1024..1x32768, h = 64 and 128, bit-identical outputs). It assumes the whole GPU: with fewer SMs
 free (MPS, green contexts, a concurrent kernel) the partitions left over wait for a whole one.
 """
 
@@ -32,28 +32,18 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..formats import detect_format
+from .. import archs
+from ..formats import format_for_d_qk
 from ..scheduler import partition as sched
 
 SUPPORTED_H_Q = (64, 128)
-SM100_NO_SPLIT_MAX_TOPK = 640           # FlashMLA enables split-KV on SM100 only above this top-k
-MAX_GRID_Y = 65535
 BLOCK_TOPK = sched.BLOCK_TOPK
-ACCUM_BYTES_PER_HEAD = 512 * 4 + 4     # one fp32 o_accum row of d_v=512 plus its fp32 lse_accum entry (FlashMLA's)
 ACCUM_ITEM_BYTES = {"float32": 4, "bfloat16": 2}   # o_accum element sizes (SparseDecodePlan.accum_dtype)
 LSE_ACCUM_BYTES = 4                    # one fp32 lse_accum entry per (row, token, head)
-COLUMN_PAIR_MAX_BUSY_CTAS = 32         # sm90_column_pair: measured on the H200 (NOTES.md, 2026-12-03 f)
-
-# TMA tensor maps each kernel variant builds (what the compile tests check in the PTX). The SM90
-# split variant drops "o_accum" where the plan stores it from registers (oacc_from_registers), and
-# "out" too in the column pair (column_pair).
-_TENSOR_MAPS = {
-    ("sm_90a", False): ("q", "out"),
-    ("sm_90a", True): ("q", "out", "o_accum"),
-    ("sm_100a", False): ("q", "kv_nope", "kv_rope", "out"),
-    ("sm_100a", True): ("q", "kv_nope", "kv_rope", "out", "o_accum"),
-}
-_KERNEL = {"sm_90a": "sm90_sparse_decode", "sm_100a": "sm100_sparse_decode"}
+FLASHMLA_ACCUM_BYTES_PER_HEAD = 512 * 4 + LSE_ACCUM_BYTES   # FlashMLA's fp32 o_accum row of d_v=512 and its lse
+# The column pair pays off while its doubled CTAs leave the GPU mostly idle: measured faster up to
+# 32 pieces with work on the H200 (1x1x64 .. 2x1x64), slower beyond (sm90_column_pair).
+COLUMN_PAIR_MAX_BUSY_CTAS = 32
 
 
 @dataclass(frozen=True)
@@ -68,15 +58,14 @@ class SparseDecodePlan:
     has_topk_length: bool
     num_sm_parts: int
     fixed_overhead: int
-    kernel: str                         # "sm90_sparse_decode" | "sm100_sparse_decode"
+    kernel: str                         # the arch's kernel name (archs.ArchSpec.kernel)
     split: bool                         # the split variant (takes accumulators) runs
     schedule: str                       # "host" (computed here) | "device" (scheduler kernel) | "per_request"
     accum_rows: int                     # rows of o_accum / lse_accum (0 when nothing is split)
     host_schedule: Optional[sched.HostSchedule]
     token_walk: bool = False            # the s_q tokens run as s_q one-token requests (module docstring)
-    oacc_from_registers: bool = False   # SM90 split: o_accum stored from registers (sm90_oacc_from_registers)
     column_pair: bool = False           # SM90 h=64 split: a cluster of 2 CTAs per piece (sm90_column_pair)
-    accum_dtype: str = "float32"        # o_accum's element type when split (sm90_accum_dtype); lse_accum is fp32
+    accum_dtype: str = "float32"        # o_accum's element type when split (the arch's); lse_accum is fp32
 
     @property
     def variant(self) -> str:
@@ -88,11 +77,9 @@ class SparseDecodePlan:
 
     @property
     def tensor_maps(self) -> Tuple[str, ...]:
-        maps = _TENSOR_MAPS[(self.arch, self.split)]
-        # stored from registers: o_accum (oacc_from_registers); out in the column pair (its 64 x 128
-        # column blocks have no tensor map; bf16 partials there have one)
-        direct = (("out",) if self.column_pair else ()) + (("o_accum",) if self.oacc_from_registers else ())
-        return tuple(m for m in maps if m not in direct)
+        maps = archs.get(self.arch).tensor_maps(self.split)
+        # the column pair stores out from registers: its 64 x 128 column blocks have no tensor map
+        return tuple(m for m in maps if not (self.column_pair and m == "out"))
 
     @property
     def launches(self) -> Tuple[str, ...]:
@@ -104,9 +91,10 @@ class SparseDecodePlan:
     def flashmla_workspace_bytes(self) -> int:
         """What FlashMLA (vLLM's fork) allocates for the same call: (b + num_sm_parts) rows whenever
         split-KV is on, i.e. always on SM90 and above top-k 640 on SM100."""
-        if self.arch == "sm_100a" and self.topk <= SM100_NO_SPLIT_MAX_TOPK:
+        no_split_max = archs.get(self.arch).no_split_max_topk
+        if no_split_max is not None and self.topk <= no_split_max:
             return 0
-        return (self.b + self.num_sm_parts) * self.s_q * self.h_q * ACCUM_BYTES_PER_HEAD
+        return (self.b + self.num_sm_parts) * self.s_q * self.h_q * FLASHMLA_ACCUM_BYTES_PER_HEAD
 
     def describe(self) -> str:
         lines = [
@@ -130,7 +118,7 @@ class SparseDecodePlan:
 
 
 def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int) -> None:
-    """Shape rules shared by the plan and the API (spec §3.1)."""
+    """Shape rules shared by the plan and the API."""
     for name, v in (("b", b), ("s_q", s_q), ("topk", topk)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: must be a positive int, got {v!r}")
@@ -138,10 +126,7 @@ def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int) -> None:
         raise ValueError(f"h_q: got {h_q}, accepted: 64 or 128 (pad the heads, as vLLM and SGLang do)")
     if topk % BLOCK_TOPK:
         raise ValueError(f"topk: got {topk}, accepted: a positive multiple of {BLOCK_TOPK}")
-    if d_qk != 576:
-        if d_qk == 512:
-            raise NotImplementedError("d_qk: 512 (the V4 formats) is not implemented yet; accepted: 576 (V3.2)")
-        raise ValueError(f"d_qk: got {d_qk}, accepted: 576 (V3.2)")
+    format_for_d_qk(d_qk)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -149,16 +134,15 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
                        has_topk_length: bool = False, d_v: int = 512) -> SparseDecodePlan:
     """Plan one sparse decode call (cached: a plan depends only on its arguments)."""
     check_problem(b, s_q, h_q, d_qk, topk)
-    if d_v != 512:
-        raise ValueError(f"head_dim_v: got {d_v}, accepted: 512")
-    if arch not in _KERNEL:
-        raise ValueError(f"arch: got {arch!r}, accepted: {', '.join(_KERNEL)}")
-    detect_format(d_qk, 656)
-    parts = sched.num_sm_parts(arch, num_sms, s_q, h_q, d_qk)
+    fmt = format_for_d_qk(d_qk)
+    if d_v != fmt.d_v:
+        raise ValueError(f"head_dim_v: got {d_v}, accepted: {fmt.d_v}")
+    spec = archs.get(arch)
+    parts = sched.num_sm_parts(arch, num_sms, s_q, h_q)
     blocks = topk // BLOCK_TOPK          # per request without topk_length (check_problem: a multiple of 64)
-    overhead = sched.fixed_overhead_blocks(arch, h_q, d_qk, b=b, parts=parts, blocks=blocks)
+    overhead = sched.fixed_overhead_blocks(arch, b=b, parts=parts, blocks=blocks)
     host_schedule, token_walk = None, False
-    if arch == "sm_100a" and topk <= SM100_NO_SPLIT_MAX_TOPK and b <= MAX_GRID_Y:
+    if spec.no_split_max_topk is not None and topk <= spec.no_split_max_topk and b <= archs.MAX_GRID_Y:
         schedule, parts, accum_rows = "per_request", b, 0
         if not has_topk_length:
             nb = sched.blocks_per_request(topk, b=b)
@@ -178,51 +162,18 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         host_schedule = sched.plan_splits_host(sched.blocks_per_request(topk, b=b), parts, overhead)
         accum_rows = host_schedule.split_rows
     split = accum_rows > 0
-    pair = split and sm90_column_pair(arch, b, s_q, h_q, num_sms, host_schedule)
-    accum = sm90_accum_dtype(arch) if split else "float32"
-    # fp32 partials come from registers in the column pair and where few CTAs store; bf16 ones are
-    # always staged and stored by TMA (sm90_accum_dtype)
-    regs = accum == "float32" and (pair or (split and sm90_oacc_from_registers(arch, b, s_q, h_q, num_sms, host_schedule)))
     return SparseDecodePlan(
         arch=arch, b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, d_v=d_v, topk=topk, has_topk_length=has_topk_length,
-        num_sm_parts=parts, fixed_overhead=overhead, kernel=_KERNEL[arch], split=split,
+        num_sm_parts=parts, fixed_overhead=overhead, kernel=spec.kernel, split=split,
         schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule, token_walk=token_walk,
-        oacc_from_registers=regs, column_pair=pair, accum_dtype=accum)
-
-
-def sm90_accum_dtype(arch: str) -> str:
-    """o_accum's element type for a split plan: bf16 on SM90, fp32 elsewhere (the SM100 kernel
-    stores fp32).
-
-    Why bf16 (benchmarks/NOTES.md, session 2026-12-03 g): on the latency rows the partials' bytes
-    are the largest cost left. At b=1, s_q=8, h=64 the 128 pieces store 16 MiB of fp32 partials
-    (the epilogue, ~8,000 cycles of a ~23,000-cycle kernel; an SM stores ~24 B/cycle) and the
-    combine reads them back. bf16 partials are staged and stored by TMA (full 128-B lines): from
-    registers each thread's 4-byte stores fill half sectors, which measured slower than fp32's
-    8-byte stores (1x1x64 per call: 11.9 against 10.2 µs).
-    Precision: O/L of a piece is a convex combination of V rows, so its bf16 rounding is at most
-    2^-9 max|V| per element, the bound the bf16 P that the PV MMA reads already puts on O."""
-    return "bfloat16" if arch == "sm_90a" else "float32"
-
-
-def sm90_oacc_from_registers(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
-                             host_schedule: Optional[sched.HostSchedule]) -> bool:
-    """SM90 split variant: store o_accum from registers when h_q = 64 and at most num_sms / 2 CTAs
-    have work (partitions with a piece x s_q).
-
-    Measured against the TMA store (benchmarks/NOTES.md, session 2026-12-03 c), CTAs with work in
-    brackets: x1.02-1.03 on 1x1x64 (32), 2x1x64, 1x2x64, 1x4x64, 4x1x64 (64 each); x1.01 on 1x3x64
-    (96), x0.99 on 8x1x64 (~88), x0.955 on 1x8x64 (128); h=128 x0.95-0.995 (1x1x128 with 64 CTAs
-    x0.995). Many CTAs storing per-thread at the same moment lose to the TMA store. Device schedules
-    (topk_length) keep the TMA store: their partitions are not known here."""
-    if arch != "sm_90a" or h_q != 64 or host_schedule is None:
-        return False
-    return _busy_partitions(b, host_schedule) * s_q <= num_sms // 2
+        column_pair=split and sm90_column_pair(arch, b, s_q, h_q, num_sms, host_schedule),
+        accum_dtype=spec.accum_dtype if split else "float32")
 
 
 def _busy_partitions(b: int, host_schedule: sched.HostSchedule) -> int:
     """Partitions of a host schedule with a piece of work (an empty trailing one has begin_req == b)."""
-    return sum(1 for r in host_schedule.rows if r[0] < b and r[0] <= r[1])
+    return sum(1 for r in host_schedule.rows if r[sched.SchedField.BEGIN_REQ] < b
+               and r[sched.SchedField.BEGIN_REQ] <= r[sched.SchedField.END_REQ])
 
 
 def sm90_column_pair(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
@@ -234,9 +185,9 @@ def sm90_column_pair(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
 
     The pair doubles the CTAs with work: it shortens a piece's chain (conversion, PV and the
     o_accum store bytes halved per SM) where few pieces leave most SMs idle, and loses once the
-    doubled CTAs crowd the GPU (benchmarks/NOTES.md, session 2026-12-03 f). Device schedules (topk_length)
-    keep one CTA per piece: their partitions are not known here."""
-    if arch != "sm_90a" or h_q != 64 or host_schedule is None:
+    doubled CTAs crowd the GPU. Device schedules (topk_length) keep one CTA per piece: their
+    partitions are not known here."""
+    if arch != archs.SM90.name or h_q != 64 or host_schedule is None:
         return False
     return _busy_partitions(b, host_schedule) * s_q <= min(COLUMN_PAIR_MAX_BUSY_CTAS, num_sms // 4)
 
@@ -247,4 +198,4 @@ def uses_token_walk(arch: str, b: int, s_q: int, h_q: int, parts: int, num_sms: 
     Only b == 1: then q, indices, out and lse always have an (s_q, 1, ...) view. Calls with
     topk_length (their schedule is made on the device) keep FlashMLA's grid: the caller tests
     topk_length first."""
-    return arch == "sm_90a" and b == 1 and parts == 1 and s_q * (h_q // 64) > num_sms >= h_q // 64
+    return arch == archs.SM90.name and b == 1 and parts == 1 and s_q * (h_q // 64) > num_sms >= h_q // 64

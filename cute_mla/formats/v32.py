@@ -1,0 +1,120 @@
+"""DeepSeek V3.2's FP8 cache row: its layout, the host quantizer and dequantizer, and the device
+dequant routine each arch's producer calls.
+
+Row (token-interleaved, 656 bytes)::
+
+    bytes   0..511  512 x float8_e4m3fn  NoPE latent, group g = values [128g, 128g+128)
+    bytes 512..527    4 x fp32           scale of each NoPE group
+    bytes 528..655   64 x bf16           RoPE, not quantized
+
+Key ``k[j] = fp8[j] * scale[j // 128]`` for j < 512, ``k[512 + r] = rope[r]``; V is the first 512
+dims (no RoPE). The kernels round each key to bf16 once: ``bf16(float(fp8) * scale)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import FP8_E4M3_MAX, KVCacheFormat, pow2_scale
+
+ROW_BYTES = 656
+D_QK, D_V, D_NOPE, D_ROPE, GROUP = 576, 512, 512, 64, 128
+SCALE_OFFSET = D_NOPE                    # 4 fp32 scales right after the NoPE bytes
+ROPE_OFFSET = SCALE_OFFSET + 4 * (D_NOPE // GROUP)
+assert ROPE_OFFSET + 2 * D_ROPE == ROW_BYTES
+
+
+def quantize_v32(kv: torch.Tensor, power_of_two_scales: bool = True) -> torch.Tensor:
+    """Quantize ``kv`` (N, 576) float to V3.2 rows (N, 656) uint8.
+
+    ``power_of_two_scales=True`` is FlashMLA's recipe (scale = 2^ceil(log2(amax/448)), at least
+    2^ceil(log2(1e-4))). ``False`` uses the exact amax/448 scale, which kernels must handle as well
+    (writers in the wild emit such scales).
+    """
+    if kv.dim() != 2 or kv.shape[1] != D_QK:
+        raise ValueError(f"kv: expected shape (N, {D_QK}), got {tuple(kv.shape)}")
+    kv = kv.float()
+    n = kv.shape[0]
+    nope = kv[:, :D_NOPE].reshape(n, D_NOPE // GROUP, GROUP)
+    rope = kv[:, D_NOPE:]
+    amax = nope.abs().amax(dim=-1)
+    if power_of_two_scales:
+        scale = pow2_scale(amax)
+    else:
+        scale = torch.clamp(amax / FP8_E4M3_MAX, min=1e-4)
+    fp8 = (nope / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    out = torch.empty(n, ROW_BYTES, dtype=torch.uint8, device=kv.device)
+    out[:, :D_NOPE] = fp8.reshape(n, D_NOPE).view(torch.uint8)
+    out[:, SCALE_OFFSET:ROPE_OFFSET] = scale.to(torch.float32).contiguous().view(torch.uint8).reshape(n, -1)
+    out[:, ROPE_OFFSET:] = rope.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, 2 * D_ROPE)
+    return out
+
+
+def dequantize_v32(raw: torch.Tensor) -> torch.Tensor:
+    """Dequantize V3.2 rows (..., 656) uint8 to (..., 576) float32: k[j] = fp8[j] * scale[j // 128]."""
+    if raw.shape[-1] != ROW_BYTES:
+        raise ValueError(f"raw: expected last dim {ROW_BYTES} (V3.2 bytes per token), got {raw.shape[-1]}")
+    lead = raw.shape[:-1]
+    r = raw.reshape(-1, ROW_BYTES).contiguous()
+    if r.dtype != torch.uint8:
+        r = r.view(torch.uint8)
+    n = r.shape[0]
+    fp8 = r[:, :D_NOPE].contiguous().view(torch.float8_e4m3fn).float().reshape(n, D_NOPE // GROUP, GROUP)
+    scale = r[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view(torch.float32).reshape(n, -1, 1)
+    rope = r[:, ROPE_OFFSET:].contiguous().view(torch.bfloat16).float()
+    out = torch.cat([(fp8 * scale).reshape(n, D_NOPE), rope], dim=1)
+    return out.reshape(*lead, D_QK)
+
+
+
+
+class Dequant:
+    """The device dequant routine of V3.2 rows (plain functions that emit IR when a kernel calls them
+    at trace time).
+
+    A producer hands over one 32-bit word of four e4m3 values and the fp32 bits of their group's
+    scale (:func:`scale_index` says which) and stores the two bf16x2 words it gets back. Both paths
+    give bf16(float(fp8) * scale) bit for bit, as the reference does; rounding the scale to bf16
+    first (FlashMLA's SM90 numerics) fails the cosine and lse tolerances with scales that are not
+    powers of two.
+    """
+
+    @staticmethod
+    def scale_index(dim: int) -> int:
+        """Which of a row's scales multiplies NoPE dim ``dim``."""
+        return dim // GROUP
+
+    @staticmethod
+    def scale_takes_fast_path(scale_bits):
+        """Whether :meth:`fast` is exact for this scale: a power of two (or zero) below 2^8, as
+        FlashMLA's recipe writes. A producer takes the fast path for a whole warp when every
+        lane's scales allow it, and :meth:`exact` otherwise."""
+        from ..dsl import ptx
+        return ptx.is_pow2_scale(scale_bits)
+
+    @staticmethod
+    def fast_multiplier(scale_bits):
+        """The bf16x2 multiplier :meth:`fast` takes, made once per scale."""
+        from ..dsl import ptx
+        return ptx.pow2_scale_multiplier(scale_bits)
+
+    @staticmethod
+    def fast(word, multiplier):
+        """Four e4m3 values -> two bf16x2 words: 4 ALU ops per pair (bit moves, one bf16x2 multiply)."""
+        from ..dsl import ptx
+        return ptx.fp8x4_to_bf16x4_pow2(word, multiplier)
+
+    @staticmethod
+    def exact(word, scale_bits):
+        """Four e4m3 values -> two bf16x2 words with any fp32 scale: 6 ops per pair. An invalid
+        row's fp8 bytes must be zeroed by the caller (NaN bytes times a zero scale stay NaN)."""
+        from ..dsl import ptx
+        return ptx.fp8x4_to_bf16x4_exact(word, scale_bits)
+
+
+V32 = KVCacheFormat(
+    name="V32", d_qk=D_QK, d_v=D_V, row_bytes=ROW_BYTES, d_nope=D_NOPE, d_rope=D_ROPE,
+    nope_dtype="float8_e4m3fn", nope_offset=0, scale_dtype="float32", scale_offset=SCALE_OFFSET,
+    group_size=GROUP, rope_offset=ROPE_OFFSET, v_includes_rope=False,
+    quantize=quantize_v32, dequantize=dequantize_v32, dequant=Dequant,
+)

@@ -1,0 +1,275 @@
+"""The SM90 sparse decode kernel's configuration: what a compile depends on, and the facts every
+role reads (tile geometry, warp-group roles, register budget, named barriers, timeline slots).
+
+Plain Python (no DSL import): the launcher, the plan's tools and the tests read it on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from ... import archs
+from ...formats import V32, KVCacheFormat, format_for_d_qk
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tile geometry (all compile-time). The row layout comes from the cache format."""
+
+    fmt: KVCacheFormat = V32
+    heads: int = 64  # BLOCK_M: heads per CTA
+    tokens: int = 64  # tokens per K tile (one scheduler block of top-k positions)
+    chunk: int = 64  # dims per 128-B swizzle row
+    k_bufs: int = 2
+    threads_per_wg: int = 128
+    num_wgs: int = 3
+    # Index compaction: the producer scans the top-k list in chunks of ``scan_chunk`` positions (one
+    # per producer thread) and appends the valid token indices to a shared-memory ring of
+    # ``ring_entries`` int32. In tile T's iteration a step starts while fewer than ``tiles_ahead``
+    # tiles counting T are queued (tail < 64 T + 192) and writes at most 128 entries, padded at a
+    # request end up to a tile boundary, so every write lands below 64 T + 320. The entries of T
+    # itself were all read before that iteration's first scan barrier, so the oldest entry still to
+    # be read is T+1's first, 64 T + 64: writes stay within 256 entries of it (power of two: the
+    # ring position is a mask).
+    scan_chunk: int = 128
+    ring_entries: int = 256
+    tiles_ahead: int = 3  # tiles T, T+1 (rows loaded during T) and T+2 (L2 prefetch) must be queued
+    info_words: int = 4  # per K buffer: valid mask (2 words), last-tile-of-request flag, pad
+    mbar_bytes: int = 8  # one mbarrier: consecutive mbarriers of an array are this far apart
+    rows_per_warp: int = 8  # producer thread map: a warp's 32 lanes cover 8 tokens x 4 16-B slices
+    slots_per_row: int = 44  # i32 registers of one thread's slice of a row: 8 x 16 B fp8, 16 B scales, 2 x 16 B RoPE
+
+    @property
+    def d_qk(self) -> int:
+        return self.fmt.d_qk
+
+    @property
+    def d_v(self) -> int:
+        return self.fmt.d_v
+
+    @property
+    def row_bytes(self) -> int:
+        return self.fmt.row_bytes
+
+    @property
+    def scale_offset(self) -> int:
+        return self.fmt.scale_offset
+
+    @property
+    def rope_offset(self) -> int:
+        return self.fmt.rope_offset
+
+    @property
+    def nope_chunks(self) -> int:  # 64-dim column blocks of the quantized part
+        return self.fmt.d_nope // self.chunk
+
+    @property
+    def chunk_row_bytes(self) -> int:  # one token's row inside a 64-dim column block (SW128 row)
+        return self.chunk * 2  # 128
+
+    @property
+    def k_tile_bytes(self) -> int:
+        return self.tokens * self.d_qk * 2  # 73,728
+
+    @property
+    def k_tile_elems(self) -> int:
+        return self.tokens * self.d_qk
+
+    @property
+    def chunk_bytes(self) -> int:  # one 64-dim column block of the K tile
+        return self.tokens * self.chunk * 2  # 8,192
+
+    @property
+    def half_v(self) -> int:
+        return self.d_v // 2  # 256 columns of O per MMA warp group
+
+    @property
+    def stage_bytes(self) -> int:  # output staging per MMA warp group (aliases sQ)
+        return 32 * 1024
+
+    @property
+    def q_elems(self) -> int:
+        return self.heads * self.d_qk
+
+    @property
+    def p_elems(self) -> int:
+        return self.heads * self.tokens
+
+
+TILE = Tile()
+
+
+class Role(IntEnum):
+    """Warp-group index -> role."""
+
+    SOFTMAX = 0  # QK, online softmax, PV of O's left columns, the request's epilogue
+    PV_RIGHT = 1  # PV of O's right columns and their epilogue
+    PRODUCER = 2  # index scan, row gather, FP8 dequant into the K tiles
+
+
+@dataclass(frozen=True)
+class RegisterBudget:
+    """setmaxnreg targets. 384 threads enter with 168 each; the targets must sum to <= 504.
+
+    216/160/128 was measured clean (no serialized wgmma, no spill) and fastest; 192/160/152
+    serializes every wgmma, 240/160/112 hangs.
+    """
+
+    softmax: int = 216
+    pv_right: int = 160
+    producer: int = 128
+
+    def __post_init__(self):
+        if self.softmax + self.pv_right + self.producer > 504 or any(
+                r % 8 or not 24 <= r <= 256 for r in (self.softmax, self.pv_right, self.producer)):
+            raise ValueError(f"RegisterBudget: targets must be multiples of 8 in [24, 256] summing to <= 504, got {self}")
+
+
+class Bar(IntEnum):
+    """Named-barrier ids (0 is __syncthreads)."""
+
+    P_READY = 1  # WG0 -> WG1, 256 threads
+    P_FREE = 2  # WG1 -> WG0, 256 threads
+    Q_FREE = 3  # WG1 -> WG0, 256 threads
+    EPI_SOFTMAX = 4  # WG0 only, 128 threads
+    EPI_PV_RIGHT = 5  # WG1 only, 128 threads
+    INDEX_SCAN = 6  # WG2 only, 128 threads: index compaction (warp counts, then ring visibility)
+
+
+class Stamp(IntEnum):
+    """``Sm90Tuning.timeline`` (instrumentation, never on in the library): slots of a CTA's row of
+    64-bit ``clock64`` stamps, each written by thread 0 of the warp group named (the last write
+    wins, so a one-tile piece gives one pass through the chain; ``benchmarks/timeline.py``)."""
+
+    ENTRY = 0  # thread 0: kernel entry
+    PROLOGUE = 1  # thread 0: barriers initialised, sync_threads passed
+    METADATA = 2  # each warp group: the partition row's words 0-3 consumed (begin_req tested)
+    SCAN = 3  # producer: tile 0's indices in the ring (first scan_until returned)
+    K_FREE = 4  # producer: the tile's buffer free (conversion starts, waiting for its rows)
+    HANDED_OVER = 5  # producer: k_full arrive of the tile
+    Q_READY = 6  # WG0: q_full wait returned
+    K_READY = 7  # WG0: k_full wait returned (first QK issued next)
+    QK_DONE = 8  # WG0: S in registers
+    P_READY = 9  # WG0: P and the row factors in shared memory, P_READY arrived
+    PV_DONE = 10  # WG0: its PV of the request's last tile complete (epilogue starts)
+    EPILOGUE = 11  # WG0: out / o_accum store issued and its shared-memory reads done
+    WG1_P = 12  # WG1: P_READY passed
+    WG1_PV_DONE = 13  # WG1: its PV complete
+    WG1_EPILOGUE = 14  # WG1: its store done
+    EPI_FINAL = 15  # WG0: row factors exchanged with WG1 (the epilogue's barrier pair passed)
+    EPI_STAGED = 16  # WG0: bf16 block staged in sQ, the warp group's barrier passed (TMA store next)
+    WG1_EPI_STAGED = 17  # WG1: the same
+    HALF_A = 18  # producer: half A of the tile converted and stored (half B next)
+    SLOTS = 20
+
+
+@dataclass(frozen=True)
+class Sm90Tuning:
+    """The kernel's variant knobs: none changes results, each is part of the compile key.
+
+    The defaults are the production kernel. The variant seam runs any other value through the
+    public API (``FlashMLASchedMeta(tuning=...)``) or the launcher; levers measured and rejected
+    live in git history and docs/performance.md, not here.
+    """
+
+    # Gather load hints (``cute.arch.load`` literals, "" = none): the rows are re-read by the
+    # token's other head-half CTA and their 256-B neighbours by sibling threads; L1::no_allocate
+    # measured 35 % slower than evict_last.
+    gather_l1: str = "evict_last"
+    gather_l2: str = "size_256b"
+    # L2 prefetch of tile T+2's rows (per-thread prefetch.global.L2 of the 128-B lines a row can
+    # touch) once tile T is handed over, so the loads issued a tile later hit L2: +4 to +6.5 %.
+    prefetch_rows: bool = True
+    # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
+    # dequantizes half of every K tile for both (crossover.py). False: each gathers all 64 rows
+    # (the second CTA's reads hit L2): +0.5..1.7 % on the h=128 throughput rows and +2.9 % on
+    # 1x1x128 for the cluster, -2.3 % on 1x8x128.
+    h128_cluster: bool = True
+    registers: RegisterBudget = field(default_factory=RegisterBudget)
+    # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp) into a (grid x, grid y,
+    # Stamp.SLOTS) int64 tensor passed as the launch's ``timeline`` (benchmarks/timeline.py).
+    timeline: bool = False
+
+    def __post_init__(self):
+        for name in ("gather_l1", "gather_l2"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Sm90Tuning: {name} takes a cache-hint literal or '', got {getattr(self, name)!r}")
+        if not isinstance(self.registers, RegisterBudget):
+            raise ValueError(f"Sm90Tuning: registers takes a RegisterBudget, got {self.registers!r}")
+
+
+DEFAULT_TUNING = Sm90Tuning()
+
+
+@dataclass(frozen=True)
+class Sm90SparseDecodeConfig:
+    """Everything a compiled SM90 sparse decode kernel depends on; shapes are runtime values.
+
+    The plan picks every field but ``tuning`` (the launcher's :func:`kernel_config`). Roles read
+    the derived facts below, compile-time constants of the traced kernel.
+    """
+
+    h_q: int  # 64 or 128 (128 = two 64-head CTAs side by side in grid x)
+    split: bool  # True: takes o_accum / lse_accum (bf16 partials, their TMA map); False: no accumulator
+    has_topk_length: bool
+    has_attn_sink: bool
+    # h_q = 64 split: each piece on a cluster of 2 CTAs that share the gather and split the 512
+    # output columns (the plan's ``sm90_column_pair``); out is stored from registers, o_accum by
+    # TMA in 64 x 64 boxes.
+    column_pair: bool = False
+    d_qk: int = V32.d_qk
+    tuning: Sm90Tuning = DEFAULT_TUNING
+    arch: str = archs.SM90.name
+
+    def __post_init__(self):
+        if self.h_q not in (64, 128):
+            raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
+        if self.column_pair and not (self.split and self.h_q == 64):
+            raise ValueError(f"column_pair: only the h_q=64 split variant runs column pairs (got h_q={self.h_q}, "
+                             f"split={self.split})")
+        if format_for_d_qk(self.d_qk) is not TILE.fmt:
+            raise ValueError(f"d_qk: got {self.d_qk}, accepted: {TILE.d_qk} ({TILE.fmt.name} cache)")
+        if not isinstance(self.tuning, Sm90Tuning):
+            raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
+        if self.arch != archs.SM90.name:
+            raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
+
+    @property
+    def accum_dtype(self) -> str:
+        """o_accum's element type in the split variant (the arch's)."""
+        return archs.SM90.accum_dtype
+
+    @property
+    def n_hblk(self) -> int:
+        """64-head CTAs per token."""
+        return self.h_q // TILE.heads
+
+    @property
+    def n_cblk(self) -> int:
+        """Column-half CTAs per (token, 64 heads): 2 in the column pair."""
+        return 2 if self.column_pair else 1
+
+    @property
+    def pv_cols(self) -> int:
+        """Output columns per MMA warp group: 256, or 128 in the column pair."""
+        return TILE.half_v // self.n_cblk
+
+    @property
+    def cluster(self) -> bool:
+        """Two CTAs share each K tile through the crossover transport (h=128 head halves, or the
+        column pair's column halves)."""
+        return (self.h_q == 128 and self.tuning.h128_cluster) or self.column_pair
+
+    @property
+    def out_from_registers(self) -> bool:
+        """out is stored with per-thread stores (the column pair: its 64 x 128 blocks have no tensor map)."""
+        return self.column_pair
+
+
+def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
+                  column_pair: bool = False, tuning=None) -> Sm90SparseDecodeConfig:
+    """The config of the kernel a plan names (the launcher's call); ``tuning`` None is the default."""
+    return Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
+                                  column_pair=column_pair, d_qk=d_qk,
+                                  tuning=DEFAULT_TUNING if tuning is None else tuning)

@@ -1,0 +1,167 @@
+"""What one CTA holds and walks: the bundles every role reads (global tensors, this CTA's work,
+shared memory), the shared-memory struct, and the walk of one ``tile_md`` partition, identical in
+the three warp groups.
+
+Partition row (``SchedField``): [begin_req, end_req (incl), begin_block (of begin_req), end_block
+(excl, of end_req), begin_split_idx, is_first_req_splitted, is_last_req_splitted, pad]. A request
+has topk / 64 blocks, or ``blocks_of_length(topk_length[req], topk)`` with ``topk_length`` (the
+scheduler's rule, shared with the host and the device schedule).
+"""
+
+# No "from __future__ import annotations": cute.struct reads its field annotations as objects.
+import functools
+from typing import NamedTuple, Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+
+from ...dsl import ptx
+from ...scheduler.partition import BLOCK_TOPK, SchedField, blocks_of_length
+from .config import TILE, Sm90SparseDecodeConfig
+
+assert TILE.tokens == BLOCK_TOPK, "a K tile covers one scheduler block of positions"
+
+
+class Gmem(NamedTuple):
+    """The kernel's global tensors and the TMA atoms that read or write them."""
+
+    tma_q: cute.CopyAtom
+    mQ: cute.Tensor                      # Q as (h, d, s_q, b): TMA boxes of 64 heads x 576 dims
+    tma_out: Optional[cute.CopyAtom]     # None where out is stored from registers
+    mOut: cute.Tensor                    # out as (h, d, s_q, b) for TMA, or as given
+    tma_oacc: Optional[cute.CopyAtom]    # split variant only
+    mOAcc: Optional[cute.Tensor]
+    mKV: cute.Tensor                     # (num_blocks, page_block_size, row bytes) uint8
+    mIdx: cute.Tensor                    # (b, s_q, topk) int32
+    mTopkLen: Optional[cute.Tensor]
+    mSink: Optional[cute.Tensor]
+    mTileMd: cute.Tensor
+    mAccumOffsets: cute.Tensor           # (b+1,): request r's split pieces own rows [off[r], off[r+1])
+    mLse: cute.Tensor
+    mLseAcc: Optional[cute.Tensor]
+
+
+class Cta(NamedTuple):
+    """Where this CTA works: its partition, query token and 64-head block, and the partition's
+    request / block range ``sched`` = (begin_req, end_req, begin_block, end_block)."""
+
+    part: Int32
+    s_idx: Int32
+    hblk: Int32       # 0 in the column pair (one 64-head block per piece)
+    sched: tuple
+    topk: Int32
+    stamps: Optional[Int64]   # this CTA's timeline row (Sm90Tuning.timeline), else None
+
+
+class Smem(NamedTuple):
+    """The shared-memory struct and the tensors the MMAs read (swizzled views of its buffers)."""
+
+    storage: object
+    sQ: cute.Tensor     # Q (64 heads x 576), also the output staging between requests
+    sK: cute.Tensor     # the K tiles (k_bufs x 64 tokens x 576), V is their transposed view
+    sP: cute.Tensor     # P (64 heads x 64 tokens) handed from WG0 to WG1
+
+
+@functools.lru_cache(maxsize=None)
+def shared_storage():
+    """The CTA's shared memory, one struct (its size is what the launch requests): 231,424 B of
+    232,448 with the Q buffer, two K tiles and P. The output staging aliases the Q buffer, which is
+    free between a request's last QK and the next request's Q load."""
+
+    @cute.struct
+    class SharedStorage:
+        q_full: cute.struct.MemRange[Int64, 1]
+        k_full: cute.struct.MemRange[Int64, TILE.k_bufs]
+        k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
+        peer_free: cute.struct.MemRange[Int64, TILE.k_bufs]  # cluster kernels: the peer may write buffer b
+        # Per K buffer: 64-bit token mask + last-tile-of-request flag (producer -> consumers).
+        tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
+        scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
+        help_flag: cute.struct.MemRange[Int32, 1]
+        row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
+        ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]  # compacted indices
+        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.q_elems], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.k_bufs * TILE.k_tile_elems], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.p_elems], 1024]
+
+    return SharedStorage
+
+
+def dyn_storage():
+    """The shared-storage struct rebuilt from the dynamic-smem symbol (the allocator put it at
+    offset 0, 1024-aligned). The allocator's own base pointer is a warp shuffle, which ptxas can
+    neither rematerialize nor keep in the producer's 128 registers, so it spilled it; the symbol
+    address is a constant it can re-create anywhere."""
+    return shared_storage()(cute.arch.get_dyn_smem(Uint8, alignment=1024))
+
+
+@cute.jit
+def stamp(cta: Cta, slot: cutlass.Constexpr, leader):
+    """``Sm90Tuning.timeline``: ``leader`` writes clock64 into this CTA's slot ``slot`` (nothing otherwise)."""
+    if cutlass.const_expr(cta.stamps is not None):
+        if leader:
+            p = cute.make_ptr(Int64, cta.stamps + int(slot) * 8, cute.AddressSpace.gmem, assumed_align=8)
+            cute.arch.store(p, cute.arch.clock64())
+
+
+@cute.jit
+def request_blocks(cfg: Sm90SparseDecodeConfig, req: Int32, mTopkLen: Optional[cute.Tensor], topk: Int32):
+    """(number of 64-token blocks, effective top-k length) of request ``req``."""
+    n_blocks = topk // BLOCK_TOPK
+    length = topk
+    if cutlass.const_expr(cfg.has_topk_length):
+        length, n_blocks = blocks_of_length(mTopkLen[req], topk, cutlass.min, cutlass.max)
+    return n_blocks, length
+
+
+@cute.jit
+def request_range(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32):
+    """[start, stop) blocks of ``req`` in this partition and its effective top-k length."""
+    begin_req, end_req, begin_block, end_block = cta.sched
+    n_blocks, length = request_blocks(cfg, req, g.mTopkLen, cta.topk)
+    start = Int32(0)
+    stop = n_blocks
+    if req == begin_req:
+        start = begin_block
+    if req == end_req:
+        stop = end_block
+    return start, stop, length
+
+
+@cute.jit
+def split_rows_of_partition(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta):
+    """(first, last) = the o_accum rows of the partition's first and last request where that
+    request is a split piece here, -1 where it is not (always -1 in the no-split variant). Only
+    those two requests can be split pieces; the loads are issued once, before the first tile, and
+    consumed in the epilogues (:func:`split_piece`): in the epilogue they would put two dependent
+    L2 round trips between the last PV and the o_accum store."""
+    first = Int32(-1)
+    last = Int32(-1)
+    if cutlass.const_expr(cfg.split):
+        begin_req, end_req, _, _ = cta.sched
+        ns_first = g.mAccumOffsets[begin_req]
+        ns_last = g.mAccumOffsets[end_req]
+        offset = g.mTileMd[cta.part, SchedField.BEGIN_SPLIT]
+        first_split = g.mTileMd[cta.part, SchedField.FIRST_REQ_SPLIT] != 0
+        last_split = g.mTileMd[cta.part, SchedField.LAST_REQ_SPLIT] != 0
+        # The begin_split_idx offset applies whenever req == begin_req.
+        row_last = ns_last + ptx.select_i32(end_req == begin_req, offset, 0)
+        first = ptx.select_i32(first_split, ns_first + offset, -1)
+        last = ptx.select_i32(last_split, row_last, -1)
+    return first, last
+
+
+@cute.jit
+def split_piece(cfg: Sm90SparseDecodeConfig, cta: Cta, req: Int32, rows):
+    """(is a split piece, its o_accum row) of request ``req`` in this partition (row undefined when
+    not split), from ``rows`` of :func:`split_rows_of_partition`."""
+    is_split = cutlass.Boolean(False)
+    row = Int32(0)
+    if cutlass.const_expr(cfg.split):
+        begin_req, end_req, _, _ = cta.sched
+        first, last = rows
+        as_first = (req == begin_req) & (first >= 0)
+        is_split = as_first | ((req == end_req) & (last >= 0))
+        row = ptx.select_i32(as_first, first, last)
+    return is_split, row

@@ -1,0 +1,300 @@
+"""The producer warp group (WG2) of the SM90 sparse decode kernel: gather + FP8 dequant into K tiles.
+
+Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` of a tile and the
+16-dim slice ``l//8`` of every 64-dim chunk: 8 x 16 B of fp8, 16 B of scales and 2 x 16 B of RoPE,
+11 x 16-B loads (44 registers) per row and half tile. Tiles hold the valid tokens only
+(``index_scan.py``). The loads are streamed: each 16-B register slot of tile T is re-loaded with
+tile T+1's row as soon as its value is converted (:func:`convert_store_reload`), so both halves of
+tile T+1 are in flight while tile T is converted, and tile T+2's rows are prefetched into L2 once
+tile T is handed over. Two K buffers; the consumers free one with ``k_free``.
+
+Keys are bit-identical to bf16(float(fp8) * scale) (the format's dequant routine). The tile is
+written K-major in SW128 atoms: the byte offset of 16-B chunk j of 64-dim column block c of token t
+is ``c*8192 + t*128 + ((j ^ (t & 7)) << 4)`` (= make_smem_layout_b(ROW_MAJOR, (64, 64, 576))).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint8, Uint32
+
+from ...dsl import ptx as common_ptx
+from . import ptx
+from .config import TILE, Sm90SparseDecodeConfig, Stamp
+from .cta import Cta, Gmem, dyn_storage, stamp
+from .index_scan import ScanThread, ring_index, scan_begin, scan_smem, scan_until
+
+DEQUANT = TILE.fmt.dequant
+
+
+class ProducerThread(NamedTuple):
+    """A producer thread's map, the cache geometry and the shared addresses it writes."""
+
+    warp: Int32
+    lane: Int32
+    sub: Int32          # 16-dim slice of each 64-dim chunk
+    tok_in_half: Int32  # token within a half tile
+    swz: Int32          # SW128 XOR phase of this thread's rows (token & 7)
+    kv_base: Int64
+    stride0: Int64      # bytes between page blocks
+    page: Int32         # page_block_size
+    sk_base: Int32
+    info_base: Int32
+    k_full: object      # mbarrier pointers
+    k_free: object
+
+
+class PeerCopy(NamedTuple):
+    """Cluster kernels' per-warp copy addresses, carried through a tile's conversion: this warp's
+    first row in the local K buffer, the peer's shared window minus ours, the peer's ``k_full`` of
+    the buffer (cluster address), and the lane index (lane 0 issues)."""
+
+    warp_base: Int32
+    delta: Int32
+    peer_k_full: Int32
+    lane: Int32
+
+
+@cute.jit
+def producer_setup(g: Gmem) -> ProducerThread:
+    """The producer's thread map, cache geometry and shared-memory addresses."""
+    ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+    warp = ptid // 32
+    lane = ptid % 32
+    sub = lane // 8
+    tok_in_half = warp * 8 + lane % 8
+    swz = lane % 8
+    kv_base = g.mKV.iterator.toint()
+    stride0 = Int64(g.mKV.stride[0])
+    page = Int32(g.mKV.shape[1])
+    storage = dyn_storage()
+    sk_base = storage.sK.data_ptr().toint()
+    info_base = storage.tile_info.data_ptr().toint()
+    return ProducerThread(warp, lane, sub, tok_in_half, swz, kv_base, stride0, page, sk_base, info_base,
+                          storage.k_full.data_ptr(), storage.k_free.data_ptr())
+
+
+@cute.jit
+def hand_over_tile(pt: ProducerThread, ok_a, ok_b, buf: Int32, last, fenced: bool = False):
+    """Publish K buffer ``buf`` to the MMA warp groups.
+
+    Writes the tile's ``tile_info`` (``info_words`` per buffer): its 64-bit validity mask (byte
+    half*4 + warp, bit token & 7) and word 2 = ``last`` (the request's last tile; the consumers
+    end their loop over the request on it). Then makes the generic-proxy ``st.shared`` data
+    visible to the wgmma (async proxy) readers (unless ``fenced``: the crossover fenced each
+    column block before copying it) and arrives on ``k_full[buf]`` (one of the 128 producer
+    arrivals the consumers wait for; 129 with the crossover's expect_tx arrival).
+    """
+    bal_a = cute.arch.vote_ballot_sync(ok_a)
+    bal_b = cute.arch.vote_ballot_sync(ok_b)
+    info = pt.info_base + buf * (TILE.info_words * 4)
+    if pt.lane == 0:
+        vptr = cute.make_ptr(Uint8, info + pt.warp, cute.AddressSpace.smem, assumed_align=1)
+        cute.arch.store(vptr, Uint8(bal_a & 0xFF))
+        vptr_b = cute.make_ptr(Uint8, info + 4 + pt.warp, cute.AddressSpace.smem, assumed_align=1)
+        cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
+        if pt.warp == 0:
+            common_ptx.st_shared_i32(info + 8, common_ptx.select_i32(last, 1, 0))
+    if cutlass.const_expr(not fenced):
+        cute.arch.fence_view_async_shared()
+    cute.arch.mbarrier_arrive(pt.k_full + buf)
+
+
+@cute.jit
+def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta):
+    """Gather + dequantize the partition's compacted tiles into the two K buffers (one-CTA kernels).
+
+    Tile T: the scan runs until ``tiles_ahead`` tiles past T are queued (or the partition is
+    scanned) while T's rows are in flight; then each half of T is converted slot by slot with
+    tile T+1's rows re-loaded behind it, the tile handed over with its last-tile flag, and tile
+    T+2's rows prefetched into L2.
+    """
+    pt = producer_setup(g)
+    ring_base, counts_base = scan_smem(dyn_storage())
+    ptid = pt.warp * 32 + pt.lane
+    st = ScanThread(ptid, pt.lane, pt.warp, ring_base, counts_base)
+    half_b = TILE.tokens // 2
+
+    reg_a = cute.make_rmem_tensor(cute.make_layout(TILE.slots_per_row), Int32)
+    reg_b = cute.make_rmem_tensor(cute.make_layout(TILE.slots_per_row), Int32)
+
+    # ---- prologue: scan until tile 0 is queued, then issue both halves' loads
+    (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = scan_until(
+        cfg, g, cta, st, scan_begin(cfg, g, cta, ptid), TILE.tokens)
+    stamp(cta, Stamp.SCAN, ptid == 0)
+    idx_a, ok_a = ring_index(ring_base, pt.tok_in_half)
+    idx_b, ok_b = ring_index(ring_base, half_b + pt.tok_in_half)
+    if tail > 0:
+        issue_row_loads(cfg, pt, reg_a, idx_a)
+        issue_row_loads(cfg, pt, reg_b, idx_b)
+
+    t = Int32(0)
+    while t * TILE.tokens < tail:
+        buf = t % TILE.k_bufs
+        first = t * TILE.tokens
+        # Keep tiles T+1 and T+2 queued (loads of tile T are in flight meanwhile).
+        (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = scan_until(
+            cfg, g, cta, st, (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next),
+            first + TILE.tiles_ahead * TILE.tokens)
+        has_next = first + TILE.tokens < tail
+
+        cute.arch.mbarrier_wait(pt.k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
+        stamp(cta, Stamp.K_FREE, ptid == 0)
+        tile_base = pt.sk_base + buf * TILE.k_tile_bytes
+        # Each 16-B slot of tile T is re-loaded with tile T+1's row as soon as it is converted
+        # (row 0, never stored, when there is no tile T+1).
+        na_idx, na_ok = ring_index(ring_base, first + TILE.tokens + pt.tok_in_half)
+        nb_idx, nb_ok = ring_index(ring_base, first + TILE.tokens + half_b + pt.tok_in_half)
+        next_ok_a = na_ok & has_next
+        next_ok_b = nb_ok & has_next
+        na_addr = row_address(pt, common_ptx.select_i32(next_ok_a, na_idx, 0))
+        nb_addr = row_address(pt, common_ptx.select_i32(next_ok_b, nb_idx, 0))
+        convert_store_reload(cfg, pt, reg_a, ok_a, tile_base, na_addr)
+        stamp(cta, Stamp.HALF_A, ptid == 0)
+        convert_store_reload(cfg, pt, reg_b, ok_b, tile_base + half_b * TILE.chunk_row_bytes, nb_addr)
+
+        bit = Uint32(1) << Uint32(t % 32)
+        hand_over_tile(pt, ok_a, ok_b, buf, (ends & bit) != Uint32(0))
+        stamp(cta, Stamp.HANDED_OVER, ptid == 0)
+        ends = ends & ~bit
+        # Rows of tile T+2 into L2: threads with sub 0, 1 take half A's row, 2, 3 half B's.
+        if cutlass.const_expr(cfg.tuning.prefetch_rows):
+            if first + 2 * TILE.tokens < tail:
+                in_b = pt.sub >= 2
+                p_idx, p_ok = ring_index(
+                    ring_base, first + 2 * TILE.tokens + common_ptx.select_i32(in_b, half_b, 0) + pt.tok_in_half)
+                if p_ok:
+                    prefetch_row(row_address(pt, p_idx), pt.sub)
+        ok_b = next_ok_b
+        ok_a = next_ok_a
+        t += 1
+
+
+@cute.jit
+def chunk_to_peer(c: cutlass.Constexpr, copy):
+    """Cluster kernels' transport: once this warp's 8 rows of column block ``c`` are written, lane 0
+    copies their 1 KB to the same place in the peer CTA (each thread's ``fence.proxy.async`` +
+    warp sync first: the copy reads in the async proxy), completing on the peer's ``k_full``.
+    ``copy``: None (one-CTA kernels: no copy) or the :class:`PeerCopy` built once per tile from
+    values computed before the tile loop (they stay in registers through the conversion;
+    re-deriving them at each of the 9 copies measured 4-6 % slower on the h=128 rows)."""
+    if cutlass.const_expr(copy is not None):
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+        src = copy.warp_base + c * TILE.chunk_bytes
+        if copy.lane == 0:
+            ptx.bulk_copy_to_peer(src + copy.delta, src, TILE.rows_per_warp * TILE.chunk_row_bytes, copy.peer_k_full)
+
+
+@cute.jit
+def convert_store_reload(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, regs: cute.Tensor, ok, half_base: Int32,
+                         next_addr: Int64, copy=None):
+    """Dequantize this thread's slice of one row (``regs``) into the SW128 K-major tile at
+    ``half_base``, re-loading each 16-B slot from the row at ``next_addr`` as soon as its registers
+    are consumed: RoPE first (stored as is), then the scales (once read), then each fp8 chunk right
+    after its conversion. With ``copy`` (cluster kernels) each warp sends every column block to the
+    peer CTA once written (:func:`chunk_to_peer`).
+
+    Invalid rows (``ok`` false) get zero scales and zero RoPE (the fast path never makes NaN/Inf,
+    so fp8 NaN bytes times 0 are 0; the exact path zeroes the fp8 words too), so their V rows are
+    zero and cannot poison P V.
+    """
+    row_base = half_base + pt.tok_in_half * TILE.chunk_row_bytes
+    off0 = ((2 * pt.sub) ^ pt.swz) << 4
+    off1 = ((2 * pt.sub + 1) ^ pt.swz) << 4
+    rbase = row_base + TILE.nope_chunks * TILE.chunk_bytes
+    r = [Int32(0)] * 8
+    for e in cutlass.range_constexpr(8):
+        r[e] = common_ptx.select_i32(ok, regs[36 + e], 0)
+    common_ptx.st_shared_v4(rbase + off0, r[0], r[1], r[2], r[3])
+    common_ptx.st_shared_v4(rbase + off1, r[4], r[5], r[6], r[7])
+    chunk_to_peer(TILE.nope_chunks, copy)
+    for q in cutlass.range_constexpr(2):
+        load_slot(cfg, regs, 9 + q, next_addr, pt.sub)
+    sc = [Int32(0)] * 4
+    fast = cutlass.Boolean(True)
+    for k in cutlass.range_constexpr(4):
+        sc[k] = common_ptx.select_i32(ok, regs[32 + k], 0)
+        fast = fast & DEQUANT.scale_takes_fast_path(sc[k])
+    # Warp-uniform choice: caches written with FlashMLA's recipe (power-of-two scales) take the
+    # 4-op path; any other scale takes the exact fp32 path (6 ops) for the whole warp.
+    all_fast = cute.arch.vote_all_sync(fast)
+    s2 = [Int32(0)] * 4
+    for k in cutlass.range_constexpr(4):
+        s2[k] = DEQUANT.fast_multiplier(sc[k])
+    load_slot(cfg, regs, 8, next_addr, pt.sub)
+    if all_fast:
+        for c in cutlass.range_constexpr(TILE.nope_chunks):
+            o = [Int32(0)] * 8
+            for e in cutlass.range_constexpr(4):
+                o[2 * e], o[2 * e + 1] = DEQUANT.fast(regs[c * 4 + e], s2[DEQUANT.scale_index(c * TILE.chunk)])
+            load_slot(cfg, regs, c, next_addr, pt.sub)
+            cbase = row_base + c * TILE.chunk_bytes
+            common_ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+            common_ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+            chunk_to_peer(c, copy)
+    else:
+        for c in cutlass.range_constexpr(TILE.nope_chunks):
+            o = [Int32(0)] * 8
+            for e in cutlass.range_constexpr(4):
+                # fp8 NaN bytes of an invalid (clamped) row would survive a zero scale here.
+                w = common_ptx.select_i32(ok, regs[c * 4 + e], 0)
+                o[2 * e], o[2 * e + 1] = DEQUANT.exact(w, sc[DEQUANT.scale_index(c * TILE.chunk)])
+            load_slot(cfg, regs, c, next_addr, pt.sub)
+            cbase = row_base + c * TILE.chunk_bytes
+            common_ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
+            common_ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
+            chunk_to_peer(c, copy)
+
+
+def prefetch_row(addr: Int64, sub: Int32):
+    """This thread's share of one cache row into L2: the row's 128-B lines at offsets
+    ``(sub % 2) * 128 + {0, 256, 512}`` (the two threads of a row cover offsets 0..640, every line a
+    row can touch). Per-thread ``prefetch.global.L2``: a bulk prefetch of the row takes uniform
+    operands, which ptxas loops over per distinct row (~13 % of the producer's time)."""
+    base = addr + Int64((sub % 2) * 128)
+    for k in range(3):
+        ptx.prefetch_l2_line(base + k * 256)
+
+
+@cute.jit
+def issue_row_loads(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, regs: cute.Tensor, idx: Int32):
+    """11 x 128-bit loads of this thread's slice of one row into ``regs`` (44 x i32)."""
+    addr = row_address(pt, idx)
+    for c in cutlass.range_constexpr(TILE.nope_chunks):
+        load_slot(cfg, regs, c, addr, pt.sub)
+    load_slot(cfg, regs, 8, addr, pt.sub)
+    for r in cutlass.range_constexpr(2):
+        load_slot(cfg, regs, 9 + r, addr, pt.sub)
+
+
+@cute.jit
+def row_address(pt: ProducerThread, idx: Int32):
+    """Global byte address of cache row ``idx`` (token index, already clamped to a legal row)."""
+    blk = Uint32(idx) // Uint32(pt.page)
+    row = Uint32(idx) - blk * Uint32(pt.page)
+    return pt.kv_base + Int64(blk) * pt.stride0 + Int64(row) * TILE.row_bytes
+
+
+def load_slot(cfg: Sm90SparseDecodeConfig, regs: cute.Tensor, slot: int, addr: Int64, sub: Int32):
+    """One 16-B load of this thread's slice of the row at ``addr`` into ``regs``.
+
+    slot 0-7: fp8 bytes ``[64*slot + 16*sub, +16)`` -> regs[4*slot, +4); slot 8: the 4 scales
+    -> regs[32, +4); slot 9/10: RoPE bytes ``[rope + 32*sub + 16*(slot-9), +16)`` -> regs[36 + 4*(slot-9), +4).
+    (A plain function: inlined at trace time, ``slot`` is a Python int.)
+    """
+    if slot < 8:
+        off = slot * TILE.chunk + sub * 16
+        base = slot * 4
+    elif slot == 8:
+        off = TILE.scale_offset
+        base = 32
+    else:
+        off = TILE.rope_offset + sub * 32 + (slot - 9) * 16
+        base = 36 + (slot - 9) * 4
+    v = ptx.ld_global_v4(addr + off, cfg.tuning.gather_l1, cfg.tuning.gather_l2)
+    for e in range(4):
+        regs[base + e] = common_ptx.vec_elem(v, e)

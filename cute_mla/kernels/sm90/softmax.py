@@ -1,0 +1,213 @@
+"""WG0 (``Role.SOFTMAX``): S = Q K^T, the online softmax, P V into O's left columns, the epilogue.
+
+Per request: Q is loaded by TMA (64 heads x 576 dims, after WG1's previous output store has left
+the staging that aliases the Q buffer). Per K tile: 36 SS wgmma 64x64x16 give S, invalid tokens are
+masked to -inf from the tile's mask, the online softmax runs in the log2 domain, bf16 P stays in
+registers for the RS wgmma P V[:, left] and goes to shared memory with the per-row rescale for
+WG1. The next tile's QK is issued right behind this tile's PV, so the tensor core gets the next
+chain while this one drains.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Uint32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ...dsl import ptx
+from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
+from .cta import Cta, Gmem, Smem, request_range, split_piece, split_rows_of_partition, stamp
+from .epilogue import BlockStore, finalize_row, store_block, store_lse_rows
+from .mma import Ops, c_layout_to_a_layout, column_block, issue_qk, k_tensors_for_pv, scale_rows
+
+PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
+
+
+@cute.jit
+def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: Ops, scale_log2: Float32):
+    begin_req, end_req, begin_block, end_block = cta.sched
+    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+    warp = cute.arch.make_warp_uniform(wtid // 32)
+    lane = wtid % 32
+    row0 = warp * 16 + lane // 4  # accumulator rows of this thread: row0 and row0 + 8
+    q_full = smem.storage.q_full.data_ptr()
+    k_full = smem.storage.k_full.data_ptr()
+    k_free = smem.storage.k_free.data_ptr()
+    info_base = smem.storage.tile_info.data_ptr().toint()
+    s_row_scale = smem.storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
+
+    # Q TMA partition: (h, d, s_q, b) -> (64, 576) boxes.
+    gQ = cute.flat_divide(g.mQ, (TILE.heads, TILE.d_qk))
+    sQ0 = smem.sQ[None, None, 0]
+    tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(sQ0, 0, 2), cute.group_modes(gQ, 0, 2))
+
+    ops.qk.set(warpgroup.Field.ACCUMULATE, True)
+    ops.pv_rs.set(warpgroup.Field.ACCUMULATE, True)
+    thr_qk = ops.qk.get_slice(wtid)
+    tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(smem.sQ))
+    tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sK))
+    thr_pv = ops.pv_rs.get_slice(wtid)
+    col = column_block(cfg, 0)
+    sV = k_tensors_for_pv(cfg, smem.sK, col)
+    tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, cfg.pv_cols)))
+    acc_s_shape = thr_qk.partition_shape_C((TILE.heads, TILE.tokens))
+    # P (bf16) in the A-operand register layout of the RS wgmma, viewed with the accumulator layout.
+    acc_s = thr_qk.make_fragment_C(acc_s_shape)
+    tOrP = cute.make_rmem_tensor(c_layout_to_a_layout(acc_s.layout, ops.pv_rs.tv_layout_A.shape[1]), BFloat16)
+    tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
+    tSsP = thr_qk.partition_C(smem.sP[None, None, 0])
+
+    quad = lane % 4
+    split_rows = split_rows_of_partition(cfg, g, cta)
+    n = Int32(0)
+    rq = Int32(0)
+    for req in cutlass.range(begin_req, end_req + 1, unroll=1):
+        start, stop, length = request_range(cfg, g, cta, req)
+        if rq > 0:
+            # WG1's output store of the previous request no longer reads the staging (= sQ).
+            cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * TILE.d_qk * 2)
+            cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full)
+        m0 = Float32(-1e30)
+        m1 = Float32(-1e30)
+        l0 = Float32(0.0)
+        l1 = Float32(0.0)
+        acc_o.fill(0.0)
+        cute.arch.mbarrier_wait(q_full, rq & 1)
+        stamp(cta, Stamp.Q_READY, wtid == 0)
+
+        if start < stop:
+            cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
+            stamp(cta, Stamp.K_READY, wtid == 0)
+            issue_qk(ops.qk, acc_s, tSrQ, tSrK, n % TILE.k_bufs)
+            warpgroup.wait_group(0)
+            stamp(cta, Stamp.QK_DONE, wtid == 0)
+        # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
+        active = start < stop
+        for blk in cutlass.range(start, stop, unroll=1):
+            if active:
+                buf = n % TILE.k_bufs
+                info = ptx.ld_shared_v4(info_base + buf * (TILE.info_words * 4))
+                last_word = ptx.vec_elem(info, 2)
+                last = last_word != 0
+                m0, m1, l0, l1, sc0, sc1 = online_softmax(acc_s, info, quad, scale_log2, m0, m1, l0, l1)
+                tOrP_as_c.store(acc_s.load().to(BFloat16))
+
+                # ---- hand P and the row factors to WG1
+                cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
+                if quad == 0:
+                    s_row_scale[row0] = sc0
+                    s_row_scale[row0 + 8] = sc1
+                cute.autovec_copy(tOrP_as_c, tSsP)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
+                stamp(cta, Stamp.P_READY, wtid == 0)
+
+                # ---- O_left = O_left * sc + P V[:, left], then the next tile's QK behind it
+                scale_rows(acc_o, sc0, sc1)
+                warpgroup.fence()
+                cute.gemm(ops.pv_rs, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
+                warpgroup.commit_group()
+                next_qk_behind_pv(ops, acc_s, tSrQ, tSrK, k_full, k_free, n, last)
+                n += 1
+                active = last_word == 0
+
+        # ---- epilogue of this request
+        stamp(cta, Stamp.PV_DONE, wtid == 0)
+        l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
+        l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
+        l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
+        l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
+        is_split, acc_row = split_piece(cfg, cta, req, split_rows)
+        o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, is_split, cta.hblk * TILE.heads + row0)
+        o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, is_split, cta.hblk * TILE.heads + row0 + 8)
+        cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
+        if quad == 0:
+            s_row_scale[row0] = o_scale0
+            s_row_scale[row0 + 8] = o_scale1
+        cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
+        stamp(cta, Stamp.EPI_FINAL, wtid == 0)
+        scale_rows(acc_o, o_scale0, o_scale1)
+        head0 = cta.hblk * TILE.heads + row0
+        # The lse stores go after the O block's: the block's staging fences the generic proxy,
+        # which may wait for this thread's global stores still in flight (lse first measured
+        # x0.981-0.997 on the latency rows).
+        if is_split:
+            if cutlass.const_expr(cfg.split):
+                store_block(cfg, cta, acc_o, thr_pv, BlockStore(g.tma_oacc, g.mOAcc, ops.chunk_layout), smem.sQ, col,
+                            warp, acc_row, Bar.EPI_SOFTMAX, False)
+                store_lse_rows(cfg, g.mLseAcc, acc_row, cta.s_idx, head0, lse0, lse1, quad)
+        else:
+            store_block(cfg, cta, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), smem.sQ, col, warp, req,
+                        Bar.EPI_SOFTMAX, cfg.out_from_registers)
+            store_lse_rows(cfg, g.mLse, req, cta.s_idx, head0, lse0, lse1, quad)
+        stamp(cta, Stamp.EPILOGUE, wtid == 0)
+        rq += 1
+
+    # Balance the barriers WG1 arrived on once more than WG0 synced.
+    cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
+    cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+
+
+@cute.jit
+def online_softmax(acc_s, info, quad, scale_log2: Float32, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
+    """Mask S with the tile's validity mask (``info`` words 0-1: bit token of byte half*4 + warp),
+    then one online-softmax step in the log2 domain over this thread's two rows: S becomes P in
+    place. Returns the new (m0, m1, l0, l1) and the rows' rescale factors (sc0, sc1) for O."""
+    w_lo = Uint32(ptx.vec_elem(info, 0)) >> Uint32(2 * quad)
+    w_hi = Uint32(ptx.vec_elem(info, 1)) >> Uint32(2 * quad)
+    mx0 = -Float32.inf
+    mx1 = -Float32.inf
+    for v in cutlass.range_constexpr(cute.size(acc_s)):
+        group = v // 4  # 8-column group
+        bit = (v % 2) + 8 * (group % 4)
+        word = w_lo if group < 4 else w_hi
+        ok = ((word >> bit) & Uint32(1)) != Uint32(0)
+        t = Float32(cutlass.select_(ok, acc_s[v] * scale_log2, -Float32.inf))
+        acc_s[v] = t
+        if cutlass.const_expr((v // 2) % 2 == 0):
+            mx0 = cute.arch.fmax(mx0, t)
+        else:
+            mx1 = cute.arch.fmax(mx1, t)
+    mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=1))
+    mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=2))
+    mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=1))
+    mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=2))
+    new_m0 = cute.arch.fmax(m0, mx0)
+    new_m1 = cute.arch.fmax(m1, mx1)
+    sc0 = cute.math.exp2(m0 - new_m0, fastmath=True)
+    sc1 = cute.math.exp2(m1 - new_m1, fastmath=True)
+    sum0 = Float32(0.0)
+    sum1 = Float32(0.0)
+    for v in cutlass.range_constexpr(cute.size(acc_s)):
+        if cutlass.const_expr((v // 2) % 2 == 0):
+            p = cute.math.exp2(acc_s[v] - new_m0, fastmath=True)
+            sum0 += p
+            acc_s[v] = p
+        else:
+            p = cute.math.exp2(acc_s[v] - new_m1, fastmath=True)
+            sum1 += p
+            acc_s[v] = p
+    return new_m0, new_m1, l0 * sc0 + sum0, l1 * sc1 + sum1, sc0, sc1
+
+
+@cute.jit
+def next_qk_behind_pv(ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last):
+    """After tile ``n``'s PV is committed: issue tile n+1's QK behind it (unless ``n`` is the
+    request's last tile), then release tile n's K buffer once its PV has retired. P (registers)
+    and S (acc_s) are distinct registers, so both chains can be in flight."""
+    buf = n % TILE.k_bufs
+    if last:
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(k_free + buf)
+    else:
+        nbuf = (n + 1) % TILE.k_bufs
+        cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)
+        issue_qk(ops.qk, acc_s, tSrQ, tSrK, nbuf)
+        warpgroup.wait_group(1)
+        cute.arch.mbarrier_arrive(k_free + buf)
+        warpgroup.wait_group(0)
