@@ -8,7 +8,7 @@ import sys
 import time
 from importlib import metadata
 
-DEFAULT_NUM_SMS = {"sm_90a": 132, "sm_100a": 148}   # H100/H200, B200
+from . import archs
 
 
 def _version(dist: str) -> str:
@@ -22,8 +22,7 @@ def cmd_info(args) -> int:
     import torch
 
     from . import __version__
-    from .arch import gpu_summary
-    from .kernels.compile import SUPPORTED_ARCHS
+    from .archs import SUPPORTED_ARCHS, gpu_summary
 
     print(f"cute-mla           {__version__}")
     print(f"python             {sys.version.split()[0]}")
@@ -36,9 +35,9 @@ def cmd_info(args) -> int:
 
 
 def _plan_from_args(args, s_q=None):
-    from .interface.plan import plan_sparse_decode
+    from .plan import plan_sparse_decode
 
-    num_sms = args.num_sms or DEFAULT_NUM_SMS[args.arch]
+    num_sms = args.num_sms or archs.get(args.arch).default_num_sms
     return plan_sparse_decode(args.b, s_q or args.s_q, args.h_q, args.d_qk, args.topk, arch=args.arch,
                               num_sms=num_sms, has_topk_length=args.topk_length)
 
@@ -48,8 +47,7 @@ def cmd_plan(args) -> int:
     if args.json:
         d = {k: getattr(plan, k) for k in ("arch", "b", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "num_sm_parts",
                                            "kernel", "variant", "schedule", "accum_rows", "workspace_bytes",
-                                           "flashmla_workspace_bytes", "token_walk", "oacc_from_registers",
-                                           "column_pair", "accum_dtype")}
+                                           "flashmla_workspace_bytes", "token_walk", "column_pair", "accum_dtype")}
         # the partitions the kernel launches (num_sm_parts is FlashMLA's count; the token walk differs)
         d["partitions"] = len(plan.host_schedule.rows) if plan.host_schedule is not None else plan.num_sm_parts
         d["tensor_maps"] = list(plan.tensor_maps)
@@ -61,7 +59,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from .kernels import registry
+    from .playground import registry
 
     t0 = time.time()
     report = registry.compile_to_dir(args.kernel, args.arch, args.out, h_q=args.h_q, split=args.split,
@@ -94,13 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("plan", help="print the plan of a call: kernel, variant, workspace, tensor maps")
     shape_args(sp)
-    sp.add_argument("--arch", default="sm_90a", choices=sorted(DEFAULT_NUM_SMS))
-    sp.add_argument("--num-sms", type=int, default=None, help="default: 132 for sm_90a, 148 for sm_100a")
+    sp.add_argument("--arch", default=archs.SM90.name, choices=archs.SUPPORTED_ARCHS)
+    sp.add_argument("--num-sms", type=int, default=None, help="default: " + ", ".join(
+        f"{a.default_num_sms} for {a.name}" for a in archs.ARCHS.values()))
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("compile", help="compile a kernel for an arch (no GPU needed); write PTX and cubin; print resources")
-    sp.add_argument("--arch", required=True, choices=sorted(DEFAULT_NUM_SMS))
+    sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS)
     sp.add_argument("--kernel", required=True, help="sparse_decode | combine | scheduler")
     sp.add_argument("--out", required=True)
     sp.add_argument("--h-q", type=int, default=64)

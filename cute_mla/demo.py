@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from .arch import gpu_summary
-from .interface.plan import plan_sparse_decode
+from . import archs
+from .archs import gpu_summary
+from .plan import plan_sparse_decode
 
 SHAPES = [  # (name, b, s_q, h_q)
     ("mixed batch (vLLM, b=1, s_q=tokens)", 1, 8192, 64),
@@ -64,10 +65,12 @@ def _cpu(args) -> int:
     from .reference import sparse_decode_reference
     from .testing import make_inputs
 
-    print("No supported GPU here: showing the plans of the demo calls (SM90, 132 SMs) and the reference on a small case.")
+    spec = archs.SM90
+    print(f"No supported GPU here: showing the plans of the demo calls ({spec.family}, {spec.default_num_sms} SMs) "
+          "and the reference on a small case.")
     for name, b, s_q, h in SHAPES:
         print(f"\n{name}")
-        print(plan_sparse_decode(b, s_q, h, 576, 2048, arch="sm_90a", num_sms=132).describe())
+        print(plan_sparse_decode(b, s_q, h, 576, 2048, arch=spec.name, num_sms=spec.default_num_sms).describe())
     x = make_inputs(2, 2, 64, 128, num_tokens=512, with_sink=True, all_invalid_rows=1)
     out, lse = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, x.attn_sink)
     print(f"\nreference on b=2, s_q=2, h_q=64, topk=128 (one all-invalid row): out {tuple(out.shape)}, "

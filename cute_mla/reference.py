@@ -1,4 +1,4 @@
-"""The oracle of every kernel test: sparse MLA decode in plain torch, fp32 math (spec §3.2).
+"""The oracle of every kernel test: sparse MLA decode in plain torch, fp32 math.
 
 Independent of the kernels: it dequantizes the cache with :mod:`cute_mla.formats`, gathers each
 query token's top-k rows, and computes softmax attention directly (no online softmax, no splits).

@@ -1,5 +1,5 @@
 """End-to-end GPU tests of the public API against the fp32 reference (FlashMLA's sweep and
-tolerances, spec §7), CUDA graph replay, and the workspace rule measured with the allocator."""
+tolerances), CUDA graph replay, and the workspace rule measured with the allocator."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decode
-from cute_mla.arch import device_arch, device_num_sms
+from cute_mla.archs import device_arch, device_num_sms
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, make_inputs, transient_bytes
 
@@ -67,8 +67,9 @@ def test_token_walk_matches_one_cta_per_token(seed, s_q, h_q):
     """The token walk (b == 1, more CTAs than SMs: plan docstring) gives the bits of FlashMLA's grid
     of one CTA per (token, head half), here launched directly; also into a preallocated strided
     ``out``, and against the reference with NaN in every unused cache slot."""
-    from cute_mla.kernels.sm90.sparse_decode import (Sm90SparseDecodeConfig, compile_sparse_decode,
-                                                     launch_sparse_decode)
+    from cute_mla.kernels import DecodeTensors
+    from cute_mla.kernels.sm90 import kernel_config
+    from cute_mla.kernels.sm90.sparse_decode import compile_sparse_decode, launch_sparse_decode
 
     if device_arch(torch.device("cuda")) != "sm_90a":
         pytest.skip("SM90 plan")
@@ -78,13 +79,13 @@ def test_token_walk_matches_one_cta_per_token(seed, s_q, h_q):
     o, l, sched = run_case(x, out=big[..., :512])
     assert sched.plan.token_walk and o.data_ptr() == big.data_ptr()
     check(x, o, l)
-    cfg = Sm90SparseDecodeConfig(h_q=h_q, split=False, has_topk_length=False, has_attn_sink=True)
+    cfg = kernel_config(h_q=h_q, d_qk=576, split=False, has_topk_length=False, has_attn_sink=True)
     tile_md = torch.tensor([[0, 0, 0, 32, 0, 0, 0, 0]], dtype=torch.int32, device="cuda")
     zeros = torch.zeros(2, dtype=torch.int32, device="cuda")
     o1 = torch.full((1, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     l1 = torch.full((1, s_q, h_q), float("nan"), dtype=torch.float32, device="cuda")
-    launch_sparse_decode(compile_sparse_decode(cfg), cfg, x.q, x.k_cache.view(torch.uint8).squeeze(2), x.indices,
-                         None, x.attn_sink, tile_md, zeros, o1, l1, None, None, x.softmax_scale)
+    t = DecodeTensors(x.q, x.k_cache.view(torch.uint8).squeeze(2), x.indices, None, x.attn_sink, tile_md, zeros, o1, l1)
+    launch_sparse_decode(compile_sparse_decode(cfg), cfg, t, x.softmax_scale)
     torch.cuda.synchronize()
     assert torch.equal(o, o1) and torch.equal(l, l1.transpose(1, 2))
 
@@ -128,7 +129,7 @@ def test_schedule_first_uploaded_during_a_capture(seed):
     at its replays. Another graph captured before that, and an eager call before that (the captured
     FlashMLASchedMeta itself), must still read the schedule, not memory nobody has written yet; and
     a capture of several layers holds one upload, not one per layer."""
-    from cute_mla.interface import dispatch
+    from cute_mla.plan import schedule as dispatch
 
     from cute_mla.kernels.combine import combine_config
 
@@ -139,8 +140,7 @@ def test_schedule_first_uploaded_during_a_capture(seed):
               for shape, k in ((target, topk), (warm, warm_topk)))
     # the same kernels (decode variant and combine), so nothing compiles or loads during the captures
     assert pt.host_schedule is not None and pt != pw
-    assert (pt.split, pt.oacc_from_registers, pt.column_pair, pt.accum_dtype) == \
-        (pw.split, pw.oacc_from_registers, pw.column_pair, pw.accum_dtype)
+    assert (pt.split, pt.column_pair, pt.accum_dtype) == (pw.split, pw.column_pair, pw.accum_dtype)
     assert (combine_config(pt.arch, 64, False, pt.num_sm_parts, accum_dtype=pt.accum_dtype)
             == combine_config(pw.arch, 64, False, pw.num_sm_parts, accum_dtype=pw.accum_dtype))
     w = make_inputs(*warm, warm_topk, num_tokens=4096, device="cuda")
@@ -259,20 +259,12 @@ def test_mixed_batch_beyond_65535_tokens(seed):
     check_out_lse(o[:, rows], l[:, :, rows], ro, rl)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 64), (2, 1, 128), (64, 2, 64)])   # split, split + crossover, whole requests
-def test_pdl_wait_chained_calls(seed, shape, monkeypatch):
-    """Tuning.pdl_wait (the decode kernel launched with PDL): three calls in one graph. Call b's q
-    is made by a torch op from call a's out (read after write across the PDL edge); call c runs
-    right behind call b's combine (its partials may reuse memory that combine reads: write after
-    read). Every call matches the fp32 reference, on each of three replays with fresh inputs."""
-    import functools
-
-    from cute_mla.kernels.sm90 import sparse_decode as sd
-
-    if device_arch(torch.device("cuda")) != "sm_90a":
-        pytest.skip("an SM90 kernel knob")
-    monkeypatch.setattr(sd, "compile_sparse_decode",
-                        functools.partial(sd.compile_sparse_decode, tuning=sd.Tuning(pdl_wait=True)))
+@pytest.mark.parametrize("shape", [(1, 8, 64), (2, 1, 128), (64, 2, 64)])   # split, split + cluster, whole requests
+def test_chained_calls_in_one_graph(seed, shape):
+    """Three calls in one graph, as an engine's layers: call b's q is made by a torch op from call
+    a's out (read after write across calls); call c runs right behind call b's combine (its
+    partials may reuse memory that combine reads: write after read). Every call matches the fp32
+    reference, on each of three replays with fresh inputs."""
     b, s_q, h_q = shape
     g = torch.Generator().manual_seed(seed)
     x = make_inputs(b, s_q, h_q, 2048, num_tokens=8192, invalid_frac=0.2, with_sink=True, device="cuda", generator=g)
@@ -306,3 +298,27 @@ def test_pdl_wait_chained_calls(seed, shape, monkeypatch):
         for qx, (o, l) in zip((qa, qb, qc), results):
             ro, rl = sparse_decode_reference(qx, x.k_cache, x.indices, x.softmax_scale, x.attn_sink, None)
             check_out_lse(o, l, ro, rl)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (4, 2, 128)])   # the column pair; the h=128 cluster
+def test_a_variant_through_the_public_seam(seed, shape):
+    """``FlashMLASchedMeta(tuning=...)``: the public call compiles and runs that kernel variant (its
+    launcher's config carries it), and a variant that only changes how rows are fetched gives the
+    default's bits."""
+    from cute_mla import FlashMLASchedMeta
+    from cute_mla.kernels.sm90 import DEFAULT_TUNING, Sm90Tuning
+
+    if device_arch(torch.device("cuda")) != "sm_90a":
+        pytest.skip("an SM90 kernel variant")
+    b, s_q, h_q = shape
+    x = make_inputs(b, s_q, h_q, 2048, num_tokens=8192, with_sink=True, device="cuda")
+    kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices, attn_sink=x.attn_sink)
+    variant = Sm90Tuning(prefetch_rows=False, gather_l2="size_128b")
+    sched = FlashMLASchedMeta(tuning=variant)
+    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)
+    assert sched.launcher(True).main_cfg.tuning == variant
+    o0, l0 = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, get_mla_metadata()[0], **kw)
+    torch.cuda.synchronize()
+    check(x, o, l)
+    assert torch.equal(o, o0) and torch.equal(l.nan_to_num(7.0), l0.nan_to_num(7.0))
+    assert get_mla_metadata()[0].tuning is None and DEFAULT_TUNING != variant

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cute_mla import FlashMLASchedMeta, flash_mla_with_kvcache, get_mla_metadata
-from cute_mla.arch import UnsupportedDeviceError
+from cute_mla.archs import UnsupportedDeviceError
 
 
 def good(b=2, s_q=1, h_q=64, topk=128):

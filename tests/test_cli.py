@@ -23,7 +23,6 @@ def test_plan_acceptance_grid(capsys, s_q, parts, rows):
     assert p["accum_dtype"] == ("bfloat16" if rows else "float32")
     assert (p["variant"] == "no_split") == (rows == 0)
     # bf16 partials: staged and stored by TMA (an o_accum tensor map), in the column pair too
-    assert not p["oacc_from_registers"]
     assert ("o_accum" in p["tensor_maps"]) == (rows > 0)
     # the column pair (s_q=1: 32 one-block pieces) stores out from registers too
     assert p["column_pair"] == (s_q == 1)

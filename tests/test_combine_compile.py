@@ -8,7 +8,6 @@ import torch
 from cute_mla.kernels.combine import (
     MAX_SPLITS_BUCKETS,
     ROWS_IN_FLIGHT,
-    ROWS_IN_FLIGHT_CHOICES,
     THREADS_PER_CTA,
     CombineConfig,
     combine_config,
@@ -16,8 +15,8 @@ from cute_mla.kernels.combine import (
     compile_combine,
     launch_combine,
 )
-from cute_mla.kernels.compile import CompiledKernel
-from cute_mla.kernels.inspect import find_artifacts, find_tool, local_memory_ops, read_ptx, resource_usage, sass
+from cute_mla.dsl.compile import CompiledKernel
+from cute_mla.playground.inspect import find_artifacts, find_tool, local_memory_ops, read_ptx, resource_usage, sass
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -50,7 +49,7 @@ def test_compiles_with_expected_ptx(arch, h_q, has_attn_sink, tmp_path):
 def test_compiles_every_bucket_edge(max_splits, tmp_path):
     compile_combine(CombineConfig(h_q=64, has_attn_sink=True, max_splits=max_splits, arch="sm_90a"), dump_dir=str(tmp_path))
     ptx = read_ptx(str(tmp_path))
-    # One lse load per register slot (max_splits / 32 per lane), besides num_splits and the sink.
+    # One lse load per register slot (max_splits / 32 per lane), besides accum_offsets and the sink.
     assert ptx.count("ld.global.b32") == max_splits // 32 + 2 + 1
 
 
@@ -60,25 +59,24 @@ def _sass_or_skip(cubin):
     return sass(cubin)
 
 
-# every bucket with the default batch; the other batch size at the bucket edges, with a sink; bf16
-# partials (the SM90 plan's accum_dtype) at both ends of the bucket range
-SPILL_CASES = [(ms, sink, ROWS_IN_FLIGHT, "float32") for ms in MAX_SPLITS_BUCKETS for sink in (False, True)] + [
-    (ms, True, r, "float32") for r in ROWS_IN_FLIGHT_CHOICES if r != ROWS_IN_FLIGHT for ms in (64, 160, 256)] + [
-    (ms, True, ROWS_IN_FLIGHT, "bfloat16") for ms in (32, 160)]
+# every bucket with fp32 partials (SM100's), with and without a sink; bf16 partials (SM90's) at both
+# ends of the bucket range
+SPILL_CASES = [(ms, sink, "float32") for ms in MAX_SPLITS_BUCKETS for sink in (False, True)] + [
+    (ms, True, "bfloat16") for ms in (32, 160, 256)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("max_splits,has_attn_sink,rows_in_flight,accum_dtype", SPILL_CASES)
-def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, rows_in_flight, accum_dtype, tmp_path):
+@pytest.mark.parametrize("max_splits,has_attn_sink,accum_dtype", SPILL_CASES)
+def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, accum_dtype, tmp_path):
     """No local memory (no spill, no stack), and the batch of row loads issued back to back.
 
-    In the SASS the rows_in_flight row loads (16 bytes per lane for fp32 partials, 8 for bf16)
+    In the SASS the ROWS_IN_FLIGHT row loads (16 bytes per lane for fp32 partials, 8 for bf16)
     form one run with nothing in between that uses a row (FFMA), waits on the lse loads (SHFL,
     MUFU of the reduction) or ends the block (BRA), and the run ends its basic block, so ptxas
     cannot schedule the lse reduction ahead of it.
     """
-    cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch,
-                        rows_in_flight=rows_in_flight, accum_dtype=accum_dtype)
+    rows_in_flight = ROWS_IN_FLIGHT
+    cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch, accum_dtype=accum_dtype)
     compile_combine(cfg, dump_dir=str(tmp_path))
     bf16 = accum_dtype == "bfloat16"
     ptx = read_ptx(str(tmp_path))
@@ -118,11 +116,6 @@ def test_buckets():
     assert all(b % 32 == 0 for b in MAX_SPLITS_BUCKETS)
     cfg = combine_config(arch="sm_90a", h_q=128, has_attn_sink=True, num_sm_parts=66)
     assert (cfg.max_splits, cfg.h_q, cfg.has_attn_sink, cfg.arch) == (128, 128, True, "sm_90a")
-    # the dispatcher's batch stays 16 (32 is opt-in until measured on a GPU)
-    assert cfg.rows_in_flight == 16
-    assert combine_config(arch="sm_90a", h_q=64, has_attn_sink=True, num_sm_parts=132, rows_in_flight=32).rows_in_flight == 32
-    with pytest.raises(ValueError, match="max_splits >= 64"):
-        combine_config(arch="sm_90a", h_q=64, has_attn_sink=True, num_sm_parts=16, rows_in_flight=32)
 
 
 def test_config_validation():
@@ -134,18 +127,11 @@ def test_config_validation():
         CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", d_v=256)
     with pytest.raises(ValueError, match="h_q"):
         CombineConfig(h_q=0, has_attn_sink=False, max_splits=32, arch="sm_90a")
-    with pytest.raises(ValueError, match="rows_in_flight"):
-        CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", rows_in_flight=24)
-    with pytest.raises(ValueError, match="max_splits >= 64"):
-        CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", rows_in_flight=32)
     with pytest.raises(ValueError, match="accum_dtype"):
         CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", accum_dtype="float16")
-    # bf16 rows with 32 in flight: ptxas interleaves the loads with the FFMAs (refused)
-    with pytest.raises(ValueError, match="fp32 partials only"):
-        CombineConfig(h_q=64, has_attn_sink=False, max_splits=160, arch="sm_90a", rows_in_flight=32,
-                      accum_dtype="bfloat16")
-    a, b = (CombineConfig(h_q=64, has_attn_sink=False, max_splits=64, arch="sm_90a", rows_in_flight=r) for r in (16, 32))
-    assert a.cache_key != b.cache_key, "one compiled kernel per batch size"
+    a, b = (CombineConfig(h_q=64, has_attn_sink=False, max_splits=64, arch="sm_90a", accum_dtype=d)
+            for d in ("float32", "bfloat16"))
+    assert a.cache_key != b.cache_key, "one compiled kernel per partial dtype"
 
 
 def test_launcher_checks_before_launch():

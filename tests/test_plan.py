@@ -1,7 +1,7 @@
 import pytest
 
 from cute_mla import plan_sparse_decode
-from cute_mla.interface.plan import ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES
+from cute_mla.plan.plan import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES
 from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
 
 
@@ -16,7 +16,7 @@ def test_sm90_mixed_batch_workspace(s_q):
     else:
         assert p.split and p.launches[-1] == "combine"
         # bf16 partials: always staged and stored by TMA (an o_accum tensor map), the pair (s_q=1) too
-        assert not p.oacc_from_registers and "o_accum" in p.tensor_maps
+        assert "o_accum" in p.tensor_maps
         # exactly the real split rows of the host schedule
         off = accum_offsets(p.host_schedule.num_splits)
         assert p.accum_rows == off[-1] == p.host_schedule.num_splits[-1]
@@ -30,7 +30,7 @@ def test_sm90_s_q_1_exact_rows():
     p = plan_sparse_decode(1, 1, 64, 576, 2048, arch="sm_90a", num_sms=132)
     assert p.num_sm_parts == 132 and p.accum_rows == 32      # 32 blocks -> 32 one-block pieces
     assert p.workspace_bytes == 32 * 64 * (1024 + 4)          # bf16 o_accum rows + fp32 lse_accum
-    assert p.flashmla_workspace_bytes == (1 + 132) * 64 * ACCUM_BYTES_PER_HEAD   # FlashMLA's fp32 rows
+    assert p.flashmla_workspace_bytes == (1 + 132) * 64 * FLASHMLA_ACCUM_BYTES_PER_HEAD   # FlashMLA's fp32 rows
 
 
 @pytest.mark.parametrize("b,s_q,h_q,overhead,pieces", [
@@ -145,7 +145,7 @@ def test_host_schedule_upload_is_cached_and_o_partitions():
     addresses) and a token-walk entry holds O(partitions) ints, not O(s_q)."""
     import torch
 
-    from cute_mla.interface import dispatch
+    from cute_mla.plan import schedule as dispatch
 
     cpu = torch.device("cpu")
     for s_q in (140, 100_000):
@@ -165,7 +165,7 @@ def test_schedule_upload_state_machine(monkeypatch):
     complete, and from then on do nothing."""
     import torch
 
-    from cute_mla.interface import dispatch
+    from cute_mla.plan import schedule as dispatch
 
     log = []
     done = {"ev": False}
@@ -200,7 +200,7 @@ def test_schedule_upload_state_machine(monkeypatch):
 def test_schedule_upload_on_the_host_is_immediate():
     import torch
 
-    from cute_mla.interface import dispatch
+    from cute_mla.plan import schedule as dispatch
 
     cpu = torch.device("cpu")
     p = plan_sparse_decode(5, 1, 64, 576, 1088, arch="sm_90a", num_sms=132)
@@ -214,32 +214,14 @@ def test_token_walk_needs_a_partition_per_head_half():
     assert not p.token_walk
 
 
-@pytest.mark.parametrize("b,s_q,h_q,tl,regs", [(1, 1, 64, False, True), (2, 1, 64, False, True), (1, 2, 64, False, True),
-                                               (1, 4, 64, False, True), (4, 1, 64, False, True),
-                                               (1, 3, 64, False, False), (8, 1, 64, False, False), (1, 8, 64, False, False),
-                                               (1, 1, 128, False, False), (16, 1, 128, False, False),
-                                               (4, 1, 64, True, False), (128, 1, 64, False, False)])
-def test_sm90_oacc_from_registers_where_few_ctas_store(b, s_q, h_q, tl, regs, monkeypatch):
-    """bf16 partials (the SM90 default) are always staged and stored by TMA. fp32 partials (the
-    dtype rule patched) come from registers (no o_accum tensor map) for h=64 with at most
-    num_sms/2 CTAs holding work, the shapes where that measured faster; device schedules and
-    no-split plans never do."""
-    from cute_mla.interface import plan as plan_mod
-
+@pytest.mark.parametrize("b,s_q,h_q,tl", [(1, 1, 64, False), (8, 1, 64, False), (1, 8, 64, False), (1, 1, 128, False),
+                                       (4, 1, 64, True), (128, 1, 64, False)])
+def test_sm90_split_partials_are_bf16_and_stored_by_tma(b, s_q, h_q, tl):
+    """SM90 split plans store bf16 partials (the arch's accum dtype), always staged and stored by
+    TMA (an o_accum tensor map); no-split plans have no accumulators at all."""
     p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=tl)
-    assert p.accum_dtype == ("bfloat16" if p.split else "float32") and not p.oacc_from_registers
+    assert p.accum_dtype == ("bfloat16" if p.split else "float32")
     assert ("o_accum" in p.tensor_maps) == p.split
-    monkeypatch.setattr(plan_mod, "sm90_accum_dtype", lambda arch: "float32")
-    plan_sparse_decode.cache_clear()
-    try:
-        p = plan_sparse_decode(b, s_q, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=tl)
-    finally:
-        plan_sparse_decode.cache_clear()
-    assert p.accum_dtype == "float32" and p.oacc_from_registers is regs
-    assert ("o_accum" in p.tensor_maps) == (p.split and not regs)
-    if regs:
-        busy = sum(1 for r in p.host_schedule.rows if r[0] < b and r[0] <= r[1])
-        assert p.split and busy * s_q <= 66
 
 
 @pytest.mark.parametrize("b,s_q,h_q,topk,tl,pair", [(1, 1, 64, 2048, False, True), (1, 1, 64, 128, False, True),
@@ -251,13 +233,13 @@ def test_sm90_column_pair_where_few_pieces(b, s_q, h_q, topk, tl, pair):
     """h=64 split plans with at most COLUMN_PAIR_MAX_BUSY_CTAS busy CTAs run column pairs (a cluster
     of 2 per piece): out from registers, the bf16 partials by TMA (Q and o_accum the tensor maps).
     Device schedules, h=128, no-split plans and busier shapes keep one CTA per piece."""
-    from cute_mla.interface.plan import COLUMN_PAIR_MAX_BUSY_CTAS
+    from cute_mla.plan.plan import COLUMN_PAIR_MAX_BUSY_CTAS
 
     p = plan_sparse_decode(b, s_q, h_q, 576, topk, arch="sm_90a", num_sms=132, has_topk_length=tl)
     assert p.column_pair is pair
     if pair:
         busy = sum(1 for r in p.host_schedule.rows if r[0] < b and r[0] <= r[1])
-        assert p.split and not p.oacc_from_registers and busy * s_q <= COLUMN_PAIR_MAX_BUSY_CTAS
+        assert p.split and busy * s_q <= COLUMN_PAIR_MAX_BUSY_CTAS
         assert p.tensor_maps == ("q", "o_accum") and "column pair" in p.describe()
     else:
         assert "column pair" not in p.describe()

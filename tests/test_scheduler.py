@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from cute_mla.scheduler import (accum_offsets, accum_offsets_device, blocks_per_request, max_accum_rows,
+from cute_mla.scheduler import (accum_offsets, accum_offsets_device, blocks_of_length, blocks_per_request, max_accum_rows,
                                 num_sm_parts, plan_splits, plan_splits_host)
 
 
@@ -66,8 +66,7 @@ def test_num_sm_parts_table():
     assert num_sm_parts("sm_90a", 132, 66, 64) == 2 and num_sm_parts("sm_90a", 132, 67, 64) == 1
     assert num_sm_parts("sm_90a", 132, 33, 128) == 2 and num_sm_parts("sm_90a", 132, 34, 128) == 1
     assert num_sm_parts("sm_100a", 148, 74, 64) == 2 and num_sm_parts("sm_100a", 148, 75, 64) == 1
-    assert num_sm_parts("sm_100a", 148, 1, 128, 576) == 148
-    assert num_sm_parts("sm_100a", 148, 37, 128, 512) == 2 and num_sm_parts("sm_100a", 148, 38, 128, 512) == 1
+    assert num_sm_parts("sm_100a", 148, 1, 128) == 148   # FlashMLA's head64 kernel: heads do not divide
     with pytest.raises(ValueError, match="arch"):
         num_sm_parts("sm_80", 108, 1, 64)
 
@@ -109,3 +108,19 @@ def test_plan_splits_rejects_bad_input():
 def test_blocks_per_request():
     assert blocks_per_request(2048, b=3) == [32, 32, 32]
     assert blocks_per_request(2048, [0, 1, 64, 65, 2048, 5000]) == [1, 1, 1, 2, 32, 32]
+
+
+def test_blocks_of_length_one_rule_for_ints_and_tensors():
+    """The topk_length rule (FlashMLA's: the length clamped to [0, topk], at least one block) gives
+    the same blocks for Python ints (the plan) and int32 tensors (the device schedule), negative and
+    oversized lengths included."""
+    import torch
+
+    from cute_mla.plan.schedule import device_num_blocks
+
+    topk = 2048
+    lengths = [-(2 ** 31), -65, -64, -1, 0, 1, 63, 64, 65, 127, 128, 1000, 2047, 2048, 2049, 2 ** 31 - 1]
+    flashmla = [(max(min(max(n, 0), topk), 1) - 1) // 64 + 1 for n in lengths]
+    assert [blocks_of_length(n, topk)[1] for n in lengths] == flashmla
+    assert device_num_blocks(torch.tensor(lengths, dtype=torch.int32), topk).tolist() == flashmla
+    assert [blocks_of_length(n, topk)[0] for n in (5000, 100, -3)] == [2048, 100, -3]   # positions >= it are invalid

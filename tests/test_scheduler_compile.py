@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from cute_mla.kernels.compile import CompiledKernel
-from cute_mla.kernels.inspect import read_ptx
+from cute_mla.dsl.compile import CompiledKernel
+from cute_mla.playground.inspect import read_ptx
 from cute_mla.scheduler.device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
 
 ARCHS = ("sm_90a", "sm_100a")

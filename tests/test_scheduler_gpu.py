@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from cute_mla.arch import device_arch
+from cute_mla.archs import device_arch
 from cute_mla.scheduler.device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
 from cute_mla.scheduler.partition import plan_splits_host
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 
-def find_artifacts(dump_dir: str, arch: str = "sm_90a") -> Tuple[Optional[str], Optional[str]]:
+def find_artifacts(dump_dir: str, arch: str) -> Tuple[Optional[str], Optional[str]]:
     """(ptx, cubin) paths of the newest compile in ``dump_dir`` (None where missing)."""
 
     def newest(ext):

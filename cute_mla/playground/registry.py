@@ -3,6 +3,8 @@
 ``compile_to_dir(name, arch, out_dir, ...)`` compiles one kernel for one arch on any machine (no
 GPU), keeps its PTX and cubin in ``out_dir`` and returns a short report (files, registers, shared
 memory, spills) read from the cubin with the cuobjdump of the ``nvidia-cuda-cuobjdump`` wheel.
+The kernels are the ones the launcher runs: each arch's sparse decode kernel through its module's
+``kernel_config``, and the split variants with the arch's o_accum dtype.
 """
 
 from __future__ import annotations
@@ -10,28 +12,25 @@ from __future__ import annotations
 import os
 from typing import List
 
+from .. import archs
+from ..formats import V32
+from ..interface.launcher import kernel_module
 from . import inspect
 
 KERNELS = ("sparse_decode", "combine", "scheduler")
 
 
 def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool):
-    # the o_accum dtype a split plan of this arch uses (what the dispatcher compiles)
-    from ..interface.plan import sm90_accum_dtype
-
+    spec = archs.get(arch)
     if name == "sparse_decode":
-        if arch == "sm_90a":
-            from .sm90 import sparse_decode as mod
-            cfg = mod.Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
-                                             accum_dtype=sm90_accum_dtype(arch) if split else "float32")
-        else:
-            from .sm100 import sparse_decode as mod
-            cfg = mod.Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink)
+        mod = kernel_module(arch)
+        cfg = mod.kernel_config(h_q=h_q, d_qk=V32.d_qk, split=split, has_topk_length=has_topk_length,
+                                has_attn_sink=has_attn_sink)
         return mod.compile_sparse_decode(cfg, dump_dir=out_dir)
     if name == "combine":
-        from . import combine as mod
-        cfg = mod.combine_config(arch=arch, h_q=h_q, has_attn_sink=has_attn_sink, num_sm_parts=132,
-                                 accum_dtype=sm90_accum_dtype(arch))
+        from ..kernels import combine as mod
+        cfg = mod.combine_config(arch=arch, h_q=h_q, has_attn_sink=has_attn_sink, num_sm_parts=spec.default_num_sms,
+                                 accum_dtype=spec.accum_dtype)
         return mod.compile_combine(cfg, dump_dir=out_dir)
     if name == "scheduler":
         from ..scheduler import device as mod
@@ -49,9 +48,7 @@ def resource_lines(cubin: str) -> List[str]:
 
 def compile_to_dir(name: str, arch: str, out_dir: str, *, h_q: int = 64, split: bool = False,
                    has_topk_length: bool = False, has_attn_sink: bool = False) -> List[str]:
-    from .compile import check_arch
-
-    check_arch(arch)
+    archs.check_arch(arch)
     if name not in KERNELS:
         raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
     os.makedirs(out_dir, exist_ok=True)

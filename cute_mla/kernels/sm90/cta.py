@@ -78,7 +78,6 @@ def shared_storage():
         # Per K buffer: 64-bit token mask + last-tile-of-request flag (producer -> consumers).
         tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
         scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
-        help_flag: cute.struct.MemRange[Int32, 1]
         row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
         ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]  # compacted indices
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.q_elems], 1024]
