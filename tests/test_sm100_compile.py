@@ -16,8 +16,8 @@ cute = pytest.importorskip("cutlass.cute")
 import cutlass  # noqa: E402
 from cutlass.cute.nvgpu import tcgen05  # noqa: E402
 
-from cute_mla.kernels.compile import CompiledKernel, compile_options  # noqa: E402
-from cute_mla.kernels.inspect import find_tool, read_ptx, resource_usage, tensor_map_params  # noqa: E402
+from cute_mla.dsl.compile import CompiledKernel, compile_options  # noqa: E402
+from cute_mla.playground.inspect import find_tool, read_ptx, resource_usage, tensor_map_params  # noqa: E402
 from cute_mla.kernels.sm100 import sparse_decode as sd  # noqa: E402
 from cute_mla.kernels.sm100.sparse_decode import (  # noqa: E402
     SMEM_LIMIT,
@@ -273,8 +273,12 @@ def test_softmax_thread_owns_its_tmem_lane(facts):
 def test_config_validation():
     with pytest.raises(ValueError, match="h_q"):
         Sm100SparseDecodeConfig(h_q=32, split=False, has_topk_length=False, has_attn_sink=False)
-    with pytest.raises(ValueError, match="d_qk"):
+    with pytest.raises(NotImplementedError, match="d_qk"):
         Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=512)
+    with pytest.raises(ValueError, match="column_pair"):
+        sd.kernel_config(h_q=64, d_qk=576, split=True, has_topk_length=False, has_attn_sink=False, column_pair=True)
+    with pytest.raises(ValueError, match="tuning"):
+        sd.kernel_config(h_q=64, d_qk=576, split=True, has_topk_length=False, has_attn_sink=False, tuning=object())
     with pytest.raises(ValueError, match="arch"):
         Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, arch="sm_90a")
 
@@ -310,10 +314,12 @@ def test_launcher_rejects_what_the_kernel_cannot_take():
     lse = torch.zeros(b, s_q, 64)
 
     def call(**kw):
-        a = dict(q=q, kv=kv, indices=idx, topk_length=None, attn_sink=None, tile_md=tile_md, num_splits=ns, out=out,
-                 lse=lse, o_accum=None, lse_accum=None, softmax_scale=0.1)
+        from cute_mla.kernels import DecodeTensors
+
+        a = dict(q=q, kv=kv, indices=idx, topk_length=None, attn_sink=None, tile_md=tile_md, accum_offsets=ns, out=out,
+                 lse=lse, o_accum=None, lse_accum=None)
         a.update(kw)
-        launch_sparse_decode(dummy, cfg, **a)
+        launch_sparse_decode(dummy, cfg, DecodeTensors(**a), 0.1)
 
     with pytest.raises(ValueError, match="has_attn_sink"):
         call(attn_sink=torch.zeros(64))

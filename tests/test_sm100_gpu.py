@@ -4,7 +4,7 @@ NOT RUN YET: no Blackwell GPU was available when this was written. It is meant t
 compute-capability 10.x GPU (it skips elsewhere) and is the first thing to run there (see
 docs/sm100.md, "what to check first on real hardware").
 
-FlashMLA's sparse-decode sweep and tolerances (spec §7): h_q 64/128; (s_k, topk, page_block_size) in
+FlashMLA's sparse-decode sweep and tolerances: h_q 64/128; (s_k, topk, page_block_size) in
 {(512,64,2), (512,64,64), (1024,576,61), (2046,2048,64), (2046,2048,576)}; b in {4, 74, 321};
 s_q in {1, 3}; NaN bytes in every cache slot no valid index points at, -1 and out-of-range indices,
 one all-invalid row, sinks with +inf/-inf, with and without topk_length (0 included), power-of-two
@@ -24,6 +24,7 @@ import sys
 import pytest
 import torch
 
+from cute_mla.kernels import DecodeTensors
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.scheduler import accum_offsets, blocks_per_request, num_sm_parts, per_request_rows, plan_splits_host
 from cute_mla.scheduler.partition import HostSchedule
@@ -76,8 +77,8 @@ def run_kernel(inp, split):
         rows = max(sched.split_rows, 1)
         o_acc = torch.full((rows, s_q, h_q, 512), float("nan"), dtype=torch.float32, device=dev)
         lse_acc = torch.full((rows, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
-    launch_sparse_decode(compiled, cfg, q, kv, inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets,
-                         out, lse, o_acc, lse_acc, inp.softmax_scale)
+    t = DecodeTensors(q, kv, inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets, out, lse, o_acc, lse_acc)
+    launch_sparse_decode(compiled, cfg, t, inp.softmax_scale)
     torch.cuda.synchronize()
     out = out.float()
     if split:
@@ -183,7 +184,8 @@ def bench(b, s_q, h_q, topk, num_tokens, iters=20):
     lse_acc = torch.empty(rows, s_q, h_q, dtype=torch.float32, device=dev) if split else None
 
     def go():
-        launch_sparse_decode(compiled, cfg, q, kv, idx, None, None, tile_md, offsets, out, lse, o_acc, lse_acc, 576 ** -0.5)
+        launch_sparse_decode(compiled, cfg, DecodeTensors(q, kv, idx, None, None, tile_md, offsets, out, lse, o_acc, lse_acc),
+                             576 ** -0.5)
 
     t = median_event_us(go, iters)
     tokens = b * s_q * topk

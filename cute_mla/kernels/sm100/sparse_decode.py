@@ -1,4 +1,4 @@
-"""SM100 (Blackwell, sm_100a) sparse MLA decode main kernel for the DeepSeek V3.2 FP8 cache (656-B rows).
+"""SM100 (Blackwell, sm_100a) sparse MLA decode main kernel for the DeepSeek V3.2 FP8 cache.
 
 NOT RUN ON HARDWARE. No Blackwell GPU was available while this was written: it is verified by CPU
 compile tests (PTX checks, layout and budget asserts) only. ``tests/test_sm100_gpu.py`` is the test
@@ -9,7 +9,7 @@ the partition's requests and, inside each request, the 32-token tiles of its top
 64-token scheduler block = two tiles). h_q = 128 runs two 64-head CTAs side by side in grid x
 (FlashMLA's head64x2, in one launch).
 
-Warp roles (12 warps, 384 threads, one CTA per SM; FlashMLA SM100 head64 in spirit, §6.2):
+Warp roles (12 warps, 384 threads, one CTA per SM; in the spirit of FlashMLA's SM100 head64 kernel):
 
 * warps 0-3 ``SOFTMAX`` (warpgroup 0): reads S from tensor memory, masks invalid tokens, online
   softmax in the log2 domain with FlashMLA's lazy rescale (O is rescaled in TMEM only when a row
@@ -20,9 +20,9 @@ Warp roles (12 warps, 384 threads, one CTA per SM; FlashMLA SM100 head64 in spir
 * warp 8 ``MMA``: issues every tcgen05.mma (QK: M=64 heads, N=32 tokens, K=576; PV: two M=64
   N=256 K=32 halves of O) and the tcgen05.commits that release buffers. Also allocates TMEM.
 * warp 9 ``GATHER``: TMA. Q (regular tiled TMA, 9 SW128 boxes) once per request; per tile two
-  ``tile::gather4`` streams over the cache seen as a 2-D table of 656-B rows: the raw NoPE+scale
+  ``tile::gather4`` streams over the cache seen as a 2-D table of V3.2 rows: the raw NoPE+scale
   bytes (8 x 4 rows x 544 B) and the bf16 RoPE straight into its MMA-ready SW128 tile (8 x 4 x 128 B).
-* warp 10 ``INDEX``: indices -> TMA row coordinates (``block * stride0/656 + row``, -1 for an
+* warp 10 ``INDEX``: indices -> TMA row coordinates (``block * stride0/row_bytes + row``, -1 for an
   invalid token so the TMA zero-fills it) + a 32-bit valid mask per tile.
 * warp 11: spare (keeps the three warpgroups whole for setmaxnreg).
 
@@ -58,7 +58,7 @@ import functools
 import math
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -68,7 +68,8 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-from ..compat import (
+from ... import archs
+from ...dsl.compat import (
     OperandMajorMode,
     SmemAllocator,
     TmemAllocator,
@@ -77,7 +78,10 @@ from ..compat import (
     tcgen05_fence_after_thread_sync,
     tcgen05_fence_before_thread_sync,
 )
-from ..compile import CompiledKernel, compile_cached, compile_options
+from ...dsl.compile import CompiledKernel, compile_cached, compile_options
+from ...formats import V32, KVCacheFormat, format_for_d_qk
+from ...scheduler.partition import BLOCK_TOPK, SCHED_ROW_INTS, SchedField, blocks_of_length
+from .. import DecodeTensors
 from . import ptx
 
 LOG2E = math.log2(math.e)
@@ -97,17 +101,20 @@ class Sm100SparseDecodeConfig:
     split: bool  # True: takes o_accum / lse_accum (+ their TMA map); False: no accumulator at all
     has_topk_length: bool
     has_attn_sink: bool
-    d_qk: int = 576
-    d_v: int = 512
-    arch: str = "sm_100a"
+    d_qk: int = V32.d_qk
+    arch: str = archs.SM100.name
 
     def __post_init__(self):
         if self.h_q not in (64, 128):
             raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
-        if (self.d_qk, self.d_v) != (576, 512):
-            raise ValueError(f"(d_qk, d_v): got {(self.d_qk, self.d_v)}, accepted: (576, 512) (V3.2 cache)")
-        if self.arch != "sm_100a":
-            raise ValueError(f"arch: got {self.arch!r}, accepted: 'sm_100a'")
+        if format_for_d_qk(self.d_qk) is not TILE.fmt:
+            raise ValueError(f"d_qk: got {self.d_qk}, accepted: {TILE.d_qk} ({TILE.fmt.name} cache)")
+        if self.arch != archs.SM100.name:
+            raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM100.name!r}")
+
+    @property
+    def d_v(self) -> int:
+        return TILE.d_v
 
     @property
     def head_groups(self) -> int:
@@ -116,6 +123,18 @@ class Sm100SparseDecodeConfig:
     @property
     def cache_key(self):
         return ("sm100_sparse_decode", self)
+
+
+def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
+                  column_pair: bool = False, tuning=None) -> "Sm100SparseDecodeConfig":
+    """The config of the kernel a plan names (the launcher's call). SM100 has no column pair and no
+    variant knobs yet."""
+    if column_pair:
+        raise ValueError("column_pair: got True, accepted: False (an SM90 plan's choice; the SM100 kernel has none)")
+    if tuning is not None:
+        raise ValueError(f"tuning: got {tuning!r}, accepted: None (the SM100 kernel has no variant knobs yet)")
+    return Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
+                                   d_qk=d_qk)
 
 
 class Warp(IntEnum):
@@ -178,22 +197,44 @@ class Bar(IntEnum):
 
 @dataclass(frozen=True)
 class Tile:
-    """Tile geometry (all compile-time)."""
+    """Tile geometry (all compile-time). The row layout comes from the cache format."""
 
+    fmt: KVCacheFormat = V32
     heads: int = 64  # M of both MMAs: query heads per CTA
     tokens: int = 32  # tokens per K tile: N of QK, K of PV
-    sched_block: int = 64  # tokens per scheduler block (spec §4): two tiles
-    d_qk: int = 576
-    d_v: int = 512
-    d_nope: int = 512
-    d_rope: int = 64
+    sched_block: int = BLOCK_TOPK  # tokens per scheduler block: two tiles
     chunk: int = 64  # bf16 dims per 128-B swizzle row
-    row_bytes: int = 656  # V3.2 cache row
-    scale_offset: int = 512
-    rope_offset: int = 528
     # Gathered raw bytes per token: NoPE (512) + scales (16) + 16 bytes of RoPE nobody reads, so a
     # gather4 box (4 rows) is 2,176 B and every box lands 128-B aligned in shared memory.
     raw_row_bytes: int = 544
+
+    @property
+    def d_qk(self) -> int:
+        return self.fmt.d_qk
+
+    @property
+    def d_v(self) -> int:
+        return self.fmt.d_v
+
+    @property
+    def d_nope(self) -> int:
+        return self.fmt.d_nope
+
+    @property
+    def d_rope(self) -> int:
+        return self.fmt.d_rope
+
+    @property
+    def row_bytes(self) -> int:
+        return self.fmt.row_bytes
+
+    @property
+    def scale_offset(self) -> int:
+        return self.fmt.scale_offset
+
+    @property
+    def rope_offset(self) -> int:
+        return self.fmt.rope_offset
     epi_cols: int = 32  # O columns per thread per epilogue step (one tcgen05.ld 32x32b.x32)
 
     @property
@@ -270,6 +311,8 @@ LAZY_RESCALE_LOG2 = 6.0  # FlashMLA's threshold: P may grow to 2^6 in bf16 befor
 MAX_INIT = -1.0e30  # finite running-max start: never (-inf) - (-inf)
 
 assert TMEM.used(STAGES.s) <= TMEM.alloc <= TMEM_COLUMNS
+# a gathered raw row holds the NoPE bytes and the scales, and four of them fill whole 128-B lines
+assert TILE.rope_offset <= TILE.raw_row_bytes <= TILE.row_bytes and (4 * TILE.raw_row_bytes) % 128 == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,6 +433,77 @@ def tmem_columns(cfg: Sm100SparseDecodeConfig) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# The bundles the roles take (built once in the kernel entry; Python objects, inlined at trace time)
+# --------------------------------------------------------------------------------------------------
+
+
+class Gmem(NamedTuple):
+    """Global tensors and the TMA atoms that read or write them, and the launch's scalars."""
+
+    tma_q: cute.CopyAtom
+    mQ: cute.Tensor
+    tma_nope: cute.CopyAtom        # gather4 of the raw NoPE + scale bytes of a row
+    mNope: cute.Tensor
+    tma_rope: cute.CopyAtom        # gather4 of the bf16 RoPE of a row, straight into its MMA tile
+    mRope: cute.Tensor
+    tma_out: cute.CopyAtom
+    mOut: cute.Tensor
+    tma_oacc: Optional[cute.CopyAtom]
+    mOAcc: Optional[cute.Tensor]
+    mKV: cute.Tensor
+    mIdx: cute.Tensor
+    mTopkLen: Optional[cute.Tensor]
+    mSink: Optional[cute.Tensor]
+    mAccumOffsets: cute.Tensor     # (b+1,): request r's split pieces own rows [off[r], off[r+1])
+    mLse: cute.Tensor
+    mLseAcc: Optional[cute.Tensor]
+    rows_per_block: Int32          # stride(0) / row bytes: the cache seen as a table of rows
+    scale_log2: Float32
+
+
+class Smem(NamedTuple):
+    """The shared-storage struct and the tensors over it."""
+
+    storage: object
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sRope: cute.Tensor
+    sP: cute.Tensor
+    sV: cute.Tensor
+    sCoord: cute.Tensor
+    sValid: cute.Tensor
+
+
+class Pipes(NamedTuple):
+    """The CTA's pipelines (producer -> consumer tables in the module docstring)."""
+
+    index: object
+    q: object
+    raw: object
+    rope: object
+    kbuf: object
+    s: object
+    p: object
+
+
+class Boxes(NamedTuple):
+    """The shared-memory views the TMA copies see."""
+
+    raw_layout: cute.Layout
+    rope_tma_layout: cute.ComposedLayout
+    out_box_layout: cute.ComposedLayout
+    oacc_box_layout: cute.ComposedLayout
+
+
+class Cta(NamedTuple):
+    """This CTA's partition row, query token and head group."""
+
+    sched: object      # _Sched
+    s_idx: Int32
+    hg: Int32
+
+
+# --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
 
@@ -401,27 +515,27 @@ class Sm100SparseDecodeKernel:
 
     # ------------------------------------------------------------------------------ host side
     @cute.jit
-    def host_no_split(self, q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse,
+    def host_no_split(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
                       softmax_scale: Float32, stream):
-        self._host(q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, None, None,
+        self._host(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, None, None,
                    softmax_scale, stream)
 
     @cute.jit
-    def host_split(self, q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum,
+    def host_split(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum,
                    lse_accum, softmax_scale: Float32, stream):
-        self._host(q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse, o_accum, lse_accum,
+        self._host(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum,
                    softmax_scale, stream)
 
     @cute.jit
     def _host(
         self,
         q: cute.Tensor,  # (b, s_q, h_q, 576) bf16
-        kv: cute.Tensor,  # (num_blocks, page_block_size, 656) uint8, stride(0) % 656 == 0
+        kv: cute.Tensor,  # (num_blocks, page_block_size, row bytes) uint8, stride(0) a multiple of the row bytes
         indices: cute.Tensor,  # (b, s_q, topk) int32
         topk_length: Optional[cute.Tensor],  # (b,) int32
         attn_sink: Optional[cute.Tensor],  # (h_q,) fp32
         tile_md: cute.Tensor,  # (P, 8) int32
-        num_splits: cute.Tensor,  # (b+1,) int32: accumulator row offsets
+        accum_offsets: cute.Tensor,  # (b+1,) int32: accumulator row offsets
         out: cute.Tensor,  # (b, s_q, h_q, 512) bf16
         lse: cute.Tensor,  # (b, s_q, h_q) fp32
         o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) fp32
@@ -446,7 +560,7 @@ class Sm100SparseDecodeKernel:
             cpasync.CopyBulkTensorTileG2SOp(cta), q_t, cute.select(q_layout, mode=[0, 1, 2]),
             (TILE.heads, TILE.tokens, TILE.d_qk), qk_mma,
         )
-        # The cache as a 2-D table of 656-B rows: row = block * (stride0 / 656) + row_in_block.
+        # The cache as a 2-D table of rows: row = block * (stride0 / row bytes) + row_in_block.
         rows_per_block = Int32(kv.stride[0] // TILE.row_bytes)
         num_rows = kv.shape[0] * rows_per_block
         nope_t = cute.make_tensor(
@@ -495,7 +609,7 @@ class Sm100SparseDecodeKernel:
         self.kernel(
             qk_mma, pv_mma,
             tma_q, q_tma, tma_nope, nope_tma, tma_rope, rope_tma, tma_out, out_tma, tma_oacc, oacc_tma,
-            kv, indices, topk_length, attn_sink, tile_md, num_splits, lse, lse_accum,
+            kv, indices, topk_length, attn_sink, tile_md, accum_offsets, lse, lse_accum,
             rows_per_block, scale_log2,
             q_layout, k_layout, rope_layout, p_layout, L["v_outer"], L["v_swizzle"], rope_tma_layout, out_box_layout,
             oacc_box_layout, raw_layout,
@@ -522,7 +636,7 @@ class Sm100SparseDecodeKernel:
         mTopkLen: Optional[cute.Tensor],
         mSink: Optional[cute.Tensor],
         mTileMd: cute.Tensor,
-        mNumSplits: cute.Tensor,
+        mAccumOffsets: cute.Tensor,
         mLse: cute.Tensor,
         mLseAcc: Optional[cute.Tensor],
         rows_per_block: Int32,
@@ -629,48 +743,52 @@ class Sm100SparseDecodeKernel:
         sCoord = storage.coord.get_tensor(cute.make_layout(STAGES.index * TILE.tokens))
         sValid = storage.valid.get_tensor(cute.make_layout(STAGES.index))
 
+        g = Gmem(tma_q, mQ, tma_nope, mNope, tma_rope, mRope, tma_out, mOut, tma_oacc, mOAcc, mKV, mIdx, mTopkLen, mSink,
+                 mAccumOffsets, mLse, mLseAcc, rows_per_block, scale_log2)
+        sm = Smem(storage, sQ, sK, sRope, sP, sV, sCoord, sValid)
+        pipes = Pipes(idx_pipe, q_pipe, raw_pipe, rope_pipe, k_pipe, s_pipe, p_pipe)
+        boxes = Boxes(raw_layout, rope_tma_layout, out_box_layout, oacc_box_layout)
+
         # The partition (scheduler row) is read by each role after its setmaxnreg, so that nothing
         # computed here stays live across the register reconfiguration (ptxas would spill it).
         if warp >= Warp.MMA:
             setmaxregister_decrease(REGS.producers)
-            sched = _Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2])
+            cta = Cta(_Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2]), s_idx, hg)
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 tmem.relinquish_alloc_permit()
-                self.mma_role(sched, mTopkLen, qk_mma, pv_mma, sQ, sK, sRope, sP, sV, tmem_ptr,
-                              q_pipe, rope_pipe, k_pipe, s_pipe, p_pipe)
+                self.mma_role(cta, g, sm, pipes, qk_mma, pv_mma, tmem_ptr)
                 # Every tcgen05 op has completed once the softmax warpgroup (which waits for the
                 # last PV and reads O last) reaches this barrier.
                 cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
                 tmem.free(tmem_ptr)
             if warp == Warp.GATHER:
-                self.gather_role(sched, mTopkLen, s_idx, hg, qk_mma, tma_q, mQ, sQ, tma_nope, mNope, tma_rope, mRope,
-                                 storage, raw_layout, rope_tma_layout, q_pipe, idx_pipe, raw_pipe, rope_pipe)
+                self.gather_role(cta, g, sm, pipes, qk_mma, boxes)
             if warp == Warp.INDEX:
-                self.index_role(sched, mTopkLen, s_idx, mIdx, mKV, rows_per_block, sCoord, sValid, idx_pipe)
+                self.index_role(cta, g, sm, pipes)
         elif warp >= Warp.DEQUANT:
             if cutlass.const_expr(REGS.dequant > REGS.entry):
                 setmaxregister_increase(REGS.dequant)
             if cutlass.const_expr(REGS.dequant < REGS.entry):
                 setmaxregister_decrease(REGS.dequant)
-            sched = _Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2])
-            self.dequant_role(sched, mTopkLen, storage, raw_pipe, k_pipe)
+            cta = Cta(_Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2]), s_idx, hg)
+            self.dequant_role(cta, g, sm, pipes)
         else:
             setmaxregister_increase(REGS.softmax)
-            sched = _Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2])
+            cta = Cta(_Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2]), s_idx, hg)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.softmax_role(sched, mTopkLen, s_idx, hg, tmem_ptr, sValid, storage, idx_pipe, s_pipe, p_pipe,
-                              tma_out, mOut, tma_oacc, mOAcc, out_box_layout, oacc_box_layout,
-                              mNumSplits, mLse, mLseAcc, mSink, scale_log2)
+            self.softmax_role(cta, g, sm, pipes, boxes, tmem_ptr)
             cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
 
     # ------------------------------------------------------------------------------ INDEX warp
     @cute.jit
-    def index_role(self, sched, mTopkLen, s_idx: Int32, mIdx: cute.Tensor, mKV: cute.Tensor, rows_per_block: Int32,
-                   sCoord: cute.Tensor, sValid: cute.Tensor, idx_pipe):
+    def index_role(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes"):
         """indices -> TMA row coordinates (-1 = zero-fill) and a 32-bit valid mask, one tile per stage."""
+        sched, s_idx, _ = cta
+        mTopkLen, mIdx, mKV, rows_per_block = g.mTopkLen, g.mIdx, g.mKV, g.rows_per_block
+        sCoord, sValid, idx_pipe = smem.sCoord, smem.sValid, pipes.index
         lane = cute.arch.lane_idx()
         page = mKV.shape[1]
         num_tokens = mKV.shape[0] * page
@@ -693,11 +811,13 @@ class Sm100SparseDecodeKernel:
 
     # ------------------------------------------------------------------------------ GATHER warp
     @cute.jit
-    def gather_role(self, sched, mTopkLen, s_idx: Int32, hg: Int32, qk_mma: cute.TiledMma, tma_q: cute.CopyAtom,
-                    mQ: cute.Tensor, sQ: cute.Tensor, tma_nope: cute.CopyAtom, mNope: cute.Tensor,
-                    tma_rope: cute.CopyAtom, mRope: cute.Tensor, storage, raw_layout: cute.Layout,
-                    rope_tma_layout: cute.ComposedLayout, q_pipe, idx_pipe, raw_pipe, rope_pipe):
+    def gather_role(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes", qk_mma: cute.TiledMma,
+                    boxes: "Boxes"):
         """TMA: Q once per request; per tile the raw NoPE+scale rows and the RoPE rows by gather4."""
+        sched, s_idx, hg = cta
+        mTopkLen, tma_q, mQ, tma_nope, mNope, tma_rope, mRope = g.mTopkLen, g.tma_q, g.mQ, g.tma_nope, g.mNope, g.tma_rope, g.mRope
+        sQ, storage, raw_layout, rope_tma_layout = smem.sQ, smem.storage, boxes.raw_layout, boxes.rope_tma_layout
+        q_pipe, idx_pipe, raw_pipe, rope_pipe = pipes.q, pipes.index, pipes.raw, pipes.rope
         thr_mma = qk_mma.get_slice(0)
         coord_ptr = storage.coord.data_ptr()
         raw_ptr = storage.sRaw.data_ptr()
@@ -749,9 +869,10 @@ class Sm100SparseDecodeKernel:
 
     # ------------------------------------------------------------------------------ DEQUANT warpgroup
     @cute.jit
-    def dequant_role(self, sched, mTopkLen, storage, raw_pipe, k_pipe):
+    def dequant_role(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes"):
         """Raw fp8 rows -> bf16 K tile. Lane = token, warp w of the group = dims [128 w, 128 w + 128)
         (exactly one fp32 scale). Reads are conflict-free 16-B loads; writes follow SW128."""
+        sched, mTopkLen, storage, raw_pipe, k_pipe = cta.sched, g.mTopkLen, smem.storage, pipes.raw, pipes.kbuf
         lane = cute.arch.lane_idx()
         dw = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - Warp.DEQUANT
         raw_base = ptx.smem_addr(storage.sRaw.data_ptr())
@@ -768,7 +889,7 @@ class Sm100SparseDecodeKernel:
                     v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
                     for e in cutlass.range_constexpr(4):
                         words[4 * k + e] = ptx.vec_elem(v, e)
-                scale = ptx.bits_f32(ptx.ld_shared_b32(row + TILE.scale_offset + dw * 4))
+                scale_bits = ptx.ld_shared_b32(row + TILE.scale_offset + dw * 4)
                 # Invalid tokens were zero-filled by the TMA (coordinate -1): scale 0, fp8 0 -> K = 0.
                 cute.arch.sync_warp()
                 raw_pipe.consumer_release(g_state)
@@ -779,7 +900,7 @@ class Sm100SparseDecodeKernel:
                 for k in cutlass.range_constexpr(8):  # 16 dims = 4 words = two 16-B chunks per step
                     out = []
                     for e in cutlass.range_constexpr(4):
-                        lo, hi = ptx.fp8x4_to_bf16x4_scaled(words[4 * k + e], scale)
+                        lo, hi = TILE.fmt.dequant.exact(words[4 * k + e], scale_bits)
                         out.append(lo)
                         out.append(hi)
                     d = 128 * dw + 16 * k
@@ -792,11 +913,13 @@ class Sm100SparseDecodeKernel:
 
     # ------------------------------------------------------------------------------ MMA warp
     @cute.jit
-    def mma_role(self, sched, mTopkLen, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor,
-                 sRope: cute.Tensor, sP: cute.Tensor, sV: cute.Tensor, tmem_ptr, q_pipe, rope_pipe, k_pipe,
-                 s_pipe, p_pipe):
+    def mma_role(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes", qk_mma: cute.TiledMma,
+                 pv_mma: cute.TiledMma, tmem_ptr):
         """QK(i) is issued before PV(i-1), so the tensor core computes the next S while the softmax
         warpgroup works on the current one (two S stages in TMEM)."""
+        sched, mTopkLen = cta.sched, g.mTopkLen
+        sQ, sK, sRope, sP, sV = smem.sQ, smem.sK, smem.sRope, smem.sP, smem.sV
+        q_pipe, rope_pipe, k_pipe, s_pipe, p_pipe = pipes.q, pipes.rope, pipes.kbuf, pipes.s, pipes.p
         tCrQ = qk_mma.make_fragment_A(sQ)  # (MMA, 1, 36, 1)
         tCrK = qk_mma.make_fragment_B(sK)  # (MMA, 1, 32, kbuf)
         tCrR = qk_mma.make_fragment_B(sRope)  # (MMA, 1, 4, gather)
@@ -871,12 +994,14 @@ class Sm100SparseDecodeKernel:
 
     # ------------------------------------------------------------------------------ SOFTMAX warpgroup
     @cute.jit
-    def softmax_role(self, sched, mTopkLen, s_idx: Int32, hg: Int32, tmem_ptr, sValid: cute.Tensor, storage, idx_pipe, s_pipe,
-                     p_pipe, tma_out: cute.CopyAtom, mOut: cute.Tensor, tma_oacc, mOAcc, out_box_layout,
-                     oacc_box_layout, mNumSplits: cute.Tensor, mLse: cute.Tensor, mLseAcc, mSink, scale_log2: Float32):
+    def softmax_role(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes", boxes: "Boxes", tmem_ptr):
         """Thread (warp w, lane l) owns TMEM lane 32 w + l: row r = 16 w + l % 16 of S (lanes < 16)
         and of O, dims 256 (l // 16) + [0, 256). Row statistics live in lane l % 16; lanes >= 16
         fetch them by shuffle."""
+        sched, s_idx, hg = cta
+        mTopkLen, scale_log2 = g.mTopkLen, g.scale_log2
+        sValid, storage = smem.sValid, smem.storage
+        idx_pipe, s_pipe, p_pipe = pipes.index, pipes.s, pipes.p
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         wq = tidx // 32
@@ -968,17 +1093,18 @@ class Sm100SparseDecodeKernel:
             # ---- epilogue: wait for the last PV (same phase the next request's first P waits on)
             p_pipe.producer_acquire(p_state)
             tcgen05_fence_after_thread_sync()
-            self.epilogue(sched, req, s_idx, hg, row, upper, src_lane, m_run, l_run, ld_copy, tL, rO, epi_base,
-                          tma_out, mOut, tma_oacc, mOAcc, out_box_layout, oacc_box_layout, storage, mNumSplits, mLse,
-                          mLseAcc, mSink)
+            self.epilogue(cta, g, smem, boxes, req, row, upper, src_lane, m_run, l_run, (ld_copy, tL, rO), epi_base)
 
     @cute.jit
-    def epilogue(self, sched, req: Int32, s_idx: Int32, hg: Int32, row: Int32, upper, src_lane: Int32, m_run: Float32,
-                 l_run: Float32, ld_copy, tL: cute.Tensor, rO: cute.Tensor, epi_base: Int32, tma_out: cute.CopyAtom,
-                 mOut: cute.Tensor, tma_oacc, mOAcc, out_box_layout, oacc_box_layout, storage, mNumSplits: cute.Tensor,
-                 mLse: cute.Tensor, mLseAcc, mSink):
+    def epilogue(self, cta: "Cta", g: "Gmem", smem: "Smem", boxes: "Boxes", req: Int32, row: Int32, upper,
+                 src_lane: Int32, m_run: Float32, l_run: Float32, tmem_io, epi_base: Int32):
         """O / L (+ sink) -> bf16 ``out`` and natural-log ``lse``, or (split piece) fp32 O / L ->
         ``o_accum`` and base-2 ``lse_accum``. O leaves through TMA stores of 64 x 32 boxes."""
+        sched, s_idx, hg = cta
+        ld_copy, tL, rO = tmem_io
+        tma_out, mOut, tma_oacc, mOAcc = g.tma_out, g.mOut, g.tma_oacc, g.mOAcc
+        mAccumOffsets, mLse, mLseAcc, mSink = g.mAccumOffsets, g.mLse, g.mLseAcc, g.mSink
+        out_box_layout, oacc_box_layout, storage = boxes.out_box_layout, boxes.oacc_box_layout, smem.storage
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == Warp.SOFTMAX
@@ -1033,7 +1159,7 @@ class Sm100SparseDecodeKernel:
                     dchunk = (h * TILE.half_v) // TILE.epi_cols + c
                     if is_split:
                         if cutlass.const_expr(self.cfg.split):
-                            acc_row = sched.split_row(req, mNumSplits)
+                            acc_row = sched.split_row(req, mAccumOffsets)
                             sBox = cute.make_tensor(
                                 cute.recast_ptr(storage.sEpi.data_ptr() + h * (TILE.heads * TILE.epi_cols * 4),
                                                 oacc_box_layout.inner, dtype=Float32),
@@ -1060,13 +1186,13 @@ class Sm100SparseDecodeKernel:
         if lane < 16:
             if is_split:
                 if cutlass.const_expr(self.cfg.split):
-                    mLseAcc[sched.split_row(req, mNumSplits), s_idx, head] = lse_val
+                    mLseAcc[sched.split_row(req, mAccumOffsets), s_idx, head] = lse_val
             else:
                 mLse[req, s_idx, head] = lse_val
 
 
 class _Sched:
-    """One scheduler row (spec §4.2) and the per-request tile ranges every role walks identically.
+    """One scheduler row (``SchedField``) and the per-request tile ranges every role walks identically.
 
     A plain bag of Int32 values that the DSL can carry through dynamic loops; the optional
     ``topk_length`` tensor is passed to :meth:`request_tiles` by the caller.
@@ -1081,11 +1207,12 @@ class _Sched:
 
     @staticmethod
     def load(mTileMd: cute.Tensor, part, batch, topk) -> "_Sched":
-        begin = mTileMd[part, 0]
+        F = SchedField
+        begin = mTileMd[part, F.BEGIN_REQ]
         # An empty trailing partition has begin_req == b: give it an empty request range.
-        end = cutlass.select_(begin < batch, mTileMd[part, 1], begin - 1)
-        return _Sched(Int32(batch), Int32(topk), begin, end, mTileMd[part, 2], mTileMd[part, 3], mTileMd[part, 4],
-                      mTileMd[part, 5], mTileMd[part, 6])
+        end = cutlass.select_(begin < batch, mTileMd[part, F.END_REQ], begin - 1)
+        return _Sched(Int32(batch), Int32(topk), begin, end, mTileMd[part, F.BEGIN_BLOCK], mTileMd[part, F.END_BLOCK],
+                      mTileMd[part, F.BEGIN_SPLIT], mTileMd[part, F.FIRST_REQ_SPLIT], mTileMd[part, F.LAST_REQ_SPLIT])
 
     def __extract_mlir_values__(self):
         return [Int32(getattr(self, n)).ir_value() for n in self._FIELDS]
@@ -1099,8 +1226,8 @@ class _Sched:
         topk_len = self.topk
         nblk = self.topk // TILE.sched_block
         if cutlass.const_expr(mTopkLen is not None):
-            topk_len = cutlass.min(cutlass.max(mTopkLen[req], Int32(0)), self.topk)
-            nblk = (cutlass.max(topk_len, Int32(1)) - 1) // TILE.sched_block + 1
+            # positions at or past topk_len are invalid (a negative length: all of them)
+            topk_len, nblk = blocks_of_length(mTopkLen[req], self.topk, cutlass.min, cutlass.max)
         start = cutlass.select_(req == self.begin_req, self.begin_blk, Int32(0))
         stop = cutlass.select_(req == self.end_req, self.end_blk, nblk)
         return start * TILE.tiles_per_block, stop * TILE.tiles_per_block, topk_len
@@ -1110,8 +1237,8 @@ class _Sched:
         return ((req == self.begin_req) & (self.first_split != 0)) | ((req == self.end_req) & (self.last_split != 0))
 
     @cute.jit
-    def split_row(self, req: Int32, mNumSplits: cute.Tensor):
-        return mNumSplits[req] + cutlass.select_(req == self.begin_req, self.begin_split, Int32(0))
+    def split_row(self, req: Int32, mAccumOffsets: cute.Tensor):
+        return mAccumOffsets[req] + cutlass.select_(req == self.begin_req, self.begin_split, Int32(0))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1129,11 +1256,11 @@ def _fake_args(cfg: Sm100SparseDecodeConfig):
     indices = make_fake_tensor(Int32, (b, s_q, topk), stride=(i64(1), i64(1), 1), assumed_align=4)
     topk_length = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4) if cfg.has_topk_length else None
     attn_sink = make_fake_tensor(Float32, (h,), stride=(1,), assumed_align=4) if cfg.has_attn_sink else None
-    tile_md = make_fake_tensor(Int32, (parts, 8), stride=(8, 1), assumed_align=16)
-    num_splits = make_fake_tensor(Int32, (b1,), stride=(1,), assumed_align=4)
+    tile_md = make_fake_tensor(Int32, (parts, SCHED_ROW_INTS), stride=(SCHED_ROW_INTS, 1), assumed_align=16)
+    accum_offsets = make_fake_tensor(Int32, (b1,), stride=(1,), assumed_align=4)
     out = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_v), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
     lse = make_fake_tensor(Float32, (b, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
-    args = [q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse]
+    args = [q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse]
     if cfg.split:
         o_accum = make_fake_tensor(Float32, (rows, s_q, h, cfg.d_v), stride=(i64(4), i64(4), i64(4), 1),
                                    assumed_align=16)
@@ -1161,44 +1288,52 @@ def compile_sparse_decode(cfg: Sm100SparseDecodeConfig, dump_dir: Optional[str] 
     return compile_cached(cfg.cache_key, build, dump_dir)
 
 
-def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm100SparseDecodeConfig, q, kv, indices, topk_length,
-                         attn_sink, tile_md, num_splits, out, lse, o_accum, lse_accum, softmax_scale: float) -> None:
+def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm100SparseDecodeConfig, t: DecodeTensors,
+                         softmax_scale: float) -> None:
     """Run the kernel on torch's current stream. No sync, no allocation.
 
-    ``num_splits`` is the accumulator row prefix sum the dispatcher hands over (split row =
-    ``num_splits[r] + begin_split_idx`` for the partition's first request). Shapes, dtypes, devices
-    and base alignment are checked by the compiled function itself (TVM-FFI names a bad argument);
-    checked here is what it cannot see.
+    ``t``: the launch's :class:`~cute_mla.kernels.DecodeTensors`; ``t.accum_offsets`` is the
+    accumulator row prefix sum (split row = ``accum_offsets[r] + begin_split_idx`` for the
+    partition's first request). Shapes, dtypes, devices and base alignment are checked by the
+    compiled function itself (TVM-FFI names a bad argument); checked here is what it cannot see.
     """
-    if cfg.has_topk_length != (topk_length is not None):
-        raise ValueError(f"sm100 sparse decode: compiled with has_topk_length={cfg.has_topk_length}, "
-                         f"got topk_length={'a tensor' if topk_length is not None else None}")
-    if cfg.has_attn_sink != (attn_sink is not None):
-        raise ValueError(f"sm100 sparse decode: compiled with has_attn_sink={cfg.has_attn_sink}, "
-                         f"got attn_sink={'a tensor' if attn_sink is not None else None}")
-    if cfg.split != (o_accum is not None) or cfg.split != (lse_accum is not None):
-        raise ValueError(f"sm100 sparse decode: the {'split' if cfg.split else 'no-split'} variant "
-                         f"{'needs' if cfg.split else 'takes no'} o_accum / lse_accum")
-    if kv.dim() != 3 or kv.stride(1) != TILE.row_bytes or kv.stride(2) != 1 or kv.stride(0) % TILE.row_bytes:
-        raise ValueError(f"sm100 sparse decode: kv must be (num_blocks, page_block_size, 656) uint8 with stride(1) == 656 "
-                         f"and stride(0) % 656 == 0 (a 2-D table of rows for the gather4 TMA), got strides {tuple(kv.stride())}")
-    if kv.shape[0] * (kv.stride(0) // TILE.row_bytes) >= 2**31:
-        raise ValueError("sm100 sparse decode: the cache has more than 2^31 - 1 rows of 656 bytes (TMA coordinates are int32)")
-    if indices.shape[-1] % TILE.sched_block:
-        raise ValueError(f"sm100 sparse decode: topk must be a multiple of {TILE.sched_block}, got {indices.shape[-1]}")
-    if tile_md.dim() != 2 or tile_md.shape[1] != 8 or not tile_md.is_contiguous():
-        raise ValueError(f"sm100 sparse decode: tile_md must be a contiguous (P, 8) int32 tensor, got {tuple(tile_md.shape)}")
-    if tile_md.shape[0] > 65535:
-        raise ValueError(f"sm100 sparse decode: {tile_md.shape[0]} partitions exceed grid.y (65535)")
-    for name, t in (("q", q), ("out", out)):
-        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]):
-            raise ValueError(f"sm100 sparse decode: {name} needs stride(-1) == 1 and other strides % 8 == 0 "
-                             f"(16-byte TMA strides), got {tuple(t.stride())}")
-    if lse.stride(-1) != 1 or indices.stride(-1) != 1:
-        raise ValueError("sm100 sparse decode: lse and indices need a contiguous last dim")
-    args = [q, kv, indices, topk_length, attn_sink, tile_md, num_splits, out, lse]
+    _check_launch(cfg, t)
+    args = [t.q, t.kv, t.indices, t.topk_length, t.attn_sink, t.tile_md, t.accum_offsets, t.out, t.lse]
     if cfg.split:
-        if o_accum.stride(-1) != 1 or any(st % 4 for st in o_accum.stride()[:-1]) or lse_accum.stride(-1) != 1:
-            raise ValueError("sm100 sparse decode: o_accum needs stride(-1) == 1 and 16-byte strides; lse_accum a contiguous last dim")
-        args += [o_accum, lse_accum]
+        args += [t.o_accum, t.lse_accum]
     compiled.fn(*args, float(softmax_scale))
+
+
+def _check_launch(cfg: Sm100SparseDecodeConfig, t: DecodeTensors) -> None:
+    what = "sm100 sparse decode"
+    if cfg.has_topk_length != (t.topk_length is not None):
+        raise ValueError(f"{what}: compiled with has_topk_length={cfg.has_topk_length}, "
+                         f"got topk_length={'a tensor' if t.topk_length is not None else None}")
+    if cfg.has_attn_sink != (t.attn_sink is not None):
+        raise ValueError(f"{what}: compiled with has_attn_sink={cfg.has_attn_sink}, "
+                         f"got attn_sink={'a tensor' if t.attn_sink is not None else None}")
+    if cfg.split != (t.o_accum is not None) or cfg.split != (t.lse_accum is not None):
+        raise ValueError(f"{what}: the {'split' if cfg.split else 'no-split'} variant "
+                         f"{'needs' if cfg.split else 'takes no'} o_accum / lse_accum")
+    kv, row = t.kv, TILE.row_bytes
+    if kv.dim() != 3 or kv.stride(1) != row or kv.stride(2) != 1 or kv.stride(0) % row:
+        raise ValueError(f"{what}: kv must be (num_blocks, page_block_size, {row}) uint8 with stride(1) == {row} "
+                         f"and stride(0) % {row} == 0 (a 2-D table of rows for the gather4 TMA), got strides {tuple(kv.stride())}")
+    if kv.shape[0] * (kv.stride(0) // row) >= 2**31:
+        raise ValueError(f"{what}: the cache has more than 2^31 - 1 rows of {row} bytes (TMA coordinates are int32)")
+    if t.indices.shape[-1] % TILE.sched_block:
+        raise ValueError(f"{what}: topk must be a multiple of {TILE.sched_block}, got {t.indices.shape[-1]}")
+    md = t.tile_md
+    if md.dim() != 2 or md.shape[1] != SCHED_ROW_INTS or not md.is_contiguous():
+        raise ValueError(f"{what}: tile_md must be a contiguous (P, {SCHED_ROW_INTS}) int32 tensor, got {tuple(md.shape)}")
+    if md.shape[0] > archs.MAX_GRID_Y:
+        raise ValueError(f"{what}: {md.shape[0]} partitions exceed grid.y ({archs.MAX_GRID_Y})")
+    for name, x in (("q", t.q), ("out", t.out)):
+        if x.stride(-1) != 1 or any(st % 8 for st in x.stride()[:-1]):
+            raise ValueError(f"{what}: {name} needs stride(-1) == 1 and other strides % 8 == 0 "
+                             f"(16-byte TMA strides), got {tuple(x.stride())}")
+    if t.lse.stride(-1) != 1 or t.indices.stride(-1) != 1:
+        raise ValueError(f"{what}: lse and indices need a contiguous last dim")
+    if cfg.split and (t.o_accum.stride(-1) != 1 or any(st % 4 for st in t.o_accum.stride()[:-1])
+                      or t.lse_accum.stride(-1) != 1):
+        raise ValueError(f"{what}: o_accum needs stride(-1) == 1 and 16-byte strides; lse_accum a contiguous last dim")
