@@ -1,15 +1,21 @@
-"""cute-mla vs FlashMLA (vLLM's build) on the H200 grid of the performance issue, in one run.
+"""cute-mla vs FlashMLA (vLLM's build) on the H200 benchmark grid, side by side in one run.
 
-Inputs as in ../shared/reference/peers-and-limits.md: V3.2 FP8 cache, page block 64, a pool of
-131072 tokens, top-k 2048 with 20% of the indices -1. FLOPs = 2*h*(576+512)*topk per query token.
+Inputs: V3.2 FP8 cache, page block 64, a pool of 131072 tokens, top-k 2048 with 20% of the indices
+-1. FLOPs = 2*h*(576+512)*topk per query token.
 Times: CUDA graph replay (median of per-replay events) and eager (median of events around a call).
 On the latency rows (b * s_q <= 8) also ``layer_us``: the per-call time in one graph of
 LAYER_CALLS calls (an engine captures every layer of a decode step in one graph, so a call there
-pays no graph launch of its own; a one-call graph's replay includes the host's graph launch, ~10 µs
-for a graph of one trivial kernel on the H200: latency_probe.py). Transient = peak allocation
-during one call beyond out and lse.
+pays no graph launch of its own; a one-call graph's replay includes the host's graph launch, 10-17
+µs for a graph of one trivial kernel on the H200). Transient = peak allocation during one call
+beyond out and lse.
 
-    python benchmarks/bench_sparse_decode.py [--rows all|quick|h128] [--json PATH] [--masked 0.2]
+    python -m benchmarks.bench_sparse_decode [--rows all|quick|h128|b,s_q,h;...] [--json PATH] [--masked 0.2]
+    python -m benchmarks.bench_sparse_decode --sustained 1,32768,64 [--seconds 4]
+
+``--sustained ROW``: each library runs the row back to back for ``--seconds`` (twice, alternating),
+with nvidia-smi's SM clock, power and temperature sampled every 100 ms: on the long rows both
+libraries sit at the card's power cap, where the one-shot grid's ratio depends on where each
+burst lands on the clock ramp.
 """
 
 from __future__ import annotations
@@ -21,13 +27,13 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import cute_mla  # noqa: E402
-from cute_mla.formats import quantize_v32  # noqa: E402
-from cute_mla.testing import transient_bytes  # noqa: E402
+import cute_mla
+from cute_mla.formats import V32, quantize_v32
+from cute_mla.testing import transient_bytes
 
 GRID = [(1, 1, 64), (1, 8, 64), (1, 128, 64), (1, 1024, 64), (1, 8192, 64), (1, 32768, 64),
         (1, 1, 128), (1, 8, 128), (1, 128, 128), (1, 1024, 128), (1, 8192, 128),
@@ -59,16 +65,16 @@ def parse_rows(text):
 
 
 def make_inputs(b, s_q, h, masked, g, topk=TOPK):
-    kv = (torch.randn(POOL, 576, device="cuda", generator=g) / 10).clamp(-1, 1)
-    cache = quantize_v32(kv).view(POOL // PAGE, PAGE, 1, 656)
-    q = torch.randn(b, s_q, h, 576, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
+    kv = (torch.randn(POOL, V32.d_qk, device="cuda", generator=g) / 10).clamp(-1, 1)
+    cache = quantize_v32(kv).view(POOL // PAGE, PAGE, 1, V32.row_bytes)
+    q = torch.randn(b, s_q, h, V32.d_qk, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
     idx = torch.randint(0, POOL, (b, s_q, topk), device="cuda", generator=g, dtype=torch.int32)
     idx[torch.rand(idx.shape, device="cuda", generator=g) < masked] = -1
     return q, cache, idx
 
 
 def call(mod, sched, q, cache, idx):
-    return mod.flash_mla_with_kvcache(q, cache, None, None, 512, sched, softmax_scale=576 ** -0.5,
+    return mod.flash_mla_with_kvcache(q, cache, None, None, V32.d_v, sched, softmax_scale=V32.d_qk ** -0.5,
                                       is_fp8_kvcache=True, indices=idx)
 
 
@@ -130,9 +136,7 @@ def replay_median_us(gr, n):
 
 def warm_up(seconds):
     """An idle H200 sits at 345 MHz; a row timed right after that measured up to 20 % slow (the
-    first row of the dc95e1d run: 19.3 µs vs 15.3-15.9 µs in warm runs)."""
-    import time
-
+    first row of a run: 19.3 µs vs 15.3-15.9 µs in warm runs)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     t0 = time.time()
     while time.time() - t0 < seconds:
@@ -141,17 +145,60 @@ def warm_up(seconds):
         torch.cuda.synchronize()
 
 
+def run_for(mod, q, cache, idx, seconds):
+    """(µs per call, mean SM MHz, mean W, mean C, min SM MHz) of ``mod`` running the row back to back."""
+    sched, _ = mod.get_mla_metadata()
+    call(mod, sched, q, cache, idx)
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+                            "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    n, t0 = 0, time.time()
+    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    while time.time() - t0 < seconds:
+        for _ in range(5):
+            call(mod, sched, q, cache, idx)
+        n += 5
+        torch.cuda.synchronize()
+    e.record()
+    torch.cuda.synchronize()
+    smi.terminate()
+    samples = [[float(v) for v in line.split(",")] for line in smi.stdout.read().splitlines() if line.strip()]
+    samples = samples[len(samples) // 4:]   # the ramp-up quarter left out
+    clk, pwr, tmp = (statistics.mean(r[i] for r in samples) for i in range(3))
+    return a.elapsed_time(e) * 1e3 / n, clk, pwr, tmp, min(r[0] for r in samples)
+
+
+def sustained(row, seconds):
+    b, s_q, h = parse_row(row)
+    q, cache, idx = make_inputs(b, s_q, h, 0.2, torch.Generator(device="cuda").manual_seed(0))
+    fm = flashmla()
+    mods = [("cute-mla", cute_mla)] + ([("FlashMLA", fm)] if fm else [])
+    print(f"{torch.cuda.get_device_name()}  row b={b} s_q={s_q} h={h}")
+    print(f"{'library':10} {'us/call':>10} {'SM MHz':>8} {'min MHz':>8} {'W':>6} {'C':>4}")
+    for _ in range(2):   # twice, alternating, so neither library always runs on a hotter card
+        for name, mod in mods:
+            us, clk, pwr, tmp, cmin = run_for(mod, q, cache, idx, seconds)
+            print(f"{name:10} {us:10.1f} {clk:8.0f} {cmin:8.0f} {pwr:6.0f} {tmp:4.0f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="all", choices=["all", "quick", "h128"])
+    ap.add_argument("--rows", default="all", help="all | quick | h128 | b,s_q,h;b,s_q,h;...")
     ap.add_argument("--masked", type=float, default=0.2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--warmup-s", type=float, default=2.0,
                     help="seconds of bf16 matmuls first, so the first row is not timed while the clocks ramp up")
+    ap.add_argument("--sustained", default=None, metavar="ROW", help="b,s_q,h: the power-cap probe instead of the grid")
+    ap.add_argument("--seconds", type=float, default=4.0)
     args = ap.parse_args()
+    if args.sustained:
+        warm_up(args.warmup_s)
+        return sustained(args.sustained, args.seconds)
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = {"all": GRID, "quick": QUICK, "h128": [r for r in GRID if r[2] == 128]}[args.rows]
+    named = {"all": GRID, "quick": QUICK, "h128": [r for r in GRID if r[2] == 128]}
+    rows = named[args.rows] if args.rows in named else parse_rows(args.rows)
     warm_up(args.warmup_s)
     # cute-mla's first row timed in a process measured slow (b=1 s_q=1 h=64 graph replay:
     # 19-32 µs where later rows or other scripts measured 15-16 µs; cause not found): time it
@@ -165,7 +212,7 @@ def main():
     results = []
     for (b, s_q, h) in rows:
         q, cache, idx = make_inputs(b, s_q, h, args.masked, g)
-        flop = 2 * h * (576 + 512) * TOPK * b * s_q
+        flop = 2 * h * (V32.d_qk + V32.d_v) * TOPK * b * s_q
         r = dict(b=b, s_q=s_q, h_q=h)
         try:
             ours, (oo, ol) = time_one(cute_mla, q, cache, idx)
@@ -195,7 +242,7 @@ def main():
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 commit=commit, torch=torch.__version__, masked=args.masked, pool=POOL, page_block_size=PAGE, topk=TOPK,
-                command="python benchmarks/bench_sparse_decode.py " + " ".join(sys.argv[1:]))
+                command="python -m benchmarks.bench_sparse_decode " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)

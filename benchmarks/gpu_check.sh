@@ -2,10 +2,8 @@
 # One whole GPU check in one device call: GPU tests, the demo, then the benchmark against FlashMLA.
 #   [TESTS="tests/x.py ..."] source .gpu/activate.sh && export PYTHONPATH=$PWD:$PYTHONPATH && CUTE_MLA_COMMIT=<sha> bash benchmarks/gpu_check.sh [TEST_TIMEOUT] [BENCH_ARGS...]
 # Logs and the results JSON go to $OUT (or ./artifacts). SKIP_BENCH=1: the tests only (no demo, no
-# benchmark). The four GPU test files took more than 400 s together at c421425 (NOTES.md, session
-# 2026-12-03 h): run them over two device calls, e.g.
-#   TESTS="tests/test_api_gpu.py tests/test_combine_gpu.py" SKIP_BENCH=1 bash benchmarks/gpu_check.sh 560
-#   TESTS="tests/test_sm90_gpu.py tests/test_scheduler_gpu.py" bash benchmarks/gpu_check.sh 330
+# benchmark). The SM90 GPU tests (tests/test_sm90_gpu.py, test_api_gpu.py, test_combine_gpu.py,
+# test_scheduler_gpu.py) took 211 s together on the H200; with the benchmark (~250 s) they fit one call.
 set -u
 OUT=${OUT:-artifacts}; mkdir -p "$OUT"
 T=${1:-330}; shift || true
@@ -16,4 +14,4 @@ if [ "${SKIP_BENCH:-0}" = 1 ]; then exit 0; fi
 echo "== demo"
 timeout 120 python3 -m cute_mla.cli demo 2>&1 | tee "$OUT/demo.log" | tail -14
 echo "== benchmark"
-timeout 300 python3 benchmarks/bench_sparse_decode.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -18
+timeout 300 python3 -m benchmarks.bench_sparse_decode --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -18

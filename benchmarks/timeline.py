@@ -1,0 +1,109 @@
+"""Where a CTA's cycles go: the SM90 kernel compiled with ``Sm90Tuning(timeline=True)`` writes a
+clock64 stamp per phase and warp group (``cute_mla.kernels.sm90.config.Stamp``) into a buffer;
+this prints, per phase, the cycles since kernel entry (median over the CTAs with work and the
+graph replays, and the max over CTAs).
+
+The kernel is launched the way the launcher would (the plan, its schedule, the plan's kernel
+config with the timeline variant), alone: a split plan's combine is not run (it does not change
+the decode kernel's stamps). Stamps of phases a CTA passes once per tile hold the last tile's time.
+
+    python -m benchmarks.timeline [--heads 64,128] [--s-q 1] [--topk 2048] [--replays 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+
+import cute_mla
+from cute_mla.archs import device_arch, device_num_sms
+from cute_mla.interface.launcher import allocate_workspace, kernel_module
+from cute_mla.kernels import DecodeTensors
+from cute_mla.kernels.sm90.config import Stamp
+from cute_mla.plan.schedule import make_schedule
+
+from benchmarks.bench_sparse_decode import capture_graph, make_inputs
+from benchmarks.variants import VARIANTS
+
+CASES = [(64, 1.0), (64, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
+ORDER = [Stamp.PROLOGUE, Stamp.METADATA, Stamp.SCAN, Stamp.K_FREE, Stamp.HALF_A, Stamp.HANDED_OVER, Stamp.Q_READY,
+         Stamp.K_READY, Stamp.QK_DONE, Stamp.P_READY, Stamp.WG1_P, Stamp.WG1_PV_DONE, Stamp.PV_DONE,
+         Stamp.EPI_FINAL, Stamp.EPI_STAGED, Stamp.EPILOGUE, Stamp.WG1_EPI_STAGED, Stamp.WG1_EPILOGUE]
+
+
+def stamped_launch(q, cache, idx, tuning):
+    """(launch, stamp buffer, plan) of one call's decode kernel compiled with the timeline."""
+    b, s_q, h, d_qk = q.shape
+    dev = q.device
+    plan = cute_mla.plan_sparse_decode(b, s_q, h, d_qk, idx.shape[-1], arch=device_arch(dev), num_sms=device_num_sms(dev))
+    if plan.token_walk:
+        raise SystemExit("the timeline takes the latency rows (no token walk): use a small s_q")
+    schedule = make_schedule(plan, dev, None)
+    mod = kernel_module(plan.arch)
+    cfg = mod.kernel_config(h_q=h, d_qk=d_qk, split=plan.split, has_topk_length=False, has_attn_sink=False,
+                            column_pair=plan.column_pair, tuning=dataclasses.replace(tuning, timeline=True))
+    compiled = mod.compile_sparse_decode(cfg)
+    o_accum, lse_accum = allocate_workspace(plan, dev)
+    out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=dev)
+    grid_x = s_q * cfg.n_hblk * cfg.n_cblk
+    stamps = torch.zeros(grid_x, schedule.tile_md.shape[0], int(Stamp.SLOTS), dtype=torch.int64, device=dev)
+    t = DecodeTensors(q, cache.view(torch.uint8).squeeze(2), idx, None, None, schedule.tile_md, schedule.accum_offsets,
+                      out, lse, o_accum, lse_accum)
+
+    def launch():
+        schedule.ensure_ready()
+        mod.launch_sparse_decode(compiled, cfg, t, 576 ** -0.5, timeline=stamps)
+
+    return launch, stamps, plan
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="64")
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--variant", default="default", help="a benchmarks.variants name, timeline added")
+    ap.add_argument("--s-q", type=int, default=1)
+    ap.add_argument("--topk", type=int, default=None)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}: cycles since kernel entry, median over working CTAs and "
+          f"{args.replays} graph replays [max over CTAs]; us at 1.98 GHz")
+    for h in (int(v) for v in args.heads.split(",")):
+        for topk, masked in CASES:
+            if args.topk is not None and topk != args.topk:
+                continue
+            q, cache, idx = make_inputs(1, args.s_q, h, masked, g, topk=topk)
+            launch, stamps, plan = stamped_launch(q, cache, idx, VARIANTS[args.variant])
+            for _ in range(3):
+                launch()
+            torch.cuda.synchronize()
+            graph, _ = capture_graph(launch)
+            rows = {s: [] for s in ORDER}
+            worst = {s: 0 for s in ORDER}
+            for _ in range(args.replays):
+                stamps.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                for r in stamps.reshape(-1, int(Stamp.SLOTS)).cpu():
+                    if int(r[Stamp.METADATA]) == 0:
+                        continue   # a CTA without work
+                    for s in ORDER:
+                        if int(r[s]) != 0:
+                            d = int(r[s]) - int(r[Stamp.ENTRY])
+                            rows[s].append(d)
+                            worst[s] = max(worst[s], d)
+            ctas = len(rows[Stamp.METADATA]) // args.replays
+            print(f"\ns_q={args.s_q} h={h} top-k {topk} masked {masked}: {plan.variant}"
+                  f"{' (column pair)' if plan.column_pair else ''}, {ctas} CTAs with work")
+            for s in ORDER:
+                if rows[s]:
+                    m = statistics.median(rows[s])
+                    print(f"  {s.name:<14} {m:8.0f} cyc {m / 1980:6.2f} us   [{worst[s]:8d}]")
+
+
+if __name__ == "__main__":
+    main()
