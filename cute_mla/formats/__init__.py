@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .layout import FP8_E4M3_MAX, KVCacheFormat  # noqa: F401
+from .layout import FP8_E4M3_MAX, FormatGeometry, KVCacheFormat  # noqa: F401
 from .v32 import V32, dequantize_v32, quantize_v32  # noqa: F401
 
 _FORMATS: Dict[Tuple[int, int], KVCacheFormat] = {(f.d_qk, f.row_bytes): f for f in (V32,)}

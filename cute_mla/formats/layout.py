@@ -55,3 +55,39 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """FlashMLA's recipe: the smallest power of two that maps ``amax`` into e4m3's range, at least
     2^ceil(log2(1e-4))."""
     return torch.pow(2.0, torch.ceil(torch.log2(torch.clamp(amax / FP8_E4M3_MAX, min=1e-4))))
+
+
+@dataclass(frozen=True)
+class FormatGeometry:
+    """The part of a kernel's tile geometry the cache format decides; each arch's ``Tile`` extends
+    it with its own numbers and names its format in ``fmt``."""
+
+    fmt: KVCacheFormat
+
+    @property
+    def d_qk(self) -> int:
+        return self.fmt.d_qk
+
+    @property
+    def d_v(self) -> int:
+        return self.fmt.d_v
+
+    @property
+    def d_nope(self) -> int:
+        return self.fmt.d_nope
+
+    @property
+    def d_rope(self) -> int:
+        return self.fmt.d_rope
+
+    @property
+    def row_bytes(self) -> int:
+        return self.fmt.row_bytes
+
+    @property
+    def scale_offset(self) -> int:
+        return self.fmt.scale_offset
+
+    @property
+    def rope_offset(self) -> int:
+        return self.fmt.rope_offset

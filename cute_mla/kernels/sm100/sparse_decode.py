@@ -79,7 +79,7 @@ from ...dsl.compat import (
     tcgen05_fence_before_thread_sync,
 )
 from ...dsl.compile import CompiledKernel, compile_cached, compile_options
-from ...formats import V32, KVCacheFormat, format_for_d_qk
+from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk
 from ...scheduler.partition import BLOCK_TOPK, SCHED_ROW_INTS, SchedField, blocks_of_length
 from .. import DecodeTensors
 from . import ptx
@@ -196,7 +196,7 @@ class Bar(IntEnum):
 
 
 @dataclass(frozen=True)
-class Tile:
+class Tile(FormatGeometry):
     """Tile geometry (all compile-time). The row layout comes from the cache format."""
 
     fmt: KVCacheFormat = V32
@@ -207,34 +207,6 @@ class Tile:
     # Gathered raw bytes per token: NoPE (512) + scales (16) + 16 bytes of RoPE nobody reads, so a
     # gather4 box (4 rows) is 2,176 B and every box lands 128-B aligned in shared memory.
     raw_row_bytes: int = 544
-
-    @property
-    def d_qk(self) -> int:
-        return self.fmt.d_qk
-
-    @property
-    def d_v(self) -> int:
-        return self.fmt.d_v
-
-    @property
-    def d_nope(self) -> int:
-        return self.fmt.d_nope
-
-    @property
-    def d_rope(self) -> int:
-        return self.fmt.d_rope
-
-    @property
-    def row_bytes(self) -> int:
-        return self.fmt.row_bytes
-
-    @property
-    def scale_offset(self) -> int:
-        return self.fmt.scale_offset
-
-    @property
-    def rope_offset(self) -> int:
-        return self.fmt.rope_offset
     epi_cols: int = 32  # O columns per thread per epilogue step (one tcgen05.ld 32x32b.x32)
 
     @property

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ... import archs
-from ...formats import V32, KVCacheFormat, format_for_d_qk
+from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk
 
 
 @dataclass(frozen=True)
-class Tile:
+class Tile(FormatGeometry):
     """Tile geometry (all compile-time). The row layout comes from the cache format."""
 
     fmt: KVCacheFormat = V32
@@ -39,26 +39,6 @@ class Tile:
     mbar_bytes: int = 8  # one mbarrier: consecutive mbarriers of an array are this far apart
     rows_per_warp: int = 8  # producer thread map: a warp's 32 lanes cover 8 tokens x 4 16-B slices
     slots_per_row: int = 44  # i32 registers of one thread's slice of a row: 8 x 16 B fp8, 16 B scales, 2 x 16 B RoPE
-
-    @property
-    def d_qk(self) -> int:
-        return self.fmt.d_qk
-
-    @property
-    def d_v(self) -> int:
-        return self.fmt.d_v
-
-    @property
-    def row_bytes(self) -> int:
-        return self.fmt.row_bytes
-
-    @property
-    def scale_offset(self) -> int:
-        return self.fmt.scale_offset
-
-    @property
-    def rope_offset(self) -> int:
-        return self.fmt.rope_offset
 
     @property
     def nope_chunks(self) -> int:  # 64-dim column blocks of the quantized part
