@@ -129,7 +129,7 @@ def test_schedule_first_uploaded_during_a_capture(seed):
     at its replays. Another graph captured before that, and an eager call before that (the captured
     FlashMLASchedMeta itself), must still read the schedule, not memory nobody has written yet; and
     a capture of several layers holds one upload, not one per layer."""
-    from cute_mla.plan import schedule as dispatch
+    from cute_mla.plan import schedule
 
     from cute_mla.kernels.combine import combine_config
 
@@ -148,14 +148,14 @@ def test_schedule_first_uploaded_during_a_capture(seed):
     torch.cuda.synchronize()
     x = make_inputs(*target, topk, num_tokens=4096, device="cuda")
     key = (pt, str(x.q.device))
-    dispatch._host_schedules.pop(key, None)   # (a rerun in the same process)
+    schedule._host_schedules.pop(key, None)   # (a rerun in the same process)
     kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices)
     sched_1, _ = get_mla_metadata()
     g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g1):
         o1, l1 = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched_1, **kw)
         flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched_1, **kw)   # a second layer
-    entry = dispatch._host_schedules[key]
+    entry = schedule._host_schedules[key]
     assert len(entry.captures) == 1 and -1 not in entry.captures and not entry.ready and entry.event is None
     with torch.cuda.graph(g2):   # a fresh metadata object: the cached entry, not yet uploaded
         o2, l2 = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, get_mla_metadata()[0], **kw)

@@ -145,16 +145,16 @@ def test_host_schedule_upload_is_cached_and_o_partitions():
     addresses) and a token-walk entry holds O(partitions) ints, not O(s_q)."""
     import torch
 
-    from cute_mla.plan import schedule as dispatch
+    from cute_mla.plan import schedule
 
     cpu = torch.device("cpu")
     for s_q in (140, 100_000):
         p = plan_sparse_decode(1, s_q, 64, 576, 2048, arch="sm_90a", num_sms=132)
-        tile_md, num_splits, offsets = dispatch.uploaded_schedule(p, cpu).views
-        assert dispatch.uploaded_schedule(p, cpu).views[0].data_ptr() == tile_md.data_ptr()
+        tile_md, num_splits, offsets = schedule.uploaded_schedule(p, cpu).views
+        assert schedule.uploaded_schedule(p, cpu).views[0].data_ptr() == tile_md.data_ptr()
         assert tile_md.tolist() == [list(r) for r in p.host_schedule.rows] and tile_md.shape == (132, 8)
         assert num_splits.tolist() == [0, 1] and offsets.tolist() == [0, 0]
-        assert dispatch._host_schedules[(p, "cpu")].host.numel() == 132 * 8 + 4
+        assert schedule._host_schedules[(p, "cpu")].host.numel() == 132 * 8 + 4
 
 
 def test_schedule_upload_state_machine(monkeypatch):
@@ -165,17 +165,17 @@ def test_schedule_upload_state_machine(monkeypatch):
     complete, and from then on do nothing."""
     import torch
 
-    from cute_mla.plan import schedule as dispatch
+    from cute_mla.plan import schedule
 
     log = []
     done = {"ev": False}
-    monkeypatch.setattr(dispatch, "_record_event", lambda: log.append("record") or "ev")
-    monkeypatch.setattr(dispatch, "_event_done", lambda ev: done[ev])
-    monkeypatch.setattr(dispatch, "_wait_event", lambda ev: log.append("wait"))
+    monkeypatch.setattr(schedule, "_record_event", lambda: log.append("record") or "ev")
+    monkeypatch.setattr(schedule, "_event_done", lambda ev: done[ev])
+    monkeypatch.setattr(schedule, "_wait_event", lambda ev: log.append("wait"))
 
     host = torch.arange(12, dtype=torch.int32)
     dev = torch.zeros_like(host)
-    entry = dispatch.UploadedSchedule(host, dev, (dev[:8].view(1, 8), dev[8:10], dev[10:]))
+    entry = schedule.UploadedSchedule(host, dev, (dev[:8].view(1, 8), dev[8:10], dev[10:]))
 
     def step(capture):
         entry.dev.zero_()
@@ -200,11 +200,11 @@ def test_schedule_upload_state_machine(monkeypatch):
 def test_schedule_upload_on_the_host_is_immediate():
     import torch
 
-    from cute_mla.plan import schedule as dispatch
+    from cute_mla.plan import schedule
 
     cpu = torch.device("cpu")
     p = plan_sparse_decode(5, 1, 64, 576, 1088, arch="sm_90a", num_sms=132)
-    entry = dispatch.uploaded_schedule(p, cpu)
+    entry = schedule.uploaded_schedule(p, cpu)
     assert entry.ready and torch.equal(entry.dev, entry.host)
     assert entry.views[0].tolist() == [list(r) for r in p.host_schedule.rows]
 

@@ -14,7 +14,7 @@ rel 8.01/65536; inf positions identical.
 Both kernel variants run: the no-split variant on the per-request schedule (one partition per
 request), the split variant on FlashMLA's greedy schedule for this GPU's SM count, with the partial
 results merged here in float64 torch (the combine kernel has its own tests; the public-API test
-below runs the real dispatcher, combine included).
+below runs the real launcher, combine included).
 
 ``python tests/test_sm100_gpu.py --bench`` prints CUDA-event timings (median of 20).
 """

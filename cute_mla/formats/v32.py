@@ -66,8 +66,6 @@ def dequantize_v32(raw: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, D_QK)
 
 
-
-
 class Dequant:
     """The device dequant routine of V3.2 rows (plain functions that emit IR when a kernel calls them
     at trace time).
@@ -113,7 +111,7 @@ class Dequant:
 
 
 V32 = KVCacheFormat(
-    name="V32", d_qk=D_QK, d_v=D_V, row_bytes=ROW_BYTES, d_nope=D_NOPE, d_rope=D_ROPE,
+    name="V3.2", d_qk=D_QK, d_v=D_V, row_bytes=ROW_BYTES, d_nope=D_NOPE, d_rope=D_ROPE,
     nope_dtype="float8_e4m3fn", nope_offset=0, scale_dtype="float32", scale_offset=SCALE_OFFSET,
     group_size=GROUP, rope_offset=ROPE_OFFSET, v_includes_rope=False,
     quantize=quantize_v32, dequantize=dequantize_v32, dequant=Dequant,

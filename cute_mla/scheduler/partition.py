@@ -1,6 +1,6 @@
 """The split-KV scheduler: how many partitions, and which partition does which blocks.
 
-This module is the host (pure Python) half and the single definition of the algorithm; the
+This module is the host half (plain Python on ints) and the single definition of the algorithm; the
 device half (:mod:`cute_mla.scheduler.device`) runs the same greedy loop in a one-thread CuTe DSL
 kernel so that a GPU call never synchronizes with the host. Both produce FlashMLA's
 ``DecodingSchedMeta`` rows and ``num_splits`` prefix sum, entry by entry.
@@ -16,7 +16,7 @@ from .. import archs
 
 BLOCK_TOPK = 64          # tokens per scheduling block (the kernels' top-k tile)
 MIN_PIECE_BLOCKS = 2     # SM90 zero-charge rule: blocks per partition on average at least this
-FIXED_OVERHEAD = 5       # virtual blocks charged per request piece for prologue/epilogue (SM90, SM100 head64)
+FIXED_OVERHEAD = 5       # virtual blocks charged per request piece for its prologue/epilogue (FlashMLA's)
 
 
 class SchedField(IntEnum):

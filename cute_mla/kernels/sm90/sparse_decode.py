@@ -41,7 +41,7 @@ from ...dsl.compat import LayoutEnum, OperandMajorMode, SmemAllocator, setmaxreg
 from ...dsl.compat import sm90_utils
 from ...dsl.compile import CompiledKernel, compile_cached, compile_options
 from ...dsl import ptx as common_ptx
-from ...scheduler.partition import SCHED_ROW_INTS
+from ...scheduler.partition import SCHED_ROW_INTS, SchedField
 from ..combine import accum_type
 from . import ptx
 from .config import (DEFAULT_TUNING, TILE, Role, Sm90SparseDecodeConfig, Sm90Tuning, Stamp,  # noqa: F401
@@ -53,6 +53,9 @@ from .mma import Ops
 from .producer import producer
 from .pv import pv_right_wg
 from .softmax import softmax_wg
+
+assert max(SchedField.BEGIN_REQ, SchedField.END_REQ, SchedField.BEGIN_BLOCK, SchedField.END_BLOCK) < 4, \
+    "the prologue reads a partition's request and block range in one 16-B load"
 
 __all__ = ["Sm90SparseDecodeConfig", "Sm90Tuning", "DEFAULT_TUNING", "kernel_config", "compile_sparse_decode",
            "launch_sparse_decode"]
@@ -203,9 +206,9 @@ class Sm90SparseDecode:
 
         batch = mIdx.shape[0]
         topk = mIdx.shape[2]
-        begin_req = common_ptx.vec_elem(md, 0)
-        end_req = common_ptx.vec_elem(md, 1)
-        first_blocks = (common_ptx.vec_elem(md, 2), common_ptx.vec_elem(md, 3))   # begin_block, end_block
+        begin_req = common_ptx.vec_elem(md, SchedField.BEGIN_REQ)
+        end_req = common_ptx.vec_elem(md, SchedField.END_REQ)
+        first_blocks = (common_ptx.vec_elem(md, SchedField.BEGIN_BLOCK), common_ptx.vec_elem(md, SchedField.END_BLOCK))
         # An empty trailing partition has begin_req == b: nothing to do. (begin_req > end_req is
         # never emitted by the schedulers; skipping it keeps a malformed row from hanging the
         # producer's scan, which would wait for a tile that never comes.)
@@ -255,7 +258,7 @@ class Sm90SparseDecode:
                 if cutlass.const_expr(cfg.cluster):
                     cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
         cute.arch.mbarrier_init_fence()
-        # Words 0-3 of the partition's row in one 16-B load (rows are 32 B, 16-B aligned), issued
+        # Words 0-3 (SchedField BEGIN_REQ .. END_BLOCK) of the partition's row in one 16-B load (rows are 32 B, 16-B aligned), issued
         # before the prologue's barriers so its L2 round trip overlaps them (in a cluster the
         # start-up cluster barrier alone took ~680 cycles).
         md = ptx.ld_global_v4(mTileMd.iterator.toint() + Int64(part) * Int64(4 * mTileMd.stride[0]), "", "")
