@@ -10,12 +10,14 @@ pays no graph launch of its own; a one-call graph's replay includes the host's g
 beyond out and lse.
 
     python -m benchmarks.bench_sparse_decode [--rows all|quick|h128|b,s_q,h;...] [--json PATH] [--masked 0.2]
-    python -m benchmarks.bench_sparse_decode --sustained 1,32768,64 [--seconds 4]
+    python -m benchmarks.bench_sparse_decode --sustained 1,32768,64 [--seconds 4] [--variants default,no_pf]
 
-``--sustained ROW``: each library runs the row back to back for ``--seconds`` (twice, alternating),
-with nvidia-smi's SM clock, power and temperature sampled every 100 ms: on the long rows both
-libraries sit at the card's power cap, where the one-shot grid's ratio depends on where each
-burst lands on the clock ramp.
+``--sustained ROW``: each library runs the row back to back (eager calls) for ``--seconds``
+(twice, alternating), with nvidia-smi's SM clock, power and temperature sampled every 100 ms, and
+the time per call: on the long rows both libraries sit at the card's power cap, where the one-shot
+grid's ratio depends on where each burst lands on the clock ramp. ``--variants`` (names of
+``benchmarks.variants.VARIANTS``) runs each cute-mla kernel variant in turn: at the power cap a
+variant that spends less energy per call runs at a higher clock.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -145,13 +148,13 @@ def warm_up(seconds):
         torch.cuda.synchronize()
 
 
-def run_for(mod, q, cache, idx, seconds):
-    """(µs per call, mean SM MHz, mean W, mean C, min SM MHz) of ``mod`` running the row back to back."""
-    sched, _ = mod.get_mla_metadata()
+def run_for(mod, sched, q, cache, idx, seconds):
+    """(µs per call, mean SM MHz, mean W, mean C, min SM MHz) of ``mod`` running the row back to back
+    with the metadata object ``sched`` (the clock columns None without nvidia-smi)."""
     call(mod, sched, q, cache, idx)
     torch.cuda.synchronize()
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
-                            "-lms", "100"], stdout=subprocess.PIPE, text=True)
+                            "-lms", "100"], stdout=subprocess.PIPE, text=True) if shutil.which("nvidia-smi") else None
     n, t0 = 0, time.time()
     a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -162,24 +165,41 @@ def run_for(mod, q, cache, idx, seconds):
         torch.cuda.synchronize()
     e.record()
     torch.cuda.synchronize()
+    us = a.elapsed_time(e) * 1e3 / n
+    if smi is None:
+        return us, None, None, None, None
     smi.terminate()
     samples = [[float(v) for v in line.split(",")] for line in smi.stdout.read().splitlines() if line.strip()]
     samples = samples[len(samples) // 4:]   # the ramp-up quarter left out
+    if not samples:
+        return us, None, None, None, None
     clk, pwr, tmp = (statistics.mean(r[i] for r in samples) for i in range(3))
-    return a.elapsed_time(e) * 1e3 / n, clk, pwr, tmp, min(r[0] for r in samples)
+    return us, clk, pwr, tmp, min(r[0] for r in samples)
 
 
-def sustained(row, seconds):
+def sustained(row, seconds, masked, variants):
+    """The power-cap probe (module docstring): cute-mla's variants, then FlashMLA, twice."""
+    from benchmarks.variants import variant_of   # (that module imports this one)
+
+    tunings = {v: variant_of(v) for v in variants}
+    if any(nocomb for _, nocomb in tunings.values()):
+        raise SystemExit("--variants: --sustained runs whole calls (no +nocomb)")
     b, s_q, h = parse_row(row)
-    q, cache, idx = make_inputs(b, s_q, h, 0.2, torch.Generator(device="cuda").manual_seed(0))
+    q, cache, idx = make_inputs(b, s_q, h, masked, torch.Generator(device="cuda").manual_seed(0))
     fm = flashmla()
-    mods = [("cute-mla", cute_mla)] + ([("FlashMLA", fm)] if fm else [])
-    print(f"{torch.cuda.get_device_name()}  row b={b} s_q={s_q} h={h}")
-    print(f"{'library':10} {'us/call':>10} {'SM MHz':>8} {'min MHz':>8} {'W':>6} {'C':>4}")
+    runs = [(f"cute:{v}" if v != "default" else "cute-mla", cute_mla,
+             lambda v=v: cute_mla.FlashMLASchedMeta(tuning=tunings[v][0])) for v in variants]
+    if fm is not None:
+        runs.append(("FlashMLA", fm, lambda: fm.get_mla_metadata()[0]))
+    if shutil.which("nvidia-smi") is None:
+        print("nvidia-smi not found: time per call only")
+    print(f"{torch.cuda.get_device_name()}  row b={b} s_q={s_q} h={h}  masked {masked}")
+    print(f"{'library':22} {'us/call':>10} {'SM MHz':>8} {'min MHz':>8} {'W':>6} {'C':>4}")
+    cell = lambda v, w: f"{v:{w}.0f}" if v is not None else "-".rjust(w)   # noqa: E731
     for _ in range(2):   # twice, alternating, so neither library always runs on a hotter card
-        for name, mod in mods:
-            us, clk, pwr, tmp, cmin = run_for(mod, q, cache, idx, seconds)
-            print(f"{name:10} {us:10.1f} {clk:8.0f} {cmin:8.0f} {pwr:6.0f} {tmp:4.0f}", flush=True)
+        for name, mod, new_sched in runs:
+            us, clk, pwr, tmp, cmin = run_for(mod, new_sched(), q, cache, idx, seconds)
+            print(f"{name:22} {us:10.1f} {cell(clk, 8)} {cell(cmin, 8)} {cell(pwr, 6)} {cell(tmp, 4)}", flush=True)
 
 
 def main():
@@ -190,11 +210,13 @@ def main():
     ap.add_argument("--warmup-s", type=float, default=2.0,
                     help="seconds of bf16 matmuls first, so the first row is not timed while the clocks ramp up")
     ap.add_argument("--sustained", default=None, metavar="ROW", help="b,s_q,h: the power-cap probe instead of the grid")
-    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--seconds", type=float, default=4.0, help="--sustained: seconds per library and round")
+    ap.add_argument("--variants", default="default",
+                    help="--sustained: cute-mla kernel variants (names of benchmarks.variants.VARIANTS)")
     args = ap.parse_args()
     if args.sustained:
         warm_up(args.warmup_s)
-        return sustained(args.sustained, args.seconds)
+        return sustained(args.sustained, args.seconds, args.masked, [v for v in args.variants.split(",") if v])
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
     named = {"all": GRID, "quick": QUICK, "h128": [r for r in GRID if r[2] == 128]}

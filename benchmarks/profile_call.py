@@ -1,39 +1,51 @@
 """Where a call's time goes.
 
 Default: per-kernel device time (torch.profiler / CUPTI) of cute-mla and FlashMLA under CUDA-graph
-replay, on the latency rows, and the replay time of cute-mla's whole call against its decode kernel
-alone (``Launcher.main``: the combine's share of the critical path).
+replay, on the latency rows; then the per-call replay time (a graph of ``--layers`` calls) of
+cute-mla's whole call, of its decode kernel alone (``Launcher.main``) and of its combine alone
+(``Launcher.combine`` on the decode kernel's workspace): the combine's share of the critical path.
 
 ``--ncu``: one public-API call of a row (warm-up outside), bracketed by cudaProfilerStart/Stop, for
-Nsight Compute::
+Nsight Compute (decode kernel and, where the plan splits, the combine)::
 
     ncu --clock-control none --profile-from-start off --set full --import-source no \\
         -o OUT/rep python3 -m benchmarks.profile_call --ncu --row 1,1024,128 [--variant no_pf]
     ncu --import OUT/rep.ncu-rep --page details --csv        # per-kernel metrics
     ncu --import OUT/rep.ncu-rep --page source --csv --print-source sass   # per-SASS stall samples
 
-``--host``: the eager call's host time, per call over N back-to-back calls (the GPU work of a small
-call is shorter than its host work, so the calls do not queue), split into its parts.
+``--host``: the eager call's host time, per call over ``--calls`` back-to-back calls (the GPU work
+of a small call is shorter than its host work, so the calls do not queue), split into its parts
+(the metadata's launcher, ``allocate_workspace``, ``Launcher.main`` / ``combine``), FlashMLA's call
+beside it, then a cProfile of the public call. Keep ``--calls`` x 2 launches below the launch
+queue's depth (~1000), or the host waits for the GPU.
 
-    python -m benchmarks.profile_call [--rows "1,1,64;1,8,64"] | --ncu --row B,S,H | --host --row B,S,H [--calls 400]
+    python -m benchmarks.profile_call [--rows "1,1,64;1,8,64"] [--layers 16]
+    python -m benchmarks.profile_call --ncu [--row 1,1024,128] [--variant NAME] [--topk 2048] [--masked 0.2]
+    python -m benchmarks.profile_call --host [--row 1,1,64] [--calls 400]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import cute_mla
+from cute_mla.formats import V32
 from cute_mla.interface.launcher import allocate_workspace
 
 from benchmarks.bench_sparse_decode import call, capture_graph, flashmla, make_inputs, parse_row, parse_rows
-from benchmarks.variants import VARIANTS
+from benchmarks.variants import variant_of
 
 ROWS = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128), (128, 1, 64)]
+NCU_ROW, HOST_ROW = "1,1024,128", "1,1,64"
+SCALE = V32.d_qk ** -0.5
 
 
 def filled(mod, q, cache, idx, tuning=None):
@@ -44,25 +56,45 @@ def filled(mod, q, cache, idx, tuning=None):
     return sched
 
 
-def graph_of(mod, q, cache, idx, layers=1):
-    """A CUDA graph of ``layers`` back-to-back calls (an engine's graph holds every layer)."""
-    sched = filled(mod, q, cache, idx)
-    return capture_graph(lambda: call(mod, sched, q, cache, idx), layers)[0]
+class Parts:
+    """cute-mla's call on one row taken apart through its filled metadata object: the public call,
+    the launcher (``sched.launcher(False)``), its two steps and the workspace allocation, on
+    preallocated out / lse."""
 
+    def __init__(self, q, cache, idx):
+        self.q, self.cache, self.idx = q, cache, idx
+        self.sched = filled(cute_mla, q, cache, idx)
+        self.launcher = self.sched.launcher(False)
+        b, s_q, h, _ = q.shape
+        self.out = torch.empty(b, s_q, h, V32.d_v, dtype=torch.bfloat16, device=q.device)
+        self.lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+        self.args = (q, cache.view(torch.uint8).squeeze(2), idx, None, None, self.sched.tile_scheduler_metadata,
+                     self.sched.accum_offsets, self.out, self.lse, SCALE)
+        self.workspace = self.main()         # a workspace the decode kernel wrote, for combine()
+        torch.cuda.synchronize()
 
-def decode_only_graph(q, cache, idx):
-    """A graph of cute-mla's decode kernel alone (the launcher's main step, no combine)."""
-    sched = filled(cute_mla, q, cache, idx)
-    launcher = sched.launcher(False)
-    b, s_q, h, _ = q.shape
-    out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
-    kv = cache.view(torch.uint8).squeeze(2)
-    return capture_graph(lambda: launcher.main(q, kv, idx, None, None, sched.tile_scheduler_metadata,
-                                               sched.accum_offsets, out, lse, 576 ** -0.5))[0]
+    @property
+    def split(self):
+        return self.launcher.plan.split
+
+    def public(self):
+        return call(cute_mla, self.sched, self.q, self.cache, self.idx)
+
+    def launch(self):
+        self.launcher(*self.args)
+
+    def main(self):
+        return self.launcher.main(*self.args)
+
+    def combine(self):
+        self.launcher.combine(self.workspace, self.sched.accum_offsets, None, self.out, self.lse)
+
+    def workspace_allocation(self):
+        return allocate_workspace(self.launcher.plan, self.q.device)
 
 
 def kernel_times(g, reps=20):
+    """{kernel name: (µs per replay, launches per replay)} of a graph's replays (CUPTI)."""
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
@@ -78,6 +110,7 @@ def kernel_times(g, reps=20):
 
 
 def replay_us(g, reps=50):
+    """Median µs of ``reps`` replays, events around each."""
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
@@ -90,7 +123,7 @@ def replay_us(g, reps=50):
     return sorted(a.elapsed_time(e) * 1e3 for a, e in ev)[reps // 2]
 
 
-def per_kernel(rows):
+def per_kernel(rows, layers):
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
     for (b, s_q, h) in rows:
@@ -98,19 +131,27 @@ def per_kernel(rows):
         for name, mod in (("cute-mla", cute_mla), ("FlashMLA", fm)):
             if mod is None:
                 continue
-            t = kernel_times(graph_of(mod, q, cache, idx))
+            sched = filled(mod, q, cache, idx)
+            t = kernel_times(capture_graph(lambda: call(mod, sched, q, cache, idx))[0])
             total = sum(v[0] for v in t.values())
             parts = ", ".join(f"{k} {v[0]:.1f} us x{v[1]}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
             print(f"b={b} s_q={s_q} h={h} {name:8s}: kernels {total:.1f} us = {parts}", flush=True)
-        whole, alone = replay_us(graph_of(cute_mla, q, cache, idx)), replay_us(decode_only_graph(q, cache, idx))
-        print(f"b={b} s_q={s_q} h={h} cute-mla replay: whole call {whole:.1f} us, decode kernel alone {alone:.1f} us",
-              flush=True)
+        p = Parts(q, cache, idx)
+        steps = {"whole call": p.public, "decode kernel alone": p.main}
+        if p.split:
+            steps["combine alone"] = p.combine
+        per_call = {k: replay_us(capture_graph(fn, layers)[0]) / layers for k, fn in steps.items()}
+        print(f"b={b} s_q={s_q} h={h} cute-mla ({p.launcher.plan.variant}) per call in a {layers}-call graph: "
+              + ", ".join(f"{k} {v:.2f} us" for k, v in per_call.items()), flush=True)
 
 
 def ncu_one_call(args):
-    b, s_q, h = parse_row(args.row)
+    b, s_q, h = parse_row(args.row or NCU_ROW)
+    tuning, nocomb = variant_of(args.variant)
+    if nocomb:
+        raise SystemExit("--variant: --ncu profiles a whole call (no +nocomb)")
     q, cache, idx = make_inputs(b, s_q, h, args.masked, torch.Generator(device="cuda").manual_seed(0), topk=args.topk)
-    sched = filled(cute_mla, q, cache, idx, VARIANTS[args.variant])
+    sched = filled(cute_mla, q, cache, idx, tuning)
     for _ in range(2):
         call(cute_mla, sched, q, cache, idx)
     torch.cuda.synchronize()
@@ -121,53 +162,70 @@ def ncu_one_call(args):
     print(f"profiled one call of b={b} s_q={s_q} h={h} top-k {args.topk} masked {args.masked} variant {args.variant}")
 
 
+def host_us(fn, calls):
+    """Host µs per ``fn()`` over ``calls`` back-to-back calls (50 warm-up calls first)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return dt
+
+
 def host_parts(args):
-    """Per-call host µs of the public call and of its parts (keep --calls x 2 launches below the
-    launch queue's depth, ~1000, or the host waits for the GPU)."""
-    b, s_q, h = parse_row(args.row)
+    b, s_q, h = parse_row(args.row or HOST_ROW)
     q, cache, idx = make_inputs(b, s_q, h, 0.2, torch.Generator(device="cuda").manual_seed(0))
-    sched = filled(cute_mla, q, cache, idx)
-    launcher = sched.launcher(False)
-    kv = cache.view(torch.uint8).squeeze(2)
-    out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
-    ws = launcher.main(q, kv, idx, None, None, sched.tile_scheduler_metadata, sched.accum_offsets, out, lse, 0.05)
+    p = Parts(q, cache, idx)
     parts = {
-        "public call": lambda: call(cute_mla, sched, q, cache, idx),
-        "launcher (main + combine)": lambda: launcher(q, kv, idx, None, None, sched.tile_scheduler_metadata,
-                                                      sched.accum_offsets, out, lse, 0.05),
-        "workspace allocation": lambda: allocate_workspace(launcher.plan, q.device),
-        "main kernel launch": lambda: launcher.main(q, kv, idx, None, None, sched.tile_scheduler_metadata,
-                                                    sched.accum_offsets, out, lse, 0.05),
-        "combine launch": lambda: launcher.combine(ws, sched.accum_offsets, None, out, lse),
+        "public call": p.public,
+        "out + lse allocation": lambda: (torch.empty_like(p.out), torch.empty_like(p.lse)),
+        "launcher (main + combine)": p.launch,
+        "workspace allocation": p.workspace_allocation,
+        "main (workspace + launch)": p.main,
     }
-    print(f"{torch.cuda.get_device_name()} b={b} s_q={s_q} h={h} ({launcher.plan.variant}): host µs per call")
+    if p.split:
+        parts["combine launch"] = p.combine
+    fm = flashmla()
+    if fm is not None:
+        fs = filled(fm, q, cache, idx)
+        parts["FlashMLA public call"] = lambda: call(fm, fs, q, cache, idx)
+    print(f"{torch.cuda.get_device_name()} b={b} s_q={s_q} h={h} ({p.launcher.plan.variant}): host µs per call "
+          f"({args.calls} calls)")
     for name, fn in parts.items():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        dt = (time.perf_counter() - t0) / args.calls * 1e6
-        torch.cuda.synchronize()
-        print(f"  {name:28s} {dt:7.1f}", flush=True)
+        print(f"  {name:28s} {host_us(fn, args.calls):7.1f}", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        p.public()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+    print(s.getvalue())
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=None, help="b,s_q,h;... (default: the latency rows)")
+    ap.add_argument("--layers", type=int, default=16, help="calls per graph for the per-call replay times")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--host", action="store_true")
-    ap.add_argument("--row", default="1,1024,128", help="--ncu / --host: b,s_q,h")
-    ap.add_argument("--masked", type=float, default=0.2)
-    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--row", default=None, help=f"b,s_q,h (--ncu: {NCU_ROW}, --host: {HOST_ROW})")
+    ap.add_argument("--masked", type=float, default=0.2, help="--ncu")
+    ap.add_argument("--topk", type=int, default=2048, help="--ncu")
     ap.add_argument("--variant", default="default", help="--ncu: a benchmarks.variants name")
-    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--calls", type=int, default=400, help="--host")
     args = ap.parse_args()
     if args.ncu:
         return ncu_one_call(args)
     if args.host:
         return host_parts(args)
-    return per_kernel(parse_rows(args.rows) if args.rows else ROWS)
+    if args.layers < 1:
+        raise SystemExit(f"--layers: got {args.layers}, accepted: >= 1")
+    return per_kernel(parse_rows(args.rows) if args.rows else ROWS, args.layers)
 
 
 if __name__ == "__main__":

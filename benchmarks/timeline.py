@@ -7,7 +7,7 @@ The kernel is launched the way the launcher would (the plan, its schedule, the p
 config with the timeline variant), alone: a split plan's combine is not run (it does not change
 the decode kernel's stamps). Stamps of phases a CTA passes once per tile hold the last tile's time.
 
-    python -m benchmarks.timeline [--heads 64,128] [--s-q 1] [--topk 2048] [--replays 10]
+    python -m benchmarks.timeline [--heads 64,128] [--s-q 1] [--topk 2048] [--replays 10] [--variant no_pf]
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import statistics
 import torch
 
 import cute_mla
-from cute_mla.archs import device_arch, device_num_sms
+from cute_mla.archs import SM90, device_arch, device_num_sms
+from cute_mla.kernels.sm90 import DEFAULT_TUNING
 from cute_mla.interface.launcher import allocate_workspace, kernel_module
 from cute_mla.kernels import DecodeTensors
 from cute_mla.kernels.sm90.config import Stamp
 from cute_mla.plan.schedule import make_schedule
 
 from benchmarks.bench_sparse_decode import capture_graph, make_inputs
-from benchmarks.variants import VARIANTS
+from benchmarks.variants import variant_of
 
 CASES = [(64, 1.0), (64, 0.0), (2048, 1.0), (2048, 0.2)]   # (top-k, masked fraction)
 ORDER = [Stamp.PROLOGUE, Stamp.METADATA, Stamp.SCAN, Stamp.K_FREE, Stamp.HALF_A, Stamp.HANDED_OVER, Stamp.Q_READY,
@@ -38,16 +39,18 @@ def stamped_launch(q, cache, idx, tuning):
     """(launch, stamp buffer, plan) of one call's decode kernel compiled with the timeline."""
     b, s_q, h, d_qk = q.shape
     dev = q.device
-    plan = cute_mla.plan_sparse_decode(b, s_q, h, d_qk, idx.shape[-1], arch=device_arch(dev), num_sms=device_num_sms(dev))
+    if device_arch(dev) != SM90.name:
+        raise SystemExit(f"the timeline is the SM90 kernel's (Sm90Tuning.timeline): this GPU runs {device_arch(dev)}")
+    plan = cute_mla.plan_sparse_decode(b, s_q, h, d_qk, idx.shape[-1], arch=SM90.name, num_sms=device_num_sms(dev))
     if plan.token_walk:
         raise SystemExit("the timeline takes the latency rows (no token walk): use a small s_q")
     schedule = make_schedule(plan, dev, None)
     mod = kernel_module(plan.arch)
     cfg = mod.kernel_config(h_q=h, d_qk=d_qk, split=plan.split, has_topk_length=False, has_attn_sink=False,
-                            column_pair=plan.column_pair, tuning=dataclasses.replace(tuning, timeline=True))
+                            column_pair=plan.column_pair, tuning=dataclasses.replace(tuning or DEFAULT_TUNING, timeline=True))
     compiled = mod.compile_sparse_decode(cfg)
     o_accum, lse_accum = allocate_workspace(plan, dev)
-    out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(b, s_q, h, plan.d_v, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=dev)
     grid_x = s_q * cfg.n_hblk * cfg.n_cblk
     stamps = torch.zeros(grid_x, schedule.tile_md.shape[0], int(Stamp.SLOTS), dtype=torch.int64, device=dev)
@@ -56,19 +59,22 @@ def stamped_launch(q, cache, idx, tuning):
 
     def launch():
         schedule.ensure_ready()
-        mod.launch_sparse_decode(compiled, cfg, t, 576 ** -0.5, timeline=stamps)
+        mod.launch_sparse_decode(compiled, cfg, t, d_qk ** -0.5, timeline=stamps)
 
     return launch, stamps, plan
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--heads", default="64")
+    ap.add_argument("--heads", default="64", help="h_q values, e.g. 64,128")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--variant", default="default", help="a benchmarks.variants name, timeline added")
-    ap.add_argument("--s-q", type=int, default=1)
-    ap.add_argument("--topk", type=int, default=None)
+    ap.add_argument("--s-q", type=int, default=1, help="query tokens of the one request (no token walk: small)")
+    ap.add_argument("--topk", type=int, default=None, help="only the cases of this top-k (64 or 2048)")
     args = ap.parse_args()
+    tuning, nocomb = variant_of(args.variant)
+    if nocomb:
+        raise SystemExit("--variant: the timeline stamps the decode kernel, which runs alone anyway (no +nocomb)")
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: cycles since kernel entry, median over working CTAs and "
           f"{args.replays} graph replays [max over CTAs]; us at 1.98 GHz")
@@ -77,7 +83,7 @@ def main():
             if args.topk is not None and topk != args.topk:
                 continue
             q, cache, idx = make_inputs(1, args.s_q, h, masked, g, topk=topk)
-            launch, stamps, plan = stamped_launch(q, cache, idx, VARIANTS[args.variant])
+            launch, stamps, plan = stamped_launch(q, cache, idx, tuning)
             for _ in range(3):
                 launch()
             torch.cuda.synchronize()

@@ -11,6 +11,7 @@ import dis
 import importlib
 import importlib.util
 import pathlib
+import sys
 import types
 
 import pytest
@@ -18,6 +19,20 @@ import pytest
 TESTS = pathlib.Path(__file__).parent
 BENCHMARKS = TESTS.parent / "benchmarks"
 MODULES = sorted(TESTS.glob("test_*.py")) + sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py")
+
+
+def _benchmark_module(name):
+    """``benchmarks.<name>``, the package (whose modules import each other as ``benchmarks.<name>``)
+    loaded from this checkout's folder: ``python -m pytest`` from the repository root has it on
+    sys.path, a bare ``pytest`` does not."""
+    pkg = sys.modules.get("benchmarks")
+    if pkg is None or pathlib.Path(pkg.__file__).resolve().parent != BENCHMARKS.resolve():
+        spec = importlib.util.spec_from_file_location("benchmarks", BENCHMARKS / "__init__.py",
+                                                      submodule_search_locations=[str(BENCHMARKS)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = pkg
+        spec.loader.exec_module(pkg)
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def _code_objects(code):
@@ -36,8 +51,8 @@ def _global_loads(code):
 
 @pytest.mark.parametrize("path", MODULES, ids=[f"{p.parent.name}/{p.stem}" for p in MODULES])
 def test_global_names_are_defined(path):
-    if path.parent == BENCHMARKS:   # a package: its modules import each other as benchmarks.<name>
-        module = importlib.import_module(f"benchmarks.{path.stem}")
+    if path.parent == BENCHMARKS:
+        module = _benchmark_module(path.stem)
     else:
         spec = importlib.util.spec_from_file_location(f"_names_check_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
