@@ -40,7 +40,7 @@ import cute_mla
 from cute_mla.formats import V32
 from cute_mla.interface.launcher import allocate_workspace
 
-from benchmarks.bench_sparse_decode import call, capture_graph, flashmla, make_inputs, parse_row, parse_rows
+from benchmarks.bench_sparse_decode import call, capture_graph, flashmla, make_inputs, parse_row, parse_rows, replay_median_us
 from benchmarks.variants import variant_of
 
 ROWS = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128), (128, 1, 64)]
@@ -109,20 +109,6 @@ def kernel_times(g, reps=20):
     return {k: (sum(v) / reps, len(v) // reps) for k, v in acc.items()}
 
 
-def replay_us(g, reps=50):
-    """Median µs of ``reps`` replays, events around each."""
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, e in ev:
-        a.record()
-        g.replay()
-        e.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(e) * 1e3 for a, e in ev)[reps // 2]
-
-
 def per_kernel(rows, layers):
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -140,7 +126,7 @@ def per_kernel(rows, layers):
         steps = {"whole call": p.public, "decode kernel alone": p.main}
         if p.split:
             steps["combine alone"] = p.combine
-        per_call = {k: replay_us(capture_graph(fn, layers)[0]) / layers for k, fn in steps.items()}
+        per_call = {k: replay_median_us(capture_graph(fn, layers)[0], 50) / layers for k, fn in steps.items()}
         print(f"b={b} s_q={s_q} h={h} cute-mla ({p.launcher.plan.variant}) per call in a {layers}-call graph: "
               + ", ".join(f"{k} {v:.2f} us" for k, v in per_call.items()), flush=True)
 

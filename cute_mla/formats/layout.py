@@ -43,10 +43,6 @@ class KVCacheFormat:
         return self.d_nope // self.group_size
 
     @property
-    def nope_bytes(self) -> int:
-        return self.d_nope      # one byte per e4m3 value
-
-    @property
     def bytes_per_token(self) -> int:
         return self.row_bytes
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .. import archs
-from ..formats import format_for_d_qk
+from ..formats import KVCacheFormat, format_for_d_qk
 from ..scheduler import partition as sched
 
 SUPPORTED_H_Q = (64, 128)
@@ -117,8 +117,8 @@ class SparseDecodePlan:
         return "\n".join(lines)
 
 
-def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int) -> None:
-    """Shape rules shared by the plan and the API."""
+def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int) -> KVCacheFormat:
+    """Shape rules shared by the plan and the API; returns the cache format of ``d_qk``."""
     for name, v in (("b", b), ("s_q", s_q), ("topk", topk)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: must be a positive int, got {v!r}")
@@ -126,15 +126,14 @@ def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int) -> None:
         raise ValueError(f"h_q: got {h_q}, accepted: 64 or 128 (pad the heads, as vLLM and SGLang do)")
     if topk % BLOCK_TOPK:
         raise ValueError(f"topk: got {topk}, accepted: a positive multiple of {BLOCK_TOPK}")
-    format_for_d_qk(d_qk)
+    return format_for_d_qk(d_qk)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch: str, num_sms: int,
                        has_topk_length: bool = False, d_v: int = 512) -> SparseDecodePlan:
     """Plan one sparse decode call (cached: a plan depends only on its arguments)."""
-    check_problem(b, s_q, h_q, d_qk, topk)
-    fmt = format_for_d_qk(d_qk)
+    fmt = check_problem(b, s_q, h_q, d_qk, topk)
     if d_v != fmt.d_v:
         raise ValueError(f"head_dim_v: got {d_v}, accepted: {fmt.d_v}")
     spec = archs.get(arch)

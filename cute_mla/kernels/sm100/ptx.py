@@ -14,17 +14,12 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
-from ...dsl.ptx import ld_shared_v4, pack_bf16x2, st_shared_v4, vec_elem  # noqa: F401  (shared helpers)
+from ...dsl.ptx import ld_shared_i32, ld_shared_v4, pack_bf16x2, st_shared_v4, vec_elem  # noqa: F401  (shared helpers)
 
 
 def smem_addr(ptr) -> Int32:
     """The 32-bit shared-memory byte address of a smem pointer."""
     return Int32(ptr.toint())
-
-
-def ld_shared_b32(addr: Int32) -> Int32:
-    p = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=4)
-    return Int32(cute.arch.load(p, Int32))
 
 
 def f32_bits(x: Float32) -> Int32:

@@ -86,7 +86,7 @@ from . import ptx
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-SMEM_LIMIT = 227 * 1024  # bytes of dynamic shared memory one SM100 CTA may use
+SMEM_LIMIT = archs.SMEM_PER_CTA  # bytes of dynamic shared memory one CTA may use (the arch table's)
 TMEM_COLUMNS = 512
 
 
@@ -861,7 +861,7 @@ class Sm100SparseDecodeKernel:
                     v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
                     for e in cutlass.range_constexpr(4):
                         words[4 * k + e] = ptx.vec_elem(v, e)
-                scale_bits = ptx.ld_shared_b32(row + TILE.scale_offset + dw * 4)
+                scale_bits = ptx.ld_shared_i32(row + TILE.scale_offset + dw * 4)
                 # Invalid tokens were zero-filled by the TMA (coordinate -1): scale 0, fp8 0 -> K = 0.
                 cute.arch.sync_warp()
                 raw_pipe.consumer_release(g_state)
