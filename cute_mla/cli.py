@@ -39,13 +39,15 @@ def _plan_from_args(args, s_q=None):
 
     num_sms = args.num_sms or archs.get(args.arch).default_num_sms
     return plan_sparse_decode(args.b, s_q or args.s_q, args.h_q, args.d_qk, args.topk, arch=args.arch,
-                              num_sms=num_sms, has_topk_length=args.topk_length)
+                              num_sms=num_sms, has_topk_length=args.topk_length, extra_topk=args.extra_topk,
+                              has_extra_topk_length=args.extra_topk_length)
 
 
 def cmd_plan(args) -> int:
     plan = _plan_from_args(args)
     if args.json:
-        d = {k: getattr(plan, k) for k in ("arch", "b", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "num_sm_parts",
+        d = {k: getattr(plan, k) for k in ("arch", "b", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "extra_topk",
+                                           "has_extra_topk_length", "num_sm_parts",
                                            "kernel", "variant", "schedule", "accum_rows", "workspace_bytes",
                                            "flashmla_workspace_bytes", "token_walk", "column_pair", "accum_dtype")}
         # the partitions the kernel launches (num_sm_parts is FlashMLA's count; the token walk differs)
@@ -63,7 +65,8 @@ def cmd_compile(args) -> int:
 
     t0 = time.time()
     report = registry.compile_to_dir(args.kernel, args.arch, args.out, h_q=args.h_q, split=args.split,
-                                     has_topk_length=args.topk_length, has_attn_sink=args.attn_sink)
+                                     has_topk_length=args.topk_length, has_attn_sink=args.attn_sink, d_qk=args.d_qk,
+                                     has_extra=args.extra_kv, has_extra_topk_length=args.extra_topk_length)
     print(f"compiled {args.kernel} for {args.arch} in {time.time() - t0:.1f} s -> {args.out}")
     for line in report:
         print(line)
@@ -89,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--d-qk", type=int, default=576)
         sp.add_argument("--topk", type=int, default=2048)
         sp.add_argument("--topk-length", action="store_true", help="plan for per-request topk_length")
+        sp.add_argument("--extra-topk", type=int, default=0, help="the V4 extra pool's list length (0: none)")
+        sp.add_argument("--extra-topk-length", action="store_true", help="plan for per-request extra_topk_length")
 
     sp = sub.add_parser("plan", help="print the plan of a call: kernel, variant, workspace, tensor maps")
     shape_args(sp)
@@ -106,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--split", action="store_true", help="the split variant of sparse_decode")
     sp.add_argument("--topk-length", action="store_true")
     sp.add_argument("--attn-sink", action="store_true")
+    sp.add_argument("--d-qk", type=int, default=576, help="the cache format: 576 (V3.2) or 512 (V4)")
+    sp.add_argument("--extra-kv", action="store_true", help="the V4 extra KV pool")
+    sp.add_argument("--extra-topk-length", action="store_true", help="with --extra-kv: per-request extra_topk_length")
     sp.set_defaults(fn=cmd_compile)
 
     sp = sub.add_parser("demo", help="run a realistic sparse decode (GPU) or show plans and the reference (CPU)")

@@ -122,5 +122,5 @@ def test_blocks_of_length_one_rule_for_ints_and_tensors():
     lengths = [-(2 ** 31), -65, -64, -1, 0, 1, 63, 64, 65, 127, 128, 1000, 2047, 2048, 2049, 2 ** 31 - 1]
     flashmla = [(max(min(max(n, 0), topk), 1) - 1) // 64 + 1 for n in lengths]
     assert [blocks_of_length(n, topk)[1] for n in lengths] == flashmla
-    assert device_num_blocks(torch.tensor(lengths, dtype=torch.int32), topk).tolist() == flashmla
+    assert device_num_blocks(torch.tensor(lengths, dtype=torch.int32), topk, len(lengths), torch.device("cpu")).tolist() == flashmla
     assert [blocks_of_length(n, topk)[0] for n in (5000, 100, -3)] == [2048, 100, -3]   # positions >= it are invalid

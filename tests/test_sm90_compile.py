@@ -127,8 +127,12 @@ def test_config_validation():
         Sm90SparseDecodeConfig(**dict(base, h_q=96))
     with pytest.raises(ValueError, match="arch"):
         Sm90SparseDecodeConfig(**base, arch=archs.SM100.name)
-    with pytest.raises(NotImplementedError, match="d_qk"):
-        Sm90SparseDecodeConfig(**base, d_qk=512)
+    with pytest.raises(ValueError, match="d_qk"):
+        Sm90SparseDecodeConfig(**base, d_qk=600)
+    with pytest.raises(ValueError, match="has_extra"):
+        Sm90SparseDecodeConfig(**base, has_extra=True)          # V3.2 has no extra pool
+    with pytest.raises(ValueError, match="has_extra_topk_length"):
+        Sm90SparseDecodeConfig(**{**base, "d_qk": 512}, has_extra_topk_length=True)
     for bad in (dict(h_q=128, split=True), dict(h_q=64, split=False)):
         with pytest.raises(ValueError, match="column_pair"):
             Sm90SparseDecodeConfig(**dict(base, **bad), column_pair=True)
@@ -148,9 +152,14 @@ def test_launch_passes_none_for_absent_optionals():
             seen["args"] = args
 
     cfg = kernel_config(h_q=64, d_qk=576, split=False, has_topk_length=False, has_attn_sink=False)
-    t = DecodeTensors("q", "kv", "idx", "tl", "sink", "md", "off", "out", "lse", "oa", "la")
+    t = DecodeTensors("q", "kv", "idx", "tl", "sink", "md", "off", "out", "lse", "oa", "la", "xkv", "xidx", "xtl")
     launch_sparse_decode(Fake(), cfg, t, 0.5)
-    assert seen["args"] == ("q", "kv", "idx", None, None, "md", "off", "out", "lse", None, None, None, 0.5)
+    assert seen["args"] == ("q", "kv", "idx", None, None, "md", "off", "out", "lse", None, None, None, None, None, None,
+                            0.5)
+    cfg = kernel_config(h_q=64, d_qk=512, split=True, has_topk_length=True, has_attn_sink=False, has_extra=True)
+    launch_sparse_decode(Fake(), cfg, t, 0.5)
+    assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", "oa", "la", None, "xkv", "xidx",
+                            None, 0.5)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

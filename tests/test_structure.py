@@ -74,9 +74,20 @@ def test_import_arrows_test_can_fail():
     assert "cute_mla.plan.schedule" in set(_imports(api))
 
 
-def test_v32_row_bytes_declared_once():
-    hits = [str(p.relative_to(ROOT)) for p in MODULES if re.search(r"(?<![\d.])656(?![\d])", p.read_text())]
-    assert hits == ["formats/v32.py"], f"the V3.2 row size appears outside its format module: {hits}"
+@pytest.mark.parametrize("row_bytes, module", [(656, "formats/v32.py"), (584, "formats/v4.py")])
+def test_row_bytes_declared_once(row_bytes, module):
+    """A format's row size is a fact of its format module; kernels read it from the spec."""
+    hits = [str(p.relative_to(ROOT)) for p in MODULES if re.search(rf"(?<![\d.]){row_bytes}(?![\d])", p.read_text())]
+    assert hits == [module], f"the row size {row_bytes} appears outside its format module: {hits}"
+
+
+def test_sm90_roles_read_the_format_from_the_config():
+    """SM90's module-level TILE is the V3.2 tile: format-dependent facts come from ``cfg.tile``."""
+    fields = r"d_qk|d_nope|row_bytes|data_row_bytes|scale_offset|rope_offset|fmt|nope_chunks|chunks|k_tile_bytes|" \
+             r"k_tile_elems|q_elems|slots_per_row|scale_reg|rope_reg|scale_words"
+    hits = [f"{p.relative_to(ROOT)}:{m.group(0)}" for p in MODULES if "kernels/sm90" in str(p)
+            for m in re.finditer(rf"\bTILE\.({fields})\b", p.read_text())]
+    assert hits == [], f"format-dependent tile facts read from the V3.2 TILE: {hits}"
 
 
 @pytest.mark.parametrize("literal", ["sm_90a", "sm_100a"])

@@ -81,6 +81,13 @@ def is_pow2_scale(scale_bits: Int32):
     return ((scale_bits & 0x007FFFFF) == 0) & (((scale_bits >> 23) & 0xFF) <= 127 + 7)
 
 
+def ue8m0_to_f32_bits(word: Int32, byte: int) -> Int32:
+    """The fp32 bits of the ue8m0 scale in byte ``byte`` (compile-time) of ``word``: 2^(e - 127),
+    the denormal 0x00400000 for e = 0."""
+    e = (Int32(word) >> (8 * byte)) & 0xFF
+    return select_i32(e == 0, 0x00400000, e << 23)
+
+
 def pow2_scale_multiplier(scale_bits: Int32) -> Int32:
     """bf16x2(scale * 2^120) from the fp32 bits of a scale (both halves equal): the multiplier of
     :func:`fp8x4_to_bf16x4_pow2`, exact for the scales :func:`is_pow2_scale` accepts."""

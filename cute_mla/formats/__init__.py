@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 from .layout import FP8_E4M3_MAX, FormatGeometry, KVCacheFormat  # noqa: F401
-from .v32 import V32, dequantize_v32, quantize_v32  # noqa: F401
+from .v4 import V4, dequantize_v4, quantize_v4  # noqa: F401
+from .v32 import V32, dequantize_cache_v32, dequantize_v32, quantize_cache_v32, quantize_v32  # noqa: F401
 
-_FORMATS: Dict[Tuple[int, int], KVCacheFormat] = {(f.d_qk, f.row_bytes): f for f in (V32,)}
+_FORMATS: Dict[Tuple[int, int], KVCacheFormat] = {(f.d_qk, f.row_bytes): f for f in (V32, V4)}
 
 # Formats FlashMLA knows but cute-mla does not implement yet: a clear NotImplementedError for them.
-_KNOWN_UNIMPLEMENTED = {(576, 352): "V32_NVFP4_FP8ROPE", (512, 584): "V4", (512, 528): "V41", (512, 288): "V41_FP4"}
+_KNOWN_UNIMPLEMENTED = {(576, 352): "V32_NVFP4_FP8ROPE", (512, 528): "V41", (512, 288): "V41_FP4"}
 
 
 def supported_formats() -> Tuple[KVCacheFormat, ...]:
@@ -44,5 +45,5 @@ def format_for_d_qk(d_qk: int) -> KVCacheFormat:
             return f
     accepted = ", ".join(f"{f.d_qk} ({f.name})" for f in _FORMATS.values())
     if any(k[0] == d_qk for k in _KNOWN_UNIMPLEMENTED):
-        raise NotImplementedError(f"d_qk: {d_qk} (the V4 formats) is not implemented yet; accepted: {accepted}")
+        raise NotImplementedError(f"d_qk: {d_qk} (the V4.1 formats) is not implemented yet; accepted: {accepted}")
     raise ValueError(f"d_qk: got {d_qk}, accepted: {accepted}")

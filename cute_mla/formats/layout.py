@@ -14,11 +14,18 @@ FP8_E4M3_MAX = 448.0
 
 @dataclass(frozen=True)
 class KVCacheFormat:
-    """One cache row format. A format is identified by ``(d_qk, row_bytes)``.
+    """One cache format. A format is identified by ``(d_qk, row_bytes)``.
 
     Key ``k`` of a token is ``d_nope`` quantized values (``nope_dtype``, one scale per
     ``group_size`` of them) followed by ``d_rope`` RoPE values stored as bf16; the value vector is
     the first ``d_v`` dims of the key (``v_includes_rope``: whether they reach into the RoPE part).
+
+    Where a token's bytes are inside a page block (``page`` tokens, ``stride(0)`` bytes apart):
+
+    * its data (NoPE, RoPE and, token-interleaved, the scales) at ``row * data_row_bytes``;
+    * its scales at ``row * data_row_bytes + scale_offset`` when ``scales_in_row``, else in the
+      block's scale rows after the data rows: ``page * data_row_bytes + row * scale_row_bytes +
+      scale_offset``.
     """
 
     name: str
@@ -32,10 +39,19 @@ class KVCacheFormat:
     scale_dtype: str           # element type of a scale
     scale_offset: int          # byte offset of the scales in a row
     group_size: int            # NoPE values per scale
-    rope_offset: int           # byte offset of the bf16 RoPE values in a row
+    rope_offset: int           # byte offset of the bf16 RoPE values in a data row
     v_includes_rope: bool
-    quantize: Callable[..., torch.Tensor]     # (N, d_qk) float -> (N, row_bytes) uint8
-    dequantize: Callable[..., torch.Tensor]   # (..., row_bytes) -> (..., d_qk) float32
+    data_row_bytes: int        # pitch of the data rows in a page block
+    scales_in_row: bool        # scales inside the data row (token-interleaved) or in scale rows after them
+    scale_row_bytes: int       # pitch of the scale rows (0 when scales_in_row)
+    block_align: int           # a quantizer's page blocks are padded to a multiple of this many bytes
+    extra_pool: bool           # calls may attend a second (extra) cache of this format too (V4's compressed pool)
+    # (num_blocks, page_block_size, d_qk) float -> (num_blocks, page_block_size, 1, row_bytes) uint8
+    # view of a padded block-major buffer
+    quantize_cache: Callable[..., torch.Tensor]
+    # (num_blocks, page_block_size[, 1], row_bytes) raw bytes (any stride(0)) -> (num_blocks,
+    # page_block_size, d_qk) float32
+    dequantize_cache: Callable[..., torch.Tensor]
     dequant: type              # the device dequant routine each arch's producer calls (the format module's)
 
     @property
@@ -45,6 +61,11 @@ class KVCacheFormat:
     @property
     def bytes_per_token(self) -> int:
         return self.row_bytes
+
+    def block_stride(self, page_block_size: int) -> int:
+        """stride(0) in bytes of a quantizer's page block: its bytes padded to ``block_align``
+        (kernels accept any stride(0) that holds a block and is 16-byte aligned)."""
+        return -(-page_block_size * self.row_bytes // self.block_align) * self.block_align
 
 
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -87,3 +108,40 @@ class FormatGeometry:
     @property
     def rope_offset(self) -> int:
         return self.fmt.rope_offset
+
+    @property
+    def data_row_bytes(self) -> int:
+        return self.fmt.data_row_bytes
+
+
+def cache_bytes(k_cache: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """``k_cache`` (num_blocks, page_block_size[, 1], row_bytes) of any byte dtype as a uint8
+    (num_blocks, page_block_size, row_bytes) view (its strides kept)."""
+    if k_cache.dim() == 4:
+        if k_cache.shape[2] != 1:
+            raise ValueError(f"k_cache: dim 2 must be 1, got shape {tuple(k_cache.shape)}")
+        k_cache = k_cache.squeeze(2)
+    if k_cache.dim() != 3 or k_cache.shape[-1] != row_bytes:
+        raise ValueError(f"k_cache: expected (num_blocks, page_block_size[, 1], {row_bytes}), got {tuple(k_cache.shape)}")
+    return k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
+
+
+def block_bytes(k_cache: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """The page blocks of a cache as (num_blocks, page_block_size * row_bytes) uint8: each
+    block's bytes, whatever its stride(0) (the padding after them dropped)."""
+    raw = cache_bytes(k_cache, row_bytes)
+    nb, page, _ = raw.shape
+    if raw.stride(1) != row_bytes or raw.stride(2) != 1:
+        raise ValueError(f"k_cache: rows inside a page block must be packed (stride(1) = {row_bytes}), got {raw.stride()}")
+    return torch.as_strided(raw, (nb, page * row_bytes), (raw.stride(0), 1))
+
+
+def padded_cache(blocks: torch.Tensor, page_block_size: int, row_bytes: int, stride0: int) -> torch.Tensor:
+    """(num_blocks, page_block_size * row_bytes) uint8 block bytes -> a (num_blocks,
+    page_block_size, 1, row_bytes) view of a fresh zeroed buffer whose blocks are ``stride0``
+    bytes apart."""
+    nb = blocks.shape[0]
+    buf = torch.zeros(nb * stride0, dtype=torch.uint8, device=blocks.device)
+    view = torch.as_strided(buf, (nb, page_block_size * row_bytes), (stride0, 1))
+    view.copy_(blocks)
+    return torch.as_strided(buf, (nb, page_block_size, 1, row_bytes), (stride0, row_bytes, row_bytes, 1))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import FP8_E4M3_MAX, KVCacheFormat, pow2_scale
+from .layout import FP8_E4M3_MAX, KVCacheFormat, cache_bytes, padded_cache, pow2_scale
 
 ROW_BYTES = 656
 D_QK, D_V, D_NOPE, D_ROPE, GROUP = 576, 512, 512, 64, 128
@@ -66,6 +66,22 @@ def dequantize_v32(raw: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, D_QK)
 
 
+def quantize_cache_v32(kv: torch.Tensor, power_of_two_scales: bool = True, stride0: int | None = None) -> torch.Tensor:
+    """``kv`` (num_blocks, page_block_size, 576) float -> a (num_blocks, page_block_size, 1, 656)
+    uint8 view of a block-major buffer (page blocks ``stride0`` bytes apart, default packed)."""
+    if kv.dim() != 3 or kv.shape[2] != D_QK:
+        raise ValueError(f"kv: expected shape (num_blocks, page_block_size, {D_QK}), got {tuple(kv.shape)}")
+    nb, page, _ = kv.shape
+    rows = quantize_v32(kv.reshape(nb * page, D_QK), power_of_two_scales)
+    return padded_cache(rows.reshape(nb, page * ROW_BYTES), page, ROW_BYTES, stride0 or page * ROW_BYTES)
+
+
+def dequantize_cache_v32(k_cache: torch.Tensor) -> torch.Tensor:
+    """A V3.2 cache (num_blocks, page_block_size[, 1], 656) -> (num_blocks, page_block_size, 576) float32."""
+    raw = cache_bytes(k_cache, ROW_BYTES)
+    return dequantize_v32(raw)
+
+
 class Dequant:
     """The device dequant routine of V3.2 rows (plain functions that emit IR when a kernel calls them
     at trace time).
@@ -77,10 +93,17 @@ class Dequant:
     powers of two.
     """
 
+    scale_words = 4   # i32 words of one row's scales as loaded (4 x fp32)
+
     @staticmethod
     def scale_index(dim: int) -> int:
         """Which of a row's scales multiplies NoPE dim ``dim``."""
         return dim // GROUP
+
+    @staticmethod
+    def scale_bits(words, k: int):
+        """The fp32 bits of scale ``k`` from a row's loaded scale words."""
+        return words[k]
 
     @staticmethod
     def scale_takes_fast_path(scale_bits):
@@ -114,5 +137,6 @@ V32 = KVCacheFormat(
     name="V3.2", d_qk=D_QK, d_v=D_V, row_bytes=ROW_BYTES, d_nope=D_NOPE, d_rope=D_ROPE,
     nope_dtype="float8_e4m3fn", nope_offset=0, scale_dtype="float32", scale_offset=SCALE_OFFSET,
     group_size=GROUP, rope_offset=ROPE_OFFSET, v_includes_rope=False,
-    quantize=quantize_v32, dequantize=dequantize_v32, dequant=Dequant,
+    data_row_bytes=ROW_BYTES, scales_in_row=True, scale_row_bytes=0, block_align=ROW_BYTES, extra_pool=False,
+    quantize_cache=quantize_cache_v32, dequantize_cache=dequantize_cache_v32, dequant=Dequant,
 )

@@ -46,7 +46,7 @@ class FlashMLASchedMeta:
     tuning: Optional[object] = None
     schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
     _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> Launcher
-    # tensor signatures (_tensor_key) that passed _validate_tensors -> (b, s_q, h_q, topk): every
+    # tensor signatures (_tensor_key) that passed _validate_tensors -> (b, s_q, h_q, topk, extra_topk): every
     # layer of a decode step calls with the same signatures, so only the first pays the checks
     _validated: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -89,31 +89,43 @@ def flash_mla_with_kvcache(
     _check_arguments(tile_scheduler_metadata, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
                      extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     sched = tile_scheduler_metadata
-    b, s_q, h_q, topk = _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out)
-    kv = k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
+    extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    b, s_q, h_q, topk, extra_topk = _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
+                                                  extra)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    launcher = _schedule(sched, q, b, s_q, h_q, topk, topk_length, attn_sink is not None)
+    launcher = _schedule(sched, q, (b, s_q, h_q, topk, extra_topk), topk_length, attn_sink is not None, extra_topk_length)
     if out is None:
         out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-    launcher(q, kv, indices, topk_length, attn_sink, sched.tile_scheduler_metadata, sched.accum_offsets, out, lse, scale)
+    launcher(q, _cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata, sched.accum_offsets,
+             out, lse, scale, (None if extra_k_cache is None else _cache_bytes(extra_k_cache), extra_indices_in_kvcache,
+                               extra_topk_length))
     return out, lse.transpose(1, 2)
 
 
-def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, b: int, s_q: int, h_q: int, topk: int,
-              topk_length: Optional[torch.Tensor], has_attn_sink: bool = False) -> Launcher:
-    """The call's launcher; the first call of a FlashMLASchedMeta also plans and makes the schedule."""
-    config = (b, s_q, h_q, topk, topk_length is not None, q.device)
+def _cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
+    """A (num_blocks, page_block_size, 1, row bytes) cache as the kernels' uint8 (num_blocks, page_block_size, row bytes)."""
+    return k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
+
+
+def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, dims: Tuple[int, ...], topk_length: Optional[torch.Tensor],
+              has_attn_sink: bool = False, extra_topk_length: Optional[torch.Tensor] = None) -> Launcher:
+    """The call's launcher; the first call of a FlashMLASchedMeta also plans and makes the schedule.
+    ``dims``: (b, s_q, h_q, topk, extra_topk)."""
+    b, s_q, h_q, topk, extra_topk = dims
+    config = (b, s_q, h_q, topk, extra_topk, topk_length is not None, extra_topk_length is not None, q.device)
     if sched.have_initialized:
         if sched.config != config:
             raise ValueError(
-                "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, topk, has_topk_length, device)="
-                f"{sched.config}, got {config}; use a fresh get_mla_metadata() object per shape")
+                "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, topk, extra_topk, "
+                f"has_topk_length, has_extra_topk_length, device)={sched.config}, got {config}; use a fresh "
+                "get_mla_metadata() object per shape")
         sched.schedule.ensure_ready()
         return sched.launcher(has_attn_sink)
     plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=device_arch(q.device), num_sms=device_num_sms(q.device),
-                              has_topk_length=topk_length is not None)
-    schedule = make_schedule(plan, q.device, topk_length)
+                              has_topk_length=topk_length is not None, extra_topk=extra_topk,
+                              has_extra_topk_length=extra_topk_length is not None)
+    schedule = make_schedule(plan, q.device, topk_length, extra_topk_length)
     sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = schedule.tile_md, schedule.num_splits, schedule.accum_offsets
     sched.schedule, sched.plan, sched.config, sched.have_initialized = schedule, plan, config, True
     return sched.launcher(has_attn_sink)
@@ -125,8 +137,12 @@ def _check_arguments(sched, num_splits, softmax_scale, causal, is_fp8_kvcache, i
     run on every call."""
     if indices is None:
         raise NotImplementedError("indices: dense decode (indices=None) is not implemented; cute-mla implements sparse decode, pass indices (b, s_q, topk) int32")
-    if extra_k_cache is not None or extra_indices is not None or extra_topk_length is not None:
-        raise NotImplementedError("extra_k_cache / extra_indices_in_kvcache / extra_topk_length: the extra KV scope (V4 formats) is not implemented yet; pass None")
+    if (extra_k_cache is None) != (extra_indices is None):
+        given, missing = (("extra_k_cache", "extra_indices_in_kvcache") if extra_indices is None
+                          else ("extra_indices_in_kvcache", "extra_k_cache"))
+        raise ValueError(f"{missing}: {given} was given without it; the extra KV pool takes both (or neither)")
+    if extra_topk_length is not None and extra_indices is None:
+        raise ValueError("extra_topk_length: given without an extra KV pool (extra_k_cache and extra_indices_in_kvcache)")
     if not isinstance(sched, FlashMLASchedMeta):
         raise TypeError(f"tile_scheduler_metadata: expected the FlashMLASchedMeta returned by get_mla_metadata(), got {type(sched).__name__}")
     if num_splits is not None:
@@ -139,17 +155,18 @@ def _check_arguments(sched, num_splits, softmax_scale, causal, is_fp8_kvcache, i
         raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
 
 
-def _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out):
-    """(b, s_q, h_q, topk) of the call's tensors, checked.
+def _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):
+    """(b, s_q, h_q, topk, extra_topk) of the call's tensors, checked (``extra``: the extra pool's
+    cache, indices and lengths; extra_topk is 0 without it).
 
     The tensor checks depend only on each tensor's type, layout, dtype, shape, strides, device,
     base-pointer alignment and neg bit (_tensor_key): a signature that passed once for this
     FlashMLASchedMeta is not checked again (the other layers of the decode step).
     """
-    key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v)
+    key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, *extra)
     dims = sched._validated.get(key) if key is not None else None
     if dims is None:
-        dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out)
+        dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra)
         if key is not None:
             if len(sched._validated) >= _MAX_VALIDATED:
                 sched._validated.clear()
@@ -160,13 +177,13 @@ def _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length
 _MAX_VALIDATED = 16
 
 
-def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v):
+def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, *extra):
     """Everything _validate_tensors depends on, hashable; None if an argument is not a tensor
     (the full checks then run and name it)."""
     if type(head_dim_v) is not int:
         return None
     key = [head_dim_v]
-    for t in (q, k_cache, indices, attn_sink, topk_length, out):
+    for t in (q, k_cache, indices, attn_sink, topk_length, out) + extra:
         if t is None:
             key.append(None)
         elif isinstance(t, torch.Tensor) and t.layout is torch.strided:
@@ -181,8 +198,8 @@ def _require_cuda(q) -> None:
         raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
 
 
-def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out):
-    """The tensor checks of :func:`_checked_dims`; returns (b, s_q, h_q, topk)."""
+def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):
+    """The tensor checks of :func:`_checked_dims`; returns (b, s_q, h_q, topk, extra_topk)."""
     check_tensor("q", q, dtypes=(torch.bfloat16,), dim=4, shape_doc="(b, s_q, h_q, d_qk)")
     b, s_q, h_q, d_qk = q.shape
     if not isinstance(head_dim_v, int) or head_dim_v != 512:
@@ -190,23 +207,25 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
     check_tensor("indices", indices, dtypes=(torch.int32,), dim=3, shape=(b, s_q, None), device=q.device,
                  shape_doc="(b, s_q, topk)")
     topk = indices.shape[-1]
-    check_problem(b, s_q, h_q, d_qk, topk)
+    extra_k_cache, extra_indices, extra_topk_length = extra
+    extra_topk = 0
+    if extra_indices is not None:
+        check_tensor("extra_indices_in_kvcache", extra_indices, dtypes=(torch.int32,), dim=3, shape=(b, s_q, None),
+                     device=q.device, shape_doc="(b, s_q, extra_topk)")
+        extra_topk = extra_indices.shape[-1]
+        check_aligned_strides("extra_indices_in_kvcache", extra_indices)
+    check_problem(b, s_q, h_q, d_qk, topk, extra_topk)
     check_aligned_strides("q", q)
     check_aligned_strides("indices", indices)
-    check_tensor("k_cache", k_cache, dtypes=KV_CACHE_DTYPES, dim=4, device=q.device,
-                 shape_doc="(num_blocks, page_block_size, 1, bytes_per_token)")
-    num_blocks, page_block_size, h_k, bytes_per_token = k_cache.shape
-    if h_k != 1:
-        raise ValueError(f"k_cache: h_k (dim 2) must be 1 (MLA has one latent KV head), got {h_k}")
-    fmt = detect_format(d_qk, bytes_per_token)
-    if k_cache.stride(1) != bytes_per_token:
-        raise ValueError(f"k_cache: rows inside a page block must be packed: stride(1) must be {bytes_per_token} "
-                         f"(bytes per token), got {k_cache.stride(1)}")
-    if num_blocks * page_block_size >= 2**31:
-        raise ValueError(f"k_cache: {num_blocks}x{page_block_size} tokens do not fit int32 indices")
-    stride0 = k_cache.stride(0) * k_cache.element_size()   # bytes (the kernels read it as uint8)
-    if k_cache.data_ptr() % 16 or stride0 % 16:
-        raise ValueError(f"k_cache: base pointer and stride(0) must be 16-byte aligned, got offset {k_cache.data_ptr() % 16} and stride(0)={stride0}")
+    fmt = _check_cache("k_cache", k_cache, d_qk, q.device)
+    if extra_k_cache is not None:
+        extra_fmt = _check_cache("extra_k_cache", extra_k_cache, d_qk, q.device)
+        if extra_fmt is not fmt:
+            raise ValueError(f"extra_k_cache: the {extra_fmt.name} format ({extra_fmt.row_bytes} bytes/token) differs from "
+                             f"k_cache's {fmt.name} ({fmt.row_bytes} bytes/token); the extra pool takes k_cache's format")
+    if extra_topk_length is not None:
+        check_tensor("extra_topk_length", extra_topk_length, dtypes=(torch.int32,), dim=1, shape=(b,), device=q.device,
+                     contiguous=True, shape_doc="(b,)")
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), dim=1, shape=(h_q,), device=q.device,
                      contiguous=True, shape_doc="(h_q,)")
@@ -218,4 +237,30 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
                      shape_doc=f"(b, s_q, h_q, {fmt.d_v})")
         check_aligned_strides("out", out)
     _require_cuda(q)
-    return b, s_q, h_q, topk
+    return b, s_q, h_q, topk, extra_topk
+
+
+def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
+    """The checks of one paged cache (``k_cache`` or ``extra_k_cache``); returns its format."""
+    check_tensor(name, k_cache, dtypes=KV_CACHE_DTYPES, dim=4, device=device,
+                 shape_doc="(num_blocks, page_block_size, 1, bytes_per_token)")
+    num_blocks, page_block_size, h_k, bytes_per_token = k_cache.shape
+    if h_k != 1:
+        raise ValueError(f"{name}: h_k (dim 2) must be 1 (MLA has one latent KV head), got {h_k}")
+    try:
+        fmt = detect_format(d_qk, bytes_per_token)
+    except (ValueError, NotImplementedError) as e:
+        raise type(e)(str(e).replace("k_cache:", f"{name}:", 1)) from None
+    if k_cache.stride(1) != bytes_per_token:
+        raise ValueError(f"{name}: rows inside a page block must be packed: stride(1) must be {bytes_per_token} "
+                         f"(bytes per token), got {k_cache.stride(1)}")
+    if num_blocks * page_block_size >= 2**31:
+        raise ValueError(f"{name}: {num_blocks}x{page_block_size} tokens do not fit int32 indices")
+    stride0 = k_cache.stride(0) * k_cache.element_size()   # bytes (the kernels read it as uint8)
+    if k_cache.data_ptr() % 16 or stride0 % 16:
+        raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got offset {k_cache.data_ptr() % 16} "
+                         f"and stride(0)={stride0}")
+    if num_blocks > 1 and stride0 < page_block_size * bytes_per_token:
+        raise ValueError(f"{name}: stride(0) of {stride0} bytes does not hold a page block of {page_block_size} x "
+                         f"{bytes_per_token} bytes")
+    return fmt

@@ -21,6 +21,8 @@ from ..kernels import DecodeTensors
 from ..plan.plan import SparseDecodePlan
 
 Workspace = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+Extra = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]
+NO_EXTRA: Extra = (None, None, None)
 
 
 def allocate_workspace(plan: SparseDecodePlan, device: torch.device) -> Workspace:
@@ -60,7 +62,8 @@ class Launcher:
         self.main_mod = kernel_module(plan.arch)
         self.main_cfg = self.main_mod.kernel_config(
             h_q=plan.h_q, d_qk=plan.d_qk, split=plan.split, has_topk_length=has_topk_length,
-            has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning)
+            has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
+            has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length)
         self.main_compiled = self.main_mod.compile_sparse_decode(self.main_cfg)
         self.combine_mod = self.combine_cfg = self.combine_compiled = None
         if plan.split:
@@ -72,23 +75,29 @@ class Launcher:
             self.combine_compiled = combine.compile_combine(self.combine_cfg)
 
     def __call__(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
-                 softmax_scale: float) -> None:
+                 softmax_scale: float, extra: Extra = NO_EXTRA) -> None:
         """Launch what the plan says: the main kernel, then the combine only for the split variant."""
-        workspace = self.main(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, softmax_scale)
+        workspace = self.main(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, softmax_scale,
+                              extra)
         self.combine(workspace, accum_offsets, attn_sink, out, lse)
 
     def main(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
-             softmax_scale: float) -> Workspace:
+             softmax_scale: float, extra: Extra = NO_EXTRA) -> Workspace:
         """The decode kernel alone; returns the workspace it wrote ((None, None) when unsplit).
         Without :meth:`combine` a split call's outputs stay unwritten: benchmarks time that as
-        the call's bound without the combine."""
+        the call's bound without the combine. ``extra``: the extra pool's (cache, indices,
+        lengths) where the plan has one."""
+        extra_kv, extra_indices, extra_topk_length = extra
         if self.plan.token_walk:
             # b == 1: the s_q tokens become s_q one-token requests (views, no copy; plan docstring)
             q, indices, out, lse = q[0].unsqueeze(1), indices[0].unsqueeze(1), out[0].unsqueeze(1), lse[0].unsqueeze(1)
+            if extra_indices is not None:
+                extra_indices = extra_indices[0].unsqueeze(1)
         o_accum, lse_accum = allocate_workspace(self.plan, q.device)
         self.main_mod.launch_sparse_decode(
             self.main_compiled, self.main_cfg,
-            DecodeTensors(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum),
+            DecodeTensors(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum,
+                          extra_kv, extra_indices, extra_topk_length),
             softmax_scale)
         return o_accum, lse_accum
 

@@ -32,3 +32,7 @@ class DecodeTensors(NamedTuple):
     lse: torch.Tensor                      # (b, s_q, h_q) fp32
     o_accum: Optional[torch.Tensor] = None     # (rows, s_q, h_q, d_v), the arch's accum dtype
     lse_accum: Optional[torch.Tensor] = None   # (rows, s_q, h_q) fp32
+    # The extra KV pool (V4): its cache, its (b, s_q, extra_topk) indices and their (b,) lengths.
+    extra_kv: Optional[torch.Tensor] = None
+    extra_indices: Optional[torch.Tensor] = None
+    extra_topk_length: Optional[torch.Tensor] = None

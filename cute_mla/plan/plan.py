@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .. import archs
-from ..formats import KVCacheFormat, format_for_d_qk
+from ..formats import KVCacheFormat, format_for_d_qk, supported_formats
 from ..scheduler import partition as sched
 
 SUPPORTED_H_Q = (64, 128)
@@ -55,7 +55,7 @@ class SparseDecodePlan:
     d_qk: int
     d_v: int
     topk: int
-    has_topk_length: bool
+    has_topk_length: bool               # the call passes topk_length (per-request lengths on the device)
     num_sm_parts: int
     fixed_overhead: int
     kernel: str                         # the arch's kernel name (archs.ArchSpec.kernel)
@@ -66,6 +66,19 @@ class SparseDecodePlan:
     token_walk: bool = False            # the s_q tokens run as s_q one-token requests (module docstring)
     column_pair: bool = False           # SM90 h=64 split: a cluster of 2 CTAs per piece (sm90_column_pair)
     accum_dtype: str = "float32"        # o_accum's element type when split (the arch's); lse_accum is fp32
+    extra_topk: int = 0                 # the extra pool's list length (0: no extra pool)
+    has_extra_topk_length: bool = False # the call passes extra_topk_length
+
+    @property
+    def lengths_on_device(self) -> bool:
+        """Per-request lengths the host must not read: the schedule is made on the device."""
+        return self.has_topk_length or self.has_extra_topk_length
+
+    @property
+    def blocks_per_request(self) -> int:
+        """64-token blocks of a request without lengths (an upper bound with them): its main list's,
+        then its extra list's."""
+        return (self.topk + self.extra_topk) // BLOCK_TOPK
 
     @property
     def variant(self) -> str:
@@ -92,14 +105,15 @@ class SparseDecodePlan:
         """What FlashMLA (vLLM's fork) allocates for the same call: (b + num_sm_parts) rows whenever
         split-KV is on, i.e. always on SM90 and above top-k 640 on SM100."""
         no_split_max = archs.get(self.arch).no_split_max_topk
-        if no_split_max is not None and self.topk <= no_split_max:
+        if no_split_max is not None and self.topk + self.extra_topk <= no_split_max:
             return 0
         return (self.b + self.num_sm_parts) * self.s_q * self.h_q * FLASHMLA_ACCUM_BYTES_PER_HEAD
 
     def describe(self) -> str:
         lines = [
             f"arch {self.arch}  b={self.b} s_q={self.s_q} h_q={self.h_q} d_qk={self.d_qk} topk={self.topk}"
-            f"{' topk_length' if self.has_topk_length else ''}",
+            f"{f' extra_topk={self.extra_topk}' if self.extra_topk else ''}"
+            f"{' topk_length' if self.has_topk_length else ''}{' extra_topk_length' if self.has_extra_topk_length else ''}",
             f"kernel {self.kernel} ({self.variant})  num_sm_parts={self.num_sm_parts}  schedule on {self.schedule}",
         ]
         if self.token_walk:
@@ -117,7 +131,7 @@ class SparseDecodePlan:
         return "\n".join(lines)
 
 
-def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int) -> KVCacheFormat:
+def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int, extra_topk: int = 0) -> KVCacheFormat:
     """Shape rules shared by the plan and the API; returns the cache format of ``d_qk``."""
     for name, v in (("b", b), ("s_q", s_q), ("topk", topk)):
         if not isinstance(v, int) or v < 1:
@@ -126,27 +140,41 @@ def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int) -> KVCacheFo
         raise ValueError(f"h_q: got {h_q}, accepted: 64 or 128 (pad the heads, as vLLM and SGLang do)")
     if topk % BLOCK_TOPK:
         raise ValueError(f"topk: got {topk}, accepted: a positive multiple of {BLOCK_TOPK}")
-    return format_for_d_qk(d_qk)
+    if not isinstance(extra_topk, int) or extra_topk < 0 or extra_topk % BLOCK_TOPK:
+        raise ValueError(f"extra_topk: got {extra_topk!r}, accepted: 0 (no extra pool) or a positive multiple of {BLOCK_TOPK}")
+    fmt = format_for_d_qk(d_qk)
+    if extra_topk and not fmt.extra_pool:
+        pools = ", ".join(f"{f.name} (d_qk={f.d_qk})" for f in supported_formats() if f.extra_pool)
+        raise ValueError(f"extra_k_cache: the {fmt.name} format (d_qk={d_qk}) has no extra KV pool; formats with one: {pools}")
+    return fmt
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch: str, num_sms: int,
-                       has_topk_length: bool = False, d_v: int = 512) -> SparseDecodePlan:
-    """Plan one sparse decode call (cached: a plan depends only on its arguments)."""
-    fmt = check_problem(b, s_q, h_q, d_qk, topk)
+                       has_topk_length: bool = False, d_v: int = 512, extra_topk: int = 0,
+                       has_extra_topk_length: bool = False) -> SparseDecodePlan:
+    """Plan one sparse decode call (cached: a plan depends only on its arguments).
+
+    ``extra_topk``: the extra pool's list length (V4), 0 without one. ``has_topk_length`` /
+    ``has_extra_topk_length``: the call passes that list's per-request lengths (device values:
+    the schedule is then made on the device)."""
+    fmt = check_problem(b, s_q, h_q, d_qk, topk, extra_topk)
+    if has_extra_topk_length and not extra_topk:
+        raise ValueError("extra_topk_length: given without an extra pool (extra_topk=0)")
+    lengths = has_topk_length or has_extra_topk_length
     if d_v != fmt.d_v:
         raise ValueError(f"head_dim_v: got {d_v}, accepted: {fmt.d_v}")
     spec = archs.get(arch)
     parts = sched.num_sm_parts(arch, num_sms, s_q, h_q)
-    blocks = topk // BLOCK_TOPK          # per request without topk_length (check_problem: a multiple of 64)
+    blocks = (topk + extra_topk) // BLOCK_TOPK   # per request without lengths (check_problem: multiples of 64)
     overhead = sched.fixed_overhead_blocks(arch, b=b, parts=parts, blocks=blocks)
     host_schedule, token_walk = None, False
-    if spec.no_split_max_topk is not None and topk <= spec.no_split_max_topk and b <= archs.MAX_GRID_Y:
+    if spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk and b <= archs.MAX_GRID_Y:
         schedule, parts, accum_rows = "per_request", b, 0
-        if not has_topk_length:
-            nb = sched.blocks_per_request(topk, b=b)
+        if not lengths:
+            nb = sched.blocks_per_request(topk, b=b, extra_topk=extra_topk)
             host_schedule = sched.HostSchedule(rows=sched.per_request_rows(nb), num_splits=tuple(range(b + 1)))
-    elif has_topk_length:
+    elif lengths:
         schedule = "device"
         accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts, b)
     elif uses_token_walk(arch, b, s_q, h_q, parts, num_sms):
@@ -158,7 +186,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         host_schedule = sched.HostSchedule(rows=rows, num_splits=(0, 1))
     else:
         schedule = "host"
-        host_schedule = sched.plan_splits_host(sched.blocks_per_request(topk, b=b), parts, overhead)
+        host_schedule = sched.plan_splits_host(sched.blocks_per_request(topk, b=b, extra_topk=extra_topk), parts, overhead)
         accum_rows = host_schedule.split_rows
     split = accum_rows > 0
     return SparseDecodePlan(
@@ -166,7 +194,8 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         num_sm_parts=parts, fixed_overhead=overhead, kernel=spec.kernel, split=split,
         schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule, token_walk=token_walk,
         column_pair=split and sm90_column_pair(arch, b, s_q, h_q, num_sms, host_schedule),
-        accum_dtype=spec.accum_dtype if split else "float32")
+        accum_dtype=spec.accum_dtype if split else "float32", extra_topk=extra_topk,
+        has_extra_topk_length=has_extra_topk_length)
 
 
 def _busy_partitions(b: int, host_schedule: sched.HostSchedule) -> int:

@@ -22,8 +22,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..scheduler import (SCHED_ROW_INTS, SchedField, accum_offsets, accum_offsets_device, blocks_of_length,
-                         plan_splits)
+from ..scheduler import (BLOCK_TOPK, SCHED_ROW_INTS, SchedField, accum_offsets, accum_offsets_device,
+                         blocks_of_length, extra_blocks_of_length, plan_splits)
 from .plan import SparseDecodePlan
 
 _lock = threading.Lock()
@@ -188,9 +188,19 @@ def _torch_max(a, b):
     return a.clamp(min=b)
 
 
-def device_num_blocks(topk_length: torch.Tensor, topk: int) -> torch.Tensor:
-    """Blocks of each request from the device lengths (``blocks_of_length``, torch ops, no sync)."""
-    return blocks_of_length(topk_length, topk, _torch_min, _torch_max)[1].to(torch.int32)
+def device_num_blocks(topk_length: Optional[torch.Tensor], topk: int, b: int, device: torch.device,
+                      extra_topk: int = 0, extra_topk_length: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Blocks of each request from the device lengths (``blocks_of_length`` then
+    ``extra_blocks_of_length``, torch ops, no sync); a list without lengths has its full length."""
+    if topk_length is not None:
+        nb = blocks_of_length(topk_length, topk, _torch_min, _torch_max)[1]
+    else:
+        nb = torch.full((b,), topk // BLOCK_TOPK, dtype=torch.int32, device=device)
+    if extra_topk_length is not None:
+        nb = nb + extra_blocks_of_length(extra_topk_length, extra_topk, _torch_min, _torch_max)[1]
+    elif extra_topk:
+        nb = nb + extra_topk // BLOCK_TOPK
+    return nb.to(torch.int32)
 
 
 def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -206,13 +216,14 @@ def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor,
     return tile_md, num_splits
 
 
-def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Optional[torch.Tensor]) -> Schedule:
+def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Optional[torch.Tensor],
+                  extra_topk_length: Optional[torch.Tensor] = None) -> Schedule:
     """The schedule of ``plan`` on ``device``: the host's, uploaded (cached), or built on the device
-    from ``topk_length``."""
+    from ``topk_length`` / ``extra_topk_length``."""
     if plan.host_schedule is not None:
         upload = uploaded_schedule(plan, device)
         return Schedule(*upload.views, upload=upload)
-    nb = device_num_blocks(topk_length, plan.topk)
+    nb = device_num_blocks(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
     if plan.schedule == "per_request":
         tile_md, num_splits = per_request_schedule_device(nb)
     else:

@@ -20,12 +20,13 @@ from . import inspect
 KERNELS = ("sparse_decode", "combine", "scheduler")
 
 
-def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool):
+def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
+             decode: dict):
     spec = archs.get(arch)
     if name == "sparse_decode":
         mod = kernel_module(arch)
-        cfg = mod.kernel_config(h_q=h_q, d_qk=V32.d_qk, split=split, has_topk_length=has_topk_length,
-                                has_attn_sink=has_attn_sink)
+        cfg = mod.kernel_config(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
+                                **decode)
         return mod.compile_sparse_decode(cfg, dump_dir=out_dir)
     if name == "combine":
         from ..kernels import combine as mod
@@ -47,12 +48,16 @@ def resource_lines(cubin: str) -> List[str]:
 
 
 def compile_to_dir(name: str, arch: str, out_dir: str, *, h_q: int = 64, split: bool = False,
-                   has_topk_length: bool = False, has_attn_sink: bool = False) -> List[str]:
+                   has_topk_length: bool = False, has_attn_sink: bool = False, d_qk: int = V32.d_qk,
+                   has_extra: bool = False, has_extra_topk_length: bool = False) -> List[str]:
+    """``d_qk`` names the cache format (576: V3.2, 512: V4); ``has_extra`` / ``has_extra_topk_length``:
+    the V4 extra pool (sparse_decode only)."""
     archs.check_arch(arch)
     if name not in KERNELS:
         raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
     os.makedirs(out_dir, exist_ok=True)
-    _compile(name, arch, out_dir, h_q, split, has_topk_length, has_attn_sink)
+    _compile(name, arch, out_dir, h_q, split, has_topk_length, has_attn_sink,
+             dict(d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length))
     ptx, cubin = inspect.find_artifacts(out_dir, arch)
     report = [f"ptx:   {ptx or '(none)'}", f"cubin: {cubin or '(none)'}"]
     if cubin:

@@ -19,6 +19,7 @@ from .partition import (  # noqa: F401
     accum_offsets,
     blocks_of_length,
     blocks_per_request,
+    extra_blocks_of_length,
     fixed_overhead_blocks,
     longest_partition,
     max_accum_rows,

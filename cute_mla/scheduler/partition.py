@@ -92,13 +92,29 @@ def blocks_of_length(length, topk, minimum=min, maximum=max):
     return length, maximum((length + (BLOCK_TOPK - 1)) // BLOCK_TOPK, 1)
 
 
-def blocks_per_request(topk: int, topk_length: Sequence[int] | None = None, b: int | None = None) -> List[int]:
-    """64-token blocks of each request's top-k list (:func:`blocks_of_length`)."""
-    if topk_length is None:
-        if b is None:
-            raise ValueError("blocks_per_request: give b when topk_length is None")
-        return [topk // BLOCK_TOPK] * b
-    return [blocks_of_length(int(n), topk)[1] for n in topk_length]
+def extra_blocks_of_length(length, extra_topk, minimum=min, maximum=max):
+    """The extra list's rule (``extra_topk_length``): its effective length ``min(length,
+    extra_topk)``, at least 0, and its 64-token blocks ``ceil(length / 64)``, possibly none. A
+    request's blocks are its main list's (:func:`blocks_of_length`, at least one) followed by
+    these (FlashMLA: ``roundup(main, 64) + extra``)."""
+    length = maximum(minimum(length, extra_topk), 0)
+    return length, (length + (BLOCK_TOPK - 1)) // BLOCK_TOPK
+
+
+def blocks_per_request(topk: int, topk_length: Sequence[int] | None = None, b: int | None = None,
+                       extra_topk: int = 0, extra_topk_length: Sequence[int] | None = None) -> List[int]:
+    """64-token blocks of each request's top-k list plus its extra list (:func:`blocks_of_length`,
+    :func:`extra_blocks_of_length`)."""
+    if b is None:
+        lengths = topk_length if topk_length is not None else extra_topk_length
+        if lengths is None:
+            raise ValueError("blocks_per_request: give b when no length tensor is given")
+        b = len(lengths)
+    main = ([topk // BLOCK_TOPK] * b if topk_length is None
+            else [blocks_of_length(int(n), topk)[1] for n in topk_length])
+    extra = ([extra_topk // BLOCK_TOPK] * b if extra_topk_length is None
+             else [extra_blocks_of_length(int(n), extra_topk)[1] for n in extra_topk_length])
+    return [m + e for m, e in zip(main, extra)]
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ Plain Python (no DSL import): the launcher, the plan's tools and the tests read 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -15,7 +16,9 @@ from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk
 
 @dataclass(frozen=True)
 class Tile(FormatGeometry):
-    """Tile geometry (all compile-time). The row layout comes from the cache format."""
+    """Tile geometry (all compile-time). The row layout comes from the cache format: a config's
+    ``tile`` is its format's (:func:`tile_of`); the module's ``TILE`` holds the facts every format
+    shares (heads, tokens, chunks, buffers, thread map) and is the V3.2 tile."""
 
     fmt: KVCacheFormat = V32
     heads: int = 64  # BLOCK_M: heads per CTA
@@ -38,11 +41,32 @@ class Tile(FormatGeometry):
     info_words: int = 4  # per K buffer: valid mask (2 words), last-tile-of-request flag, pad
     mbar_bytes: int = 8  # one mbarrier: consecutive mbarriers of an array are this far apart
     rows_per_warp: int = 8  # producer thread map: a warp's 32 lanes cover 8 tokens x 4 16-B slices
-    slots_per_row: int = 44  # i32 registers of one thread's slice of a row: 8 x 16 B fp8, 16 B scales, 2 x 16 B RoPE
 
     @property
     def nope_chunks(self) -> int:  # 64-dim column blocks of the quantized part
         return self.fmt.d_nope // self.chunk
+
+    @property
+    def chunks(self) -> int:  # 64-dim column blocks of a K tile: NoPE, then one of RoPE
+        return self.d_qk // self.chunk
+
+    @property
+    def scale_words(self) -> int:  # i32 registers of a row's scales as loaded
+        return self.fmt.dequant.scale_words
+
+    @property
+    def scale_reg(self) -> int:  # first register of the scales in a thread's row slots
+        return 4 * self.nope_chunks
+
+    @property
+    def rope_reg(self) -> int:  # first register of the thread's 32 RoPE bytes
+        return self.scale_reg + self.scale_words
+
+    @property
+    def slots_per_row(self) -> int:
+        """i32 registers of one thread's slice of a row: 16 B of fp8 per NoPE chunk, the scales,
+        2 x 16 B of RoPE (V3.2: 44, V4: 38)."""
+        return self.rope_reg + 8
 
     @property
     def chunk_row_bytes(self) -> int:  # one token's row inside a 64-dim column block (SW128 row)
@@ -78,6 +102,14 @@ class Tile(FormatGeometry):
 
 
 TILE = Tile()
+
+
+@functools.lru_cache(maxsize=None)
+def tile_of(fmt: KVCacheFormat) -> Tile:
+    """The tile geometry of a cache format (one per format)."""
+    if fmt.d_rope != TILE.chunk or fmt.d_nope % TILE.chunk or fmt.d_v != TILE.half_v * 2:
+        raise ValueError(f"{fmt.name}: the SM90 tile needs 64 RoPE dims, NoPE in 64-dim chunks and d_v 512")
+    return Tile(fmt=fmt)
 
 
 class Role(IntEnum):
@@ -201,6 +233,10 @@ class Sm90SparseDecodeConfig:
     d_qk: int = V32.d_qk
     tuning: Sm90Tuning = DEFAULT_TUNING
     arch: str = archs.SM90.name
+    # The extra KV pool (V4): a second cache and index list attended jointly with the main one,
+    # each request's main positions first (the schedule's blocks: main, then extra).
+    has_extra: bool = False
+    has_extra_topk_length: bool = False
 
     def __post_init__(self):
         if self.h_q not in (64, 128):
@@ -208,12 +244,20 @@ class Sm90SparseDecodeConfig:
         if self.column_pair and not (self.split and self.h_q == 64):
             raise ValueError(f"column_pair: only the h_q=64 split variant runs column pairs (got h_q={self.h_q}, "
                              f"split={self.split})")
-        if format_for_d_qk(self.d_qk) is not TILE.fmt:
-            raise ValueError(f"d_qk: got {self.d_qk}, accepted: {TILE.d_qk} ({TILE.fmt.name} cache)")
+        fmt = format_for_d_qk(self.d_qk)
+        if self.has_extra and not fmt.extra_pool:
+            raise ValueError(f"has_extra: the {fmt.name} format (d_qk={self.d_qk}) has no extra pool")
+        if self.has_extra_topk_length and not self.has_extra:
+            raise ValueError("has_extra_topk_length: needs has_extra")
         if not isinstance(self.tuning, Sm90Tuning):
             raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
         if self.arch != archs.SM90.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
+
+    @property
+    def tile(self) -> Tile:
+        """The tile geometry of the config's cache format."""
+        return tile_of(format_for_d_qk(self.d_qk))
 
     @property
     def accum_dtype(self) -> str:
@@ -248,8 +292,10 @@ class Sm90SparseDecodeConfig:
 
 
 def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
-                  column_pair: bool = False, tuning=None) -> Sm90SparseDecodeConfig:
+                  column_pair: bool = False, tuning=None, has_extra: bool = False,
+                  has_extra_topk_length: bool = False) -> Sm90SparseDecodeConfig:
     """The config of the kernel a plan names (the launcher's call); ``tuning`` None is the default."""
     return Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
                                   column_pair=column_pair, d_qk=d_qk,
-                                  tuning=DEFAULT_TUNING if tuning is None else tuning)
+                                  tuning=DEFAULT_TUNING if tuning is None else tuning,
+                                  has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)

@@ -5,7 +5,8 @@ the three warp groups.
 Partition row (``SchedField``): [begin_req, end_req (incl), begin_block (of begin_req), end_block
 (excl, of end_req), begin_split_idx, is_first_req_splitted, is_last_req_splitted, pad]. A request
 has topk / 64 blocks, or ``blocks_of_length(topk_length[req], topk)`` with ``topk_length`` (the
-scheduler's rule, shared with the host and the device schedule).
+scheduler's rule, shared with the host and the device schedule); with the extra pool they are
+followed by its extra_topk / 64 blocks (``extra_blocks_of_length`` with ``extra_topk_length``).
 """
 
 # No "from __future__ import annotations": cute.struct reads its field annotations as objects.
@@ -17,8 +18,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 
 from ...dsl import ptx
-from ...scheduler.partition import BLOCK_TOPK, SchedField, blocks_of_length
-from .config import TILE, Sm90SparseDecodeConfig
+from ...scheduler.partition import BLOCK_TOPK, SchedField, blocks_of_length, extra_blocks_of_length
+from .config import TILE, Sm90SparseDecodeConfig, Tile
 
 assert TILE.tokens == BLOCK_TOPK, "a K tile covers one scheduler block of positions"
 
@@ -27,7 +28,7 @@ class Gmem(NamedTuple):
     """The kernel's global tensors and the TMA atoms that read or write them."""
 
     tma_q: cute.CopyAtom
-    mQ: cute.Tensor                      # Q as (h, d, s_q, b): TMA boxes of 64 heads x 576 dims
+    mQ: cute.Tensor                      # Q as (h, d, s_q, b): TMA boxes of 64 heads x d_qk dims
     tma_out: Optional[cute.CopyAtom]     # None where out is stored from registers
     mOut: cute.Tensor                    # out as (h, d, s_q, b) for TMA, or as given
     tma_oacc: Optional[cute.CopyAtom]    # split variant only
@@ -40,6 +41,9 @@ class Gmem(NamedTuple):
     mAccumOffsets: cute.Tensor           # (b+1,): request r's split pieces own rows [off[r], off[r+1])
     mLse: cute.Tensor
     mLseAcc: Optional[cute.Tensor]
+    mExtraKV: Optional[cute.Tensor] = None       # the extra pool (V4): its cache,
+    mExtraIdx: Optional[cute.Tensor] = None      # its (b, s_q, extra_topk) indices
+    mExtraLen: Optional[cute.Tensor] = None      # and their (b,) lengths
 
 
 class Cta(NamedTuple):
@@ -58,16 +62,18 @@ class Smem(NamedTuple):
     """The shared-memory struct and the tensors the MMAs read (swizzled views of its buffers)."""
 
     storage: object
-    sQ: cute.Tensor     # Q (64 heads x 576), also the output staging between requests
-    sK: cute.Tensor     # the K tiles (k_bufs x 64 tokens x 576), V is their transposed view
+    sQ: cute.Tensor     # Q (64 heads x d_qk), also the output staging between requests
+    sK: cute.Tensor     # the K tiles (k_bufs x 64 tokens x d_qk), V is their transposed view
     sP: cute.Tensor     # P (64 heads x 64 tokens) handed from WG0 to WG1
 
 
 @functools.lru_cache(maxsize=None)
-def shared_storage():
+def shared_storage(tile: Tile = TILE):
     """The CTA's shared memory, one struct (its size is what the launch requests): 231,424 B of
-    232,448 with the Q buffer, two K tiles and P. The output staging aliases the Q buffer, which is
-    free between a request's last QK and the next request's Q load."""
+    232,448 with the V3.2 tile's Q buffer, two K tiles and P (V4's 512-dim tiles: 206,848 B). The
+    output staging (2 x 32 KiB) aliases the Q buffer, which is free between a request's last QK
+    and the next request's Q load."""
+    assert 2 * tile.stage_bytes <= 2 * tile.q_elems, "the output staging must fit in the Q buffer"
 
     @cute.struct
     class SharedStorage:
@@ -80,19 +86,19 @@ def shared_storage():
         scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
         row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
         ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]  # compacted indices
-        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.q_elems], 1024]
-        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.k_bufs * TILE.k_tile_elems], 1024]
+        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
         sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.p_elems], 1024]
 
     return SharedStorage
 
 
-def dyn_storage():
+def dyn_storage(cfg: Sm90SparseDecodeConfig):
     """The shared-storage struct rebuilt from the dynamic-smem symbol (the allocator put it at
     offset 0, 1024-aligned). The allocator's own base pointer is a warp shuffle, which ptxas can
     neither rematerialize nor keep in the producer's 128 registers, so it spilled it; the symbol
     address is a constant it can re-create anywhere."""
-    return shared_storage()(cute.arch.get_dyn_smem(Uint8, alignment=1024))
+    return shared_storage(cfg.tile)(cute.arch.get_dyn_smem(Uint8, alignment=1024))
 
 
 @cute.jit
@@ -105,27 +111,39 @@ def stamp(cta: Cta, slot: cutlass.Constexpr, leader):
 
 
 @cute.jit
-def request_blocks(cfg: Sm90SparseDecodeConfig, req: Int32, mTopkLen: Optional[cute.Tensor], topk: Int32):
-    """(number of 64-token blocks, effective top-k length) of request ``req``."""
-    n_blocks = topk // BLOCK_TOPK
+def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32):
+    """(64-token blocks, blocks of the main list, effective main length, effective extra length)
+    of request ``req``: the main list's blocks come first, then the extra list's (none without
+    the extra pool)."""
+    n_main = topk // BLOCK_TOPK
     length = topk
     if cutlass.const_expr(cfg.has_topk_length):
-        length, n_blocks = blocks_of_length(mTopkLen[req], topk, cutlass.min, cutlass.max)
-    return n_blocks, length
+        length, n_main = blocks_of_length(g.mTopkLen[req], topk, cutlass.min, cutlass.max)
+    n_blocks = n_main
+    extra_length = Int32(0)
+    if cutlass.const_expr(cfg.has_extra):
+        extra_topk = g.mExtraIdx.shape[2]
+        extra_length = extra_topk
+        n_extra = extra_topk // BLOCK_TOPK
+        if cutlass.const_expr(cfg.has_extra_topk_length):
+            extra_length, n_extra = extra_blocks_of_length(g.mExtraLen[req], extra_topk, cutlass.min, cutlass.max)
+        n_blocks = n_main + n_extra
+    return n_blocks, n_main, length, extra_length
 
 
 @cute.jit
 def request_range(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32):
-    """[start, stop) blocks of ``req`` in this partition and its effective top-k length."""
+    """[start, stop) blocks of ``req`` in this partition, its main list's blocks and the two
+    lists' effective lengths (:func:`request_blocks`)."""
     begin_req, end_req, begin_block, end_block = cta.sched
-    n_blocks, length = request_blocks(cfg, req, g.mTopkLen, cta.topk)
+    n_blocks, n_main, length, extra_length = request_blocks(cfg, g, req, cta.topk)
     start = Int32(0)
     stop = n_blocks
     if req == begin_req:
         start = begin_block
     if req == end_req:
         stop = end_block
-    return start, stop, length
+    return start, stop, n_main, length, extra_length
 
 
 @cute.jit

@@ -37,6 +37,13 @@ scanned, its next chunk position and end, whether it has blocks here, the ring p
 start at, the ring tail, the last-tile mask, the counts slot, whether a request is left, and this
 thread's raw indices of the next two chunks of the request (loaded one and two steps earlier, so
 steps that run back to back, as at a partition's start, do not wait an index round trip each).
+
+The extra pool (V4): a request's piece is scanned as two segments, its main list's positions,
+then its extra list's (the schedule's blocks come in that order), with no padding between them:
+the two lists share the request's tiles. Extra positions are carried offset by ``EXTRA_BASE``
+(``pos >= EXTRA_BASE`` is the extra segment; a chunk never spans both), and an extra token enters
+the ring encoded as ``-2 - index`` (-1 stays the padding), which :func:`ring_index` hands to the
+producer's ``row_address`` as is.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from .config import TILE, Bar, Sm90SparseDecodeConfig
 from .cta import Cta, Gmem, request_range
 
 RING_MASK = TILE.ring_entries - 1
+EXTRA_BASE = 1 << 30   # extra-segment positions are carried as EXTRA_BASE + position (module docstring)
 assert TILE.ring_entries & RING_MASK == 0, "ring_entries must be a power of two"
 assert TILE.scan_chunk == TILE.threads_per_wg, "one scanned position per producer thread"
 # A step starts with tail < 64 (T + tiles_ahead) and writes below that + scan_chunk (a request end
@@ -84,21 +92,51 @@ def scan_smem(storage):
 
 @cute.jit
 def scan_request(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32):
-    """(first position, end position, has blocks) of ``req``'s positions in this partition."""
-    start, stop, length = request_range(cfg, g, cta, req)
+    """(first position, end position, has blocks) of ``req``'s first segment in this partition:
+    its main list's positions, or its extra list's where the piece starts past the main blocks."""
+    start, stop, n_main, length, extra_length = request_range(cfg, g, cta, req)
     pos = start * TILE.tokens
-    end = cutlass.max(cutlass.min(stop * TILE.tokens, length), pos)
+    if cutlass.const_expr(cfg.has_extra):
+        end = cutlass.max(cutlass.min(cutlass.min(stop, n_main) * TILE.tokens, length), pos)
+        if start >= n_main:
+            pos, end = extra_segment(start, stop, n_main, extra_length)
+    else:
+        end = cutlass.max(cutlass.min(stop * TILE.tokens, length), pos)
     return pos, end, start < stop
 
 
 @cute.jit
-def scan_fetch(g: Gmem, cta: Cta, req: Int32, pos: Int32, end: Int32, ptid: Int32, scanning):
+def extra_segment(start: Int32, stop: Int32, n_main: Int32, extra_length: Int32):
+    """(first, end) offset positions (``EXTRA_BASE``) of the extra blocks of ``[start, stop)``."""
+    first = (cutlass.max(start, n_main) - n_main) * TILE.tokens
+    end = cutlass.max(cutlass.min((stop - n_main) * TILE.tokens, extra_length), first)
+    return first + EXTRA_BASE, end + EXTRA_BASE
+
+
+@cute.jit
+def scan_fetch(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32, pos: Int32, end: Int32, ptid: Int32,
+               scanning):
     """This thread's raw index of the chunk at ``pos`` (-1 past ``end`` or once the scan is over).
     The load is only issued here; the next :func:`scan_step` consumes it."""
     raw = Int32(-1)
     if scanning & (pos + ptid < end):
-        raw = g.mIdx[req, cta.s_idx, pos + ptid]
+        if cutlass.const_expr(cfg.has_extra):
+            if pos >= EXTRA_BASE:
+                raw = g.mExtraIdx[req, cta.s_idx, pos - EXTRA_BASE + ptid]
+            else:
+                raw = g.mIdx[req, cta.s_idx, pos + ptid]
+        else:
+            raw = g.mIdx[req, cta.s_idx, pos + ptid]
     return raw
+
+
+@cute.jit
+def pool_tokens(g: Gmem, extra):
+    """Tokens of the pool a segment reads (``extra``: the extra pool's)."""
+    num_tokens = Int64(g.mKV.shape[0]) * Int64(g.mKV.shape[1])
+    if extra:
+        num_tokens = Int64(g.mExtraKV.shape[0]) * Int64(g.mExtraKV.shape[1])
+    return num_tokens
 
 
 @cute.jit
@@ -110,7 +148,12 @@ def scan_step(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, st: ScanThread, st
     end_req = cta.sched[1]
     # Re-derived from the kernel parameters here rather than carried: the producer's 128
     # registers are tight around the streamed conversion.
-    num_tokens = Int64(g.mKV.shape[0]) * Int64(g.mKV.shape[1])
+    in_extra = cutlass.Boolean(False)
+    if cutlass.const_expr(cfg.has_extra):
+        in_extra = pos >= EXTRA_BASE
+        num_tokens = pool_tokens(g, in_extra)
+    else:
+        num_tokens = Int64(g.mKV.shape[0]) * Int64(g.mKV.shape[1])
     ok = (pos + st.ptid < end) & (raw >= 0) & (Int64(raw) < num_tokens)
     ballot = cute.arch.vote_ballot_sync(ok)
     below = cute.arch.popc(ballot & cute.arch.lanemask_lt())
@@ -125,13 +168,28 @@ def scan_step(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, st: ScanThread, st
     c3 = ptx.vec_elem(c, 3)
     lower = ptx.select_i32(st.warp > 0, c0, 0) + ptx.select_i32(st.warp > 1, c1, 0) + ptx.select_i32(st.warp > 2, c2, 0)
     if ok:
-        ptx.st_shared_i32(st.ring_base + ((tail + lower + Int32(below)) & RING_MASK) * 4, raw)
+        entry = raw
+        if cutlass.const_expr(cfg.has_extra):
+            entry = ptx.select_i32(in_extra, -2 - raw, raw)
+        ptx.st_shared_i32(st.ring_base + ((tail + lower + Int32(below)) & RING_MASK) * 4, entry)
     tail = tail + c0 + c1 + c2 + c3
     parity = parity ^ 1
     pos = pos + TILE.scan_chunk
     scanning = cutlass.Boolean(True)
     changed = cutlass.Boolean(False)
-    if pos >= end:
+    if cutlass.const_expr(cfg.has_extra):
+        to_extra = cutlass.Boolean(False)
+        if (pos >= end) & (pos < EXTRA_BASE):
+            # The main segment is done: the piece's extra blocks (if any) come next, same request.
+            start, stop, n_main, _, extra_length = request_range(cfg, g, cta, req)
+            if stop > n_main:
+                to_extra = cutlass.Boolean(True)
+                changed = cutlass.Boolean(True)
+                pos, end = extra_segment(start, stop, n_main, extra_length)
+        closes = (pos >= end) & ~to_extra
+    else:
+        closes = pos >= end
+    if closes:
         changed = cutlass.Boolean(True)
         if has:
             # Close the request: pad to a whole tile, and give an empty one its one tile.
@@ -149,8 +207,8 @@ def scan_step(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, st: ScanThread, st
     # raw_next holds the chunk now at ``pos`` unless the request changed.
     raw = raw_next
     if changed:
-        raw = scan_fetch(g, cta, req, pos, end, st.ptid, scanning)
-    raw_next = scan_fetch(g, cta, req, pos + TILE.scan_chunk, end, st.ptid, scanning)
+        raw = scan_fetch(cfg, g, cta, req, pos, end, st.ptid, scanning)
+    raw_next = scan_fetch(cfg, g, cta, req, pos + TILE.scan_chunk, end, st.ptid, scanning)
     return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next
 
 
@@ -160,8 +218,8 @@ def scan_begin(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, ptid: Int32):
     begin_req = cta.sched[0]
     pos, end, has = scan_request(cfg, g, cta, begin_req)
     scanning = cutlass.Boolean(True)
-    raw = scan_fetch(g, cta, begin_req, pos, end, ptid, scanning)
-    raw_next = scan_fetch(g, cta, begin_req, pos + TILE.scan_chunk, end, ptid, scanning)
+    raw = scan_fetch(cfg, g, cta, begin_req, pos, end, ptid, scanning)
+    raw_next = scan_fetch(cfg, g, cta, begin_req, pos + TILE.scan_chunk, end, ptid, scanning)
     return begin_req, pos, end, has, Int32(0), Int32(0), Uint32(0), Int32(0), scanning, raw, raw_next
 
 
@@ -178,7 +236,11 @@ def scan_until(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, st: ScanThread, s
 
 
 @cute.jit
-def ring_index(ring_base: Int32, p: Int32):
-    """(token index clamped to a legal row, valid) of ring entry ``p``."""
+def ring_index(cfg: Sm90SparseDecodeConfig, ring_base: Int32, p: Int32):
+    """(token entry, valid) of ring entry ``p``: the padding (-1) reads as row 0 of the main
+    pool; with the extra pool an entry ``<= -2`` is extra token ``-2 - entry`` (the producer's
+    ``row_address`` decodes it)."""
     v = ptx.ld_shared_i32(ring_base + (p & RING_MASK) * 4)
+    if cutlass.const_expr(cfg.has_extra):
+        return ptx.select_i32(v == -1, 0, v), v != -1
     return cutlass.max(v, 0), v >= 0

@@ -26,8 +26,9 @@ class Ops(NamedTuple):
     chunk_layout: cute.ComposedLayout  # one 64 x 64 bf16 chunk of out / o_accum staged for its TMA store
 
 
-def issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf):
-    """S = Q K^T: 36 chained SS wgmma 64x64x16 over the 576 dims of K buffer ``buf`` (committed, not waited).
+def issue_qk(cfg: Sm90SparseDecodeConfig, qk_mma, acc_s, tSrQ, tSrK, buf):
+    """S = Q K^T: d_qk / 16 chained SS wgmma 64x64x16 (36 for V3.2's 576 dims, 32 for V4's 512)
+    over K buffer ``buf`` (committed, not waited).
 
     ``qk_mma`` accumulates (ACCUMULATE set once, outside every staged region: a ``set`` inside a
     branch would leave the atom defined in that branch), so S is zeroed first.
@@ -35,7 +36,7 @@ def issue_qk(qk_mma, acc_s, tSrQ, tSrK, buf):
     tSrK_b = tSrK[None, None, None, buf]
     acc_s.fill(0.0)
     warpgroup.fence()
-    for k in range(TILE.d_qk // 16):  # plain function: a trace-time (unrolled) loop
+    for k in range(cfg.tile.d_qk // 16):  # plain function: a trace-time (unrolled) loop
         cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, 0], tSrK_b[None, None, k], acc_s)
     warpgroup.commit_group()
 
@@ -88,14 +89,14 @@ def k_tensors_for_pv(cfg: Sm90SparseDecodeConfig, sK: cute.Tensor, col_block):
     both K buffers as an MN-major B operand.
 
     V is the transposed view of the K tile: dims are contiguous inside a 128-B swizzled row
-    (64 dims), 64-dim chunks are 8 KiB apart, tokens 128 B apart, buffers 72 KiB apart. This is
+    (64 dims), 64-dim chunks are 8 KiB apart, tokens 128 B apart, buffers one K tile apart (72 KiB for V3.2, 64 KiB for V4). This is
     the layout make_smem_layout_b(COL_MAJOR, (64, 512, 64)) prints, with the buffer stride of
     the K tiles (the helper's own stage stride would be 64 KiB).
     """
     chunks = cfg.pv_cols // TILE.chunk
     outer = cute.make_layout(
         ((TILE.chunk, chunks), (8, TILE.tokens // 8), TILE.k_bufs),
-        stride=((1, TILE.chunk * TILE.tokens), (TILE.chunk, TILE.chunk * 8), TILE.k_tile_elems),
+        stride=((1, TILE.chunk * TILE.tokens), (TILE.chunk, TILE.chunk * 8), cfg.tile.k_tile_elems),
     )
     base = sK.iterator + col_block * chunks * TILE.chunk * TILE.tokens
     return cute.make_tensor(base, outer)

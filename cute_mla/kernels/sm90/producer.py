@@ -1,8 +1,9 @@
 """The producer warp group (WG2) of the SM90 sparse decode kernel: gather + FP8 dequant into K tiles.
 
 Thread map (FlashMLA's): warp w, lane l handles token ``half*32 + w*8 + l%8`` of a tile and the
-16-dim slice ``l//8`` of every 64-dim chunk: 8 x 16 B of fp8, 16 B of scales and 2 x 16 B of RoPE,
-11 x 16-B loads (44 registers) per row and half tile. Tiles hold the valid tokens only
+16-dim slice ``l//8`` of every 64-dim chunk: 16 B of fp8 per NoPE chunk, the row's scales and
+2 x 16 B of RoPE (V3.2: 8 + 16 B + 2, 44 registers; V4: 7 + the 8-B scale row + 2, 38 registers)
+per row and half tile. Tiles hold the valid tokens only
 (``index_scan.py``). The loads are streamed: each 16-B register slot of tile T is re-loaded with
 tile T+1's row as soon as its value is converted (:func:`convert_store_reload`), so both halves of
 tile T+1 are in flight while tile T is converted, and tile T+2's rows are prefetched into L2 once
@@ -10,7 +11,13 @@ tile T is handed over. Two K buffers; the consumers free one with ``k_free``.
 
 Keys are bit-identical to bf16(float(fp8) * scale) (the format's dequant routine). The tile is
 written K-major in SW128 atoms: the byte offset of 16-B chunk j of 64-dim column block c of token t
-is ``c*8192 + t*128 + ((j ^ (t & 7)) << 4)`` (= make_smem_layout_b(ROW_MAJOR, (64, 64, 576))).
+is ``c*8192 + t*128 + ((j ^ (t & 7)) << 4)`` (= make_smem_layout_b(ROW_MAJOR, (64, 64, d_qk))):
+the NoPE chunks, then the RoPE chunk.
+
+Where a row is (the format's spec): its data at ``block + row * data_row_bytes``, its scales in
+the data row (V3.2) or in the block's scale rows (V4: ``block + page * data_row_bytes + row * 8``);
+:func:`row_address` gives the data address, or (data, scales) for the latter. With the extra pool
+a ring entry ``<= -2`` names a row of the extra cache (``index_scan``).
 """
 
 from __future__ import annotations
@@ -27,8 +34,6 @@ from .config import TILE, Sm90SparseDecodeConfig, Stamp
 from .cta import Cta, Gmem, dyn_storage, stamp
 from .index_scan import ScanThread, ring_index, scan_begin, scan_smem, scan_until
 
-DEQUANT = TILE.fmt.dequant
-
 
 class ProducerThread(NamedTuple):
     """A producer thread's map, the cache geometry and the shared addresses it writes."""
@@ -41,6 +46,7 @@ class ProducerThread(NamedTuple):
     kv_base: Int64
     stride0: Int64      # bytes between page blocks
     page: Int32         # page_block_size
+    extra: object       # the extra pool's (kv_base, stride0, page), or None
     sk_base: Int32
     info_base: Int32
     k_full: object      # mbarrier pointers
@@ -59,7 +65,7 @@ class PeerCopy(NamedTuple):
 
 
 @cute.jit
-def producer_setup(g: Gmem) -> ProducerThread:
+def producer_setup(cfg: Sm90SparseDecodeConfig, g: Gmem) -> ProducerThread:
     """The producer's thread map, cache geometry and shared-memory addresses."""
     ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
     warp = ptid // 32
@@ -70,10 +76,13 @@ def producer_setup(g: Gmem) -> ProducerThread:
     kv_base = g.mKV.iterator.toint()
     stride0 = Int64(g.mKV.stride[0])
     page = Int32(g.mKV.shape[1])
-    storage = dyn_storage()
+    extra = None
+    if cutlass.const_expr(cfg.has_extra):
+        extra = (g.mExtraKV.iterator.toint(), Int64(g.mExtraKV.stride[0]), Int32(g.mExtraKV.shape[1]))
+    storage = dyn_storage(cfg)
     sk_base = storage.sK.data_ptr().toint()
     info_base = storage.tile_info.data_ptr().toint()
-    return ProducerThread(warp, lane, sub, tok_in_half, swz, kv_base, stride0, page, sk_base, info_base,
+    return ProducerThread(warp, lane, sub, tok_in_half, swz, kv_base, stride0, page, extra, sk_base, info_base,
                           storage.k_full.data_ptr(), storage.k_free.data_ptr())
 
 
@@ -112,21 +121,21 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta):
     tile T+1's rows re-loaded behind it, the tile handed over with its last-tile flag, and tile
     T+2's rows prefetched into L2.
     """
-    pt = producer_setup(g)
-    ring_base, counts_base = scan_smem(dyn_storage())
+    pt = producer_setup(cfg, g)
+    ring_base, counts_base = scan_smem(dyn_storage(cfg))
     ptid = pt.warp * 32 + pt.lane
     st = ScanThread(ptid, pt.lane, pt.warp, ring_base, counts_base)
     half_b = TILE.tokens // 2
 
-    reg_a = cute.make_rmem_tensor(cute.make_layout(TILE.slots_per_row), Int32)
-    reg_b = cute.make_rmem_tensor(cute.make_layout(TILE.slots_per_row), Int32)
+    reg_a = cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
+    reg_b = cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
 
     # ---- prologue: scan until tile 0 is queued, then issue both halves' loads
     (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = scan_until(
         cfg, g, cta, st, scan_begin(cfg, g, cta, ptid), TILE.tokens)
     stamp(cta, Stamp.SCAN, ptid == 0)
-    idx_a, ok_a = ring_index(ring_base, pt.tok_in_half)
-    idx_b, ok_b = ring_index(ring_base, half_b + pt.tok_in_half)
+    idx_a, ok_a = ring_index(cfg, ring_base, pt.tok_in_half)
+    idx_b, ok_b = ring_index(cfg, ring_base, half_b + pt.tok_in_half)
     if tail > 0:
         issue_row_loads(cfg, pt, reg_a, idx_a)
         issue_row_loads(cfg, pt, reg_b, idx_b)
@@ -143,15 +152,15 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta):
 
         cute.arch.mbarrier_wait(pt.k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
         stamp(cta, Stamp.K_FREE, ptid == 0)
-        tile_base = pt.sk_base + buf * TILE.k_tile_bytes
+        tile_base = pt.sk_base + buf * cfg.tile.k_tile_bytes
         # Each 16-B slot of tile T is re-loaded with tile T+1's row as soon as it is converted
         # (row 0, never stored, when there is no tile T+1).
-        na_idx, na_ok = ring_index(ring_base, first + TILE.tokens + pt.tok_in_half)
-        nb_idx, nb_ok = ring_index(ring_base, first + TILE.tokens + half_b + pt.tok_in_half)
+        na_idx, na_ok = ring_index(cfg, ring_base, first + TILE.tokens + pt.tok_in_half)
+        nb_idx, nb_ok = ring_index(cfg, ring_base, first + TILE.tokens + half_b + pt.tok_in_half)
         next_ok_a = na_ok & has_next
         next_ok_b = nb_ok & has_next
-        na_addr = row_address(pt, common_ptx.select_i32(next_ok_a, na_idx, 0))
-        nb_addr = row_address(pt, common_ptx.select_i32(next_ok_b, nb_idx, 0))
+        na_addr = row_address(cfg, pt, common_ptx.select_i32(next_ok_a, na_idx, 0))
+        nb_addr = row_address(cfg, pt, common_ptx.select_i32(next_ok_b, nb_idx, 0))
         convert_store_reload(cfg, pt, reg_a, ok_a, tile_base, na_addr)
         stamp(cta, Stamp.HALF_A, ptid == 0)
         convert_store_reload(cfg, pt, reg_b, ok_b, tile_base + half_b * TILE.chunk_row_bytes, nb_addr)
@@ -165,9 +174,9 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta):
             if first + 2 * TILE.tokens < tail:
                 in_b = pt.sub >= 2
                 p_idx, p_ok = ring_index(
-                    ring_base, first + 2 * TILE.tokens + common_ptx.select_i32(in_b, half_b, 0) + pt.tok_in_half)
+                    cfg, ring_base, first + 2 * TILE.tokens + common_ptx.select_i32(in_b, half_b, 0) + pt.tok_in_half)
                 if p_ok:
-                    prefetch_row(row_address(pt, p_idx), pt.sub)
+                    prefetch_row(cfg, row_address(cfg, pt, p_idx), pt.sub)
         ok_b = next_ok_b
         ok_a = next_ok_a
         t += 1
@@ -189,60 +198,69 @@ def chunk_to_peer(c: cutlass.Constexpr, copy):
             ptx.bulk_copy_to_peer(src + copy.delta, src, TILE.rows_per_warp * TILE.chunk_row_bytes, copy.peer_k_full)
 
 
+def dequant(cfg: Sm90SparseDecodeConfig):
+    """The device dequant routine of the config's cache format (its format module's)."""
+    return cfg.tile.fmt.dequant
+
+
 @cute.jit
 def convert_store_reload(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, regs: cute.Tensor, ok, half_base: Int32,
-                         next_addr: Int64, copy=None):
+                         next_addr, copy=None):
     """Dequantize this thread's slice of one row (``regs``) into the SW128 K-major tile at
-    ``half_base``, re-loading each 16-B slot from the row at ``next_addr`` as soon as its registers
-    are consumed: RoPE first (stored as is), then the scales (once read), then each fp8 chunk right
-    after its conversion. With ``copy`` (cluster kernels) each warp sends every column block to the
-    peer CTA once written (:func:`chunk_to_peer`).
+    ``half_base``, re-loading each slot from the row at ``next_addr`` (:func:`row_address`) as soon
+    as its registers are consumed: RoPE first (stored as is), then the scales (once read), then
+    each fp8 chunk right after its conversion. With ``copy`` (cluster kernels) each warp sends
+    every column block to the peer CTA once written (:func:`chunk_to_peer`).
 
     Invalid rows (``ok`` false) get zero scales and zero RoPE (the fast path never makes NaN/Inf,
     so fp8 NaN bytes times 0 are 0; the exact path zeroes the fp8 words too), so their V rows are
-    zero and cannot poison P V.
+    zero and cannot poison P V (V4's V includes the RoPE chunk).
     """
     row_base = half_base + pt.tok_in_half * TILE.chunk_row_bytes
     off0 = ((2 * pt.sub) ^ pt.swz) << 4
     off1 = ((2 * pt.sub + 1) ^ pt.swz) << 4
-    rbase = row_base + TILE.nope_chunks * TILE.chunk_bytes
+    rbase = row_base + cfg.tile.nope_chunks * TILE.chunk_bytes
     r = [Int32(0)] * 8
     for e in cutlass.range_constexpr(8):
-        r[e] = common_ptx.select_i32(ok, regs[36 + e], 0)
+        r[e] = common_ptx.select_i32(ok, regs[cfg.tile.rope_reg + e], 0)
     common_ptx.st_shared_v4(rbase + off0, r[0], r[1], r[2], r[3])
     common_ptx.st_shared_v4(rbase + off1, r[4], r[5], r[6], r[7])
-    chunk_to_peer(TILE.nope_chunks, copy)
+    chunk_to_peer(cfg.tile.nope_chunks, copy)
     for q in cutlass.range_constexpr(2):
-        load_slot(cfg, regs, 9 + q, next_addr, pt.sub)
-    sc = [Int32(0)] * 4
+        load_slot(cfg, regs, cfg.tile.nope_chunks + 1 + q, next_addr, pt.sub)
+    words = [Int32(0)] * cfg.tile.scale_words
+    for k in cutlass.range_constexpr(cfg.tile.scale_words):
+        words[k] = common_ptx.select_i32(ok, regs[cfg.tile.scale_reg + k], 0)
+    n_scales = cfg.tile.fmt.num_groups
+    sc = [Int32(0)] * n_scales
     fast = cutlass.Boolean(True)
-    for k in cutlass.range_constexpr(4):
-        sc[k] = common_ptx.select_i32(ok, regs[32 + k], 0)
-        fast = fast & DEQUANT.scale_takes_fast_path(sc[k])
+    for k in cutlass.range_constexpr(n_scales):
+        sc[k] = dequant(cfg).scale_bits(words, k)
+        fast = fast & dequant(cfg).scale_takes_fast_path(sc[k])
     # Warp-uniform choice: caches written with FlashMLA's recipe (power-of-two scales) take the
     # 4-op path; any other scale takes the exact fp32 path (6 ops) for the whole warp.
     all_fast = cute.arch.vote_all_sync(fast)
-    s2 = [Int32(0)] * 4
-    for k in cutlass.range_constexpr(4):
-        s2[k] = DEQUANT.fast_multiplier(sc[k])
-    load_slot(cfg, regs, 8, next_addr, pt.sub)
+    s2 = [Int32(0)] * n_scales
+    for k in cutlass.range_constexpr(n_scales):
+        s2[k] = dequant(cfg).fast_multiplier(sc[k])
+    load_slot(cfg, regs, cfg.tile.nope_chunks, next_addr, pt.sub)
     if all_fast:
-        for c in cutlass.range_constexpr(TILE.nope_chunks):
+        for c in cutlass.range_constexpr(cfg.tile.nope_chunks):
             o = [Int32(0)] * 8
             for e in cutlass.range_constexpr(4):
-                o[2 * e], o[2 * e + 1] = DEQUANT.fast(regs[c * 4 + e], s2[DEQUANT.scale_index(c * TILE.chunk)])
+                o[2 * e], o[2 * e + 1] = dequant(cfg).fast(regs[c * 4 + e], s2[dequant(cfg).scale_index(c * TILE.chunk)])
             load_slot(cfg, regs, c, next_addr, pt.sub)
             cbase = row_base + c * TILE.chunk_bytes
             common_ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
             common_ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
             chunk_to_peer(c, copy)
     else:
-        for c in cutlass.range_constexpr(TILE.nope_chunks):
+        for c in cutlass.range_constexpr(cfg.tile.nope_chunks):
             o = [Int32(0)] * 8
             for e in cutlass.range_constexpr(4):
                 # fp8 NaN bytes of an invalid (clamped) row would survive a zero scale here.
                 w = common_ptx.select_i32(ok, regs[c * 4 + e], 0)
-                o[2 * e], o[2 * e + 1] = DEQUANT.exact(w, sc[DEQUANT.scale_index(c * TILE.chunk)])
+                o[2 * e], o[2 * e + 1] = dequant(cfg).exact(w, sc[dequant(cfg).scale_index(c * TILE.chunk)])
             load_slot(cfg, regs, c, next_addr, pt.sub)
             cbase = row_base + c * TILE.chunk_bytes
             common_ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
@@ -250,51 +268,86 @@ def convert_store_reload(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, regs: 
             chunk_to_peer(c, copy)
 
 
-def prefetch_row(addr: Int64, sub: Int32):
+def data_address(addr):
+    """The data-row address of a :func:`row_address` result."""
+    return addr if not isinstance(addr, tuple) else addr[0]
+
+
+def prefetch_row(cfg: Sm90SparseDecodeConfig, addr, sub: Int32):
     """This thread's share of one cache row into L2: the row's 128-B lines at offsets
     ``(sub % 2) * 128 + {0, 256, 512}`` (the two threads of a row cover offsets 0..640, every line a
-    row can touch). Per-thread ``prefetch.global.L2``: a bulk prefetch of the row takes uniform
+    V3.2 row can touch; a V4 data row ends before 640, so there the line at 640 gives way to
+    the row's scale line). Per-thread ``prefetch.global.L2``: a bulk prefetch of the row takes uniform
     operands, which ptxas loops over per distinct row (~13 % of the producer's time)."""
-    base = addr + Int64((sub % 2) * 128)
-    for k in range(3):
+    base = data_address(addr) + Int64((sub % 2) * 128)
+    for k in range(2):
         ptx.prefetch_l2_line(base + k * 256)
+    if cutlass.const_expr(cfg.tile.fmt.scales_in_row):
+        ptx.prefetch_l2_line(base + 512)
+    else:
+        ptx.prefetch_l2_line(select_i64(sub % 2 == 0, data_address(addr) + Int64(512), addr[1]))
+
+
+def select_i64(pred, a, b) -> Int64:
+    return Int64(cutlass.select_(pred, Int64(a), Int64(b)))
 
 
 @cute.jit
 def issue_row_loads(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, regs: cute.Tensor, idx: Int32):
-    """11 x 128-bit loads of this thread's slice of one row into ``regs`` (44 x i32)."""
-    addr = row_address(pt, idx)
-    for c in cutlass.range_constexpr(TILE.nope_chunks):
+    """This thread's slice of one row into ``regs`` (``slots_per_row`` i32)."""
+    tile = cfg.tile
+    addr = row_address(cfg, pt, idx)
+    for c in cutlass.range_constexpr(tile.nope_chunks + 3):
         load_slot(cfg, regs, c, addr, pt.sub)
-    load_slot(cfg, regs, 8, addr, pt.sub)
-    for r in cutlass.range_constexpr(2):
-        load_slot(cfg, regs, 9 + r, addr, pt.sub)
 
 
 @cute.jit
-def row_address(pt: ProducerThread, idx: Int32):
-    """Global byte address of cache row ``idx`` (token index, already clamped to a legal row)."""
-    blk = Uint32(idx) // Uint32(pt.page)
-    row = Uint32(idx) - blk * Uint32(pt.page)
-    return pt.kv_base + Int64(blk) * pt.stride0 + Int64(row) * TILE.row_bytes
+def row_address(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, idx: Int32):
+    """Global byte address of cache row ``idx`` (a ring entry, already clamped to a legal row):
+    its data row's, or (data row, scale row) for a format with block-major scales."""
+    kv_base, stride0, page = pt.kv_base, pt.stride0, pt.page
+    if cutlass.const_expr(cfg.has_extra):
+        is_extra = idx < 0
+        idx = common_ptx.select_i32(is_extra, -2 - idx, idx)
+        x_base, x_stride0, x_page = pt.extra
+        kv_base = select_i64(is_extra, x_base, kv_base)
+        stride0 = select_i64(is_extra, x_stride0, stride0)
+        page = common_ptx.select_i32(is_extra, x_page, page)
+    fmt = cfg.tile.fmt
+    blk = Uint32(idx) // Uint32(page)
+    row = Uint32(idx) - blk * Uint32(page)
+    block = kv_base + Int64(blk) * stride0
+    data = block + Int64(row) * fmt.data_row_bytes
+    if cutlass.const_expr(fmt.scales_in_row):
+        return data
+    return data, block + Int64(page) * fmt.data_row_bytes + Int64(row) * fmt.scale_row_bytes
 
 
-def load_slot(cfg: Sm90SparseDecodeConfig, regs: cute.Tensor, slot: int, addr: Int64, sub: Int32):
-    """One 16-B load of this thread's slice of the row at ``addr`` into ``regs``.
+def load_slot(cfg: Sm90SparseDecodeConfig, regs: cute.Tensor, slot: int, addr, sub: Int32):
+    """One load of this thread's slice of the row at ``addr`` (:func:`row_address`) into ``regs``.
 
-    slot 0-7: fp8 bytes ``[64*slot + 16*sub, +16)`` -> regs[4*slot, +4); slot 8: the 4 scales
-    -> regs[32, +4); slot 9/10: RoPE bytes ``[rope + 32*sub + 16*(slot-9), +16)`` -> regs[36 + 4*(slot-9), +4).
+    With ``n`` NoPE chunks: slot < n: fp8 bytes ``[64*slot + 16*sub, +16)`` -> regs[4*slot, +4);
+    slot n: the scales -> regs[scale_reg, +scale_words) (16 B in the data row, or the 8-B scale
+    row); slot n+1 / n+2: RoPE bytes ``[rope + 32*sub + 16*(slot-n-1), +16)`` -> regs[rope_reg + ...].
     (A plain function: inlined at trace time, ``slot`` is a Python int.)
     """
-    if slot < 8:
+    tile = cfg.tile
+    n = tile.nope_chunks
+    src = data_address(addr)
+    words = 4
+    if slot < n:
         off = slot * TILE.chunk + sub * 16
         base = slot * 4
-    elif slot == 8:
-        off = TILE.scale_offset
-        base = 32
+    elif slot == n:
+        base = tile.scale_reg
+        words = tile.scale_words
+        if tile.fmt.scales_in_row:
+            off = tile.scale_offset
+        else:
+            src, off = addr[1], tile.scale_offset
     else:
-        off = TILE.rope_offset + sub * 32 + (slot - 9) * 16
-        base = 36 + (slot - 9) * 4
-    v = ptx.ld_global_v4(addr + off, cfg.tuning.gather_l1, cfg.tuning.gather_l2)
-    for e in range(4):
+        off = tile.rope_offset + sub * 32 + (slot - n - 1) * 16
+        base = tile.rope_reg + (slot - n - 1) * 4
+    v = ptx.ld_global_vec(src + off, words, cfg.tuning.gather_l1, cfg.tuning.gather_l2)
+    for e in range(words):
         regs[base + e] = common_ptx.vec_elem(v, e)

@@ -25,10 +25,16 @@ def ld_global_v4(addr: Int64, l1: str = "evict_last", l2: str = "size_256b"):
     ``l1`` / ``l2``: the L1 eviction priority and L2 prefetch size (``cute.arch.load`` literals;
     ``""`` leaves the hint out), ``Sm90Tuning.gather_l1`` / ``gather_l2``.
     """
-    p = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16)
+    return ld_global_vec(addr, 4, l1, l2)
+
+
+def ld_global_vec(addr: Int64, words: int, l1: str = "evict_last", l2: str = "size_256b"):
+    """``words`` x 32-bit ``ld.global`` (2 or 4; ``addr`` aligned to the load's size) with the
+    hints of :func:`ld_global_v4`."""
+    p = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4 * words)
     return cute.arch.load(
         p,
-        vec_i32_type(4),
+        vec_i32_type(words),
         level1_eviction_priority=l1 or None,
         level_prefetch_size=l2 or None,
     )

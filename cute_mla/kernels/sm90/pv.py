@@ -46,7 +46,7 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
     cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
     n = Int32(0)
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
-        start, stop, length = request_range(cfg, g, cta, req)
+        start, stop, _, _, _ = request_range(cfg, g, cta, req)
         acc_o.fill(0.0)
         # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
         active = start < stop

@@ -1,6 +1,6 @@
 """WG0 (``Role.SOFTMAX``): S = Q K^T, the online softmax, P V into O's left columns, the epilogue.
 
-Per request: Q is loaded by TMA (64 heads x 576 dims, after WG1's previous output store has left
+Per request: Q is loaded by TMA (64 heads x d_qk dims, after WG1's previous output store has left
 the staging that aliases the Q buffer). Per K tile: 36 SS wgmma 64x64x16 give S, invalid tokens are
 masked to -inf from the tile's mask, the online softmax runs in the log2 domain, bf16 P stays in
 registers for the RS wgmma P V[:, left] and goes to shared memory with the per-row rescale for
@@ -37,8 +37,8 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     info_base = smem.storage.tile_info.data_ptr().toint()
     s_row_scale = smem.storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
 
-    # Q TMA partition: (h, d, s_q, b) -> (64, 576) boxes.
-    gQ = cute.flat_divide(g.mQ, (TILE.heads, TILE.d_qk))
+    # Q TMA partition: (h, d, s_q, b) -> (64, d_qk) boxes.
+    gQ = cute.flat_divide(g.mQ, (TILE.heads, cfg.tile.d_qk))
     sQ0 = smem.sQ[None, None, 0]
     tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(sQ0, 0, 2), cute.group_modes(gQ, 0, 2))
 
@@ -64,13 +64,13 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     n = Int32(0)
     rq = Int32(0)
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
-        start, stop, length = request_range(cfg, g, cta, req)
+        start, stop, _, _, _ = request_range(cfg, g, cta, req)
         if rq > 0:
             # WG1's output store of the previous request no longer reads the staging (= sQ).
             cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
         if warp == 0:
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * TILE.d_qk * 2)
+                cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * cfg.tile.d_qk * 2)
             cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full)
         m0 = Float32(-1e30)
         m1 = Float32(-1e30)
@@ -83,7 +83,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         if start < stop:
             cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
             stamp(cta, Stamp.K_READY, wtid == 0)
-            issue_qk(ops.qk, acc_s, tSrQ, tSrK, n % TILE.k_bufs)
+            issue_qk(cfg, ops.qk, acc_s, tSrQ, tSrK, n % TILE.k_bufs)
             warpgroup.wait_group(0)
             stamp(cta, Stamp.QK_DONE, wtid == 0)
         # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
@@ -112,7 +112,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 warpgroup.fence()
                 cute.gemm(ops.pv_rs, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
                 warpgroup.commit_group()
-                next_qk_behind_pv(ops, acc_s, tSrQ, tSrK, k_full, k_free, n, last)
+                next_qk_behind_pv(cfg, ops, acc_s, tSrQ, tSrK, k_full, k_free, n, last)
                 n += 1
                 active = last_word == 0
 
@@ -196,7 +196,7 @@ def online_softmax(acc_s, info, quad, scale_log2: Float32, m0: Float32, m1: Floa
 
 
 @cute.jit
-def next_qk_behind_pv(ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last):
+def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last):
     """After tile ``n``'s PV is committed: issue tile n+1's QK behind it (unless ``n`` is the
     request's last tile), then release tile n's K buffer once its PV has retired. P (registers)
     and S (acc_s) are distinct registers, so both chains can be in flight."""
@@ -207,7 +207,7 @@ def next_qk_behind_pv(ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, las
     else:
         nbuf = (n + 1) % TILE.k_bufs
         cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)
-        issue_qk(ops.qk, acc_s, tSrQ, tSrK, nbuf)
+        issue_qk(cfg, ops.qk, acc_s, tSrQ, tSrK, nbuf)
         warpgroup.wait_group(1)
         cute.arch.mbarrier_arrive(k_free + buf)
         warpgroup.wait_group(0)

@@ -81,7 +81,7 @@ class Sm90SparseDecode:
     @cute.jit
     def __call__(
         self,
-        q: cute.Tensor,  # (b, s_q, h_q, 576) bf16
+        q: cute.Tensor,  # (b, s_q, h_q, d_qk) bf16
         kv: cute.Tensor,  # (num_blocks, page_block_size, row bytes) uint8
         indices: cute.Tensor,  # (b, s_q, topk) int32
         topk_length: Optional[cute.Tensor],  # (b,) int32
@@ -93,10 +93,14 @@ class Sm90SparseDecode:
         o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) bf16
         lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32
         timeline: Optional[cute.Tensor],  # (grid x, grid y, Stamp.SLOTS) int64, Sm90Tuning.timeline only
+        extra_kv: Optional[cute.Tensor],  # the extra pool (V4): (num_blocks', page', row bytes) uint8
+        extra_indices: Optional[cute.Tensor],  # (b, s_q, extra_topk) int32
+        extra_topk_length: Optional[cute.Tensor],  # (b,) int32
         softmax_scale: Float32,
         stream,
     ):
         cfg = self.cfg
+        tile = cfg.tile
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (TILE.heads, TILE.tokens)
         )
@@ -110,24 +114,24 @@ class Sm90SparseDecode:
             (TILE.heads, cfg.pv_cols),
         )
 
-        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, 1)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, tile.d_qk), BFloat16, 1)
         k_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, TILE.k_bufs
+            LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, tile.d_qk), BFloat16, TILE.k_bufs
         )
         p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
         # The shared-storage struct is sized from the tile geometry (cta.shared_storage).
-        assert cute.cosize(q_layout) == TILE.q_elems and cute.cosize(p_layout) == TILE.p_elems
-        assert cute.cosize(k_layout) == TILE.k_bufs * TILE.k_tile_elems
+        assert cute.cosize(q_layout) == tile.q_elems and cute.cosize(p_layout) == TILE.p_elems
+        assert cute.cosize(k_layout) == TILE.k_bufs * tile.k_tile_elems
         # bf16 out / o_accum blocks are staged in 64 x 64 chunks (SW128 K-major atoms) and stored
         # by TMA one chunk (box) at a time.
         chunk_box = (TILE.heads, TILE.chunk)
         chunk_layout = bf16_block_layout(TILE.chunk)
 
-        # Q, out and o_accum as (h, d, s_q, b|rows) for TMA box grids of 64 heads: Q in 9 boxes of
-        # 64x64 (SW128), out / o_accum in 64-head x 64-column boxes.
+        # Q, out and o_accum as (h, d, s_q, b|rows) for TMA box grids of 64 heads: Q in d_qk / 64
+        # boxes of 64x64 (SW128), out / o_accum in 64-head x 64-column boxes.
         tma_q, q_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), heads_dims_first(q), cute.slice_(q_layout, (None, None, 0)),
-            (TILE.heads, TILE.d_qk)
+            (TILE.heads, tile.d_qk)
         )
         tma_out = None
         out_tma = out  # stored from the accumulator registers: no tensor map
@@ -149,6 +153,7 @@ class Sm90SparseDecode:
             qk_mma, pv_rs_mma, pv_ss_mma,
             tma_q, q_tma, tma_out, out_tma, tma_oacc, oacc_tma,
             kv, indices, topk_length, attn_sink, tile_md, accum_offsets, lse, lse_accum, timeline,
+            extra_kv, extra_indices, extra_topk_length,
             scale_log2,
             q_layout, k_layout, p_layout, chunk_layout,
         ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1,
@@ -176,6 +181,9 @@ class Sm90SparseDecode:
         mLse: cute.Tensor,
         mLseAcc: Optional[cute.Tensor],
         mTimeline: Optional[cute.Tensor],
+        mExtraKV: Optional[cute.Tensor],
+        mExtraIdx: Optional[cute.Tensor],
+        mExtraLen: Optional[cute.Tensor],
         scale_log2: Float32,
         q_layout: cute.ComposedLayout,
         k_layout: cute.ComposedLayout,
@@ -196,7 +204,7 @@ class Sm90SparseDecode:
         stamp(early, Stamp.ENTRY, tidx == 0)
 
         smem = SmemAllocator()
-        storage = smem.allocate(shared_storage())
+        storage = smem.allocate(shared_storage(cfg.tile))
         md = self.prologue(storage, mTileMd, part, (tma_q, tma_out, tma_oacc))
         stamp(early, Stamp.PROLOGUE, tidx == 0)
 
@@ -218,7 +226,7 @@ class Sm90SparseDecode:
             # begin_block: of begin_req; end_block: of end_req, exclusive; end_req: inclusive
             cta = Cta(part, s_idx, hblk, (begin_req, end_req, begin_block, end_block), topk, stamps)
             g = Gmem(tma_q, mQ, tma_out, mOut, tma_oacc, mOAcc, mKV, mIdx, mTopkLen, mSink, mTileMd, mAccumOffsets,
-                     mLse, mLseAcc)
+                     mLse, mLseAcc, mExtraKV, mExtraIdx, mExtraLen)
             regs = cfg.tuning.registers
             if wg == Role.PRODUCER:
                 setmaxregister_decrease(regs.producer)
@@ -301,8 +309,9 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig):
     def s64(div):
         return cute.sym_int64(divisibility=div)
 
-    q = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, TILE.d_qk), stride=(s64(8), s64(8), s64(8), 1), assumed_align=16)
-    kv = rt.make_fake_tensor(Uint8, (num_blocks, page, TILE.row_bytes), stride=(s64(16), TILE.row_bytes, 1), assumed_align=16)
+    tile = cfg.tile
+    q = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, tile.d_qk), stride=(s64(8), s64(8), s64(8), 1), assumed_align=16)
+    kv = rt.make_fake_tensor(Uint8, (num_blocks, page, tile.row_bytes), stride=(s64(16), tile.row_bytes, 1), assumed_align=16)
     indices = rt.make_fake_tensor(Int32, (b, s_q, topk), stride=(s64(1), s64(1), 1), assumed_align=4)
     topk_length = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4) if cfg.has_topk_length else None
     attn_sink = rt.make_fake_compact_tensor(Float32, (cfg.h_q,), assumed_align=4) if cfg.has_attn_sink else None
@@ -318,9 +327,17 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig):
     timeline = None
     if cfg.tuning.timeline:
         timeline = rt.make_fake_compact_tensor(Int64, (cute.sym_int(), parts, int(Stamp.SLOTS)), stride_order=(2, 1, 0), assumed_align=8)
+    extra_kv = extra_indices = extra_topk_length = None
+    if cfg.has_extra:
+        extra_kv = rt.make_fake_tensor(Uint8, (cute.sym_int(), cute.sym_int(), tile.row_bytes),
+                                       stride=(s64(16), tile.row_bytes, 1), assumed_align=16)
+        extra_indices = rt.make_fake_tensor(Int32, (b, s_q, cute.sym_int(divisibility=64)), stride=(s64(1), s64(1), 1),
+                                            assumed_align=4)
+        if cfg.has_extra_topk_length:
+            extra_topk_length = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4)
     stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
     return (q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum, timeline,
-            Float32(1.0), stream)
+            extra_kv, extra_indices, extra_topk_length, Float32(1.0), stream)
 
 
 def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
@@ -351,5 +368,8 @@ def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm90SparseDecodeConfig, 
         t.o_accum if cfg.split else None,
         t.lse_accum if cfg.split else None,
         timeline,
+        t.extra_kv if cfg.has_extra else None,
+        t.extra_indices if cfg.has_extra else None,
+        t.extra_topk_length if cfg.has_extra_topk_length else None,
         float(softmax_scale),
     )
