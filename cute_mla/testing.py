@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
 
 from . import archs
-from .formats import V32, quantize_v32
+from .formats import V4, V32, KVCacheFormat, format_for_d_qk, quantize_v32
 from .scheduler import FIXED_OVERHEAD, accum_offsets, blocks_per_request, plan_splits_host
 
 ROW = V32.row_bytes
@@ -23,6 +23,24 @@ class SparseDecodeInputs:
     topk_length: Optional[torch.Tensor]
     attn_sink: Optional[torch.Tensor]
     softmax_scale: float
+    # V4's extra pool (None without one): a second cache of the format, its own page block size
+    extra_k_cache: Optional[torch.Tensor] = None        # (extra blocks, extra page, 1, row bytes) uint8
+    extra_indices: Optional[torch.Tensor] = None        # (b, s_q, extra_topk) int32
+    extra_topk_length: Optional[torch.Tensor] = None    # (b,) int32
+
+    def call_kwargs(self) -> dict:
+        """The keyword arguments of ``flash_mla_with_kvcache`` besides q, k_cache and the four
+        positional ones (FlashMLA's names)."""
+        return dict(softmax_scale=self.softmax_scale, is_fp8_kvcache=True, indices=self.indices,
+                    attn_sink=self.attn_sink, topk_length=self.topk_length, extra_k_cache=self.extra_k_cache,
+                    extra_indices_in_kvcache=self.extra_indices, extra_topk_length=self.extra_topk_length)
+
+    def reference(self, q: Optional[torch.Tensor] = None, **kw):
+        """:func:`cute_mla.reference.sparse_decode_reference` of these inputs (``q`` replaced if given)."""
+        from .reference import sparse_decode_reference
+        return sparse_decode_reference(self.q if q is None else q, self.k_cache, self.indices, self.softmax_scale,
+                                       self.attn_sink, self.topk_length, extra_k_cache=self.extra_k_cache,
+                                       extra_indices=self.extra_indices, extra_topk_length=self.extra_topk_length, **kw)
 
 
 @dataclass(frozen=True)
@@ -35,13 +53,20 @@ class InputOptions:
     out_of_range_frac: float = 0.0     # indices set past the pool or to another negative value
     with_topk_length: bool = False
     with_sink: bool = False            # sinks of N(0,1), +inf and -inf
-    power_of_two_scales: bool = True   # FlashMLA's quantizer recipe, or exact amax/448 scales
+    power_of_two_scales: bool = True   # FlashMLA's quantizer recipe, or exact amax/448 scales (V3.2 only)
     nan_unused: bool = True            # NaN bytes in every cache slot no valid index reads
-    all_invalid_rows: int = 0          # (b, s) rows whose indices are all -1
+    all_invalid_rows: int = 0          # (b, s) rows whose indices are all -1 (both lists)
     device: object = "cpu"
     generator: Optional[torch.Generator] = None
-    block_stride_pad: int = 1          # rows of padding after each page block (stride(0) > page * row)
+    # padding after each page block: V3.2 whole rows (None: 1, FlashMLA's test layout); V4 576-B
+    # data rows on top of the quantizer's padding to a multiple of 576 B (None: 0)
+    block_stride_pad: Optional[int] = None
     unique: bool = True                # unique indices per row (large benchmark shapes: duplicates)
+    d_qk: int = V32.d_qk               # 576: V3.2 cache; 512: V4 cache
+    extra_topk: int = 0                # V4's extra pool: its list length (0: no extra pool)
+    extra_num_tokens: Optional[int] = None        # tokens of the extra pool (None: num_tokens)
+    extra_page_block_size: Optional[int] = None   # its page block size (None: page_block_size)
+    with_extra_topk_length: bool = False
 
 
 def make_inputs(b: int, s_q: int, h_q: int, topk: int, **options) -> SparseDecodeInputs:
@@ -49,51 +74,98 @@ def make_inputs(b: int, s_q: int, h_q: int, topk: int, **options) -> SparseDecod
 
     q ~ N(0,1) clamped to +-1; KV ~ N(0,1)/10 clamped; each (b, s) row gets random token indices
     (spread over a randomly permuted pool of page blocks), a fraction set to -1 and a fraction set
-    out of range; every cache slot no valid index points at is filled with NaN bytes; page blocks
-    are padded (stride(0) = (page_block_size + block_stride_pad) rows).
+    out of range; every cache slot no valid index points at is filled with NaN bytes (V4: its data
+    row and its scale row); page blocks are padded (``block_stride_pad``).
+
+    ``d_qk=512`` makes a V4 cache; ``extra_topk > 0`` adds V4's extra pool (its own cache, indices
+    and, with ``with_extra_topk_length``, lengths), generated after everything else, so the main
+    pool's data are the same with or without it. V3.2 inputs are byte-identical to those of
+    earlier versions of this function for the same seed and options.
     """
     unknown = set(options) - {f.name for f in fields(InputOptions)}
     if unknown:
         raise TypeError(f"make_inputs: unknown options {sorted(unknown)}")
     o = InputOptions(**options)
+    fmt = format_for_d_qk(o.d_qk)
+    if o.extra_topk and not fmt.extra_pool:
+        raise ValueError(f"make_inputs: extra_topk needs the V4 format (d_qk={V4.d_qk}), got d_qk={o.d_qk}")
     g = o.generator
-    page = o.page_block_size
-    num_blocks = -(-o.num_tokens // page)
-    num_tokens = num_blocks * page
-    q = (torch.randn(b, s_q, h_q, V32.d_qk, generator=g).clamp(-1, 1)).to(torch.bfloat16)
-    kv = (torch.randn(num_tokens, V32.d_qk, generator=g) / 10).clamp(-1, 1)
-    raw = quantize_v32(kv, power_of_two_scales=o.power_of_two_scales)
-    cache = torch.zeros(num_blocks, page + o.block_stride_pad, 1, ROW, dtype=torch.uint8)
-    cache = cache[:, :page]
-    cache.copy_(raw.reshape(num_blocks, page, 1, ROW))
-    idx = _random_indices(b, s_q, topk, num_tokens, o)
+    q = (torch.randn(b, s_q, h_q, fmt.d_qk, generator=g).clamp(-1, 1)).to(torch.bfloat16)
+    cache, num_tokens = _random_cache(fmt, o.num_tokens, o.page_block_size, o)
+    idx, empty_rows = _random_indices(b, s_q, topk, num_tokens, o)
     topk_length = None
     if o.with_topk_length:
         topk_length = torch.randint(0, topk + 1, (b,), generator=g, dtype=torch.int32)
         topk_length[0] = 0 if b > 1 else topk_length[0]
     if o.nan_unused:
-        _poison_unused_rows(cache, idx, topk_length, num_tokens)
+        _poison_unused_rows(cache, fmt, idx, topk_length, num_tokens)
     attn_sink = None
     if o.with_sink:
         attn_sink = torch.randn(h_q, generator=g)
         m = torch.rand(h_q, generator=g)
         attn_sink[m < 0.31] = float("inf")
         attn_sink[(m >= 0.31) & (m < 0.62)] = float("-inf")
+    extra = (None, None, None)
+    if o.extra_topk:
+        extra = _random_extra_pool(fmt, b, s_q, empty_rows, o)
 
     dev = torch.device(o.device)
     mv = lambda t: None if t is None else t.to(dev)  # noqa: E731
-    if dev.type != "cpu":
-        # keep the padded page-block stride on the device too
-        big = torch.empty(num_blocks, page + o.block_stride_pad, 1, ROW, dtype=torch.uint8, device=dev)
-        big[:, :page].copy_(cache)
-        cache_dev = big[:, :page]
-    else:
-        cache_dev = cache
-    return SparseDecodeInputs(q=mv(q), k_cache=cache_dev, indices=mv(idx), topk_length=mv(topk_length),
-                              attn_sink=mv(attn_sink), softmax_scale=V32.d_qk ** -0.55)
+    return SparseDecodeInputs(q=mv(q), k_cache=_to_device(cache, dev), indices=mv(idx), topk_length=mv(topk_length),
+                              attn_sink=mv(attn_sink), softmax_scale=fmt.d_qk ** -0.55,
+                              extra_k_cache=_to_device(extra[0], dev), extra_indices=mv(extra[1]),
+                              extra_topk_length=mv(extra[2]))
 
 
-def _random_indices(b: int, s_q: int, topk: int, num_tokens: int, o: InputOptions) -> torch.Tensor:
+def _random_cache(fmt: KVCacheFormat, num_tokens: int, page: int, o: InputOptions):
+    """A quantized cache of KV ~ N(0,1)/10 clamped, page blocks padded (``block_stride_pad``), on
+    the host: (cache view, tokens in it)."""
+    num_blocks = -(-num_tokens // page)
+    num_tokens = num_blocks * page
+    kv = (torch.randn(num_tokens, fmt.d_qk, generator=o.generator) / 10).clamp(-1, 1)
+    if fmt is V32:   # (the layout of earlier versions, byte for byte)
+        raw = quantize_v32(kv, power_of_two_scales=o.power_of_two_scales)
+        pad = 1 if o.block_stride_pad is None else o.block_stride_pad
+        cache = torch.zeros(num_blocks, page + pad, 1, ROW, dtype=torch.uint8)
+        cache = cache[:, :page]
+        cache.copy_(raw.reshape(num_blocks, page, 1, ROW))
+        return cache, num_tokens
+    if not o.power_of_two_scales:
+        raise ValueError(f"make_inputs: the {fmt.name} format stores power-of-two (ue8m0) scales only")
+    stride0 = fmt.block_stride(page) + (o.block_stride_pad or 0) * fmt.data_row_bytes
+    return fmt.quantize_cache(kv.reshape(num_blocks, page, fmt.d_qk), stride0=stride0), num_tokens
+
+
+def _random_extra_pool(fmt: KVCacheFormat, b: int, s_q: int, empty_rows, o: InputOptions):
+    """V4's extra pool: (cache, (b, s_q, extra_topk) indices, (b,) lengths or None); the (b * s_q)
+    rows ``empty_rows`` (the main list's ``all_invalid_rows``) are all -1 here too: rows with no
+    valid token."""
+    g = o.generator
+    page = o.extra_page_block_size or o.page_block_size
+    cache, num_tokens = _random_cache(fmt, o.extra_num_tokens or o.num_tokens, page, o)
+    idx, _ = _random_indices(b, s_q, o.extra_topk, num_tokens, replace(o, all_invalid_rows=0))
+    flat = idx.view(b * s_q, o.extra_topk)
+    for row in empty_rows:
+        flat[row] = -1
+    length = None
+    if o.with_extra_topk_length:
+        length = torch.randint(0, o.extra_topk + 1, (b,), generator=g, dtype=torch.int32)
+    if o.nan_unused:
+        _poison_unused_rows(cache, fmt, idx, length, num_tokens)
+    return cache, idx, length
+
+
+def _to_device(cache: Optional[torch.Tensor], dev: torch.device) -> Optional[torch.Tensor]:
+    """A host cache view on ``dev`` with the same strides: its whole buffer copied (every page
+    block with its padding, so that ``num_blocks * stride(0)`` bytes are valid memory)."""
+    if cache is None or dev.type == "cpu":
+        return cache
+    flat = torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage()).to(dev)
+    return torch.as_strided(flat, cache.shape, cache.stride(), cache.storage_offset())
+
+
+def _random_indices(b: int, s_q: int, topk: int, num_tokens: int, o: InputOptions):
+    """(b, s_q, topk) int32 indices and the (b * s_q) rows set all -1 (``all_invalid_rows``)."""
     g = o.generator
     topk_eff = min(topk, num_tokens)
     if o.unique:
@@ -109,15 +181,19 @@ def _random_indices(b: int, s_q: int, topk: int, num_tokens: int, o: InputOption
         big = torch.randint(num_tokens, 2**31 - 1, idx.shape, generator=g, dtype=torch.int64).to(torch.int32)
         idx[oor] = torch.where(torch.rand(idx.shape, generator=g) < 0.5, big, torch.full_like(big, -7))[oor]
     idx = idx.reshape(b, s_q, topk)
+    rows = []
     if o.all_invalid_rows:
         flat = idx.view(b * s_q, topk)
-        for row in torch.randperm(b * s_q, generator=g)[:o.all_invalid_rows].tolist():
+        rows = torch.randperm(b * s_q, generator=g)[:o.all_invalid_rows].tolist()
+        for row in rows:
             flat[row] = -1
-    return idx
+    return idx, rows
 
 
-def _poison_unused_rows(cache: torch.Tensor, idx: torch.Tensor, topk_length, num_tokens: int) -> None:
-    """NaN bytes (0xFF is NaN in e4m3, fp32 and bf16) in every cache slot no valid index reads."""
+def _poison_unused_rows(cache: torch.Tensor, fmt: KVCacheFormat, idx: torch.Tensor, topk_length,
+                        num_tokens: int) -> None:
+    """NaN bytes (0xFF is NaN in e4m3, ue8m0, fp32 and bf16) in every cache slot no valid index
+    reads: a token's whole row (V3.2), or its data row and its scale row (V4, pad byte included)."""
     b, _, topk = idx.shape
     page = cache.shape[1]
     used = torch.zeros(num_tokens, dtype=torch.bool)
@@ -127,7 +203,16 @@ def _poison_unused_rows(cache: torch.Tensor, idx: torch.Tensor, topk_length, num
         valid &= torch.arange(topk).view(1, 1, topk) < topk_length.view(b, 1, 1).to(torch.int64)
     used[vi[valid]] = True
     unused = (~used).nonzero().flatten()
-    cache[unused // page, unused % page, 0] = torch.full((ROW,), 0xFF, dtype=torch.uint8)
+    blk, row = unused // page, unused % page
+    if fmt.scales_in_row:
+        cache[blk, row, 0] = torch.full((fmt.row_bytes,), 0xFF, dtype=torch.uint8)
+        return
+    nb, stride0 = cache.shape[0], cache.stride(0)
+    data = torch.as_strided(cache, (nb, page, fmt.data_row_bytes), (stride0, fmt.data_row_bytes, 1))
+    scales = torch.as_strided(cache, (nb, page, fmt.scale_row_bytes), (stride0, fmt.scale_row_bytes, 1),
+                              cache.storage_offset() + page * fmt.data_row_bytes)
+    data[blk, row] = 0xFF
+    scales[blk, row] = 0xFF
 
 
 def check_allclose(name: str, got: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float,
@@ -190,10 +275,14 @@ def merge_splits(out, lse, o_acc, lse_acc, sched, sink):
     return out, lse
 
 
-def host_schedule(topk: int, topk_length, b: int, parts: int, device, overhead: int = FIXED_OVERHEAD):
+def host_schedule(topk: int, topk_length, b: int, parts: int, device, overhead: int = FIXED_OVERHEAD,
+                  extra_topk: int = 0, extra_topk_length=None):
     """FlashMLA's greedy schedule of ``b`` requests over ``parts`` partitions, made on the host (the
-    lengths read back when given): (HostSchedule, tile_md tensor, accum_offsets tensor)."""
-    nb = blocks_per_request(topk, None if topk_length is None else topk_length.tolist(), b)
+    lengths read back when given; a request's blocks are its main list's, then its extra list's):
+    (HostSchedule, tile_md tensor, accum_offsets tensor)."""
+    lengths = lambda t: None if t is None else t.tolist()  # noqa: E731
+    nb = blocks_per_request(topk, lengths(topk_length), b, extra_topk=extra_topk,
+                            extra_topk_length=lengths(extra_topk_length))
     s = plan_splits_host(nb, parts, overhead)
     tile_md = torch.tensor(s.rows, dtype=torch.int32, device=device).reshape(parts, -1)
     return s, tile_md, torch.tensor(accum_offsets(s.num_splits), dtype=torch.int32, device=device)
@@ -201,8 +290,8 @@ def host_schedule(topk: int, topk_length, b: int, parts: int, device, overhead: 
 
 def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_OVERHEAD):
     """Launch one arch's sparse decode kernel (its config ``cfg``, any variant) directly on ``inp``
-    over the host schedule of ``parts`` partitions; for the split variant merge the partials in
-    torch (fp64). Outputs start as NaN, so anything the kernel leaves unwritten shows.
+    (its extra pool too, when it has one) over the host schedule of ``parts`` partitions; for the
+    split variant merge the partials in torch (fp64). Outputs start as NaN, so anything the kernel leaves unwritten shows.
 
     Returns (out (b, s_q, h, d_v) fp32, lse (b, h, s_q) fp32, the HostSchedule)."""
     from .interface.launcher import kernel_module
@@ -211,7 +300,9 @@ def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_O
     mod = kernel_module(cfg.arch)
     q, dev = inp.q, inp.q.device
     b, s_q, h_q, _ = q.shape
-    sched, tile_md, offsets = host_schedule(inp.indices.shape[-1], inp.topk_length, b, parts, dev, overhead)
+    extra_topk = 0 if inp.extra_indices is None else inp.extra_indices.shape[-1]
+    sched, tile_md, offsets = host_schedule(inp.indices.shape[-1], inp.topk_length, b, parts, dev, overhead,
+                                            extra_topk, inp.extra_topk_length)
     if not cfg.split:
         assert not sched.any_split, "the no-split variant only runs on schedules without split pieces"
     out = torch.full((b, s_q, h_q, V32.d_v), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -222,8 +313,9 @@ def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_O
         accum = getattr(torch, archs.get(cfg.arch).accum_dtype)
         o_acc = torch.full((rows, s_q, h_q, V32.d_v), float("nan"), dtype=accum, device=dev)
         lse_acc = torch.full((rows, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
+    extra_kv = None if inp.extra_k_cache is None else inp.extra_k_cache.squeeze(2)
     t = DecodeTensors(q, inp.k_cache.squeeze(2), inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets,
-                      out, lse, o_acc, lse_acc)
+                      out, lse, o_acc, lse_acc, extra_kv, inp.extra_indices, inp.extra_topk_length)
     mod.launch_sparse_decode(mod.compile_sparse_decode(cfg), cfg, t, inp.softmax_scale)
     torch.cuda.synchronize()
     out = out.float()

@@ -52,10 +52,16 @@ CASES = [
     (dict(attn_sink=torch.zeros(128)), ValueError, r"attn_sink: expected shape \(h_q,\)"),
     (dict(topk_length=torch.zeros(2, dtype=torch.int64)), TypeError, "topk_length: got dtype torch.int64"),
     (dict(topk_length=torch.zeros(5, dtype=torch.int32)), ValueError, r"topk_length: expected shape \(b,\)"),
-    (dict(extra_k_cache=torch.zeros(8, 64, 1, 656, dtype=torch.uint8)), NotImplementedError, "extra_k_cache"),
+    (dict(extra_k_cache=torch.zeros(8, 64, 1, 656, dtype=torch.uint8)), ValueError, "^extra_indices_in_kvcache:"),
     (dict(out=torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)), ValueError, r"out: expected shape \(b, s_q, h_q, 512\)"),
     (dict(out=torch.zeros(2, 1, 64, 512, dtype=torch.float32)), TypeError, "out: got dtype torch.float32"),
-    (dict(q=torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)), NotImplementedError, "d_qk: 512"),
+    # d_qk 512 (V4) with a 656-B (V3.2) cache
+    (dict(q=torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)), ValueError, "^k_cache: unknown cache format for d_qk=512 with 656 bytes"),
+    # the extra pool is V4's: with d_qk 576 it is refused (whatever the extra cache's format)
+    (dict(extra_k_cache=torch.zeros(8, 64, 1, 656, dtype=torch.uint8), extra_indices_in_kvcache=torch.zeros(2, 1, 128, dtype=torch.int32)),
+     ValueError, r"^extra_k_cache: the V3\.2 format .*no extra KV pool"),
+    (dict(extra_k_cache=torch.zeros(8, 64, 1, 584, dtype=torch.uint8), extra_indices_in_kvcache=torch.zeros(2, 1, 128, dtype=torch.int32)),
+     ValueError, "^extra_k_cache"),
 ]
 
 
@@ -65,16 +71,141 @@ def test_rejected_argument(over, exc, msg):
         call(**over)
 
 
+# ------------------------------------------------------------------------------------------- V4
+
+
+def good_v4(b=2, s_q=1, h_q=64, topk=128, extra_topk=512):
+    """A V4 call with an extra pool of another page block size (2) and both lists' lengths."""
+    return dict(good(b, s_q, h_q, topk),
+                q=torch.zeros(b, s_q, h_q, 512, dtype=torch.bfloat16),
+                k_cache=torch.zeros(8, 64, 1, 584, dtype=torch.uint8),
+                extra_k_cache=torch.zeros(16, 2, 1, 584, dtype=torch.uint8),
+                extra_indices_in_kvcache=torch.zeros(b, s_q, extra_topk, dtype=torch.int32),
+                topk_length=torch.zeros(b, dtype=torch.int32),
+                extra_topk_length=torch.zeros(b, dtype=torch.int32))
+
+
+def call_v4(**over):
+    kw = good_v4()
+    kw.update(over)
+    return flash_mla_with_kvcache(**kw)
+
+
+META = torch.device("meta")   # a device other than q's that exists on every machine
+XI = "extra_indices_in_kvcache"
+
+V4_CASES = [
+    # half an extra pool, or lengths without one
+    (dict(extra_indices_in_kvcache=None), ValueError, f"^{XI}:"),
+    (dict(extra_indices_in_kvcache=None, extra_topk_length=None), ValueError, f"^{XI}:"),
+    (dict(extra_k_cache=None), ValueError, "^extra_k_cache:"),
+    (dict(extra_k_cache=None, extra_indices_in_kvcache=None), ValueError, "^extra_topk_length:"),
+    # the extra cache in another format than k_cache's
+    (dict(extra_k_cache=torch.zeros(16, 2, 1, 656, dtype=torch.uint8)), ValueError, "^extra_k_cache: unknown cache format for d_qk=512 with 656 bytes"),
+    (dict(extra_k_cache=torch.zeros(16, 2, 1, 528, dtype=torch.uint8)), NotImplementedError, "^extra_k_cache: the V41 format"),
+    (dict(k_cache=torch.zeros(8, 64, 1, 656, dtype=torch.uint8)), ValueError, "^k_cache: unknown cache format for d_qk=512 with 656 bytes"),
+    # extra_topk: a positive multiple of 64
+    (dict(extra_indices_in_kvcache=torch.zeros(2, 1, 100, dtype=torch.int32)), ValueError, "extra_topk: got 100, accepted"),
+    # an empty extra list is not "no extra pool": named as extra_topk, not as a stride
+    (dict(extra_indices_in_kvcache=torch.zeros(2, 1, 0, dtype=torch.int32)), ValueError, "extra_topk: got 0"),
+    # the extra indices
+    (dict(extra_indices_in_kvcache=torch.zeros(2, 1, 512, dtype=torch.int64)), TypeError, f"^{XI}: got dtype torch.int64, accepted: torch.int32"),
+    (dict(extra_indices_in_kvcache=torch.zeros(3, 1, 512, dtype=torch.int32)), ValueError, rf"^{XI}: expected shape \(b, s_q, extra_topk\)"),
+    (dict(extra_indices_in_kvcache=torch.zeros(2, 2, 512, dtype=torch.int32)), ValueError, rf"^{XI}: expected shape \(b, s_q, extra_topk\)"),
+    (dict(extra_indices_in_kvcache=torch.zeros(2, 512, dtype=torch.int32)), ValueError, f"^{XI}: expected 3 dims"),
+    (dict(extra_indices_in_kvcache=torch.zeros(2, 1, 1024, dtype=torch.int32)[..., ::2]), ValueError, f"^{XI}: the last dim must be contiguous"),
+    (dict(extra_indices_in_kvcache=torch.zeros(2, 1, 512, dtype=torch.int32, device=META)), ValueError, f"^{XI}: expected a tensor on cpu"),
+    (dict(extra_indices_in_kvcache=[[[0] * 512]] * 2), TypeError, f"^{XI}: expected a torch.Tensor"),
+    # the extra cache
+    (dict(extra_k_cache=torch.zeros(16, 2, 1, 584, dtype=torch.float32)), TypeError, "^extra_k_cache: got dtype torch.float32"),
+    (dict(extra_k_cache=torch.zeros(16, 2, 2, 584, dtype=torch.uint8)), ValueError, "^extra_k_cache: h_k"),
+    (dict(extra_k_cache=torch.zeros(16, 2, 584, dtype=torch.uint8)), ValueError, "^extra_k_cache: expected 4 dims"),
+    (dict(extra_k_cache=torch.zeros(16, 2, 1, 600, dtype=torch.uint8)[..., :584]), ValueError, "^extra_k_cache: rows inside a page block must be packed"),
+    (dict(extra_k_cache=torch.zeros(16, 53, 1, 584, dtype=torch.uint8)), ValueError, "^extra_k_cache: base pointer and stride.0. must be 16-byte aligned"),
+    (dict(extra_k_cache=torch.zeros(16, 2, 1, 584, dtype=torch.uint8, device=META)), ValueError, "^extra_k_cache: expected a tensor on cpu"),
+    (dict(extra_k_cache=torch.zeros(16, 2, 1, 584, dtype=torch.uint8).numpy()), TypeError, "^extra_k_cache: expected a torch.Tensor"),
+    # the extra lengths
+    (dict(extra_topk_length=torch.zeros(2, dtype=torch.int64)), TypeError, "^extra_topk_length: got dtype torch.int64"),
+    (dict(extra_topk_length=torch.zeros(5, dtype=torch.int32)), ValueError, r"^extra_topk_length: expected shape \(b,\)"),
+    (dict(extra_topk_length=torch.zeros(2, 1, dtype=torch.int32)), ValueError, "^extra_topk_length: expected 1 dims"),
+    (dict(extra_topk_length=torch.zeros(4, dtype=torch.int32)[::2]), ValueError, "^extra_topk_length: must be contiguous"),
+    (dict(extra_topk_length=torch.zeros(2, dtype=torch.int32, device=META)), ValueError, "^extra_topk_length: expected a tensor on cpu"),
+    # the main tensors of a V4 call
+    (dict(topk_length=torch.zeros(5, dtype=torch.int32)), ValueError, r"^topk_length: expected shape \(b,\)"),
+    (dict(out=torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)), ValueError, r"^out: expected shape \(b, s_q, h_q, 512\)"),
+    (dict(head_dim_v=448), ValueError, "^head_dim_v: got 448, accepted: 512"),
+    (dict(indices=torch.zeros(2, 1, 100, dtype=torch.int32)), ValueError, "topk: got 100, accepted: a positive multiple of 64"),
+    (dict(k_cache=torch.zeros(8, 53, 1, 584, dtype=torch.uint8)), ValueError, "^k_cache: base pointer and stride.0. must be 16-byte aligned"),
+]
+
+
+@pytest.mark.parametrize("over,exc,msg", V4_CASES, ids=[f"{i}-{c[2][:40]}" for i, c in enumerate(V4_CASES)])
+def test_v4_rejected_argument(over, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call_v4(**over)
+
+
+@pytest.mark.parametrize("over", [
+    dict(), dict(topk_length=None, extra_topk_length=None), dict(extra_topk_length=None),
+    dict(extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None),   # V4 without an extra pool
+    dict(extra_indices_in_kvcache=torch.zeros(2, 1, 1024, dtype=torch.int32)),
+    dict(extra_k_cache=torch.zeros(16, 2, 1, 584, dtype=torch.int8)),
+    dict(extra_k_cache=torch.zeros(4 * 31104, dtype=torch.uint8).as_strided((4, 53, 1, 584), (31104, 584, 584, 1))),
+    dict(k_cache=torch.zeros(8, 64, 1, 584, dtype=torch.float8_e4m3fn), out=torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)),
+])
+def test_v4_valid_arguments_reach_the_device_check(over):
+    """Well-formed V4 calls (with and without the extra pool and the lengths, FlashMLA's padded page
+    blocks of 53 tokens) pass every host check: on a CPU machine the CUDA requirement is what stops them."""
+    with pytest.raises(UnsupportedDeviceError, match="CUDA GPU"):
+        call_v4(**over)
+
+
+def test_v4_checked_signature_includes_the_extra_pool(monkeypatch):
+    """The once-per-signature tensor checks (see below) cover the extra pool's tensors: a call that
+    changes only one of them is checked again."""
+    from cute_mla.interface import api
+
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(api, "_schedule", lambda *a, **k: (lambda *a2, **k2: None))
+    runs = []
+    full = api._validate_tensors
+    monkeypatch.setattr(api, "_validate_tensors", lambda *a, **k: runs.append(1) or full(*a, **k))
+    kw = good_v4()
+    flash_mla_with_kvcache(**kw)
+    flash_mla_with_kvcache(**dict(kw, extra_indices_in_kvcache=kw["extra_indices_in_kvcache"].clone()))
+    assert len(runs) == 1
+    bad = [
+        (dict(extra_indices_in_kvcache=kw["extra_indices_in_kvcache"].to(torch.int64)), TypeError, f"^{XI}: got dtype"),
+        (dict(extra_k_cache=torch.zeros(16, 2, 1, 656, dtype=torch.uint8)), ValueError, "^extra_k_cache"),
+        (dict(extra_k_cache=torch.zeros(16, 2, 1, 600, dtype=torch.uint8)[..., :584]), ValueError, "^extra_k_cache: rows inside"),
+        (dict(extra_topk_length=torch.zeros(3, dtype=torch.int32)), ValueError, "^extra_topk_length: expected shape"),
+        (dict(extra_indices_in_kvcache=torch.zeros(2, 1, 96, dtype=torch.int32)), ValueError, "extra_topk: got 96"),
+    ]
+    for over, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            flash_mla_with_kvcache(**dict(kw, **over))
+    assert len(runs) == 1 + len(bad)
+
+
 def test_valid_arguments_without_gpu_raise_clear_error():
     with pytest.raises(UnsupportedDeviceError, match="CUDA GPU"):
         call()
 
 
 def test_sched_meta_reused_with_other_shapes():
-    sched = FlashMLASchedMeta(have_initialized=True, config=(4, 1, 64, 128, False, torch.device("cpu")))
+    from cute_mla.interface.api import _schedule
+
+    sched = FlashMLASchedMeta(have_initialized=True, config=(4, 1, 64, 128, 0, False, False, torch.device("cpu")))
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
-        from cute_mla.interface.api import _schedule
-        _schedule(sched, torch.zeros(2, 1, 64, 576), 2, 1, 64, 128, None)
+        _schedule(sched, torch.zeros(2, 1, 64, 576), (2, 1, 64, 128, 0), None)
+    # the same shapes with an extra pool (V4), or with its lengths, are other schedules
+    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 128, 0, False, False, torch.device("cpu")))
+    with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
+        _schedule(sched, torch.zeros(2, 1, 64, 512), (2, 1, 64, 128, 512), None)
+    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 128, 512, False, False, torch.device("cpu")))
+    with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
+        _schedule(sched, torch.zeros(2, 1, 64, 512), (2, 1, 64, 128, 512), None,
+                  extra_topk_length=torch.zeros(2, dtype=torch.int32))
 
 
 def test_get_mla_metadata_ignores_arguments():

@@ -96,7 +96,6 @@ def test_sm100_topk_length_short_topk_is_per_request():
 @pytest.mark.parametrize("kw,exc,msg", [
     (dict(h_q=32), ValueError, "h_q: got 32, accepted: 64 or 128"),
     (dict(topk=100), ValueError, "topk: got 100, accepted: a positive multiple of 64"),
-    (dict(d_qk=512), NotImplementedError, "d_qk: 512"),
     (dict(d_qk=600), ValueError, "d_qk: got 600"),
     (dict(arch="sm_80"), ValueError, "arch: got 'sm_80'"),
     (dict(b=0), ValueError, "b: must be a positive int"),
@@ -248,3 +247,136 @@ def test_sm90_column_pair_where_few_pieces(b, s_q, h_q, topk, tl, pair):
     if small.column_pair:
         assert sum(1 for r in small.host_schedule.rows if r[0] < b and r[0] <= r[1]) * s_q <= 16 // 4
     assert small.column_pair is (pair and topk <= 128)
+
+
+# ------------------------------------------------------------------------ V4 (d_qk 512), extra pool
+
+V4_ARCHS = [("sm_90a", 132), ("sm_100a", 148)]
+
+
+def _v4(b, s_q, h_q, arch, num_sms, topk=128, extra_topk=0, **kw):
+    return plan_sparse_decode(b, s_q, h_q, 512, topk, arch=arch, num_sms=num_sms, extra_topk=extra_topk, **kw)
+
+
+def _accum_row_bytes(p):
+    from cute_mla.plan.plan import ACCUM_ITEM_BYTES
+    return p.s_q * p.h_q * (512 * ACCUM_ITEM_BYTES[p.accum_dtype] + LSE_ACCUM_BYTES)
+
+
+@pytest.mark.parametrize("arch,num_sms,b,s_q,h_q,extra_topk", [
+    ("sm_90a", 132, 128, 1, 64, 0), ("sm_90a", 132, 128, 1, 64, 512), ("sm_90a", 132, 128, 2, 128, 1024),
+    ("sm_90a", 132, 512, 1, 128, 1024), ("sm_90a", 132, 32, 4, 64, 1024),
+    ("sm_90a", 132, 4, 132, 64, 512),                  # one partition
+    ("sm_100a", 148, 1, 1, 64, 0), ("sm_100a", 148, 1, 1, 128, 512), ("sm_100a", 148, 512, 2, 128, 512),
+    ("sm_100a", 148, 148, 1, 128, 1024), ("sm_100a", 148, 32, 4, 64, 1024),
+])
+def test_v4_unsplit_plans_have_no_workspace(arch, num_sms, b, s_q, h_q, extra_topk):
+    p = _v4(b, s_q, h_q, arch, num_sms, extra_topk=extra_topk)
+    assert p.d_qk == 512 and p.d_v == 512 and p.extra_topk == extra_topk
+    assert not p.split and p.accum_rows == 0 and p.workspace_bytes == 0
+    assert "o_accum" not in p.tensor_maps and "combine" not in p.launches
+    assert p.blocks_per_request == (128 + extra_topk) // 64
+    if arch == "sm_100a" and 128 + extra_topk <= 640:   # FlashMLA's SM100 rule counts both lists
+        assert p.schedule == "per_request" and p.num_sm_parts == b and p.flashmla_workspace_bytes == 0
+        assert p.host_schedule.rows[-1] == (b - 1, b - 1, 0, (128 + extra_topk) // 64, 0, 0, 0, 0)
+    else:
+        assert p.schedule == "host" and not p.host_schedule.any_split
+        assert p.flashmla_workspace_bytes == (b + p.num_sm_parts) * s_q * h_q * FLASHMLA_ACCUM_BYTES_PER_HEAD
+
+
+@pytest.mark.parametrize("arch,num_sms,b,s_q,h_q,extra_topk", [
+    ("sm_90a", 132, 1, 1, 64, 0), ("sm_90a", 132, 1, 1, 64, 1024), ("sm_90a", 132, 2, 1, 128, 512),
+    ("sm_90a", 132, 32, 1, 64, 512), ("sm_90a", 132, 148, 1, 64, 1024), ("sm_90a", 132, 512, 4, 64, 1024),
+    ("sm_100a", 148, 1, 1, 64, 1024), ("sm_100a", 148, 128, 2, 128, 1024), ("sm_100a", 148, 512, 1, 64, 1024),
+])
+def test_v4_split_plans_allocate_exactly_the_split_rows(arch, num_sms, b, s_q, h_q, extra_topk):
+    """No lengths: the host schedules top-k/64 + extra_topk/64 blocks per request, and the
+    accumulators hold exactly the pieces of the split requests."""
+    p = _v4(b, s_q, h_q, arch, num_sms, extra_topk=extra_topk)
+    assert p.schedule == "host" and p.split and "combine" in p.launches and "o_accum" in p.tensor_maps
+    want = plan_splits_host([(128 + extra_topk) // 64] * b, p.num_sm_parts, p.fixed_overhead)
+    assert p.host_schedule == want
+    assert p.accum_rows == want.split_rows == accum_offsets(want.num_splits)[-1] > 0
+    assert p.workspace_bytes == p.accum_rows * _accum_row_bytes(p)
+    assert p.workspace_bytes < p.flashmla_workspace_bytes
+    assert f"extra_topk={extra_topk}" in p.describe() if extra_topk else "extra_topk" not in p.describe()
+
+
+@pytest.mark.parametrize("arch,num_sms", V4_ARCHS)
+@pytest.mark.parametrize("tl,etl", [(True, False), (False, True), (True, True)])
+def test_v4_lengths_plan_a_device_schedule(arch, num_sms, tl, etl):
+    """topk_length or extra_topk_length (device values): the schedule is made on the device and the
+    accumulators are sized for the worst case; one partition, or SM100's short lists: none."""
+    kw = dict(has_topk_length=tl, has_extra_topk_length=etl)
+    p = _v4(32, 1, 64, arch, num_sms, extra_topk=1024, **kw)
+    assert (p.has_topk_length, p.has_extra_topk_length) == (tl, etl) and p.lengths_on_device
+    assert p.schedule == "device" and p.host_schedule is None
+    assert p.launches[0] == "scheduler" and p.split
+    assert p.accum_rows == min(2 * (p.num_sm_parts - 1), 32 + p.num_sm_parts - 1)
+    assert p.workspace_bytes == p.accum_rows * _accum_row_bytes(p) < p.flashmla_workspace_bytes
+    one = _v4(4, num_sms, 64, arch, num_sms, extra_topk=512, **kw)   # s_q = num_sms: one partition
+    if arch == "sm_90a":
+        assert one.num_sm_parts == 1 and one.schedule == "device"
+    else:
+        assert one.schedule == "per_request"
+    assert not one.split and one.workspace_bytes == 0
+    if arch == "sm_100a":
+        short = _v4(4, 1, 128, arch, num_sms, extra_topk=512, **kw)
+        assert short.schedule == "per_request" and short.host_schedule is None and not short.split
+
+
+def test_v4_device_blocks_with_both_lengths():
+    """The per-request schedule made with torch ops (SM100, top-k + extra_topk <= 640) from both
+    lists' lengths: the main list's blocks (at least one), then the extra list's (possibly none)."""
+    import torch
+
+    from cute_mla.plan.schedule import device_num_blocks, make_schedule
+    from cute_mla.scheduler import blocks_per_request
+
+    cpu = torch.device("cpu")
+    tl = torch.tensor([0, 64, 65, 1000, -4], dtype=torch.int32)
+    etl = torch.tensor([-3, 0, 1, 600, 448], dtype=torch.int32)
+    want = [1, 1, 3, 10, 8]
+    assert blocks_per_request(128, tl.tolist(), extra_topk=512, extra_topk_length=etl.tolist()) == want
+    assert device_num_blocks(tl, 128, 5, cpu, 512, etl).tolist() == want
+    assert device_num_blocks(None, 128, 5, cpu, 512, etl).tolist() == [2, 2, 3, 10, 9]
+    assert device_num_blocks(tl, 128, 5, cpu, 512, None).tolist() == [9, 9, 10, 10, 9]
+    p = _v4(5, 1, 64, "sm_100a", 148, extra_topk=512, has_topk_length=True, has_extra_topk_length=True)
+    s = make_schedule(p, cpu, tl, etl)
+    assert s.tile_md[:, 3].tolist() == want and s.tile_md[:, 0].tolist() == list(range(5))
+    assert s.num_splits.tolist() == list(range(6)) and s.accum_offsets.tolist() == [0] * 6
+
+
+def test_v4_token_walk_counts_both_lists():
+    p = _v4(1, 300, 64, "sm_90a", 132, extra_topk=512)
+    assert p.token_walk and not p.split and p.workspace_bytes == 0
+    assert all(r[3] == (128 + 512) // 64 for r in p.host_schedule.rows)
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(extra_topk=100), ValueError, "extra_topk: got 100, accepted: 0 .* multiple of 64"),
+    (dict(extra_topk=-64), ValueError, "extra_topk: got -64"),
+    (dict(extra_topk=512, d_qk=576), ValueError, "extra_k_cache: the V3.2 format"),
+    (dict(has_extra_topk_length=True), ValueError, "extra_topk_length: given without an extra pool"),
+    (dict(d_v=448), ValueError, "head_dim_v: got 448, accepted: 512"),
+    (dict(topk=100, extra_topk=512), ValueError, "topk: got 100"),
+])
+@pytest.mark.parametrize("arch,num_sms", V4_ARCHS)
+def test_v4_plan_rejects(arch, num_sms, kw, exc, msg):
+    args = dict(d_qk=512, topk=128)
+    args.update(kw)
+    d_qk, topk = args.pop("d_qk"), args.pop("topk")
+    with pytest.raises(exc, match=msg):
+        plan_sparse_decode(4, 1, 64, d_qk, topk, arch=arch, num_sms=num_sms, **args)
+
+
+@pytest.mark.parametrize("arch,num_sms", V4_ARCHS)
+def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
+    """SM100 runs one partition per request while top-k + extra_topk <= 640 (FlashMLA's rule)."""
+    at = _v4(4, 1, 64, arch, num_sms, topk=128, extra_topk=512)
+    past = _v4(4, 1, 64, arch, num_sms, topk=128, extra_topk=576)
+    if arch == "sm_100a":
+        assert at.schedule == "per_request" and not at.split
+        assert past.schedule == "host" and past.num_sm_parts == 148
+    else:
+        assert at.schedule == past.schedule == "host"

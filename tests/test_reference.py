@@ -78,3 +78,208 @@ def test_sink_scales_out_not_lse(seed):
     torch.testing.assert_close(o1[0, 0, 1], o0[0, 0, 1])
     factor = 1 / (1 + torch.exp(-l0[0, 2, 0]))
     torch.testing.assert_close(o1[0, 0, 2], o0[0, 0, 2] * factor)
+
+
+# ------------------------------------------------------------------------------- V4 and extra pool
+
+
+def decode_v4_float64(k_cache):
+    """A V4 cache decoded byte by byte from its address formula, independent of the format module:
+    token ``t`` of a ``page``-token block ``t // page`` has its data row at ``blk * stride(0) + row
+    * 576`` (448 e4m3, 64 bf16 RoPE) and its 7 ue8m0 scales at ``blk * stride(0) + page * 576 + row
+    * 8``. Returns (num_tokens, 512) float64."""
+    nb, page = k_cache.shape[0], k_cache.shape[1]
+    flat = torch.empty(0, dtype=torch.uint8).set_(k_cache.untyped_storage())
+    base0, stride0 = k_cache.storage_offset() * k_cache.element_size(), k_cache.stride(0) * k_cache.element_size()
+    keys = []
+    for t in range(nb * page):
+        base = base0 + (t // page) * stride0
+        row = t % page
+        data = flat[base + row * 576: base + row * 576 + 576]
+        scales = flat[base + page * 576 + row * 8: base + page * 576 + row * 8 + 7]
+        nope = data[:448].view(torch.float8_e4m3fn).double()
+        scale = torch.pow(2.0, scales.double() - 127).repeat_interleave(64)
+        rope = data[448:].view(torch.bfloat16).double()
+        keys.append(torch.cat([nope * scale, rope]))
+    return torch.stack(keys)
+
+
+def _valid_ids(indices_row, n_tok, length):
+    return [int(t) for k, t in enumerate(indices_row.tolist())
+            if 0 <= t < n_tok and (length is None or k < int(length))]
+
+
+def direct_float64_v4(x):
+    """Joint softmax over the main and the extra list, token by token, V = all 512 dims."""
+    b, s_q, h_q, _ = x.q.shape
+    kv = decode_v4_float64(x.k_cache)
+    ekv = decode_v4_float64(x.extra_k_cache) if x.extra_k_cache is not None else None
+    out = torch.zeros(b, s_q, h_q, 512, dtype=torch.float64)
+    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
+    for i in range(b):
+        for s in range(s_q):
+            keys = [kv[t] for t in _valid_ids(x.indices[i, s], kv.shape[0],
+                                              None if x.topk_length is None else x.topk_length[i])]
+            if ekv is not None:
+                keys += [ekv[t] for t in _valid_ids(x.extra_indices[i, s], ekv.shape[0],
+                                                    None if x.extra_topk_length is None else x.extra_topk_length[i])]
+            if not keys:
+                continue
+            k = torch.stack(keys)                                  # (n, 512)
+            logits = (k @ x.q[i, s].double().T) * x.softmax_scale  # (n, h)
+            m = logits.max(dim=0).values
+            w = torch.exp(logits - m)
+            l = w.sum(dim=0)
+            lse[i, :, s] = torch.log(l) + m
+            o = (w.T @ k) / l[:, None]                             # (h, 512): V is the whole key
+            if x.attn_sink is not None:
+                for h in range(h_q):
+                    sink = float(x.attn_sink[h])
+                    o[h] *= 0.0 if sink == math.inf else 1 / (1 + math.exp(min(sink - lse[i, h, s].item(), 700)))
+            out[i, s] = o
+    return out, lse
+
+
+V4_CASES = [
+    # main list and extra pool with lengths, out-of-range entries, an all-invalid row, sinks
+    dict(b=3, s_q=2, topk=64, page_block_size=53, extra_topk=128, extra_num_tokens=300, extra_page_block_size=2,
+         with_topk_length=True, with_extra_topk_length=True, with_sink=True, out_of_range_frac=0.1, all_invalid_rows=1),
+    # extra pool without lengths, the same page size both pools, padded page blocks
+    dict(b=2, s_q=3, topk=128, page_block_size=64, extra_topk=64, extra_num_tokens=130, block_stride_pad=2,
+         with_sink=False, out_of_range_frac=0.05),
+    # V4 without an extra pool
+    dict(b=2, s_q=1, topk=128, page_block_size=61, with_topk_length=True, with_sink=True, all_invalid_rows=1),
+]
+
+
+@pytest.mark.parametrize("case", V4_CASES)
+def test_v4_reference_matches_float64(seed, case):
+    x = make_inputs(h_q=64, d_qk=512, num_tokens=200, invalid_frac=0.3, **case)
+    while torch.isinf(x.reference()[1]).all():     # lengths of 0 and the all-invalid row: keep one non-empty row
+        x = make_inputs(h_q=64, d_qk=512, num_tokens=200, invalid_frac=0.3, **case)
+    if x.attn_sink is not None:
+        x.attn_sink[:3] = torch.tensor([math.inf, -math.inf, 0.5])
+    out, lse = x.reference()
+    rout, rlse = direct_float64_v4(x)
+    assert out.shape == (x.q.shape[0], x.q.shape[1], 64, 512) and lse.shape == (x.q.shape[0], 64, x.q.shape[1])
+    assert torch.equal(torch.isinf(lse), torch.isinf(rlse)) and (lse[torch.isinf(lse)] > 0).all()
+    fin = torch.isfinite(rlse)
+    assert fin.any(), "the case must have rows with valid tokens"
+    assert (lse[fin].double() - rlse[fin]).abs().max() < 1e-5
+    assert (out.double() - rout).abs().max() < 1e-5
+    assert not torch.isnan(out).any()
+    if case.get("all_invalid_rows"):
+        assert torch.isinf(lse).any(), "an all-invalid row (both lists) has lse +inf"
+    # the float64 reference agrees with the fp32 one on every row
+    o64, l64 = x.reference(compute_dtype=torch.float64)
+    assert (o64 - rout).abs().max() < 1e-9 and torch.equal(torch.isinf(l64), torch.isinf(rlse))
+
+
+def test_v4_joint_softmax_is_the_merge_of_both_lists(seed):
+    """The joint result equals the two lists' separate results merged by their lse (a split-KV
+    combine of two pieces), and the extra list alone equals the extra pool as a main pool."""
+    x = make_inputs(3, 2, 64, 128, d_qk=512, num_tokens=500, extra_topk=192, extra_num_tokens=700,
+                    extra_page_block_size=7, with_topk_length=True, with_extra_topk_length=True, invalid_frac=0.2,
+                    nan_unused=False)   # (the lengths are set below)
+    x.topk_length[:] = torch.tensor([0, 100, 128], dtype=torch.int32)
+    x.extra_topk_length[:] = torch.tensor([150, 0, 192], dtype=torch.int32)
+    o, l = x.reference(compute_dtype=torch.float64)
+    om, lm = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, None, x.topk_length,
+                                     compute_dtype=torch.float64)
+    oe, le = sparse_decode_reference(x.q, x.extra_k_cache, x.extra_indices, x.softmax_scale, None,
+                                     x.extra_topk_length, compute_dtype=torch.float64)
+    lm_, le_ = (torch.where(torch.isposinf(t), torch.full_like(t, -math.inf), t) for t in (lm, le))
+    g = torch.logaddexp(lm_, le_)
+    wm, we = (torch.exp(t - g).transpose(1, 2)[..., None] for t in (lm_, le_))
+    torch.testing.assert_close(l, g, rtol=0, atol=1e-12)
+    torch.testing.assert_close(o, wm * om + we * oe, rtol=0, atol=1e-12)
+    torch.testing.assert_close(o[0], oe[0], rtol=0, atol=1e-12)   # request 0: main list empty
+    torch.testing.assert_close(o[1], om[1], rtol=0, atol=1e-12)   # request 1: extra list empty
+
+
+def test_v4_lengths_out_of_range_and_invalid_indices(seed):
+    """A length past the list is the whole list, a negative one an empty list; indices that are
+    negative or past a pool's last token are invalid in that pool (the extra pool has its own size)."""
+    x = make_inputs(2, 1, 64, 64, d_qk=512, num_tokens=256, extra_topk=128, extra_num_tokens=128,
+                    extra_page_block_size=2, invalid_frac=0.0, nan_unused=False)
+    tl = torch.tensor([1000, -5], dtype=torch.int32)
+    etl = torch.tensor([-1, 129], dtype=torch.int32)
+    kw = dict(extra_k_cache=x.extra_k_cache, extra_indices=x.extra_indices)
+    a = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, None, tl, extra_topk_length=etl, **kw)
+    b = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, None, torch.tensor([64, 0]),
+                                extra_topk_length=torch.tensor([0, 128]), **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # main index 200 is a valid main token; in the extra pool (128 tokens) it is out of range
+    idx = x.indices.clone()
+    eidx = x.extra_indices.clone()
+    idx[..., 0], eidx[..., 0] = 200, 200
+    eidx[..., 1], eidx[..., 2] = -7, 2**31 - 1
+    c = sparse_decode_reference(x.q, x.k_cache, idx, x.softmax_scale, extra_k_cache=x.extra_k_cache, extra_indices=eidx)
+    d = sparse_decode_reference(x.q, x.k_cache, idx, x.softmax_scale, extra_k_cache=x.extra_k_cache,
+                                extra_indices=torch.where(torch.arange(128) < 3, -1, eidx))
+    assert torch.equal(c[0], d[0]) and torch.equal(c[1], d[1])
+
+
+def test_v4_empty_rows_and_sinks(seed):
+    x = make_inputs(3, 2, 64, 128, d_qk=512, num_tokens=300, extra_topk=64, extra_num_tokens=200,
+                    with_sink=True, invalid_frac=0.1)
+    x.attn_sink[:2] = torch.tensor([math.inf, -math.inf])
+    x.indices[0] = -1                                      # request 0: main list all invalid ...
+    x.extra_indices[0, 0] = -1                             # ... and token 0's extra list too
+    etl = torch.tensor([64, 0, 64], dtype=torch.int32)     # request 1: extra list empty
+    tl = torch.tensor([128, 128, 0], dtype=torch.int32)    # request 2: main list empty
+    out, lse = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, x.attn_sink, tl,
+                                       extra_k_cache=x.extra_k_cache, extra_indices=x.extra_indices,
+                                       extra_topk_length=etl)
+    assert (out[0, 0] == 0).all() and torch.isposinf(lse[0, :, 0]).all()     # no valid token: 0 and +inf
+    assert torch.isfinite(lse[0, :, 1]).all() and torch.isfinite(lse[1:]).all()
+    assert (out[:, :, 0] == 0).all()                                          # sink +inf: out 0
+    o0, l0 = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, None, tl,
+                                     extra_k_cache=x.extra_k_cache, extra_indices=x.extra_indices,
+                                     extra_topk_length=etl)
+    assert torch.equal(lse, l0)                                               # the sink leaves lse alone
+    assert torch.equal(out[:, :, 1], o0[:, :, 1])                             # sink -inf: no effect
+    assert not torch.isnan(out).any()
+
+
+def test_v4_reference_accepts_any_byte_view_and_stride(seed):
+    x = make_inputs(2, 1, 64, 64, d_qk=512, num_tokens=128, page_block_size=53, extra_topk=64, block_stride_pad=3)
+    o, l = x.reference()
+    for view in (torch.int8, torch.float8_e4m3fn):
+        o2, l2 = sparse_decode_reference(x.q, x.k_cache.view(view), x.indices, x.softmax_scale,
+                                         extra_k_cache=x.extra_k_cache.view(view).squeeze(2), extra_indices=x.extra_indices)
+        assert torch.equal(o, o2) and torch.equal(l, l2)
+
+
+def test_reference_rejects_half_an_extra_pool():
+    x = make_inputs(1, 1, 64, 64, d_qk=512, num_tokens=128, extra_topk=64)
+    with pytest.raises(ValueError, match="extra_k_cache and extra_indices"):
+        sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, extra_indices=x.extra_indices)
+    with pytest.raises(ValueError, match="extra_topk_length"):
+        sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale,
+                                extra_topk_length=torch.zeros(1, dtype=torch.int32))
+
+
+def test_make_inputs_v4_poisons_unused_slots_of_both_pools(seed):
+    """Every data row and scale row of a token no valid index reads is NaN bytes, in both pools;
+    the others are the quantizer's bytes."""
+    from cute_mla.formats import V4, dequantize_v4
+
+    x = make_inputs(2, 2, 64, 64, d_qk=512, num_tokens=300, page_block_size=53, extra_topk=128,
+                    extra_num_tokens=200, extra_page_block_size=2, with_topk_length=True, with_extra_topk_length=True)
+    assert x.k_cache.stride(0) == V4.block_stride(53) and x.extra_k_cache.stride(0) == V4.block_stride(2)
+    for cache, idx, length in ((x.k_cache, x.indices, x.topk_length), (x.extra_k_cache, x.extra_indices, x.extra_topk_length)):
+        n = cache.shape[0] * cache.shape[1]
+        used = torch.zeros(n, dtype=torch.bool)
+        for i in range(idx.shape[0]):
+            for s in range(idx.shape[1]):
+                used[_valid_ids(idx[i, s], n, length[i])] = True
+        raw = decode_v4_float64(cache)
+        assert torch.isnan(raw[~used]).all() and not torch.isnan(raw[used]).any()
+        assert torch.equal(dequantize_v4(cache).reshape(n, 512).isnan().all(dim=1), ~used)
+        # a poisoned token's scale row is 0xFF in all 8 bytes (pad included)
+        t = int((~used).nonzero()[0])
+        flat = torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage())
+        page = cache.shape[1]
+        at = cache.storage_offset() + (t // page) * cache.stride(0) + page * 576 + (t % page) * 8
+        assert flat[at: at + 8].tolist() == [0xFF] * 8

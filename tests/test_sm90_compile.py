@@ -17,12 +17,16 @@ from cute_mla.playground import inspect as ki
 
 ARCH = archs.SM90.name
 REGS = DEFAULT_TUNING.registers
-# 36 QK k-steps (SS) + 4 RS PV + 4 SS PV k-steps; the first QK of a request is issued from a
-# prologue (later ones behind the previous tile's PV), so the QK chain appears twice in the code.
-N_WGMMA = 44 + 36
 N_CHAINS = 4
 
-# name: (h_q, split, has_topk_length, has_attn_sink, column_pair, tuning)
+
+def n_wgmma(d_qk: int) -> int:
+    """d_qk / 16 QK k-steps (SS) + 4 RS PV + 4 SS PV k-steps; the first QK of a request is issued
+    from a prologue (later ones behind the previous tile's PV), so the QK chain appears twice."""
+    return 2 * (d_qk // 16) + 8
+
+
+# name: (h_q, split, has_topk_length, has_attn_sink, column_pair, tuning[, d_qk, has_extra, has_extra_topk_length])
 CONFIGS = {
     "nosplit": (64, False, False, False, False, None),
     "nosplit_tl_sink": (64, False, True, True, False, None),
@@ -31,13 +35,21 @@ CONFIGS = {
     "split_h128_no_cluster": (128, True, False, True, False, Sm90Tuning(h128_cluster=False)),
     "nosplit_h128": (128, False, True, False, False, None),
     "split_pair": (64, True, True, True, True, None),           # the column pair
+    # V4 (d_qk 512): the extra pool with and without its lengths, each kernel shape once
+    "v4_nosplit": (64, False, False, False, False, None, 512, False, False),
+    "v4_split_extra_tl": (64, True, True, True, False, None, 512, True, True),
+    "v4_split_h128_extra": (128, True, False, True, False, None, 512, True, False),
+    "v4_nosplit_h128_extra_tl": (128, False, True, True, False, None, 512, True, True),
+    "v4_split_pair_extra": (64, True, True, True, True, None, 512, True, True),
 }
+V4_CONFIGS = [n for n in CONFIGS if n.startswith("v4_")]
 
 
 def _config(name) -> Sm90SparseDecodeConfig:
-    h_q, split, tl, sink, pair, tuning = CONFIGS[name]
-    return kernel_config(h_q=h_q, d_qk=576, split=split, has_topk_length=tl, has_attn_sink=sink, column_pair=pair,
-                         tuning=tuning)
+    h_q, split, tl, sink, pair, tuning, *fmt = CONFIGS[name]
+    d_qk, extra, extra_tl = fmt or (576, False, False)
+    return kernel_config(h_q=h_q, d_qk=d_qk, split=split, has_topk_length=tl, has_attn_sink=sink, column_pair=pair,
+                         tuning=tuning, has_extra=extra, has_extra_topk_length=extra_tl)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +79,7 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
     assert ptx.count(".entry") == 1
     assert ".reqntid 384, 1, 1" in ptx, "3 warp groups"
     assert "cp.async.bulk.tensor" in ptx, "Q load (and output stores) by TMA"
-    assert ptx.count("wgmma.mma_async") == N_WGMMA
+    assert ptx.count("wgmma.mma_async") == n_wgmma(_config(name).d_qk)
     regs = ki.setmaxnreg(ptx)
     assert sorted(regs["inc"]) == [REGS.softmax]
     assert sorted(regs["dec"]) == sorted([REGS.pv_right, REGS.producer])
@@ -94,6 +106,11 @@ def test_tensor_maps_are_what_the_plan_lists(artifacts):
     assert len(no_split.tensor_maps) == maps["nosplit"]
     assert len(split.tensor_maps) == maps["split_tl_sink"]
     assert pair.tensor_maps == ("q", "o_accum") and len(pair.tensor_maps) == maps["split_pair"]
+    # V4 and its extra pool read the caches by address: the same maps as V3.2
+    assert maps["v4_nosplit"] == maps["v4_nosplit_h128_extra_tl"] == 2, maps
+    assert maps["v4_split_extra_tl"] == maps["v4_split_h128_extra"] == 3 and maps["v4_split_pair_extra"] == 2, maps
+    v4 = plan_sparse_decode(1, 1, 128, 512, 128, arch=ARCH, num_sms=132, extra_topk=512, has_extra_topk_length=True)
+    assert v4.split and len(v4.tensor_maps) == maps["v4_split_h128_extra"]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -116,9 +133,32 @@ def test_wgmma_chains_are_asynchronous(artifacts, name):
     _, cubin = artifacts[name]
     st = ki.hgmma_stats(_sass_or_skip(cubin))
     print(name, st)
-    assert st.total == N_WGMMA, st
+    assert st.total == n_wgmma(_config(name).d_qk), st
     assert not st.serialized, st
     assert st.with_gsb0 <= N_CHAINS, st
+
+
+@pytest.mark.parametrize("name", V4_CONFIGS)
+def test_v4_reads_scale_rows_and_the_extra_pool(artifacts, name):
+    """V4: each row's 7 ue8m0 scales come from its 8-B scale row (one 64-bit load per thread and row,
+    none in V3.2), the Q tile is 8 TMA boxes of 64 dims, and the extra pool's rows are named by
+    the encoded ring entry (a select between the two pools' geometry)."""
+    ptx, cubin = artifacts[name]
+    cfg = _config(name)
+    assert f"ld.global.L1::{DEFAULT_TUNING.gather_l1}.L2::256B.v2" in ptx, "the scale-row loads"
+    assert "ld.global.L1::evict_last.L2::256B.v2" not in artifacts["nosplit"][0]
+    assert cfg.tile.d_qk == 512 and cfg.tile.chunks == 8 and cfg.tile.slots_per_row == 38
+    if cfg.has_extra:
+        # the extra list's indices and, with them, its lengths are kernel parameters
+        assert ptx.count(".param") > artifacts["nosplit"][0].count(".param")
+
+
+def test_v4_shared_memory_is_the_smaller_tile(artifacts):
+    """The shared-storage struct follows the format: V4's 512-dim Q and K tiles take 24 KiB less."""
+    from cute_mla.kernels.sm90.cta import shared_storage
+    v32 = shared_storage(_config("nosplit").tile).size_in_bytes()
+    v4 = shared_storage(_config("v4_nosplit").tile).size_in_bytes()
+    assert v32 - v4 == 3 * 64 * 64 * 2 and v32 <= archs.SMEM_PER_CTA
 
 
 def test_config_validation():
@@ -205,7 +245,7 @@ def _check_cluster_start(ptx: str, sass: str):
     assert any("LDG.E.128 " in ln for ln in lines[:first_arrive]), "tile_md not loaded before the cluster barrier"
 
 
-@pytest.mark.parametrize("name", ["split_h128", "split_pair"])
+@pytest.mark.parametrize("name", ["split_h128", "split_pair", "v4_split_h128_extra", "v4_split_pair_extra"])
 def test_cluster_kernels_share_the_gather(artifacts, name):
     """Cluster kernels (h=128; the column pair): the half tiles travel to the peer by bulk smem ->
     dsmem copies with complete_tx on the peer's k_full, cluster addresses from mapa, the producers

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T
@@ -86,6 +86,21 @@ def ue8m0_to_f32_bits(word: Int32, byte: int) -> Int32:
     the denormal 0x00400000 for e = 0."""
     e = (Int32(word) >> (8 * byte)) & 0xFF
     return select_i32(e == 0, 0x00400000, e << 23)
+
+
+def ue8m0_takes_fast_path(word: Int32, byte: int):
+    """Whether the ue8m0 scale in byte ``byte`` of ``word`` is one :func:`is_pow2_scale` accepts
+    (2^-126 .. 2^7: 1 <= e <= 127 + 7)."""
+    e = (Int32(word) >> (8 * byte)) & 0xFF
+    return Uint32(e - 1) < Uint32(127 + 7)
+
+
+def ue8m0_pow2_multiplier(word: Int32, byte: int) -> Int32:
+    """:func:`pow2_scale_multiplier` of the ue8m0 scale in byte ``byte`` of ``word``, from its
+    exponent: bf16x2(2^(e - 127) * 2^120) = the bf16 exponent field e + 120 in both halves (e as
+    :func:`ue8m0_takes_fast_path` accepts)."""
+    h = (((Int32(word) >> (8 * byte)) & 0xFF) + 120) << 7
+    return h | (h << 16)
 
 
 def pow2_scale_multiplier(scale_bits: Int32) -> Int32:

@@ -94,6 +94,7 @@ class Dequant:
     """
 
     scale_words = 4   # i32 words of one row's scales as loaded (4 x fp32)
+    packed_scales = False   # one scale per word: a producer keeps them converted
 
     @staticmethod
     def scale_index(dim: int) -> int:

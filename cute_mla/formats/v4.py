@@ -69,12 +69,26 @@ def dequantize_v4(k_cache: torch.Tensor) -> torch.Tensor:
 class Dequant:
     """The device dequant routine of V4 rows (V3.2's conversions; only the scales differ).
 
-    A row's scales are loaded as two i32 words (its 8-byte scale row); :meth:`scale_bits` turns
-    ue8m0 byte ``k`` into the fp32 bits of 2^(e - 127), which the fast path takes whole (every
-    ue8m0 scale is a power of two). Byte 0 reads as the fp32 denormal 2^-127.
+    A row's scales are loaded as two i32 words (its 8-byte scale row), four ue8m0 bytes per word
+    (``packed_scales``: a producer derives each chunk's scale from the words where it uses it).
+    :meth:`scale_bits` turns byte ``k`` into the fp32 bits of 2^(e - 127) for the exact path (byte 0
+    reads as the fp32 denormal 2^-127); :meth:`packed_multiplier` makes the fast path's bf16x2
+    multiplier 2^(e - 7) straight from the byte, exact for 1 <= e <= 134
+    (:meth:`packed_takes_fast_path`), the range :meth:`scale_takes_fast_path` accepts.
     """
 
     scale_words = 2
+    packed_scales = True
+
+    @staticmethod
+    def packed_takes_fast_path(words, k: int):
+        from ..dsl import ptx
+        return ptx.ue8m0_takes_fast_path(words[k // 4], k % 4)
+
+    @staticmethod
+    def packed_multiplier(words, k: int):
+        from ..dsl import ptx
+        return ptx.ue8m0_pow2_multiplier(words[k // 4], k % 4)
 
     @staticmethod
     def scale_index(dim: int) -> int:

@@ -213,6 +213,9 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
         check_tensor("extra_indices_in_kvcache", extra_indices, dtypes=(torch.int32,), dim=3, shape=(b, s_q, None),
                      device=q.device, shape_doc="(b, s_q, extra_topk)")
         extra_topk = extra_indices.shape[-1]
+        if extra_topk < 1:
+            raise ValueError(f"extra_topk: got {extra_topk} (extra_indices_in_kvcache's last dim), accepted: a positive "
+                             "multiple of 64 (pass no extra pool instead of an empty one)")
         check_aligned_strides("extra_indices_in_kvcache", extra_indices)
     check_problem(b, s_q, h_q, d_qk, topk, extra_topk)
     check_aligned_strides("q", q)
@@ -260,6 +263,8 @@ def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
     if k_cache.data_ptr() % 16 or stride0 % 16:
         raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got offset {k_cache.data_ptr() % 16} "
                          f"and stride(0)={stride0}")
+    if stride0 >= 2**31:
+        raise ValueError(f"{name}: stride(0) of {stride0} bytes, accepted: below 2^31 bytes per page block")
     if num_blocks > 1 and stride0 < page_block_size * bytes_per_token:
         raise ValueError(f"{name}: stride(0) of {stride0} bytes does not hold a page block of {page_block_size} x "
                          f"{bytes_per_token} bytes")

@@ -174,4 +174,4 @@ def prefetch_half_row(cfg: Sm90SparseDecodeConfig, addr, sub: Int32):
         if sub == 0:
             ptx.prefetch_l2_line(data + cutlass.Int64(4 * line))
         elif sub == 1:
-            ptx.prefetch_l2_line(addr[1])
+            ptx.prefetch_l2_line(data + cutlass.Int64(addr[1]))

@@ -68,11 +68,12 @@ class Smem(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def shared_storage(tile: Tile = TILE):
+def shared_storage(tile: Tile = TILE, pools: int = 1):
     """The CTA's shared memory, one struct (its size is what the launch requests): 231,424 B of
     232,448 with the V3.2 tile's Q buffer, two K tiles and P (V4's 512-dim tiles: 206,848 B). The
     output staging (2 x 32 KiB) aliases the Q buffer, which is free between a request's last QK
-    and the next request's Q load."""
+    and the next request's Q load. ``pools``: 2 with the extra pool, whose kernels keep both
+    pools' geometry in a small table (the producer's ``row_address``)."""
     assert 2 * tile.stage_bytes <= 2 * tile.q_elems, "the output staging must fit in the Q buffer"
 
     @cute.struct
@@ -85,6 +86,9 @@ def shared_storage(tile: Tile = TILE):
         tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
         scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
         row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
+        if pools > 1:
+            # per pool: base (2 words), stride(0) in bytes, page_block_size
+            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, 4 * pools], 16]
         ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]  # compacted indices
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
@@ -98,7 +102,12 @@ def dyn_storage(cfg: Sm90SparseDecodeConfig):
     offset 0, 1024-aligned). The allocator's own base pointer is a warp shuffle, which ptxas can
     neither rematerialize nor keep in the producer's 128 registers, so it spilled it; the symbol
     address is a constant it can re-create anywhere."""
-    return shared_storage(cfg.tile)(cute.arch.get_dyn_smem(Uint8, alignment=1024))
+    return shared_storage(cfg.tile, pools(cfg))(cute.arch.get_dyn_smem(Uint8, alignment=1024))
+
+
+def pools(cfg: Sm90SparseDecodeConfig) -> int:
+    """KV pools the kernel reads: the main one, and the extra one (V4)."""
+    return 2 if cfg.has_extra else 1
 
 
 @cute.jit

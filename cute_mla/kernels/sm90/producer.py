@@ -46,7 +46,7 @@ class ProducerThread(NamedTuple):
     kv_base: Int64
     stride0: Int64      # bytes between page blocks
     page: Int32         # page_block_size
-    extra: object       # the extra pool's (kv_base, stride0, page), or None
+    pools: object       # with the extra pool: the shared address of both pools' geometry table, else None
     sk_base: Int32
     info_base: Int32
     k_full: object      # mbarrier pointers
@@ -76,14 +76,27 @@ def producer_setup(cfg: Sm90SparseDecodeConfig, g: Gmem) -> ProducerThread:
     kv_base = g.mKV.iterator.toint()
     stride0 = Int64(g.mKV.stride[0])
     page = Int32(g.mKV.shape[1])
-    extra = None
-    if cutlass.const_expr(cfg.has_extra):
-        extra = (g.mExtraKV.iterator.toint(), Int64(g.mExtraKV.stride[0]), Int32(g.mExtraKV.shape[1]))
     storage = dyn_storage(cfg)
     sk_base = storage.sK.data_ptr().toint()
     info_base = storage.tile_info.data_ptr().toint()
-    return ProducerThread(warp, lane, sub, tok_in_half, swz, kv_base, stride0, page, extra, sk_base, info_base,
+    table = None
+    if cutlass.const_expr(cfg.has_extra):
+        table = storage.pool_table.data_ptr().toint()
+        if cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0:
+            # Read by row_address only after the first scan barrier (INDEX_SCAN) every producer
+            # thread passes before it computes a row address.
+            write_pool(table, g.mKV)
+            write_pool(table + 16, g.mExtraKV)
+    return ProducerThread(warp, lane, sub, tok_in_half, swz, kv_base, stride0, page, table, sk_base, info_base,
                           storage.k_full.data_ptr(), storage.k_free.data_ptr())
+
+
+@cute.jit
+def write_pool(addr: Int32, kv: cute.Tensor):
+    """One pool's entry of the geometry table: base, stride(0) (the API bounds it below 2^31
+    bytes) and page_block_size."""
+    base = kv.iterator.toint()
+    common_ptx.st_shared_v4(addr, Int32(base & 0xFFFFFFFF), Int32(base >> 32), Int32(kv.stride[0]), Int32(kv.shape[1]))
 
 
 @cute.jit
@@ -231,24 +244,20 @@ def convert_store_reload(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, regs: 
     words = [Int32(0)] * cfg.tile.scale_words
     for k in cutlass.range_constexpr(cfg.tile.scale_words):
         words[k] = common_ptx.select_i32(ok, regs[cfg.tile.scale_reg + k], 0)
-    n_scales = cfg.tile.fmt.num_groups
-    sc = [Int32(0)] * n_scales
-    fast = cutlass.Boolean(True)
-    for k in cutlass.range_constexpr(n_scales):
-        sc[k] = dequant(cfg).scale_bits(words, k)
-        fast = fast & dequant(cfg).scale_takes_fast_path(sc[k])
+    sc, s2, fast = row_scales(cfg, words)
     # Warp-uniform choice: caches written with FlashMLA's recipe (power-of-two scales) take the
     # 4-op path; any other scale takes the exact fp32 path (6 ops) for the whole warp.
     all_fast = cute.arch.vote_all_sync(fast)
-    s2 = [Int32(0)] * n_scales
-    for k in cutlass.range_constexpr(n_scales):
-        s2[k] = dequant(cfg).fast_multiplier(sc[k])
+    if cutlass.const_expr(not dequant(cfg).packed_scales):
+        for k in cutlass.range_constexpr(cfg.tile.fmt.num_groups):
+            s2[k] = dequant(cfg).fast_multiplier(sc[k])
     load_slot(cfg, regs, cfg.tile.nope_chunks, next_addr, pt.sub)
     if all_fast:
         for c in cutlass.range_constexpr(cfg.tile.nope_chunks):
             o = [Int32(0)] * 8
+            m = chunk_scale(cfg, words, s2, c, True)
             for e in cutlass.range_constexpr(4):
-                o[2 * e], o[2 * e + 1] = dequant(cfg).fast(regs[c * 4 + e], s2[dequant(cfg).scale_index(c * TILE.chunk)])
+                o[2 * e], o[2 * e + 1] = dequant(cfg).fast(regs[c * 4 + e], m)
             load_slot(cfg, regs, c, next_addr, pt.sub)
             cbase = row_base + c * TILE.chunk_bytes
             common_ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
@@ -260,12 +269,41 @@ def convert_store_reload(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, regs: 
             for e in cutlass.range_constexpr(4):
                 # fp8 NaN bytes of an invalid (clamped) row would survive a zero scale here.
                 w = common_ptx.select_i32(ok, regs[c * 4 + e], 0)
-                o[2 * e], o[2 * e + 1] = dequant(cfg).exact(w, sc[dequant(cfg).scale_index(c * TILE.chunk)])
+                o[2 * e], o[2 * e + 1] = dequant(cfg).exact(w, chunk_scale(cfg, words, sc, c, False))
             load_slot(cfg, regs, c, next_addr, pt.sub)
             cbase = row_base + c * TILE.chunk_bytes
             common_ptx.st_shared_v4(cbase + off0, o[0], o[1], o[2], o[3])
             common_ptx.st_shared_v4(cbase + off1, o[4], o[5], o[6], o[7])
             chunk_to_peer(c, copy)
+
+
+def row_scales(cfg: Sm90SparseDecodeConfig, words):
+    """(A plain function, inlined at trace time.) (fp32 scale bits, fast multipliers to fill, whether every scale takes the fast path) of a
+    row's loaded scale ``words``. Formats that pack several scales per register (V4's ue8m0 bytes)
+    keep only the words: each chunk derives its scale where it is used (:func:`chunk_scale`), since
+    seven live multipliers next to the row sets spilled the producer's 128 registers."""
+    n_scales = cfg.tile.fmt.num_groups
+    fast = cutlass.Boolean(True)
+    if dequant(cfg).packed_scales:
+        for k in range(n_scales):
+            fast = fast & dequant(cfg).packed_takes_fast_path(words, k)
+        return None, None, fast
+    sc = [Int32(0)] * n_scales
+    for k in range(n_scales):
+        sc[k] = dequant(cfg).scale_bits(words, k)
+        fast = fast & dequant(cfg).scale_takes_fast_path(sc[k])
+    return sc, [Int32(0)] * n_scales, fast
+
+
+def chunk_scale(cfg: Sm90SparseDecodeConfig, words, made, c: int, fast: bool):
+    """The scale operand of NoPE chunk ``c``: the fast path's multiplier or the exact path's fp32
+    bits, taken from ``made`` (:func:`row_scales`) or, for packed scales, derived from the words."""
+    k = dequant(cfg).scale_index(c * TILE.chunk)
+    if not dequant(cfg).packed_scales:
+        return made[k]
+    if fast:
+        return dequant(cfg).packed_multiplier(words, k)
+    return dequant(cfg).scale_bits(words, k)
 
 
 def data_address(addr):
@@ -285,11 +323,8 @@ def prefetch_row(cfg: Sm90SparseDecodeConfig, addr, sub: Int32):
     if cutlass.const_expr(cfg.tile.fmt.scales_in_row):
         ptx.prefetch_l2_line(base + 512)
     else:
-        ptx.prefetch_l2_line(select_i64(sub % 2 == 0, data_address(addr) + Int64(512), addr[1]))
-
-
-def select_i64(pred, a, b) -> Int64:
-    return Int64(cutlass.select_(pred, Int64(a), Int64(b)))
+        data = data_address(addr)
+        ptx.prefetch_l2_line(data + Int64(common_ptx.select_i32(sub % 2 == 0, 512, addr[1])))
 
 
 @cute.jit
@@ -304,23 +339,26 @@ def issue_row_loads(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, regs: cute.
 @cute.jit
 def row_address(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, idx: Int32):
     """Global byte address of cache row ``idx`` (a ring entry, already clamped to a legal row):
-    its data row's, or (data row, scale row) for a format with block-major scales."""
+    its data row's, or (data row, the scale row's offset from it: int32, the API bounds a page
+    block below 2^31 bytes) for a format with block-major scales (an Int64 scale address per
+    row in flight spilled the one-CTA producer with the extra pool)."""
     kv_base, stride0, page = pt.kv_base, pt.stride0, pt.page
     if cutlass.const_expr(cfg.has_extra):
+        # The pool's geometry from the shared table, loaded where it is used: both pools' values
+        # held in registers for a select spilled the one-CTA producer.
         is_extra = idx < 0
         idx = common_ptx.select_i32(is_extra, -2 - idx, idx)
-        x_base, x_stride0, x_page = pt.extra
-        kv_base = select_i64(is_extra, x_base, kv_base)
-        stride0 = select_i64(is_extra, x_stride0, stride0)
-        page = common_ptx.select_i32(is_extra, x_page, page)
+        v = common_ptx.ld_shared_v4(pt.pools + common_ptx.select_i32(is_extra, 16, 0))
+        kv_base = (Int64(Uint32(common_ptx.vec_elem(v, 1))) << 32) | Int64(Uint32(common_ptx.vec_elem(v, 0)))
+        stride0 = Int64(common_ptx.vec_elem(v, 2))
+        page = common_ptx.vec_elem(v, 3)
     fmt = cfg.tile.fmt
     blk = Uint32(idx) // Uint32(page)
     row = Uint32(idx) - blk * Uint32(page)
-    block = kv_base + Int64(blk) * stride0
-    data = block + Int64(row) * fmt.data_row_bytes
+    data = kv_base + Int64(blk) * stride0 + Int64(row) * fmt.data_row_bytes
     if cutlass.const_expr(fmt.scales_in_row):
         return data
-    return data, block + Int64(page) * fmt.data_row_bytes + Int64(row) * fmt.scale_row_bytes
+    return data, Int32(page - Int32(row)) * fmt.data_row_bytes + Int32(row) * fmt.scale_row_bytes
 
 
 def load_slot(cfg: Sm90SparseDecodeConfig, regs: cute.Tensor, slot: int, addr, sub: Int32):
@@ -344,7 +382,7 @@ def load_slot(cfg: Sm90SparseDecodeConfig, regs: cute.Tensor, slot: int, addr, s
         if tile.fmt.scales_in_row:
             off = tile.scale_offset
         else:
-            src, off = addr[1], tile.scale_offset
+            src, off = addr[0] + Int64(addr[1]), tile.scale_offset
     else:
         off = tile.rope_offset + sub * 32 + (slot - n - 1) * 16
         base = tile.rope_reg + (slot - n - 1) * 4

@@ -47,7 +47,7 @@ from . import ptx
 from .config import (DEFAULT_TUNING, TILE, Role, Sm90SparseDecodeConfig, Sm90Tuning, Stamp,  # noqa: F401
                      kernel_config)
 from .crossover import producer_crossover
-from .cta import Cta, Gmem, Smem, shared_storage, stamp
+from .cta import Cta, Gmem, Smem, pools, shared_storage, stamp
 from .epilogue import LOG2E, bf16_block_layout
 from .mma import Ops
 from .producer import producer
@@ -204,7 +204,7 @@ class Sm90SparseDecode:
         stamp(early, Stamp.ENTRY, tidx == 0)
 
         smem = SmemAllocator()
-        storage = smem.allocate(shared_storage(cfg.tile))
+        storage = smem.allocate(shared_storage(cfg.tile, pools(cfg)))
         md = self.prologue(storage, mTileMd, part, (tma_q, tma_out, tma_oacc))
         stamp(early, Stamp.PROLOGUE, tidx == 0)
 

@@ -1,0 +1,202 @@
+"""cute-mla vs FlashMLA (vLLM's build) on DeepSeek V4 decode shapes, side by side in one run.
+
+V4 ("MODEL1") FP8 cache (d_qk 512, 584 B/token), page block 64, two pools of 131072 tokens (the
+main cache and the extra cache), s_q = 1, main top-k 128 with ``topk_length`` uniform in [1, 128],
+an extra list of ``extra_topk`` in {0, 512, 1024} with ``extra_topk_length`` uniform in [1,
+extra_topk], ``attn_sink`` given; b in {1, 32, 128, 512}, h_q in {64, 128}.
+
+Each row: cute-mla's output is first checked against the fp32 reference on a sample of requests
+(FlashMLA's tolerances; FlashMLA's output too, for information), then each library's transient
+memory (peak allocation during one call beyond out and lse) and its time: CUDA graph replay of one
+call, median of per-replay events. ratio = FlashMLA µs / cute-mla µs (above 1: cute-mla faster).
+
+    python -m benchmarks.bench_v4 [--rows all|quick|b,h,extra_topk;...] [--out PATH.json] [--sample 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import cute_mla
+from benchmarks.bench_sparse_decode import capture_graph, flashmla, replay_median_us, warm_up
+from cute_mla.formats import V4, quantize_v4
+from cute_mla.reference import sparse_decode_reference
+from cute_mla.testing import check_out_lse, transient_bytes
+
+POOL, PAGE, TOPK = 131072, 64, 128
+BATCHES, HEADS, EXTRA_TOPKS = (1, 32, 128, 512), (64, 128), (0, 512, 1024)
+GRID = [(b, h, e) for h in HEADS for e in EXTRA_TOPKS for b in BATCHES]
+QUICK = [(1, 64, 512), (32, 64, 1024), (128, 128, 512), (512, 128, 1024)]
+SCALE = V4.d_qk ** -0.5
+
+
+def parse_rows(text):
+    """"b,h,extra_topk;..." -> [(b, h, extra_topk), ...]."""
+    return [tuple(int(v) for v in r.split(",")) for r in text.split(";") if r]
+
+
+def make_pool(g):
+    """A V4 cache of POOL tokens on the GPU: KV ~ N(0,1)/10 clamped, FlashMLA's quantizer (page
+    blocks padded to a multiple of 576 B)."""
+    kv = (torch.randn(POOL // PAGE, PAGE, V4.d_qk, device="cuda", generator=g) / 10).clamp(-1, 1)
+    return quantize_v4(kv)
+
+
+def make_row(b, h, extra_topk, masked, g):
+    """One row's q, indices, lengths and sinks (s_q = 1); the extra list's are None without one."""
+    q = torch.randn(b, 1, h, V4.d_qk, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
+
+    def index_list(k):
+        idx = torch.randint(0, POOL, (b, 1, k), device="cuda", generator=g, dtype=torch.int32)
+        idx[torch.rand(idx.shape, device="cuda", generator=g) < masked] = -1
+        return idx, torch.randint(1, k + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
+
+    indices, topk_length = index_list(TOPK)
+    extra_indices, extra_topk_length = index_list(extra_topk) if extra_topk else (None, None)
+    sink = torch.randn(h, device="cuda", generator=g)
+    return dict(q=q, indices=indices, topk_length=topk_length, extra_indices=extra_indices,
+                extra_topk_length=extra_topk_length, attn_sink=sink)
+
+
+def call(mod, sched, row, k_cache, extra_k_cache):
+    extra = row["extra_indices"] is not None
+    return mod.flash_mla_with_kvcache(
+        row["q"], k_cache, None, None, V4.d_v, sched, softmax_scale=SCALE, is_fp8_kvcache=True,
+        indices=row["indices"], attn_sink=row["attn_sink"], extra_k_cache=extra_k_cache if extra else None,
+        extra_indices_in_kvcache=row["extra_indices"], topk_length=row["topk_length"],
+        extra_topk_length=row["extra_topk_length"])
+
+
+def check_sample(out, lse, row, k_cache, extra_k_cache, sample, g):
+    """``None`` if (out, lse) of a sample of requests are within FlashMLA's tolerances of the fp32
+    reference, else the failure's message."""
+    b = row["q"].shape[0]
+    req = torch.randperm(b, device="cuda", generator=g)[:sample]
+    pick = lambda t: None if t is None else t[req]  # noqa: E731
+    extra = row["extra_indices"] is not None
+    ro, rl = sparse_decode_reference(row["q"][req], k_cache, row["indices"][req], SCALE, row["attn_sink"],
+                                     row["topk_length"][req], extra_k_cache=extra_k_cache if extra else None,
+                                     extra_indices=pick(row["extra_indices"]),
+                                     extra_topk_length=pick(row["extra_topk_length"]))
+    try:
+        check_out_lse(out[req], lse[req], ro, rl)
+    except AssertionError as e:
+        return str(e)[:300]
+    return None
+
+
+def time_one(mod, row, k_cache, extra_k_cache, check):
+    """(results, out): the call checked (``check(out, lse)``, cute-mla's gate), its transient
+    memory, and its graph-replay time."""
+    sched, _ = mod.get_mla_metadata()
+    out, lse = call(mod, sched, row, k_cache, extra_k_cache)       # warm-up: compile, schedule
+    torch.cuda.synchronize()
+    res = dict(check=check(out, lse) or "ok")
+    del out, lse
+    _, transient = transient_bytes(lambda: call(mod, sched, row, k_cache, extra_k_cache))
+    gr, (go, _) = capture_graph(lambda: call(mod, sched, row, k_cache, extra_k_cache))
+    res.update(us=replay_median_us(gr, 100), transient_mib=transient / 2**20)
+    plan = getattr(sched, "plan", None)
+    if plan is not None:
+        res.update(variant=plan.variant, schedule=plan.schedule, workspace_mib=plan.workspace_bytes / 2**20)
+    return res, go
+
+
+def run_row(b, h, extra_topk, pools, fm, args, g):
+    row = make_row(b, h, extra_topk, args.masked, g)
+    k_cache, extra_k_cache = pools
+
+    def check(out, lse):   # the same sample of requests for both libraries
+        sample_gen = torch.Generator(device="cuda").manual_seed(b * 1000 + h + extra_topk)
+        return check_sample(out, lse, row, k_cache, extra_k_cache, args.sample, sample_gen)
+
+    r = dict(b=b, s_q=1, h_q=h, topk=TOPK, extra_topk=extra_topk)
+    try:
+        ours, oo = time_one(cute_mla, row, k_cache, extra_k_cache, check)
+        r.update({f"cute_{k}": v for k, v in ours.items()})
+    except Exception as e:  # noqa: BLE001
+        r["cute_error"] = f"{type(e).__name__}: {e}"[:300]
+        oo = None
+    if fm is not None:
+        try:
+            theirs, fo = time_one(fm, row, k_cache, extra_k_cache, check)
+            r.update({f"flashmla_{k}": v for k, v in theirs.items()})
+            if "cute_us" in r:
+                r["ratio"] = r["flashmla_us"] / r["cute_us"]
+                r["max_abs_diff_vs_flashmla"] = (oo.float() - fo.float()).abs().max().item()
+        except Exception as e:  # noqa: BLE001
+            r["flashmla_error"] = f"{type(e).__name__}: {e}"[:300]
+    return r
+
+
+def print_table(results, meta):
+    print(f"\n{meta['gpu']}  commit {meta['commit']}  V4 cache, pools of {POOL} tokens, page block {PAGE}, "
+          f"s_q 1, top-k {TOPK}, lengths uniform, sinks on")
+    print(f"{'b':>4} {'h':>4} {'extra':>6} | {'cute us':>8} {'MiB':>7} {'check':>6} | {'FlashMLA us':>11} {'MiB':>7} "
+          f"{'check':>6} | {'ratio':>6} {'maxdiff':>8}")
+    for r in results:
+        head = f"{r['b']:>4} {r['h_q']:>4} {r['extra_topk']:>6} | "
+        if "cute_error" in r:
+            ours = f"ERROR {r['cute_error'][:60]}"
+        else:
+            ours = f"{r['cute_us']:>8.1f} {r['cute_transient_mib']:>7.2f} {_ok(r['cute_check']):>6}"
+        if "flashmla_us" in r:
+            theirs = f"{r['flashmla_us']:>11.1f} {r['flashmla_transient_mib']:>7.2f} {_ok(r['flashmla_check']):>6}"
+        else:
+            theirs = f"{'-':>11} {'-':>7} {'-':>6}" if "flashmla_error" not in r else f"ERROR {r['flashmla_error'][:40]}"
+        tail = (f"{r['ratio']:>6.2f} {r['max_abs_diff_vs_flashmla']:>8.1e}" if "ratio" in r else f"{'-':>6} {'-':>8}")
+        print(head + ours + " | " + theirs + " | " + tail)
+    failed = [r for r in results if r.get("cute_check", "ok") != "ok"]
+    for r in failed:
+        print(f"cute-mla b={r['b']} h={r['h_q']} extra={r['extra_topk']}: {r['cute_check']}")
+
+
+def _ok(check):
+    return "ok" if check == "ok" else "FAIL"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="all", help="all | quick | b,h,extra_topk;b,h,extra_topk;...")
+    ap.add_argument("--out", default=None, help="write every row (and the run's metadata) to this JSON file")
+    ap.add_argument("--sample", type=int, default=32, help="requests of each row checked against the reference")
+    ap.add_argument("--masked", type=float, default=0.0, help="fraction of the indices set to -1")
+    ap.add_argument("--warmup-s", type=float, default=2.0, help="seconds of bf16 matmuls first (clocks up)")
+    args = ap.parse_args()
+    named = {"all": GRID, "quick": QUICK}
+    rows = named[args.rows] if args.rows in named else parse_rows(args.rows)
+    for b, h, e in rows:
+        if h not in HEADS or e % 64 or b < 1:
+            raise SystemExit(f"--rows: bad row b={b} h={h} extra_topk={e} (h 64 or 128, extra_topk a multiple of 64)")
+    fm = flashmla()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pools = (make_pool(g), make_pool(g))
+    warm_up(args.warmup_s)
+    results = []
+    for b, h, e in rows:
+        r = run_row(b, h, e, pools, fm, args, g)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        torch.cuda.empty_cache()
+    # The device machine's copy of the tree may carry a stale .git: the caller's CUTE_MLA_COMMIT wins.
+    commit = os.environ.get("CUTE_MLA_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+    meta = dict(gpu=torch.cuda.get_device_name(), commit=commit, torch=torch.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                pool=POOL, page_block_size=PAGE, topk=TOPK, masked=args.masked, sample=args.sample,
+                flashmla=fm is not None, command="python -m benchmarks.bench_v4 " + " ".join(sys.argv[1:]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+    print_table(results, meta)
+
+
+if __name__ == "__main__":
+    main()
