@@ -87,7 +87,8 @@ class Parts:
         return self.launcher.main(*self.args)
 
     def combine(self):
-        self.launcher.combine(self.workspace, self.sched.accum_offsets, None, self.out, self.lse)
+        self.launcher.combine(self.workspace, self.sched.accum_offsets, None, self.out, self.lse,
+                              self.sched.tile_scheduler_metadata)
 
     def workspace_allocation(self):
         return allocate_workspace(self.launcher.plan, self.q.device)

@@ -41,9 +41,11 @@ class ArchSpec:
     zero_overhead_rule: bool
     tensor_maps_no_split: Tuple[str, ...]   # TMA descriptors the kernel builds (the compile tests check them)
     tensor_maps_split: Tuple[str, ...]
+    tensor_maps_extra: Tuple[str, ...] = ()  # added by the extra KV pool (V4)
 
-    def tensor_maps(self, split: bool) -> Tuple[str, ...]:
-        return self.tensor_maps_split if split else self.tensor_maps_no_split
+    def tensor_maps(self, split: bool, extra: bool = False) -> Tuple[str, ...]:
+        maps = self.tensor_maps_split if split else self.tensor_maps_no_split
+        return maps + (self.tensor_maps_extra if extra else ())
 
 
 SM90 = ArchSpec(
@@ -60,6 +62,7 @@ SM100 = ArchSpec(
     accum_dtype="float32", no_split_max_topk=640, parts_per_head_block=False, zero_overhead_rule=False,
     tensor_maps_no_split=("q", "kv_nope", "kv_rope", "out"),
     tensor_maps_split=("q", "kv_nope", "kv_rope", "out", "o_accum"),
+    tensor_maps_extra=("extra_nope", "extra_rope"),
 )
 
 ARCHS: Dict[str, ArchSpec] = {a.name: a for a in (SM90, SM100)}

@@ -173,3 +173,47 @@ def test_launcher_accepts_8_byte_aligned_out_view():
             torch.zeros(b + 1, dtype=torch.int32), None, wide, torch.empty(b, s_q, h, dtype=f32))
     launch_combine(recorder, cfg, *args)
     assert len(calls) == 1 and calls[0][4] is wide
+
+
+def _owned(row, b):
+    """The combine's partition-ownership rule (``combine._owned_request``), on a host schedule row."""
+    begin_req, end_req, begin_block, _, _, _, last_split, _ = row
+    owns = last_split and begin_req < b and (begin_req < end_req or begin_block == 0)
+    return end_req if owns else None
+
+
+@pytest.mark.parametrize("parts", [3, 16, 66, 132])
+@pytest.mark.parametrize("seed", range(4))
+def test_partition_owners_are_the_split_requests_once(parts, seed):
+    """by_partition: every split request is combined by exactly one partition, and no other request."""
+    from cute_mla.scheduler import FIXED_OVERHEAD, plan_splits_host
+
+    gen = torch.Generator().manual_seed(seed)
+    for b in (parts + 1, 2 * parts, 8 * parts):
+        blocks = torch.randint(1, 19, (b,), generator=gen).tolist()
+        for overhead in (0, FIXED_OVERHEAD):
+            s = plan_splits_host(blocks, parts, overhead)
+            owners = [r for r in (_owned(row, b) for row in s.rows) if r is not None]
+            split = [i for i in range(b) if s.num_splits[i + 1] - s.num_splits[i] > 1]
+            assert sorted(owners) == split and len(set(owners)) == len(owners)
+
+
+def test_by_partition_config_compiles_and_takes_tile_md(tmp_path):
+    """More requests than partitions: the grid walks the schedule rows (a tile_md parameter)."""
+    cfg = combine_config("sm_90a", 128, True, 66, "bfloat16", b=512)
+    assert cfg.by_partition and not combine_config("sm_90a", 128, True, 66, "bfloat16", b=66).by_partition
+    compile_combine(cfg, dump_dir=str(tmp_path))
+    ptx = read_ptx(str(tmp_path))
+    assert ptx.count(".param") > 0 and "griddepcontrol.wait" in ptx
+    calls = []
+    recorder = CompiledKernel(key="recorder", fn=lambda *args: calls.append(args))
+    b, s_q, h, rows = 512, 1, 128, 5
+    f32 = torch.float32
+    args = (torch.empty(rows, s_q, h, dtype=f32), torch.empty(rows, s_q, h, 512, dtype=torch.bfloat16),
+            torch.zeros(b + 1, dtype=torch.int32), torch.zeros(h), torch.empty(b, s_q, h, 512, dtype=torch.bfloat16),
+            torch.empty(b, s_q, h, dtype=f32))
+    with pytest.raises(ValueError, match="by_partition"):
+        launch_combine(recorder, cfg, *args)
+    md = torch.zeros(66, 8, dtype=torch.int32)
+    launch_combine(recorder, cfg, *args, tile_md=md)
+    assert calls[0][-1] is md

@@ -17,6 +17,7 @@ import cutlass  # noqa: E402
 from cutlass.cute.nvgpu import tcgen05  # noqa: E402
 
 from cute_mla.dsl.compile import CompiledKernel, compile_options  # noqa: E402
+from cute_mla.formats import V4, V32  # noqa: E402
 from cute_mla.playground.inspect import find_tool, read_ptx, resource_usage, tensor_map_params  # noqa: E402
 from cute_mla.kernels.sm100 import sparse_decode as sd  # noqa: E402
 from cute_mla.kernels.sm100.sparse_decode import (  # noqa: E402
@@ -278,9 +279,18 @@ def test_config_validation():
         Sm100SparseDecodeConfig(h_q=32, split=False, has_topk_length=False, has_attn_sink=False)
     with pytest.raises(ValueError, match="d_qk"):
         Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=600)
-    # the V4 width is a format that is known but not built yet
-    with pytest.raises(NotImplementedError, match="d_qk"):
-        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=512)
+    # d_qk 512 is the V4 cache; the extra pool is V4's only, and its lengths need it
+    assert Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=512).tile.fmt is V4
+    with pytest.raises(ValueError, match="has_extra"):
+        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, has_extra=True)
+    with pytest.raises(ValueError, match="has_extra_topk_length"):
+        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=512,
+                                has_extra_topk_length=True)
+    with pytest.raises(ValueError, match="has_extra"):
+        sd.kernel_config(h_q=64, d_qk=576, split=False, has_topk_length=False, has_attn_sink=False, has_extra=True)
+    cfg = sd.kernel_config(h_q=128, d_qk=512, split=True, has_topk_length=True, has_attn_sink=False, has_extra=True,
+                           has_extra_topk_length=True)
+    assert cfg.has_extra and cfg.has_extra_topk_length and cfg.d_v == 512
     with pytest.raises(ValueError, match="column_pair"):
         sd.kernel_config(h_q=64, d_qk=576, split=True, has_topk_length=False, has_attn_sink=False, column_pair=True)
     with pytest.raises(ValueError, match="tuning"):
@@ -340,3 +350,284 @@ def test_launcher_rejects_what_the_kernel_cannot_take():
         call(indices=torch.zeros(b, s_q, 96, dtype=torch.int32))
     with pytest.raises(ValueError, match="16-byte"):
         call(q=torch.zeros(b, s_q, 64, 580, dtype=torch.bfloat16)[..., :576])
+
+
+# ------------------------------------------------------------------------------------------------
+# V4 ("MODEL1", d_qk 512, 584 B/token): the format difference and the extra KV pool
+# ------------------------------------------------------------------------------------------------
+
+V4_TILE = sd.tile_of(V4)
+
+V4_VARIANTS = [
+    # (h_q, split, has_topk_length, has_attn_sink, has_extra, has_extra_topk_length)
+    (64, False, False, False, False, False),
+    (64, True, True, True, False, False),
+    (128, False, True, True, False, False),
+    (128, True, False, False, True, False),
+    (64, False, False, True, True, True),
+    (128, True, True, True, True, True),
+]
+
+
+def _v4_id(v):
+    h_q, split, tl, sink, extra, etl = v
+    return (f"h{h_q}-{'split' if split else 'nosplit'}-tl{int(tl)}-sink{int(sink)}"
+            f"-extra{int(extra)}{'-etl' if etl else ''}")
+
+
+def _v4_cfg(variant):
+    h_q, split, tl, sink, extra, etl = variant
+    return Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink, d_qk=512,
+                                   has_extra=extra, has_extra_topk_length=etl)
+
+
+def _compile_v4(variant, tmp_path_factory):
+    key = ("v4",) + variant
+    if key not in _COMPILED:
+        cfg = _v4_cfg(variant)
+        d = str(tmp_path_factory.mktemp("sm100_v4_" + _v4_id(variant).replace("-", "_")))
+        compiled = compile_sparse_decode(cfg, dump_dir=d)
+        _COMPILED[key] = (cfg, compiled, read_ptx(d, "sm_100a"), d)
+    return _COMPILED[key]
+
+
+def test_v4_tile_geometry_from_the_format():
+    """What differs between the formats is read from their specs (V3.2 values unchanged)."""
+    t = V4_TILE
+    assert (t.d_qk, t.d_v, t.d_nope, t.d_rope) == (512, 512, 448, 64)
+    assert t.tma_row_bytes == V4.data_row_bytes == 576 and TILE.tma_row_bytes == V32.row_bytes
+    assert t.raw_row_bytes == 448 and TILE.raw_row_bytes == 544     # NoPE only / NoPE + scales (+ 16 pad)
+    assert t.rope_in_k and t.scales_in_index and not TILE.rope_in_k and not TILE.scales_in_index
+    assert (t.nope_chunks, t.k_dims, t.qk_rope_steps) == (7, 512, 0) and (TILE.nope_chunks, TILE.qk_rope_steps) == (8, 4)
+    # gather4 boxes of 4 rows land on whole 128-B lines; box rows fit the TMA's 256-element limit
+    for tile in (t, TILE):
+        assert (4 * tile.raw_row_bytes) % 128 == 0 and tile.raw_row_words <= 256
+        assert tile.k_stage_elems == TILE.k_stage_elems and tile.half_v == TILE.half_v   # V = the K tile
+    assert t.rope_offset == 448 and t.rope_offset % 16 == 0 and t.q_elems == 64 * 512
+    assert sd.tile_of(V4) is t and Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False,
+                                                            has_attn_sink=False, d_qk=512).tile is t
+    import dataclasses
+    with pytest.raises(ValueError, match="SM100 tile"):
+        sd.tile_of(dataclasses.replace(V4, name="narrow rope", d_rope=32))
+
+
+def test_v4_token_addresses_match_the_quantizer():
+    """The addresses the kernel uses (the gather4 tables of 576-B data rows and the INDEX warp's
+    scale-row address) read, on a quantized cache with padded page blocks, the bytes the format's
+    quantizer wrote for each token: fp8 NoPE, bf16 RoPE, ue8m0 scales."""
+    import torch
+
+    from cute_mla.formats import quantize_v4
+
+    g = torch.Generator().manual_seed(0)
+    nb, page = 3, 5
+    stride0 = V4.block_stride(page) + 2 * V4.data_row_bytes        # padded: still whole 576-B rows
+    kv = (torch.randn(nb, page, 512, generator=g) / 10).clamp(-1, 1)
+    cache = quantize_v4(kv, stride0=stride0)
+    assert cache.stride(0) % V4_TILE.tma_row_bytes == 0
+    flat = torch.as_strided(cache, (nb * stride0,), (1,))
+    rows_per_block = stride0 // V4_TILE.tma_row_bytes
+    for tok in range(nb * page):
+        blk, row = tok // page, tok % page
+        coord = blk * rows_per_block + row                         # the INDEX warp's coordinate
+        data = flat[coord * V4_TILE.tma_row_bytes:(coord + 1) * V4_TILE.tma_row_bytes]
+        scale_at = sd.scale_row_byte(V4_TILE, blk, row, page, stride0)    # the INDEX warp's address
+        scales = flat[scale_at:scale_at + 4 * V4_TILE.scale_words]
+        nope = data[:V4_TILE.raw_row_bytes].view(torch.float8_e4m3fn).float().view(7, 64)
+        s = torch.pow(2.0, scales[:7].float() - 127.0)
+        rope = data[V4_TILE.rope_offset:V4_TILE.rope_offset + 128].view(torch.bfloat16).float()
+        want = V4.dequantize_cache(cache)[blk, row]
+        assert torch.equal((nope * s[:, None]).flatten(), want[:448]), tok
+        assert torch.equal(rope, want[448:]), tok
+
+
+@pytest.mark.parametrize("variant", V4_VARIANTS, ids=_v4_id)
+def test_v4_compiles_with_blackwell_ptx(variant, tmp_path_factory):
+    cfg, compiled, ptx, d = _compile_v4(variant, tmp_path_factory)
+    assert isinstance(compiled, CompiledKernel)
+    c = _counts(ptx)
+    print(f"\n{cfg}: smem {smem_bytes(cfg)} B, {tensor_map_params(ptx)} tensor maps\n  "
+          + ", ".join(f"{k} {v}" for k, v in c.items()))
+    assert ".target sm_100a" in ptx and ptx.count(".entry") == 1 and f".reqntid {sd.WARPS.threads}, 1, 1" in ptx
+    # QK: 32 k-steps over the K tile alone (448 NoPE + 64 RoPE dims: no RoPE-tile steps); PV as V3.2.
+    assert c["tcgen05.mma"] == V4_TILE.d_qk // 16 + 2 * 2 * (V4_TILE.tokens // 16) == 40
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx
+    assert c["tcgen05.alloc"] == 1 and c["tcgen05.dealloc"] == 1 and c["tcgen05.relinquish_alloc_permit"] == 1
+    assert "tcgen05.ld.sync.aligned.32x32b.x32" in ptx and "tcgen05.st.sync.aligned.32x32b.x32" in ptx
+    # gather4: NoPE and RoPE streams, 8 instructions per 32-token tile each; the extra pool has its own pair.
+    assert c["tile::gather4"] == 2 * (V4_TILE.tokens // 4) * (2 if cfg.has_extra else 1)
+    assert "cp.async.bulk.tensor.2d.shared::cta.global.tile::gather4.mbarrier::complete_tx::bytes" in ptx
+    # The scale rows: one 8-byte load per token (the INDEX warp), none in the V3.2 kernel (scales in the row).
+    assert ptx.count("ld.global.v2.b32") == 1
+    # 7 NoPE column blocks of 64 dims per token: 4 + 3 warps x 2 blocks x 4 steps x 4 e4m3x4 words x 2 pairs
+    assert c["cvt.rn.f16x2.e4m3x2"] == 2 * 32 and ptx.count("mul.rn.f32") >= 2 * c["cvt.rn.f16x2.e4m3x2"]
+    assert ptx.count("cvt.rn.bf16x2.f32") >= c["cvt.rn.f16x2.e4m3x2"]
+    for kind, n in (("inc", sd.REGS.softmax), ("inc", sd.REGS.dequant), ("dec", sd.REGS.producers)):
+        assert re.search(rf"setmaxnreg.{kind}.sync.aligned.u32\s+{n};", ptx)
+    assert c["elect.sync"] >= c["cp.async.bulk.tensor"] // 8
+
+
+def test_v4_scale_row_loads_are_v4_only(tmp_path_factory):
+    _, _, p32, _ = _compile((64, False, False, False), tmp_path_factory)
+    _, _, p4, _ = _compile_v4(V4_VARIANTS[0], tmp_path_factory)
+    assert "ld.global.v2.b32" not in p32 and "ld.global.v2.b32" in p4
+    # the 576-B data rows give the V4 NoPE box 112 int32 words a row, V3.2's 136; Q is 8 boxes, not 9
+    assert _counts(p32)["tcgen05.mma"] - _counts(p4)["tcgen05.mma"] == (576 - 512) // 16
+
+
+@pytest.mark.parametrize("variant", V4_VARIANTS, ids=_v4_id)
+def test_v4_tensor_maps_as_the_plan_says(variant, tmp_path_factory):
+    """q, kv_nope, kv_rope, out (+ o_accum split) as the plan lists them; the extra pool adds its own
+    two gather4 maps (extra_nope, extra_rope in the arch table)."""
+    from cute_mla import plan_sparse_decode
+
+    cfg, _, ptx, _ = _compile_v4(variant, tmp_path_factory)
+    topk = 2048 if cfg.split else 128        # SM100: split above 640 positions (both lists)
+    extra_topk = 512 if cfg.has_extra else 0
+    plan = plan_sparse_decode(4, 1, cfg.h_q, 512, topk, arch="sm_100a", num_sms=148, extra_topk=extra_topk,
+                              has_extra_topk_length=cfg.has_extra_topk_length)
+    assert plan.split == cfg.split and plan.kernel == "sm100_sparse_decode"
+    assert tensor_map_params(ptx) == len(plan.tensor_maps)
+    assert ("extra_nope" in plan.tensor_maps) == cfg.has_extra
+    stores = ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") + ptx.count("cp.async.bulk.tensor.4d.global.shared::cta")
+    assert stores == (32 if cfg.split else 16)
+
+
+def test_v4_budgets():
+    for variant in V4_VARIANTS:
+        cfg = _v4_cfg(variant)
+        t = cfg.tile
+        smem = smem_bytes(cfg)
+        assert smem == sd._shared_storage(t).size_in_bytes() <= SMEM_LIMIT == 227 * 1024
+        scale_ring = STAGES.index * t.tokens * 4 * t.scale_words
+        big = (t.q_elems * 2 + STAGES.kbuf * t.k_stage_elems * 2 + STAGES.gather * t.rope_stage_elems * 2
+               + t.p_elems * 2 + t.epi_stage_bytes + STAGES.gather * t.raw_stage_bytes + scale_ring)
+        assert big < smem < big + 4096
+        # smaller than V3.2's: 64 KiB of Q instead of 72, 448-B raw rows instead of 544
+        assert smem_bytes(None) - smem == (TILE.q_elems - t.q_elems) * 2 + STAGES.gather * (
+            TILE.raw_stage_bytes - t.raw_stage_bytes) - scale_ring
+        assert tmem_columns(cfg) == tmem_columns(None) == 512
+    print(f"\nV4 shared memory {smem_bytes(_v4_cfg(V4_VARIANTS[0]))} B of {SMEM_LIMIT} (V3.2 {smem_bytes(None)} B)")
+
+
+@pytest.mark.parametrize("variant", [V4_VARIANTS[0], V4_VARIANTS[-1]], ids=_v4_id)
+def test_v4_cubin_resources(variant, tmp_path_factory):
+    cfg, _, _, d = _compile_v4(variant, tmp_path_factory)
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    usage = resource_usage(glob.glob(os.path.join(d, "*.cubin"))[0])
+    print(f"\n{cfg}: {usage}")
+    assert usage["SHARED"] <= 1024 and smem_bytes(cfg) + usage["SHARED"] <= 228 * 1024
+    assert usage["REG"] <= sd.REGS.entry
+    # no-split: no stack at all; the split variants spill a few softmax addresses (as V3.2's dequant's)
+    assert usage["STACK"] <= (64 if cfg.split else 0)
+
+
+_V4_LAYOUT_FACTS = {}
+
+
+@cute.jit
+def _trace_v4_layouts():
+    t = V4_TILE
+    qk, pv = sd.tiled_mmas()
+    L = sd.smem_layouts(qk, pv, t)
+    k = L["k"].outer
+    _V4_LAYOUT_FACTS["k"] = [(tok, d, cute.crd2idx(((tok, d % 16), 0, ((d // 16) % 4, d // 64), 0), k))
+                             for tok in range(t.tokens) for d in range(0, t.k_dims, 8)]
+    v = L["v_outer"]
+    _V4_LAYOUT_FACTS["v"] = [(h, d, tok, cute.crd2idx((((d % 64, d // 64), tok % 16), 0, tok // 16, h, 0), v))
+                             for h in range(2) for d in range(0, t.half_v, 8) for tok in range(t.tokens)]
+    _V4_LAYOUT_FACTS["rope_tma"] = [(tok, d, cute.crd2idx((tok, d), L["rope_tma"].outer))
+                                    for tok in range(t.tokens) for d in range(0, t.d_rope, 8)]
+    _V4_LAYOUT_FACTS["q_size"] = cute.cosize(L["q"].outer)
+    _V4_LAYOUT_FACTS["swizzles"] = {n: str(L[n].inner) for n in ("q", "k", "rope_tma")}
+
+
+@pytest.fixture(scope="module")
+def v4_facts():
+    if not _V4_LAYOUT_FACTS:
+        cute.compile(_trace_v4_layouts, options=compile_options("sm_100a"))
+    return _V4_LAYOUT_FACTS
+
+
+def test_v4_k_tile_and_v_view(v4_facts):
+    """The V4 K tile (448 NoPE + 64 RoPE dims) is the same SW128 K-major operand as V3.2's, so the
+    dequant writes (k_tile_byte) and the V view (PV reads all 512 dims, RoPE included) hold."""
+    assert v4_facts["swizzles"] == {"q": "S<3,4,3>", "k": "S<3,4,3>", "rope_tma": "S<3,4,3>"}
+    bad = [(t, d) for t, d, e in v4_facts["k"] if sd.swizzle_bytes(2 * e, 3) != sd.k_tile_byte(t, d)]
+    assert not bad, bad[:5]
+    k = {(t, d): e for t, d, e in v4_facts["k"]}
+    bad = [(h, d, t) for h, d, t, e in v4_facts["v"] if e != k[(t, V4_TILE.half_v * h + d)]]
+    assert not bad, bad[:5]
+    assert v4_facts["q_size"] == V4_TILE.q_elems
+
+
+def test_v4_rope_copy_lands_in_the_last_k_block(v4_facts):
+    """The dequant warp copies the gathered RoPE tile row by row (128 B, unchanged) into the K
+    tile's column block ``nope_chunks``: RoPE[t, d] must then be K[t, 448 + d], i.e. the RoPE TMA
+    tile's byte of (t, d) plus the block offset is the K tile's byte of (t, 448 + d)."""
+    assert sd.rope_row_byte(V4_TILE, 0) == 7 * 4096 and sd.rope_row_byte(V4_TILE, 0) % 1024 == 0
+    # the copy moves row t's bytes [128 t, 128 t + 128) to rope_row_byte(t) + [0, 128), chunk by chunk
+    bad = [(t, d) for t, d, e in v4_facts["rope_tma"]
+           if sd.swizzle_bytes(2 * e, 3) - 128 * t + sd.rope_row_byte(V4_TILE, t) != sd.k_tile_byte(t, V4_TILE.d_nope + d)]
+    assert not bad, bad[:5]
+    assert all(128 * t <= sd.swizzle_bytes(2 * e, 3) < 128 * (t + 1) for t, _, e in v4_facts["rope_tma"])
+
+
+def test_v4_launcher_rejects_what_the_kernel_cannot_take():
+    import torch
+
+    from cute_mla.formats import quantize_v4
+    from cute_mla.kernels import DecodeTensors
+    from cute_mla.kernels.sm100.sparse_decode import launch_sparse_decode
+
+    b, s_q, topk = 2, 1, 128
+    calls = []
+    dummy = CompiledKernel(key="dummy", fn=lambda *a: calls.append(a))
+    kv = quantize_v4(torch.zeros(4, 3, 512)).squeeze(2)       # stride(0) a multiple of 576
+    base = dict(q=torch.zeros(b, s_q, 64, 512, dtype=torch.bfloat16), kv=kv,
+                indices=torch.zeros(b, s_q, topk, dtype=torch.int32), topk_length=None, attn_sink=None,
+                tile_md=torch.zeros(b, 8, dtype=torch.int32), accum_offsets=torch.arange(b + 1, dtype=torch.int32),
+                out=torch.zeros(b, s_q, 64, 512, dtype=torch.bfloat16), lse=torch.zeros(b, s_q, 64))
+    extra = dict(extra_kv=quantize_v4(torch.zeros(2, 5, 512)).squeeze(2),
+                 extra_indices=torch.zeros(b, s_q, 64, dtype=torch.int32))
+
+    def call(cfg, **kw):
+        a = dict(base)
+        a.update(kw)
+        launch_sparse_decode(dummy, cfg, DecodeTensors(**a), 0.1)
+
+    plain = _v4_cfg((64, False, False, False, False, False))
+    with_extra = _v4_cfg((64, False, False, False, True, False))
+    call(plain)
+    call(with_extra, **extra)
+    # the extra pool's three tensors come after the outputs, before the softmax scale
+    assert len(calls) == 2 and calls[0][9:] == (None, None, None, 0.1)
+    assert calls[1][9] is extra["extra_kv"] and calls[1][10] is extra["extra_indices"] and calls[1][11] is None
+    with pytest.raises(ValueError, match="has_extra"):
+        call(plain, **extra)
+    with pytest.raises(ValueError, match="has_extra"):
+        call(with_extra)
+    with pytest.raises(ValueError, match="has_extra_topk_length"):
+        call(with_extra, extra_topk_length=torch.zeros(b, dtype=torch.int32), **extra)
+    odd = torch.zeros(4 * (3 * 584 + 16), dtype=torch.uint8).as_strided((4, 3, 584), (3 * 584 + 16, 584, 1))
+    with pytest.raises(ValueError, match="stride"):
+        call(plain, kv=odd)                   # stride(0) 1768: not whole 576-B rows for gather4
+    short = torch.zeros(4 * 1152 + 2 * 584, dtype=torch.uint8).as_strided((4, 3, 584), (1152, 584, 1))
+    with pytest.raises(ValueError, match="page block"):
+        call(plain, kv=short)                 # 1152 B cannot hold 3 data rows and their scale rows
+    with pytest.raises(ValueError, match="stride"):
+        call(with_extra, extra_kv=odd, extra_indices=extra["extra_indices"])
+    with pytest.raises(ValueError, match="extra_indices"):
+        call(with_extra, extra_kv=extra["extra_kv"], extra_indices=torch.zeros(b + 1, s_q, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="extra_topk"):
+        call(with_extra, extra_kv=extra["extra_kv"], extra_indices=torch.zeros(b, s_q, 96, dtype=torch.int32))
+    with pytest.raises(ValueError, match="stride"):
+        call(with_extra, kv=quantize_v4(torch.zeros(4, 3, 512), stride0=3 * 584).squeeze(2), **extra)
+
+
+def test_v4_compile_is_cached():
+    cfg = _v4_cfg(V4_VARIANTS[0])
+    assert compile_sparse_decode(cfg) is compile_sparse_decode(cfg)
+    assert compile_sparse_decode(cfg) is not compile_sparse_decode(
+        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False))

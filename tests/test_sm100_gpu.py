@@ -11,6 +11,8 @@ one all-invalid row, sinks with +inf/-inf, with and without topk_length (0 inclu
 and arbitrary fp32 scales. out: abs 1e-3 or rel 2.01/128 and cosine diff <= 5e-6; lse: abs 1e-6 or
 rel 8.01/65536; inf positions identical.
 
+V4 (d_qk 512) and its extra KV pool: the same checks on make_inputs' V4 caches (``test_v4_*``).
+
 Both kernel variants run: the no-split variant on the per-request schedule (one partition per
 request), the split variant on FlashMLA's greedy schedule for this GPU's SM count, with the partial
 results merged here in float64 torch (the combine kernel has its own tests; the public-API test
@@ -39,15 +41,19 @@ def _num_sms():
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def _kernel(h_q, split, has_topk_length, has_attn_sink):
+def _kernel(h_q, split, has_topk_length, has_attn_sink, d_qk=576, has_extra=False, has_extra_topk_length=False):
     from cute_mla.kernels.sm100.sparse_decode import Sm100SparseDecodeConfig, compile_sparse_decode
 
-    cfg = Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink)
+    cfg = Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
+                                  d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
     return cfg, compile_sparse_decode(cfg)
 
 
-def _schedule(topk, topk_length, b, split, s_q, h_q, device):
-    nb = blocks_per_request(topk, None if topk_length is None else topk_length.tolist(), b)
+def _schedule(topk, topk_length, b, split, s_q, h_q, device, extra_topk=0, extra_topk_length=None):
+    """The host schedule of a request's main blocks, then its extra blocks (the scheduler's rule)."""
+    lengths = lambda t: None if t is None else t.tolist()  # noqa: E731
+    nb = blocks_per_request(topk, lengths(topk_length), b, extra_topk=extra_topk,
+                            extra_topk_length=lengths(extra_topk_length))
     if split:
         s = plan_splits_host(nb, num_sm_parts("sm_100a", _num_sms(), s_q, h_q))
     else:
@@ -64,11 +70,15 @@ def run_kernel(inp, split):
     from cute_mla.kernels.sm100.sparse_decode import launch_sparse_decode
 
     q, dev = inp.q, inp.q.device
-    b, s_q, h_q, _ = q.shape
+    b, s_q, h_q, d_qk = q.shape
     topk = inp.indices.shape[-1]
     kv = inp.k_cache.squeeze(2)
-    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None)
-    sched, tile_md, offsets = _schedule(topk, inp.topk_length, b, split, s_q, h_q, dev)
+    has_extra = inp.extra_indices is not None
+    extra_topk = inp.extra_indices.shape[-1] if has_extra else 0
+    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None, d_qk=d_qk,
+                            has_extra=has_extra, has_extra_topk_length=inp.extra_topk_length is not None)
+    sched, tile_md, offsets = _schedule(topk, inp.topk_length, b, split, s_q, h_q, dev, extra_topk,
+                                        inp.extra_topk_length)
     # NaN-filled outputs: every element the kernel owns must be written.
     out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=dev)
     lse = torch.full((b, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
@@ -77,7 +87,9 @@ def run_kernel(inp, split):
         rows = max(sched.split_rows, 1)
         o_acc = torch.full((rows, s_q, h_q, 512), float("nan"), dtype=torch.float32, device=dev)
         lse_acc = torch.full((rows, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
-    t = DecodeTensors(q, kv, inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets, out, lse, o_acc, lse_acc)
+    extra_kv = inp.extra_k_cache.squeeze(2) if has_extra else None
+    t = DecodeTensors(q, kv, inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets, out, lse, o_acc, lse_acc,
+                      extra_kv, inp.extra_indices, inp.extra_topk_length)
     launch_sparse_decode(compiled, cfg, t, inp.softmax_scale)
     torch.cuda.synchronize()
     out = out.float()
@@ -88,8 +100,12 @@ def run_kernel(inp, split):
 
 def _check(inp, split):
     out, lse, sched = run_kernel(inp, split)
+    extra = {}
+    if inp.extra_indices is not None:
+        extra = dict(extra_k_cache=inp.extra_k_cache, extra_indices=inp.extra_indices,
+                     extra_topk_length=inp.extra_topk_length)
     ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
-                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length)
+                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length, **extra)
     try:
         check_out_lse(out, lse, ref_out, ref_lse)
     except AssertionError:
@@ -153,6 +169,105 @@ def test_public_api_dispatches_here(seed):
                                       is_fp8_kvcache=True, indices=x.indices, attn_sink=x.attn_sink)
         assert sched.plan.kernel == "sm100_sparse_decode"
         ro, rl = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, x.attn_sink)
+        torch.cuda.synchronize()
+        check_out_lse(o, l, ro, rl)
+
+
+# ------------------------------------------------------------------------------ V4 (d_qk 512) + extra pool
+# The V4 cache ("MODEL1": 576-B data rows, then 8-B ue8m0 scale rows per page block; V = all 512
+# dims, RoPE included) and its extra KV pool, straight through the SM100 kernel. make_inputs builds
+# the caches with quantize_v4 (page blocks padded to a multiple of 576 B, plus ``block_stride_pad``
+# more data rows) and fills every data row and scale row no valid index reads with NaN bytes, so a
+# RoPE (now part of V) or scale of an invalid token that leaks shows as NaN.
+
+
+def _v4_inputs(seed, b, s_q, h_q, topk, **kw):
+    kw.setdefault("with_sink", True)
+    kw.setdefault("out_of_range_frac", 0.05)
+    return make_inputs(b, s_q, h_q, topk, d_qk=512, device="cuda", generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def test_v4_smoke_one_tile(seed):
+    """The first V4 case to run (docs/sm100.md): one 64-token block, every index valid, no extra pool."""
+    inp = _v4_inputs(seed, 1, 1, 64, 64, num_tokens=512, page_block_size=64, invalid_frac=0.0, with_sink=False,
+                     out_of_range_frac=0.0)
+    _check(inp, split=False)
+
+
+def test_v4_smoke_extra_pool(seed):
+    """One main block and one extra block (its own cache, page block size 2), every index valid."""
+    inp = _v4_inputs(seed, 1, 1, 64, 64, num_tokens=512, page_block_size=64, invalid_frac=0.0, with_sink=False,
+                     out_of_range_frac=0.0, extra_topk=64, extra_num_tokens=256, extra_page_block_size=2)
+    _check(inp, split=False)
+
+
+# (b, s_q, topk, pool tokens, page block, extra_topk, extra pool tokens, extra page block, topk_length,
+#  extra_topk_length, all-invalid rows, block_stride_pad)
+V4_SWEEP = [
+    (1, 1, 128, 512, 64, 0, 0, 0, False, False, 0, 0),
+    (4, 1, 64, 512, 2, 0, 0, 0, True, False, 1, 1),
+    (4, 3, 128, 1024, 53, 512, 1024, 64, True, True, 1, 0),
+    (8, 2, 64, 512, 2, 512, 1024, 53, False, True, 2, 0),
+    (74, 1, 128, 2046, 64, 512, 1024, 2, False, True, 0, 2),
+    (74, 2, 576, 1024, 61, 0, 0, 0, True, False, 1, 0),
+    (128, 1, 128, 2046, 64, 1024, 2046, 53, True, True, 2, 0),
+    (321, 1, 64, 512, 64, 512, 512, 64, False, False, 0, 1),
+]
+
+
+def _v4_id(c):
+    b, s_q, topk, _, page, extra, _, epage, tl, etl, empty, pad = c
+    return (f"{b}x{s_q}-topk{topk}-p{page}" + (f"-extra{extra}-p{epage}" if extra else "")
+            + ("-tl" if tl else "") + ("-etl" if etl else "") + (f"-empty{empty}" if empty else "")
+            + (f"-pad{pad}" if pad else ""))
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("case", V4_SWEEP, ids=_v4_id)
+@pytest.mark.parametrize("split", [False, True], ids=["nosplit", "split"])
+def test_v4_sweep(seed, h_q, case, split):
+    b, s_q, topk, tokens, page, extra, etokens, epage, tl, etl, empty, pad = case
+    inp = _v4_inputs(seed, b, s_q, h_q, topk, num_tokens=tokens, page_block_size=page, with_topk_length=tl,
+                     all_invalid_rows=empty, block_stride_pad=pad, extra_topk=extra, extra_num_tokens=etokens or None,
+                     extra_page_block_size=epage or None, with_extra_topk_length=etl)
+    _check(inp, split)
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_v4_split_pieces_cross_into_the_extra_list(seed, h_q):
+    """Greedy pieces that start inside the extra list and pieces that span main and extra blocks:
+    the kernel's per-block pool choice (main blocks first, then extra) against the scheduler's."""
+    inp = _v4_inputs(seed, 8, 1, h_q, 2048, num_tokens=8192, page_block_size=64, extra_topk=1024,
+                     extra_num_tokens=4096, extra_page_block_size=53, all_invalid_rows=1)
+    sched = _check(inp, split=True)
+    n_main = 2048 // 64
+    assert sched.any_split
+    assert any(r[0] == r[1] and r[2] < n_main < r[3] for r in sched.rows), "no piece spans main and extra blocks"
+    assert any(r[2] > n_main for r in sched.rows), "no piece starts inside the extra list"
+
+
+def test_v4_lengths_zero_and_empty_lists(seed):
+    """topk_length 0 (one masked main block), extra_topk_length 0 (no extra block), both at once."""
+    inp = _v4_inputs(seed, 3, 2, 64, 128, num_tokens=1024, page_block_size=53, extra_topk=128,
+                     extra_num_tokens=512, extra_page_block_size=2, with_topk_length=True,
+                     with_extra_topk_length=True)
+    inp.topk_length = torch.tensor([0, 0, 77], dtype=torch.int32, device="cuda")
+    inp.extra_topk_length = torch.tensor([0, 65, 0], dtype=torch.int32, device="cuda")
+    _check(inp, split=False)
+    _check(inp, split=True)
+
+
+def test_v4_public_api_dispatches_here(seed):
+    """flash_mla_with_kvcache with a V4 cache and an extra pool on this GPU runs the SM100 kernel."""
+    from cute_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    for b, topk, extra in ((4, 128, 512), (74, 2048, 1024)):
+        x = _v4_inputs(seed, b, 1, 128, topk, num_tokens=4096, page_block_size=64, extra_topk=extra,
+                       extra_num_tokens=2048, extra_page_block_size=2, with_extra_topk_length=True)
+        sched, _ = get_mla_metadata()
+        o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **x.call_kwargs())
+        assert sched.plan.kernel == "sm100_sparse_decode"
+        ro, rl = x.reference()
         torch.cuda.synchronize()
         check_out_lse(o, l, ro, rl)
 

@@ -71,7 +71,8 @@ class Launcher:
 
             self.combine_mod = combine
             self.combine_cfg = combine.combine_config(arch=plan.arch, h_q=plan.h_q, has_attn_sink=has_attn_sink,
-                                                      num_sm_parts=plan.num_sm_parts, accum_dtype=plan.accum_dtype)
+                                                      num_sm_parts=plan.num_sm_parts, accum_dtype=plan.accum_dtype,
+                                                      b=plan.b)
             self.combine_compiled = combine.compile_combine(self.combine_cfg)
 
     def __call__(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
@@ -79,7 +80,7 @@ class Launcher:
         """Launch what the plan says: the main kernel, then the combine only for the split variant."""
         workspace = self.main(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, softmax_scale,
                               extra)
-        self.combine(workspace, accum_offsets, attn_sink, out, lse)
+        self.combine(workspace, accum_offsets, attn_sink, out, lse, tile_md)
 
     def main(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
              softmax_scale: float, extra: Extra = NO_EXTRA) -> Workspace:
@@ -101,8 +102,10 @@ class Launcher:
             softmax_scale)
         return o_accum, lse_accum
 
-    def combine(self, workspace: Workspace, accum_offsets, attn_sink, out, lse) -> None:
-        """The split-KV combine of the pieces :meth:`main` wrote (nothing when unsplit)."""
+    def combine(self, workspace: Workspace, accum_offsets, attn_sink, out, lse, tile_md=None) -> None:
+        """The split-KV combine of the pieces :meth:`main` wrote (nothing when unsplit); ``tile_md``:
+        the schedule's rows, which the combine walks when the plan has more requests than
+        partitions (``combine.CombineConfig.by_partition``)."""
         o_accum, lse_accum = workspace
         if o_accum is not None:
             # layout_checked: the accumulators and lse were allocated contiguous here and by the API,
@@ -110,4 +113,5 @@ class Launcher:
             # config), and the API's checks covered out (16-byte strides on every dim longer than 1;
             # a dim of length 1 is only indexed at 0)
             self.combine_mod.launch_combine(self.combine_compiled, self.combine_cfg, lse_accum, o_accum, accum_offsets,
-                                            attn_sink, out, lse, layout_checked=True)
+                                            attn_sink, out, lse, layout_checked=True,
+                                            tile_md=tile_md if self.combine_cfg.by_partition else None)

@@ -14,6 +14,7 @@ launched **only when at least one request is split**.
   the accumulators are sized for the worst case, ``2 * (num_sm_parts - 1)`` rows, still below
   FlashMLA's ``b + num_sm_parts``.
 - SM100 with topk <= 640 (FlashMLA's rule): one partition per request, never split, 0 bytes.
+- SM90 with lengths and short lists (``sm90_per_request``): one partition per request as well.
 
 Token walk (SM90, b == 1, no topk_length, one partition, more CTAs than SMs: vLLM's mixed batch):
 FlashMLA's grid would start one CTA per token and head half, each paying its own start and end
@@ -44,6 +45,10 @@ FLASHMLA_ACCUM_BYTES_PER_HEAD = 512 * 4 + LSE_ACCUM_BYTES   # FlashMLA's fp32 o_
 # The column pair pays off while its doubled CTAs leave the GPU mostly idle: measured faster up to
 # 32 pieces with work on the H200 (1x1x64 .. 2x1x64), slower beyond (sm90_column_pair).
 COLUMN_PAIR_MAX_BUSY_CTAS = 32
+# SM90 one partition per request (sm90_per_request): short lists only (V4's 128 + 1024 positions),
+# between half a wave and four waves of CTAs.
+PER_REQUEST_MAX_BLOCKS = 18
+PER_REQUEST_WAVES = (0.5, 4)
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ class SparseDecodePlan:
 
     @property
     def tensor_maps(self) -> Tuple[str, ...]:
-        maps = archs.get(self.arch).tensor_maps(self.split)
+        maps = archs.get(self.arch).tensor_maps(self.split, self.extra_topk > 0)
         # the column pair stores out from registers: its 64 x 128 column blocks have no tensor map
         return tuple(m for m in maps if not (self.column_pair and m == "out"))
 
@@ -174,6 +179,8 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         if not lengths:
             nb = sched.blocks_per_request(topk, b=b, extra_topk=extra_topk)
             host_schedule = sched.HostSchedule(rows=sched.per_request_rows(nb), num_splits=tuple(range(b + 1)))
+    elif lengths and sm90_per_request(arch, b, h_q, blocks, num_sms):
+        schedule, parts, accum_rows = "per_request", b, 0
     elif lengths:
         schedule = "device"
         accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts, b)
@@ -218,6 +225,23 @@ def sm90_column_pair(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
     if arch != archs.SM90.name or h_q != 64 or host_schedule is None:
         return False
     return _busy_partitions(b, host_schedule) * s_q <= min(COLUMN_PAIR_MAX_BUSY_CTAS, num_sms // 4)
+
+
+def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> bool:
+    """SM90 with per-request lengths (a device schedule) and short lists: one partition per request,
+    nothing split, no accumulators, no combine, when the (request, head block) CTAs make between
+    half a wave and ``PER_REQUEST_WAVES[1]`` waves.
+
+    FlashMLA's greedy cuts short requests at partition boundaries all the same (at b = 128, h = 64
+    on the V4 rows: 65 of 128 requests split), and the combine of those pieces cost more than the
+    balance gained: on the H200 (V4, top-k 128 + extra 512, lengths uniform) 38.5 µs against 53.8
+    at b = 128, h = 64, 63.3 against 71.6 at b = 128, h = 128, 109 against 117 at b = 512, h = 64.
+    Below half a wave the GPU idles (b = 32: 0.46-0.84x of the split schedule's speed); beyond a
+    few waves every CTA's start and end count again (b = 512, h = 128: 282 against 270 µs)."""
+    if arch != archs.SM90.name or blocks > PER_REQUEST_MAX_BLOCKS or b > archs.MAX_GRID_Y:
+        return False
+    ctas = b * (h_q // 64)
+    return PER_REQUEST_WAVES[0] * num_sms <= ctas <= PER_REQUEST_WAVES[1] * num_sms
 
 
 def uses_token_walk(arch: str, b: int, s_q: int, h_q: int, parts: int, num_sms: int) -> bool:

@@ -1,4 +1,4 @@
-"""SM100 (Blackwell, sm_100a) sparse MLA decode main kernel for the DeepSeek V3.2 FP8 cache.
+"""SM100 (Blackwell, sm_100a) sparse MLA decode main kernel for the DeepSeek V3.2 and V4 FP8 caches.
 
 NOT RUN ON HARDWARE. No Blackwell GPU was available while this was written: it is verified by CPU
 compile tests (PTX checks, layout and budget asserts) only. ``tests/test_sm100_gpu.py`` is the test
@@ -26,16 +26,29 @@ Warp roles (12 warps, 384 threads, one CTA per SM; in the spirit of FlashMLA's S
   invalid token so the TMA zero-fills it) + a 32-bit valid mask per tile.
 * warp 11: spare (keeps the three warpgroups whole for setmaxnreg).
 
+The cache format is a config field (``d_qk``); what differs is read from the format spec through
+the config's :class:`Tile` (``tile_of``). V4 ("MODEL1", d_qk 512): the gather4 tables
+are of 576-byte data rows (448 fp8 NoPE, 64 bf16 RoPE), the NoPE box is 448 B (no scales in the
+row); the INDEX warp loads each token's 8-byte scale row (7 ue8m0) into a scale ring next to the
+coordinates (zeros for an invalid token), which the DEQUANT warps read (they are index-pipe
+consumers too); V includes RoPE, so the dequant warp of the last column block copies the gathered
+SW128 RoPE tile into the K tile's 8th column block, and QK (32 k-steps) and PV both read the K tile
+alone (the MMA warp never touches the RoPE tile). Invalid tokens: TMA zero fill of NoPE and RoPE,
+zero scales, so K = V = 0 there. The extra pool (V4): two more gather4 maps over the extra cache;
+a request's tiles past its main blocks read the extra list and those maps (``_Sched.request_tiles``,
+the scheduler's block rule).
+
 Pipelines (producer -> consumer, arrive counts per phase); each is a CUTLASS pipeline object:
 
 * ``index`` (PipelineAsync, 4 stages): INDEX (32 thread arrivals) -> GATHER + SOFTMAX
-  (32 + 128 thread arrivals on empty).
-* ``q`` (PipelineTmaUmma, 1 stage): GATHER (1 arrive + 73,728 tx bytes) -> MMA (tcgen05.commit
-  after the request's last QK).
-* ``raw`` (PipelineTmaAsync, 3 stages): GATHER (1 arrive + 17,408 tx bytes) -> DEQUANT (one
-  arrive per warp after __syncwarp: 4).
+  (32 + 128 thread arrivals on empty; V4 + DEQUANT: lane 0 of each warp, 164).
+* ``q`` (PipelineTmaUmma, 1 stage): GATHER (1 arrive + 73,728 tx bytes; V4 65,536) -> MMA
+  (tcgen05.commit after the request's last QK).
+* ``raw`` (PipelineTmaAsync, 3 stages): GATHER (1 arrive + 17,408 tx bytes; V4 14,336) -> DEQUANT
+  (one arrive per warp after __syncwarp: 4).
 * ``rope`` (PipelineTmaUmma, 3 stages, same stage index as raw): GATHER (1 arrive + 4,096 tx)
-  -> MMA (tcgen05.commit after the tile's QK).
+  -> MMA (tcgen05.commit after the tile's QK). V4: PipelineTmaAsync -> the dequant warp that
+  copies it into the K tile (1 arrive, after the copy).
 * ``kbuf`` (PipelineAsyncUmma, 2 stages): DEQUANT (128 thread arrivals after fence.proxy.async)
   -> MMA (tcgen05.commit after the tile's PV: K is read by QK and, as V, by PV).
 * ``s`` (PipelineUmmaAsync, 2 stages, TMEM): MMA (tcgen05.commit after QK) -> SOFTMAX (128 thread
@@ -50,7 +63,8 @@ interleaved in lanes (tcgen05 data-path layout F: rows 16w..16w+15 of warp w's 3
 [256 + 32j, 288 + 32j), lanes 0-15 of each slab.
 
 Shared memory (smem_bytes(cfg), asserted <= 227 KiB): Q 72 KiB, K 2 x 32 KiB, RoPE 3 x 4 KiB,
-raw 3 x 17 KiB, P 4 KiB, output staging 16 KiB, index ring, barriers.
+raw 3 x 17 KiB, P 4 KiB, output staging 16 KiB, index ring, barriers (225,280 B). V4: Q 64 KiB, raw
+3 x 14 KiB, + a 1 KiB scale ring (208,896 B).
 """
 
 
@@ -80,7 +94,7 @@ from ...dsl.compat import (
 )
 from ...dsl.compile import CompiledKernel, compile_cached, compile_options
 from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk
-from ...scheduler.partition import BLOCK_TOPK, SCHED_ROW_INTS, SchedField, blocks_of_length
+from ...scheduler.partition import BLOCK_TOPK, SCHED_ROW_INTS, SchedField, blocks_of_length, extra_blocks_of_length
 from .. import DecodeTensors
 from . import ptx
 
@@ -101,20 +115,33 @@ class Sm100SparseDecodeConfig:
     split: bool  # True: takes o_accum / lse_accum (+ their TMA map); False: no accumulator at all
     has_topk_length: bool
     has_attn_sink: bool
-    d_qk: int = V32.d_qk
+    d_qk: int = V32.d_qk  # the cache format's key width: 576 (V3.2) or 512 (V4)
     arch: str = archs.SM100.name
+    # The extra KV pool (V4): a second cache and index list attended jointly with the main one, each
+    # request's main blocks first (the schedule's order), with its own tensor maps.
+    has_extra: bool = False
+    has_extra_topk_length: bool = False
 
     def __post_init__(self):
         if self.h_q not in (64, 128):
             raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
-        if format_for_d_qk(self.d_qk) is not TILE.fmt:
-            raise ValueError(f"d_qk: got {self.d_qk}, accepted: {TILE.d_qk} ({TILE.fmt.name} cache)")
+        fmt = format_for_d_qk(self.d_qk)  # NotImplementedError for a known format not built yet
+        tile_of(fmt)
+        if self.has_extra and not fmt.extra_pool:
+            raise ValueError(f"has_extra: the {fmt.name} format (d_qk={self.d_qk}) has no extra pool")
+        if self.has_extra_topk_length and not self.has_extra:
+            raise ValueError("has_extra_topk_length: needs has_extra")
         if self.arch != archs.SM100.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM100.name!r}")
 
     @property
+    def tile(self) -> "Tile":
+        """The tile geometry of the config's cache format."""
+        return tile_of(format_for_d_qk(self.d_qk))
+
+    @property
     def d_v(self) -> int:
-        return TILE.d_v
+        return self.tile.d_v
 
     @property
     def head_groups(self) -> int:
@@ -126,7 +153,8 @@ class Sm100SparseDecodeConfig:
 
 
 def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
-                  column_pair: bool = False, tuning=None) -> "Sm100SparseDecodeConfig":
+                  column_pair: bool = False, tuning=None, has_extra: bool = False,
+                  has_extra_topk_length: bool = False) -> "Sm100SparseDecodeConfig":
     """The config of the kernel a plan names (the launcher's call). SM100 has no column pair and no
     variant knobs yet."""
     if column_pair:
@@ -134,7 +162,7 @@ def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, ha
     if tuning is not None:
         raise ValueError(f"tuning: got {tuning!r}, accepted: None (the SM100 kernel has no variant knobs yet)")
     return Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
-                                   d_qk=d_qk)
+                                   d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
 
 
 class Warp(IntEnum):
@@ -197,16 +225,20 @@ class Bar(IntEnum):
 
 @dataclass(frozen=True)
 class Tile(FormatGeometry):
-    """Tile geometry (all compile-time). The row layout comes from the cache format."""
+    """Tile geometry (all compile-time). The row layout comes from the cache format: a config's
+    ``tile`` is its format's (:func:`tile_of`); the module's ``TILE`` is the V3.2 tile and holds the
+    facts every format shares (heads, tokens, blocks, epilogue).
+
+    The K tile holds exactly V's ``d_v`` dims in 64-dim SW128 column blocks: V3.2's 512 NoPE dims
+    (RoPE is its own tile, read by QK only), or V4's 448 NoPE dims and, in the last column block,
+    its 64 RoPE dims (``rope_in_k``: V includes RoPE; the dequant warps copy the gathered RoPE tile
+    there), so the V operand is the K tile in both formats."""
 
     fmt: KVCacheFormat = V32
     heads: int = 64  # M of both MMAs: query heads per CTA
     tokens: int = 32  # tokens per K tile: N of QK, K of PV
     sched_block: int = BLOCK_TOPK  # tokens per scheduler block: two tiles
-    chunk: int = 64  # bf16 dims per 128-B swizzle row
-    # Gathered raw bytes per token: NoPE (512) + scales (16) + 16 bytes of RoPE nobody reads, so a
-    # gather4 box (4 rows) is 2,176 B and every box lands 128-B aligned in shared memory.
-    raw_row_bytes: int = 544
+    chunk: int = 64  # bf16 dims per 128-B swizzle row (one K column block)
     epi_cols: int = 32  # O columns per thread per epilogue step (one tcgen05.ld 32x32b.x32)
 
     @property
@@ -214,16 +246,61 @@ class Tile(FormatGeometry):
         return self.sched_block // self.tokens
 
     @property
+    def rope_in_k(self) -> bool:
+        """V includes RoPE: the RoPE tile is copied into the K tile's last column block."""
+        return self.fmt.v_includes_rope
+
+    @property
+    def k_dims(self) -> int:
+        return self.d_v  # 512: NoPE (V3.2) or NoPE + RoPE (V4)
+
+    @property
+    def nope_chunks(self) -> int:
+        return self.d_nope // self.chunk  # 8 (V3.2), 7 (V4)
+
+    @property
+    def qk_rope_steps(self) -> int:
+        """QK k-steps read from the RoPE tile (V4 reads its RoPE in the K tile)."""
+        return 0 if self.rope_in_k else self.d_rope // 16
+
+    @property
+    def tma_row_bytes(self) -> int:
+        """Pitch of the 2-D table of rows the gather4 maps see: a data row (V3.2: its whole row; V4: 576 B)."""
+        return self.data_row_bytes
+
+    @property
+    def scale_words(self) -> int:
+        return self.fmt.dequant.scale_words  # i32 words of one row's scales as loaded (4 V3.2, 2 V4)
+
+    @property
+    def scales_in_index(self) -> bool:
+        """The scales are in per-block scale rows (V4): the INDEX warp loads each token's scale row
+        into the index stage (no TMA map can address 8-byte rows: global strides are 16-B multiples)."""
+        return not self.fmt.scales_in_row
+
+    @property
+    def raw_row_bytes(self) -> int:
+        """Gathered raw bytes per token, rounded up so a gather4 box (4 rows) is whole 128-B lines:
+        V3.2 512 fp8 + 16 scale bytes + 16 RoPE bytes nobody reads = 544, V4 448 fp8."""
+        f = self.fmt
+        end = f.scale_offset + 4 * self.scale_words if f.scales_in_row else f.nope_offset + self.d_nope
+        return -(-end // 32) * 32
+
+    @property
     def raw_row_words(self) -> int:
         return self.raw_row_bytes // 4
 
     @property
     def raw_stage_bytes(self) -> int:
-        return self.tokens * self.raw_row_bytes  # 17,408
+        return self.tokens * self.raw_row_bytes  # 17,408 (V3.2), 14,336 (V4)
 
     @property
     def k_stage_elems(self) -> int:
-        return self.tokens * self.d_nope  # 16,384 bf16 = 32 KiB
+        return self.tokens * self.k_dims  # 16,384 bf16 = 32 KiB
+
+    @property
+    def k_block_bytes(self) -> int:
+        return self.tokens * self.chunk * 2  # one 64-dim column block of a K stage: 4 KiB
 
     @property
     def rope_stage_elems(self) -> int:
@@ -231,7 +308,7 @@ class Tile(FormatGeometry):
 
     @property
     def q_elems(self) -> int:
-        return self.heads * self.d_qk  # 36,864 bf16 = 72 KiB
+        return self.heads * self.d_qk  # 36,864 bf16 = 72 KiB (V3.2), 32,768 = 64 KiB (V4)
 
     @property
     def p_elems(self) -> int:
@@ -244,6 +321,23 @@ class Tile(FormatGeometry):
     @property
     def epi_stage_bytes(self) -> int:
         return 2 * self.heads * self.epi_cols * 4  # two fp32 64x32 boxes (one per O half) = 16 KiB
+
+
+@functools.lru_cache(maxsize=None)
+def tile_of(fmt: KVCacheFormat) -> Tile:
+    """The tile geometry of a cache format (one per format), or a ValueError for a format this
+    kernel's tile cannot hold."""
+    t = Tile(fmt=fmt)
+    ok = (fmt.nope_dtype == "float8_e4m3fn" and fmt.d_rope == t.chunk and fmt.d_nope % t.chunk == 0
+          and t.half_v == TmemPlan.o_cols and t.k_dims == fmt.d_nope + (fmt.d_rope if t.rope_in_k else 0)
+          and t.raw_row_bytes <= t.tma_row_bytes and t.tma_row_bytes % 16 == 0 and fmt.rope_offset % 16 == 0
+          and t.raw_row_words <= 256 and (not t.rope_in_k or t.nope_chunks == t.k_dims // t.chunk - 1)
+          and (not t.scales_in_index or t.scale_words == 2) and t.rope_in_k == t.scales_in_index
+          and t.k_dims == 2 * WarpSchedule.dequant_warps * t.chunk)
+    if not ok:
+        raise ValueError(f"{fmt.name}: the SM100 tile needs e4m3 NoPE in 64-dim chunks, 64 RoPE dims, d_v 512 "
+                         "and 16-B aligned rows")
+    return t
 
 
 @dataclass(frozen=True)
@@ -274,7 +368,7 @@ class TmemPlan:
         return 16 << 16  # TMEM address of lane +16 (address = lane << 16 | column)
 
 
-TILE = Tile()
+TILE = tile_of(V32)
 STAGES = Stages()
 WARPS = WarpSchedule()
 REGS = RegisterBudget()
@@ -285,6 +379,8 @@ MAX_INIT = -1.0e30  # finite running-max start: never (-inf) - (-inf)
 assert TMEM.used(STAGES.s) <= TMEM.alloc <= TMEM_COLUMNS
 # a gathered raw row holds the NoPE bytes and the scales, and four of them fill whole 128-B lines
 assert TILE.rope_offset <= TILE.raw_row_bytes <= TILE.row_bytes and (4 * TILE.raw_row_bytes) % 128 == 0
+# the dequant warps' split of a K tile: two 64-dim column blocks per warp (one of them V4's RoPE)
+assert TILE.k_dims == 2 * WARPS.dequant_warps * TILE.chunk
 
 
 # --------------------------------------------------------------------------------------------------
@@ -306,6 +402,20 @@ def k_tile_byte(t, d):
     return 4096 * (d // 64) + 128 * t + 16 * (((d % 64) // 8) ^ (t % 8))
 
 
+def rope_row_byte(tile: Tile, t):
+    """Byte offset in one K stage of V4's RoPE row ``t`` (K dims [d_nope, d_nope + 64)): the K tile's
+    last column block. The gathered SW128 RoPE tile's row t (bytes [128 t, 128 t + 128)) is copied
+    there 16 B at a time, in place (same swizzle phase: both bases are 1024-B aligned)."""
+    return tile.nope_chunks * tile.k_block_bytes + 2 * tile.chunk * t
+
+
+def scale_row_byte(tile: Tile, blk, row, page, stride0):
+    """Byte offset from a cache's base of the scale row of token ``row`` of page block ``blk`` when
+    the scales are in scale rows (V4): after the block's ``page`` data rows. Python ints or DSL
+    Int64 values."""
+    return blk * stride0 + page * tile.data_row_bytes + row * tile.fmt.scale_row_bytes + tile.scale_offset
+
+
 def p_tile_byte(r, tok):
     """Byte offset of bf16 P[r, tok] (tok % 8 == 0) in the SW64 K-major P tile (64-B rows)."""
     return 64 * r + 16 * ((tok // 8) ^ ((r // 2) % 4))
@@ -322,9 +432,10 @@ def oacc_box_byte(r, col):
 
 
 def tiled_mmas():
-    """(QK, PV) tiled MMAs (call inside a DSL trace). Both 1-CTA, M = 64 heads (data-path layout F)."""
+    """(QK, PV) tiled MMAs (call inside a DSL trace). Both 1-CTA, M = 64 heads (data-path layout F);
+    the same for every format (only the number of k-steps differs)."""
     cta = tcgen05.CtaGroup.ONE
-    # QK: S (64 heads x 32 tokens) = Q (K-major) . K (K-major), 576 = 36 x 16.
+    # QK: S (64 heads x 32 tokens) = Q (K-major) . K (K-major), d_qk / 16 k-steps (36 V3.2, 32 V4).
     qk = sm100_utils.make_trivial_tiled_mma(
         BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, cta, (TILE.heads, TILE.tokens)
     )
@@ -335,40 +446,41 @@ def tiled_mmas():
     return qk, pv
 
 
-def smem_layouts(qk, pv) -> dict:
-    """Every shared-memory layout of the kernel (call inside a DSL trace)."""
+def smem_layouts(qk, pv, tile: Tile = TILE) -> dict:
+    """Every shared-memory layout of the kernel for ``tile``'s format (call inside a DSL trace)."""
     L = {}
-    L["q"] = sm100_utils.make_smem_layout_a(qk, (TILE.heads, TILE.tokens, TILE.d_qk), BFloat16, STAGES.q)
-    L["k"] = sm100_utils.make_smem_layout_b(qk, (TILE.heads, TILE.tokens, TILE.d_nope), BFloat16, STAGES.kbuf)
-    L["rope"] = sm100_utils.make_smem_layout_b(qk, (TILE.heads, TILE.tokens, TILE.d_rope), BFloat16, STAGES.gather)
-    L["p"] = sm100_utils.make_smem_layout_a(pv, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, STAGES.p)
+    L["q"] = sm100_utils.make_smem_layout_a(qk, (tile.heads, tile.tokens, tile.d_qk), BFloat16, STAGES.q)
+    L["k"] = sm100_utils.make_smem_layout_b(qk, (tile.heads, tile.tokens, tile.k_dims), BFloat16, STAGES.kbuf)
+    L["rope"] = sm100_utils.make_smem_layout_b(qk, (tile.heads, tile.tokens, tile.d_rope), BFloat16, STAGES.gather)
+    L["p"] = sm100_utils.make_smem_layout_a(pv, (tile.heads, tile.half_v, tile.tokens), BFloat16, STAGES.p)
     # V of one PV half: the MN-major B layout over the same bytes as the K-major K tile (same SW128
     # atoms: dim d at element (d % 64) + 2048 (d // 64), token t at 64 t). Two more modes address
     # the O half (+8192 elements = 4 column blocks) and the K stage (+16384).
-    v_one = sm100_utils.make_smem_layout_b(pv, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
+    v_one = sm100_utils.make_smem_layout_b(pv, (tile.heads, tile.half_v, tile.tokens), BFloat16, 1)
     L["v_swizzle"] = v_one.inner
     L["v_outer"] = cute.append(
-        cute.append(cute.select(v_one.outer, mode=[0, 1, 2]), cute.make_layout(2, stride=TILE.k_stage_elems // 2)),
-        cute.make_layout(STAGES.kbuf, stride=TILE.k_stage_elems),
+        cute.append(cute.select(v_one.outer, mode=[0, 1, 2]), cute.make_layout(2, stride=tile.k_stage_elems // 2)),
+        cute.make_layout(STAGES.kbuf, stride=tile.k_stage_elems),
     )
     # The 2-D (row, column) views the TMA copies see: RoPE tile (32 x 64 bf16, SW128), output boxes
     # (64 heads x 32 dims): bf16 SW64 for out, fp32 SW128 for o_accum; raw rows (no swizzle).
     L["rope_tma"] = cute.tile_to_shape(
-        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, BFloat16), (TILE.tokens, TILE.d_rope), (0, 1)
+        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, BFloat16), (tile.tokens, tile.d_rope), (0, 1)
     )
     L["out_box"] = cute.tile_to_shape(
-        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW64, BFloat16), (TILE.heads, TILE.epi_cols), (0, 1)
+        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW64, BFloat16), (tile.heads, tile.epi_cols), (0, 1)
     )
     L["oacc_box"] = cute.tile_to_shape(
-        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, Float32), (TILE.heads, TILE.epi_cols), (0, 1)
+        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, Float32), (tile.heads, tile.epi_cols), (0, 1)
     )
-    L["raw"] = cute.make_layout((TILE.tokens, TILE.raw_row_words), stride=(TILE.raw_row_words, 1))
+    L["raw"] = cute.make_layout((tile.tokens, tile.raw_row_words), stride=(tile.raw_row_words, 1))
     return L
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_storage():
-    """The CTA's shared memory, one struct (its size is what the launch requests)."""
+def _shared_storage(tile: Tile = TILE):
+    """The CTA's shared memory, one struct (its size is what the launch requests). V4 adds the
+    per-token scale ring the INDEX warp fills (one scale row per token and index stage) at the end."""
 
     @cute.struct
     class SharedStorage:
@@ -381,21 +493,23 @@ def _shared_storage():
         p_bar: cute.struct.MemRange[Int64, 2 * STAGES.p]
         tmem_holding: Int32
         valid: cute.struct.MemRange[Uint32, STAGES.index]
-        coord: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.index * TILE.tokens], 16]
-        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.q_elems], 1024]
-        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.kbuf * TILE.k_stage_elems], 1024]
-        sRope: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.gather * TILE.rope_stage_elems], 1024]
-        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.p_elems], 1024]
-        sEpi: cute.struct.Align[cute.struct.MemRange[Uint8, TILE.epi_stage_bytes], 1024]
-        sRaw: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.gather * TILE.raw_stage_bytes // 4], 128]
+        coord: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.index * tile.tokens], 16]
+        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.kbuf * tile.k_stage_elems], 1024]
+        sRope: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.gather * tile.rope_stage_elems], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.p_elems], 1024]
+        sEpi: cute.struct.Align[cute.struct.MemRange[Uint8, tile.epi_stage_bytes], 1024]
+        sRaw: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.gather * tile.raw_stage_bytes // 4], 128]
+        if tile.scales_in_index:
+            scales: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.index * tile.tokens * tile.scale_words], 16]
 
     return SharedStorage
 
 
-def smem_bytes(cfg: Sm100SparseDecodeConfig) -> int:
-    """Dynamic shared memory of one CTA, from the kernel's own struct (same for both variants)."""
-    del cfg
-    return _shared_storage().size_in_bytes()
+def smem_bytes(cfg: Optional[Sm100SparseDecodeConfig]) -> int:
+    """Dynamic shared memory of one CTA, from the kernel's own struct (same for both variants and
+    with or without the extra pool; ``None``: the V3.2 kernel's)."""
+    return _shared_storage(TILE if cfg is None else cfg.tile).size_in_bytes()
 
 
 def tmem_columns(cfg: Sm100SparseDecodeConfig) -> int:
@@ -429,8 +543,16 @@ class Gmem(NamedTuple):
     mAccumOffsets: cute.Tensor     # (b+1,): request r's split pieces own rows [off[r], off[r+1])
     mLse: cute.Tensor
     mLseAcc: Optional[cute.Tensor]
-    rows_per_block: Int32          # stride(0) / row bytes: the cache seen as a table of rows
+    rows_per_block: Int32          # stride(0) / data row bytes: the cache seen as a table of rows
     scale_log2: Float32
+    # The extra pool (V4): its two gather4 maps, its cache, (b, s_q, extra_topk) indices and lengths.
+    tma_enope: Optional[cute.CopyAtom] = None
+    mENope: Optional[cute.Tensor] = None
+    tma_erope: Optional[cute.CopyAtom] = None
+    mERope: Optional[cute.Tensor] = None
+    mExtraKV: Optional[cute.Tensor] = None
+    mExtraIdx: Optional[cute.Tensor] = None
+    mExtraLen: Optional[cute.Tensor] = None
 
 
 class Smem(NamedTuple):
@@ -475,6 +597,38 @@ class Cta(NamedTuple):
     hg: Int32
 
 
+def _gather_maps(tile: Tile, kv: cute.Tensor, indices: cute.Tensor, raw_layout: cute.Layout,
+                 rope_tma_layout: cute.ComposedLayout):
+    """(nope atom, nope tensor, rope atom, rope tensor): the two gather4 tensor maps of one cache (called
+    in the host trace). The cache is a 2-D table of data rows: row = block * (stride0 / data row
+    bytes) + row_in_block (V3.2 whole rows, V4 576-B data rows). NoPE map: the first ``raw_row_bytes``
+    of a row as int32 words, no swizzle (V3.2 with its scales); RoPE map: the 64 bf16 at the
+    format's ``rope_offset``, SW128 (the MMA's K-major tile)."""
+    rows_per_block = Int32(kv.stride[0] // tile.tma_row_bytes)
+    num_rows = kv.shape[0] * rows_per_block
+    nope_t = cute.make_tensor(
+        cute.recast_ptr(kv.iterator, dtype=Int32),
+        cute.make_layout((num_rows, tile.raw_row_words), stride=(tile.tma_row_bytes // 4, 1)),
+    )
+    rope_t = cute.make_tensor(
+        cute.recast_ptr(kv.iterator + tile.rope_offset, dtype=BFloat16),
+        cute.make_layout((num_rows, tile.d_rope), stride=(tile.tma_row_bytes // 2, 1)),
+    )
+    # gather4 needs an index tensor only for its layout here: mode 0 carries the row indices,
+    # mode 1 (the row's columns) is broadcast. The kernel points it at the shared coordinate ring.
+    nope_coord = cute.make_tensor(indices.iterator, cute.make_layout((tile.tokens, tile.raw_row_words), stride=(1, 0)))
+    rope_coord = cute.make_tensor(indices.iterator, cute.make_layout((tile.tokens, tile.d_rope), stride=(1, 0)))
+    tma_nope, nope_tma = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensor2DGather4G2SOp(), nope_t, raw_layout, (tile.tokens, tile.raw_row_words),
+        gmem_coord_tensor=nope_coord,
+    )
+    tma_rope, rope_tma = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensor2DGather4G2SOp(), rope_t, rope_tma_layout, (tile.tokens, tile.d_rope),
+        gmem_coord_tensor=rope_coord,
+    )
+    return tma_nope, nope_tma, tma_rope, rope_tma
+
+
 # --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
@@ -483,26 +637,28 @@ class Cta(NamedTuple):
 class Sm100SparseDecodeKernel:
     def __init__(self, cfg: Sm100SparseDecodeConfig):
         self.cfg = cfg
+        self.tile = cfg.tile
         self.n_hg = cfg.head_groups
 
     # ------------------------------------------------------------------------------ host side
+    # The extra pool's three tensors follow the outputs (None without the extra pool).
     @cute.jit
     def host_no_split(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
-                      softmax_scale: Float32, stream):
+                      extra_kv, extra_indices, extra_topk_length, softmax_scale: Float32, stream):
         self._host(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, None, None,
-                   softmax_scale, stream)
+                   softmax_scale, stream, extra_kv, extra_indices, extra_topk_length)
 
     @cute.jit
     def host_split(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum,
-                   lse_accum, softmax_scale: Float32, stream):
+                   lse_accum, extra_kv, extra_indices, extra_topk_length, softmax_scale: Float32, stream):
         self._host(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum,
-                   softmax_scale, stream)
+                   softmax_scale, stream, extra_kv, extra_indices, extra_topk_length)
 
     @cute.jit
     def _host(
         self,
-        q: cute.Tensor,  # (b, s_q, h_q, 576) bf16
-        kv: cute.Tensor,  # (num_blocks, page_block_size, row bytes) uint8, stride(0) a multiple of the row bytes
+        q: cute.Tensor,  # (b, s_q, h_q, d_qk) bf16
+        kv: cute.Tensor,  # (num_blocks, page_block_size, row bytes) uint8, stride(0) a multiple of the data row bytes
         indices: cute.Tensor,  # (b, s_q, topk) int32
         topk_length: Optional[cute.Tensor],  # (b,) int32
         attn_sink: Optional[cute.Tensor],  # (h_q,) fp32
@@ -514,15 +670,20 @@ class Sm100SparseDecodeKernel:
         lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32
         softmax_scale: Float32,
         stream,
+        extra_kv: Optional[cute.Tensor] = None,  # the extra pool (V4): (num_blocks_e, page_e, row bytes) uint8
+        extra_indices: Optional[cute.Tensor] = None,  # (b, s_q, extra_topk) int32
+        extra_topk_length: Optional[cute.Tensor] = None,  # (b,) int32
     ):
         cfg = self.cfg
+        tile = self.tile
         cta = tcgen05.CtaGroup.ONE
         qk_mma, pv_mma = tiled_mmas()
-        L = smem_layouts(qk_mma, pv_mma)
+        L = smem_layouts(qk_mma, pv_mma, tile)
         q_layout, k_layout, rope_layout, p_layout = L["q"], L["k"], L["rope"], L["p"]
         rope_tma_layout, out_box_layout, oacc_box_layout, raw_layout = L["rope_tma"], L["out_box"], L["oacc_box"], L["raw"]
 
         # ---- TMA atoms (tensor maps): q, kv_nope, kv_rope, out (+ o_accum in the split variant)
+        # (+ extra_nope, extra_rope with the extra pool)
         q_t = cute.make_tensor(
             q.iterator,
             cute.make_layout((q.shape[2], q.shape[3], q.shape[1], q.shape[0]),
@@ -530,38 +691,21 @@ class Sm100SparseDecodeKernel:
         )
         tma_q, q_tma = cute.nvgpu.make_tiled_tma_atom_A(
             cpasync.CopyBulkTensorTileG2SOp(cta), q_t, cute.select(q_layout, mode=[0, 1, 2]),
-            (TILE.heads, TILE.tokens, TILE.d_qk), qk_mma,
+            (tile.heads, tile.tokens, tile.d_qk), qk_mma,
         )
-        # The cache as a 2-D table of rows: row = block * (stride0 / row bytes) + row_in_block.
-        rows_per_block = Int32(kv.stride[0] // TILE.row_bytes)
-        num_rows = kv.shape[0] * rows_per_block
-        nope_t = cute.make_tensor(
-            cute.recast_ptr(kv.iterator, dtype=Int32),
-            cute.make_layout((num_rows, TILE.raw_row_words), stride=(TILE.row_bytes // 4, 1)),
-        )
-        rope_t = cute.make_tensor(
-            cute.recast_ptr(kv.iterator + TILE.rope_offset, dtype=BFloat16),
-            cute.make_layout((num_rows, TILE.d_rope), stride=(TILE.row_bytes // 2, 1)),
-        )
-        # gather4 needs an index tensor only for its layout here: mode 0 carries the row indices,
-        # mode 1 (the row's columns) is broadcast. The kernel points it at the shared coordinate ring.
-        nope_coord = cute.make_tensor(indices.iterator, cute.make_layout((TILE.tokens, TILE.raw_row_words), stride=(1, 0)))
-        rope_coord = cute.make_tensor(indices.iterator, cute.make_layout((TILE.tokens, TILE.d_rope), stride=(1, 0)))
-        tma_nope, nope_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensor2DGather4G2SOp(), nope_t, raw_layout, (TILE.tokens, TILE.raw_row_words),
-            gmem_coord_tensor=nope_coord,
-        )
-        tma_rope, rope_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensor2DGather4G2SOp(), rope_t, rope_tma_layout, (TILE.tokens, TILE.d_rope),
-            gmem_coord_tensor=rope_coord,
-        )
+        rows_per_block = Int32(kv.stride[0] // tile.tma_row_bytes)
+        tma_nope, nope_tma, tma_rope, rope_tma = _gather_maps(tile, kv, indices, raw_layout, rope_tma_layout)
+        tma_enope = enope_tma = tma_erope = erope_tma = None
+        if cutlass.const_expr(cfg.has_extra):
+            tma_enope, enope_tma, tma_erope, erope_tma = _gather_maps(tile, extra_kv, extra_indices, raw_layout,
+                                                                      rope_tma_layout)
         out_t = cute.make_tensor(
             out.iterator,
             cute.make_layout((out.shape[2], out.shape[3], out.shape[1], out.shape[0]),
                              stride=(out.stride[2], out.stride[3], out.stride[1], out.stride[0])),
         )
         tma_out, out_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), out_t, out_box_layout, (TILE.heads, TILE.epi_cols)
+            cpasync.CopyBulkTensorTileS2GOp(), out_t, out_box_layout, (tile.heads, tile.epi_cols)
         )
         tma_oacc = None
         oacc_tma = None
@@ -573,7 +717,7 @@ class Sm100SparseDecodeKernel:
                                  stride=(o_accum.stride[2], o_accum.stride[3], o_accum.stride[1], o_accum.stride[0])),
             )
             tma_oacc, oacc_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), oacc_t, oacc_box_layout, (TILE.heads, TILE.epi_cols)
+                cpasync.CopyBulkTensorTileS2GOp(), oacc_t, oacc_box_layout, (tile.heads, tile.epi_cols)
             )
 
         scale_log2 = softmax_scale * Float32(LOG2E)
@@ -585,6 +729,7 @@ class Sm100SparseDecodeKernel:
             rows_per_block, scale_log2,
             q_layout, k_layout, rope_layout, p_layout, L["v_outer"], L["v_swizzle"], rope_tma_layout, out_box_layout,
             oacc_box_layout, raw_layout,
+            tma_enope, enope_tma, tma_erope, erope_tma, extra_kv, extra_indices, extra_topk_length,
         ).launch(grid=grid, block=[WARPS.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
@@ -623,7 +768,15 @@ class Sm100SparseDecodeKernel:
         out_box_layout: cute.ComposedLayout,
         oacc_box_layout: cute.ComposedLayout,
         raw_layout: cute.Layout,
+        tma_enope: Optional[cute.CopyAtom],
+        mENope: Optional[cute.Tensor],
+        tma_erope: Optional[cute.CopyAtom],
+        mERope: Optional[cute.Tensor],
+        mExtraKV: Optional[cute.Tensor],
+        mExtraIdx: Optional[cute.Tensor],
+        mExtraLen: Optional[cute.Tensor],
     ):
+        tile = self.tile
         tidx, _, _ = cute.arch.thread_idx()
         bidx, part, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -631,14 +784,16 @@ class Sm100SparseDecodeKernel:
         hg = bidx % self.n_hg
 
         smem = SmemAllocator()
-        storage = smem.allocate(_shared_storage())
+        storage = smem.allocate(_shared_storage(tile))
 
         # ---- pipelines (mbarriers initialised by warp 0, one fence + CTA sync below)
         thr = pipeline.Agent.Thread
+        # V4: the dequant warps read the stage's scale rows too (lane 0 of each warp arrives).
+        idx_consumers = 32 + WARPS.softmax_threads + (WARPS.dequant_warps if tile.scales_in_index else 0)
         idx_pipe = pipeline.PipelineAsync.create(
             num_stages=STAGES.index,
             producer_group=pipeline.CooperativeGroup(thr, 32),
-            consumer_group=pipeline.CooperativeGroup(thr, 32 + WARPS.softmax_threads),
+            consumer_group=pipeline.CooperativeGroup(thr, idx_consumers),
             barrier_storage=storage.index_bar.data_ptr(),
             defer_sync=True,
         )
@@ -646,7 +801,7 @@ class Sm100SparseDecodeKernel:
             num_stages=STAGES.q,
             producer_group=pipeline.CooperativeGroup(thr),
             consumer_group=pipeline.CooperativeGroup(thr),
-            tx_count=TILE.q_elems * 2,
+            tx_count=tile.q_elems * 2,
             barrier_storage=storage.q_bar.data_ptr(),
             defer_sync=True,
         )
@@ -654,15 +809,18 @@ class Sm100SparseDecodeKernel:
             num_stages=STAGES.gather,
             producer_group=pipeline.CooperativeGroup(thr),
             consumer_group=pipeline.CooperativeGroup(thr, WARPS.dequant_warps),
-            tx_count=TILE.raw_stage_bytes,
+            tx_count=tile.raw_stage_bytes,
             barrier_storage=storage.raw_bar.data_ptr(),
             defer_sync=True,
         )
-        rope_pipe = pipeline.PipelineTmaUmma.create(
+        # V3.2: QK reads the RoPE tile (the MMA warp frees it); V4: the dequant warp that copies it
+        # into the K tile frees it (PipelineTmaAsync: lane 0 of that one warp arrives).
+        rope_pipe_cls = pipeline.PipelineTmaAsync if tile.rope_in_k else pipeline.PipelineTmaUmma
+        rope_pipe = rope_pipe_cls.create(
             num_stages=STAGES.gather,
             producer_group=pipeline.CooperativeGroup(thr),
             consumer_group=pipeline.CooperativeGroup(thr),
-            tx_count=TILE.rope_stage_elems * 2,
+            tx_count=tile.rope_stage_elems * 2,
             barrier_storage=storage.rope_bar.data_ptr(),
             defer_sync=True,
         )
@@ -692,6 +850,9 @@ class Sm100SparseDecodeKernel:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_nope)
             cpasync.prefetch_descriptor(tma_rope)
+            if cutlass.const_expr(self.cfg.has_extra):
+                cpasync.prefetch_descriptor(tma_enope)
+                cpasync.prefetch_descriptor(tma_erope)
         if warp == Warp.SOFTMAX:
             cpasync.prefetch_descriptor(tma_out)
             if cutlass.const_expr(self.cfg.split):
@@ -712,11 +873,12 @@ class Sm100SparseDecodeKernel:
         sRope = storage.sRope.get_tensor(rope_layout.outer, swizzle=rope_layout.inner)
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         sV = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), v_swizzle, dtype=BFloat16), v_outer)
-        sCoord = storage.coord.get_tensor(cute.make_layout(STAGES.index * TILE.tokens))
+        sCoord = storage.coord.get_tensor(cute.make_layout(STAGES.index * tile.tokens))
         sValid = storage.valid.get_tensor(cute.make_layout(STAGES.index))
 
         g = Gmem(tma_q, mQ, tma_nope, mNope, tma_rope, mRope, tma_out, mOut, tma_oacc, mOAcc, mKV, mIdx, mTopkLen, mSink,
-                 mAccumOffsets, mLse, mLseAcc, rows_per_block, scale_log2)
+                 mAccumOffsets, mLse, mLseAcc, rows_per_block, scale_log2,
+                 tma_enope, mENope, tma_erope, mERope, mExtraKV, mExtraIdx, mExtraLen)
         sm = Smem(storage, sQ, sK, sRope, sP, sV, sCoord, sValid)
         pipes = Pipes(idx_pipe, q_pipe, raw_pipe, rope_pipe, k_pipe, s_pipe, p_pipe)
         boxes = Boxes(raw_layout, rope_tma_layout, out_box_layout, oacc_box_layout)
@@ -745,7 +907,10 @@ class Sm100SparseDecodeKernel:
             if cutlass.const_expr(REGS.dequant < REGS.entry):
                 setmaxregister_decrease(REGS.dequant)
             cta = Cta(_Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2]), s_idx, hg)
-            self.dequant_role(cta, g, sm, pipes)
+            if cutlass.const_expr(tile.rope_in_k):
+                self.dequant_role_rope_in_k(cta, g, sm, pipes)
+            else:
+                self.dequant_role(cta, g, sm, pipes)
         else:
             setmaxregister_increase(REGS.softmax)
             cta = Cta(_Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2]), s_idx, hg)
@@ -757,7 +922,10 @@ class Sm100SparseDecodeKernel:
     # ------------------------------------------------------------------------------ INDEX warp
     @cute.jit
     def index_role(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes"):
-        """indices -> TMA row coordinates (-1 = zero-fill) and a 32-bit valid mask, one tile per stage."""
+        """indices -> TMA row coordinates (-1 = zero-fill) and a 32-bit valid mask, one tile per stage;
+        V4: and each token's scale row (zeros for an invalid token). With the extra pool a tile past
+        the request's main blocks reads the extra list and the extra cache's geometry."""
+        tile = self.tile
         sched, s_idx, _ = cta
         mTopkLen, mIdx, mKV, rows_per_block = g.mTopkLen, g.mIdx, g.mKV, g.rows_per_block
         sCoord, sValid, idx_pipe = smem.sCoord, smem.sValid, pipes.index
@@ -766,14 +934,17 @@ class Sm100SparseDecodeKernel:
         num_tokens = mKV.shape[0] * page
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.index)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            t0, t1, topk_len, t_extra, extra_len = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
             for t in cutlass.range(t0, t1, unroll=1):
                 idx_pipe.producer_acquire(state)
-                pos = t * TILE.tokens + lane
-                raw = mIdx[req, s_idx, pos]
-                ok = (raw >= 0) & (raw < num_tokens) & (pos < topk_len)
-                blk = raw // page
-                coord = blk * rows_per_block + (raw - blk * page)
+                if cutlass.const_expr(not self.cfg.has_extra and not tile.scales_in_index):
+                    pos = t * TILE.tokens + lane
+                    raw = mIdx[req, s_idx, pos]
+                    ok = (raw >= 0) & (raw < num_tokens) & (pos < topk_len)
+                    blk = raw // page
+                    coord = blk * rows_per_block + (raw - blk * page)
+                else:
+                    ok, coord = self.token_coord(cta, g, smem, req, t, (topk_len, t_extra, extra_len), state.index)
                 sCoord[state.index * TILE.tokens + lane] = cutlass.select_(ok, coord, Int32(-1))
                 mask = cute.arch.vote_ballot_sync(ok)
                 if lane == 0:
@@ -781,11 +952,74 @@ class Sm100SparseDecodeKernel:
                 idx_pipe.producer_commit(state)
                 state.advance()
 
+    @cute.jit
+    def token_coord(self, cta: "Cta", g: "Gmem", smem: "Smem", req: Int32, t: Int32, lengths, stage: Int32):
+        """(valid, TMA row coordinate) of this lane's token of tile ``t`` in either pool (``lengths``:
+        the main list's valid length, the first extra tile, the extra list's valid length); V4 also
+        stores the token's scale row in the index stage (:meth:`store_scales`)."""
+        tile = self.tile
+        topk_len, t_extra, extra_len = lengths
+        lane = cute.arch.lane_idx()
+        mKV = g.mKV
+        in_extra = cutlass.Boolean(False)
+        pos = t * TILE.tokens + lane
+        raw = Int32(-1)
+        length = topk_len
+        if cutlass.const_expr(self.cfg.has_extra):
+            in_extra = t >= t_extra
+            if in_extra:
+                pos = (t - t_extra) * TILE.tokens + lane
+                raw = g.mExtraIdx[req, cta.s_idx, pos]
+                length = extra_len
+            else:
+                raw = g.mIdx[req, cta.s_idx, pos]
+        else:
+            raw = g.mIdx[req, cta.s_idx, pos]
+        page = Int32(mKV.shape[1])
+        blocks = Int32(mKV.shape[0])
+        rows_per_block = g.rows_per_block
+        base = mKV.iterator.toint()
+        stride0 = Int64(mKV.stride[0])
+        if cutlass.const_expr(self.cfg.has_extra):
+            eKV = g.mExtraKV
+            page = cutlass.select_(in_extra, Int32(eKV.shape[1]), page)
+            blocks = cutlass.select_(in_extra, Int32(eKV.shape[0]), blocks)
+            rows_per_block = cutlass.select_(in_extra, Int32(eKV.stride[0] // tile.tma_row_bytes), rows_per_block)
+            base = cutlass.select_(in_extra, eKV.iterator.toint(), base)
+            stride0 = cutlass.select_(in_extra, Int64(eKV.stride[0]), stride0)
+        ok = (raw >= 0) & (raw < blocks * page) & (pos < length)
+        blk = raw // page
+        row = raw - blk * page
+        coord = blk * rows_per_block + row
+        if cutlass.const_expr(tile.scales_in_index):
+            # the block's scale rows follow its page data rows
+            addr = base + scale_row_byte(tile, Int64(blk), Int64(row), Int64(page), stride0)
+            self.store_scales(smem, stage, ok, addr)
+        return ok, coord
+
+    @cute.jit
+    def store_scales(self, smem: "Smem", stage: Int32, ok, addr: Int64):
+        """This lane's token's scale row (``scale_words`` i32 from global ``addr``, zeros when the
+        token is invalid: no load) -> its slot of the index stage's scale ring."""
+        tile = self.tile
+        lane = cute.arch.lane_idx()
+        slot = ptx.smem_addr(smem.storage.scales.data_ptr()) + (stage * TILE.tokens + lane) * (4 * tile.scale_words)
+        w0 = Int32(0)
+        w1 = Int32(0)
+        if ok:
+            v = ptx.ld_global_v2(addr)
+            w0 = ptx.vec_elem(v, 0)
+            w1 = ptx.vec_elem(v, 1)
+        ptx.st_shared_i32(slot, w0)
+        ptx.st_shared_i32(slot + 4, w1)
+
     # ------------------------------------------------------------------------------ GATHER warp
     @cute.jit
     def gather_role(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes", qk_mma: cute.TiledMma,
                     boxes: "Boxes"):
-        """TMA: Q once per request; per tile the raw NoPE+scale rows and the RoPE rows by gather4."""
+        """TMA: Q once per request; per tile the raw NoPE(+scale) rows and the RoPE rows by gather4
+        (through the extra pool's maps for a tile past the request's main blocks)."""
+        tile = self.tile
         sched, s_idx, hg = cta
         mTopkLen, tma_q, mQ, tma_nope, mNope, tma_rope, mRope = g.mTopkLen, g.tma_q, g.mQ, g.tma_nope, g.mNope, g.tma_rope, g.mRope
         sQ, storage, raw_layout, rope_tma_layout = smem.sQ, smem.storage, boxes.raw_layout, boxes.rope_tma_layout
@@ -798,9 +1032,9 @@ class Sm100SparseDecodeKernel:
         g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.gather)
         i_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.index)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
-            # Q (64 heads x 576) of this request: waits until the previous request's last QK is done.
-            gQ = cute.local_tile(mQ[None, None, s_idx, req], (TILE.heads, TILE.d_qk), (hg, 0))
+            t0, t1, topk_len, t_extra, extra_len = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
+            # Q (64 heads x d_qk) of this request: waits until the previous request's last QK is done.
+            gQ = cute.local_tile(mQ[None, None, s_idx, req], (tile.heads, tile.d_qk), (hg, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
                 cute.group_modes(thr_mma.partition_A(gQ), 0, 3),
@@ -811,22 +1045,39 @@ class Sm100SparseDecodeKernel:
             for t in cutlass.range(t0, t1, unroll=1):
                 idx_pipe.consumer_wait(i_state)
                 coords = coord_ptr + i_state.index * TILE.tokens
+                in_extra = cutlass.Boolean(False)
+                if cutlass.const_expr(self.cfg.has_extra):
+                    in_extra = t >= t_extra
                 raw_pipe.producer_acquire(g_state)
-                sRawStage = cute.make_tensor(raw_ptr + g_state.index * (TILE.raw_stage_bytes // 4), raw_layout)
-                self.issue_gather4(tma_nope, mNope, coords, sRawStage, TILE.raw_row_words,
-                                   raw_pipe.producer_get_barrier(g_state))
+                sRawStage = cute.make_tensor(raw_ptr + g_state.index * (tile.raw_stage_bytes // 4), raw_layout)
+                self.gather_either(tma_nope, mNope, g.tma_enope, g.mENope, in_extra, coords, sRawStage,
+                                   tile.raw_row_words, raw_pipe.producer_get_barrier(g_state))
                 rope_pipe.producer_acquire(g_state)
                 sRopeStage = cute.make_tensor(
-                    cute.recast_ptr(rope_ptr + g_state.index * TILE.rope_stage_elems, rope_tma_layout.inner,
+                    cute.recast_ptr(rope_ptr + g_state.index * tile.rope_stage_elems, rope_tma_layout.inner,
                                     dtype=BFloat16),
                     rope_tma_layout.outer,
                 )
-                self.issue_gather4(tma_rope, mRope, coords, sRopeStage, TILE.d_rope,
-                                   rope_pipe.producer_get_barrier(g_state))
+                self.gather_either(tma_rope, mRope, g.tma_erope, g.mERope, in_extra, coords, sRopeStage,
+                                   tile.d_rope, rope_pipe.producer_get_barrier(g_state))
                 # The coordinates were read (by the lane that issued the copies) before this arrive.
                 idx_pipe.consumer_release(i_state)
                 i_state.advance()
                 g_state.advance()
+
+    @cute.jit
+    def gather_either(self, atom: cute.CopyAtom, mData: cute.Tensor, extra_atom: Optional[cute.CopyAtom],
+                      mExtraData: Optional[cute.Tensor], in_extra, coords, sDst: cute.Tensor, cols: cutlass.Constexpr,
+                      bar):
+        """:meth:`issue_gather4` through the main cache's map, or the extra pool's where ``in_extra``
+        (a warp-uniform branch; no branch without the extra pool)."""
+        if cutlass.const_expr(extra_atom is None):
+            self.issue_gather4(atom, mData, coords, sDst, cols, bar)
+        else:
+            if in_extra:
+                self.issue_gather4(extra_atom, mExtraData, coords, sDst, cols, bar)
+            else:
+                self.issue_gather4(atom, mData, coords, sDst, cols, bar)
 
     @cute.jit
     def issue_gather4(self, atom: cute.CopyAtom, mData: cute.Tensor, coords, sDst: cute.Tensor, cols: cutlass.Constexpr,
@@ -843,7 +1094,9 @@ class Sm100SparseDecodeKernel:
     @cute.jit
     def dequant_role(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes"):
         """Raw fp8 rows -> bf16 K tile. Lane = token, warp w of the group = dims [128 w, 128 w + 128)
-        (exactly one fp32 scale). Reads are conflict-free 16-B loads; writes follow SW128."""
+        (V3.2: exactly one fp32 scale from the row; V4: :meth:`dequant_role_rope_in_k`). Reads are
+        conflict-free 16-B loads; writes follow SW128."""
+        tile = self.tile
         sched, mTopkLen, storage, raw_pipe, k_pipe = cta.sched, g.mTopkLen, smem.storage, pipes.raw, pipes.kbuf
         lane = cute.arch.lane_idx()
         dw = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - Warp.DEQUANT
@@ -852,27 +1105,27 @@ class Sm100SparseDecodeKernel:
         g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.gather)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.kbuf)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            t0, t1, topk_len, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
             for t in cutlass.range(t0, t1, unroll=1):
                 raw_pipe.consumer_wait(g_state)
-                row = raw_base + g_state.index * TILE.raw_stage_bytes + lane * TILE.raw_row_bytes
+                row = raw_base + g_state.index * tile.raw_stage_bytes + lane * tile.raw_row_bytes
                 words = cute.make_rmem_tensor(cute.make_layout(32), Int32)
                 for k in cutlass.range_constexpr(8):
                     v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
                     for e in cutlass.range_constexpr(4):
                         words[4 * k + e] = ptx.vec_elem(v, e)
-                scale_bits = ptx.ld_shared_i32(row + TILE.scale_offset + dw * 4)
+                scale_bits = ptx.ld_shared_i32(row + tile.scale_offset + dw * 4)
                 # Invalid tokens were zero-filled by the TMA (coordinate -1): scale 0, fp8 0 -> K = 0.
                 cute.arch.sync_warp()
                 raw_pipe.consumer_release(g_state)
                 g_state.advance()
 
                 k_pipe.producer_acquire(k_state)
-                k_stage = k_base + k_state.index * (TILE.k_stage_elems * 2)
+                k_stage = k_base + k_state.index * (tile.k_stage_elems * 2)
                 for k in cutlass.range_constexpr(8):  # 16 dims = 4 words = two 16-B chunks per step
                     out = []
                     for e in cutlass.range_constexpr(4):
-                        lo, hi = TILE.fmt.dequant.exact(words[4 * k + e], scale_bits)
+                        lo, hi = tile.fmt.dequant.exact(words[4 * k + e], scale_bits)
                         out.append(lo)
                         out.append(hi)
                     d = 128 * dw + 16 * k
@@ -882,6 +1135,104 @@ class Sm100SparseDecodeKernel:
                 cute.arch.fence_view_async_shared()
                 k_pipe.producer_commit(k_state)
                 k_state.advance()
+
+    @cute.jit
+    def dequant_role_rope_in_k(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes"):
+        """V4 (V includes RoPE, scales in scale rows): warp w writes K column blocks 2w and 2w + 1,
+        each 64 NoPE dims with one ue8m0 scale, except the last block (w = 3, the second one), which
+        is the tile's RoPE: the gathered SW128 RoPE rows copied verbatim (both tiles are 128-B SW128
+        rows over 1024-B aligned bases, so row t's 128 bytes keep their places). Scales come from the
+        index stage the INDEX warp filled (zeros for an invalid token, whose fp8 and RoPE bytes the
+        TMA zero-filled: K = V = 0)."""
+        tile = self.tile
+        dq = tile.fmt.dequant
+        sched, mTopkLen, storage = cta.sched, g.mTopkLen, smem.storage
+        raw_pipe, rope_pipe, idx_pipe, k_pipe = pipes.raw, pipes.rope, pipes.index, pipes.kbuf
+        lane = cute.arch.lane_idx()
+        dw = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - Warp.DEQUANT
+        rope_warp = dw == tile.nope_chunks // 2  # its second column block is the RoPE block
+        two_nope_blocks = dw < tile.nope_chunks // 2
+        raw_base = ptx.smem_addr(storage.sRaw.data_ptr())
+        rope_base = ptx.smem_addr(storage.sRope.data_ptr())
+        scale_base = ptx.smem_addr(storage.scales.data_ptr()) + lane * (4 * tile.scale_words)
+        k_base = ptx.smem_addr(storage.sK.data_ptr())
+        g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.gather)
+        i_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.index)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.kbuf)
+        for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
+            t0, t1, _, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
+            for t in cutlass.range(t0, t1, unroll=1):
+                idx_pipe.consumer_wait(i_state)
+                sw = [ptx.ld_shared_i32(scale_base + i_state.index * (TILE.tokens * 4 * tile.scale_words) + 4 * j)
+                      for j in range(tile.scale_words)]
+                raw_pipe.consumer_wait(g_state)
+                row = raw_base + g_state.index * tile.raw_stage_bytes + lane * tile.raw_row_bytes
+                words = cute.make_rmem_tensor(cute.make_layout(32), Int32)
+                for k in cutlass.range_constexpr(8):  # the warp's 128 fp8 bytes (64 on the RoPE warp)
+                    if cutlass.const_expr(k < 4):
+                        v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
+                        for e in cutlass.range_constexpr(4):
+                            words[4 * k + e] = ptx.vec_elem(v, e)
+                    else:
+                        if two_nope_blocks:
+                            v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
+                            for e in cutlass.range_constexpr(4):
+                                words[4 * k + e] = ptx.vec_elem(v, e)
+                cute.arch.sync_warp()
+                raw_pipe.consumer_release(g_state)
+                if lane == 0:
+                    idx_pipe.consumer_release(i_state)
+                i_state.advance()
+                s0, s1 = self.warp_scales(dq, sw, dw)
+
+                k_pipe.producer_acquire(k_state)
+                k_stage = k_base + k_state.index * (tile.k_stage_elems * 2)
+                for k in cutlass.range_constexpr(4):  # first column block: 4 steps of 16 dims
+                    self.dequant_store(dq, words, k, s0, k_stage, lane, 128 * dw + 16 * k)
+                if rope_warp:
+                    # RoPE row ``lane`` (128 B) -> the K tile's last column block, 16 B at a time
+                    rope_pipe.consumer_wait(g_state)
+                    src = rope_base + g_state.index * (tile.rope_stage_elems * 2) + lane * (tile.chunk * 2)
+                    dst = k_stage + rope_row_byte(tile, lane)
+                    for k in cutlass.range_constexpr(8):
+                        v = ptx.ld_shared_v4(src + k * 16)
+                        ptx.st_shared_v4(dst + k * 16, ptx.vec_elem(v, 0), ptx.vec_elem(v, 1), ptx.vec_elem(v, 2),
+                                         ptx.vec_elem(v, 3))
+                    cute.arch.sync_warp()
+                    rope_pipe.consumer_release(g_state)
+                else:
+                    for k in cutlass.range_constexpr(4, 8):
+                        self.dequant_store(dq, words, k, s1, k_stage, lane, 128 * dw + 16 * k)
+                g_state.advance()
+                # Generic-proxy writes -> visible to the tensor core (async proxy) before the arrive.
+                cute.arch.fence_view_async_shared()
+                k_pipe.producer_commit(k_state)
+                k_state.advance()
+
+    @cute.jit
+    def warp_scales(self, dq, sw, dw: Int32):
+        """(scale bits of column block 2 dw, of block 2 dw + 1) from a token's loaded scale words
+        (the format's ``scale_bits``; the second is unused on the RoPE warp)."""
+        tile = self.tile
+        bits = [dq.scale_bits(sw, k) for k in range(tile.fmt.num_groups)]
+        s0 = Int32(0)
+        s1 = Int32(0)
+        for w in cutlass.range_constexpr(WARPS.dequant_warps):
+            s0 = ptx.select_i32(dw == w, bits[dq.scale_index(2 * w * tile.chunk)], s0)
+            if cutlass.const_expr(2 * w + 1 < tile.nope_chunks):
+                s1 = ptx.select_i32(dw == w, bits[dq.scale_index((2 * w + 1) * tile.chunk)], s1)
+        return s0, s1
+
+    @cute.jit
+    def dequant_store(self, dq, words, k: cutlass.Constexpr, scale_bits: Int32, k_stage: Int32, lane: Int32, d: Int32):
+        """16 dims (``words[4 k : 4 k + 4]``, fp8) -> bf16(fp8 * scale) at K[lane, d : d + 16]."""
+        out = []
+        for e in cutlass.range_constexpr(4):
+            lo, hi = dq.exact(words[4 * k + e], scale_bits)
+            out.append(lo)
+            out.append(hi)
+        ptx.st_shared_v4(k_stage + k_tile_byte(lane, d), out[0], out[1], out[2], out[3])
+        ptx.st_shared_v4(k_stage + k_tile_byte(lane, d + 8), out[4], out[5], out[6], out[7])
 
     # ------------------------------------------------------------------------------ MMA warp
     @cute.jit
@@ -899,8 +1250,9 @@ class Sm100SparseDecodeKernel:
         tOrV = pv_mma.make_fragment_B(sV)  # (MMA, 1, 2, half, kbuf)
         s_layout = qk_mma.make_fragment_C(qk_mma.partition_shape_C((TILE.heads, TILE.tokens))).layout
         o_layout = pv_mma.make_fragment_C(pv_mma.partition_shape_C((TILE.heads, TILE.half_v))).layout
-        n_nope_k = TILE.d_nope // 16
-        n_rope_k = TILE.d_rope // 16
+        rope_tile = not self.tile.rope_in_k  # V3.2: QK reads the RoPE tile; V4: RoPE is in the K tile
+        n_nope_k = self.tile.k_dims // 16  # k-steps over the K tile (V4: its last 4 are RoPE)
+        n_rope_k = self.tile.qk_rope_steps
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.q)
         g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.gather)
@@ -909,13 +1261,14 @@ class Sm100SparseDecodeKernel:
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.s)
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.p)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            t0, t1, topk_len, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
             n = t1 - t0
             q_pipe.consumer_wait(q_state)
             for i in cutlass.range(n, unroll=1):
                 # ---- S = Q K^T for tile i
                 k_pipe.consumer_wait(kq_state)
-                rope_pipe.consumer_wait(g_state)
+                if cutlass.const_expr(rope_tile):
+                    rope_pipe.consumer_wait(g_state)
                 s_pipe.producer_acquire(s_state)
                 tcgen05_fence_after_thread_sync()  # the softmax's tcgen05.ld of this stage is ordered before
                 tStS = cute.make_tensor(tmem_ptr + TMEM.s_col + s_state.index * TMEM.s_cols, s_layout)
@@ -927,7 +1280,8 @@ class Sm100SparseDecodeKernel:
                     cute.gemm(qk_mma, tStS, tCrQ[None, None, n_nope_k + kb, 0], tCrR[None, None, kb, g_state.index],
                               tStS)
                 s_pipe.producer_commit(s_state)
-                rope_pipe.consumer_release(g_state)
+                if cutlass.const_expr(rope_tile):
+                    rope_pipe.consumer_release(g_state)
                 if i == n - 1:
                     q_pipe.consumer_release(q_state)
                 s_state.advance()
@@ -1002,7 +1356,7 @@ class Sm100SparseDecodeKernel:
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.s)
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.p)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len = sched.request_tiles(req, mTopkLen)
+            t0, t1, topk_len, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
             m_run = Float32(MAX_INIT)
             l_run = Float32(0.0)
             for i in cutlass.range(t1 - t0, unroll=1):
@@ -1193,16 +1547,31 @@ class _Sched:
         return _Sched(*[Int32(v) for v in values])
 
     @cute.jit
-    def request_tiles(self, req: Int32, mTopkLen: Optional[cute.Tensor]):
-        """(first tile, end tile, valid top-k length) of ``req`` in this partition."""
+    def request_tiles(self, req: Int32, mTopkLen: Optional[cute.Tensor], mExtraIdx: Optional[cute.Tensor] = None,
+                      mExtraLen: Optional[cute.Tensor] = None):
+        """(first tile, end tile, valid top-k length, first extra tile, valid extra length) of ``req``
+        in this partition. A request's blocks are its main list's (``blocks_of_length``), then its
+        extra list's (``extra_blocks_of_length``; none without the extra pool): tile t reads main
+        positions [32 t, 32 t + 32) below the first extra tile, extra positions from 32 (t - first
+        extra tile) at and past it."""
         topk_len = self.topk
         nblk = self.topk // TILE.sched_block
         if cutlass.const_expr(mTopkLen is not None):
             # positions at or past topk_len are invalid (a negative length: all of them)
             topk_len, nblk = blocks_of_length(mTopkLen[req], self.topk, cutlass.min, cutlass.max)
+        n_main = nblk
+        extra_len = Int32(0)
+        if cutlass.const_expr(mExtraIdx is not None):
+            extra_topk = Int32(mExtraIdx.shape[2])
+            extra_len = extra_topk
+            n_extra = extra_topk // TILE.sched_block
+            if cutlass.const_expr(mExtraLen is not None):
+                extra_len, n_extra = extra_blocks_of_length(mExtraLen[req], extra_topk, cutlass.min, cutlass.max)
+            nblk = n_main + n_extra
         start = cutlass.select_(req == self.begin_req, self.begin_blk, Int32(0))
         stop = cutlass.select_(req == self.end_req, self.end_blk, nblk)
-        return start * TILE.tiles_per_block, stop * TILE.tiles_per_block, topk_len
+        return (start * TILE.tiles_per_block, stop * TILE.tiles_per_block, topk_len, n_main * TILE.tiles_per_block,
+                extra_len)
 
     @cute.jit
     def request_is_split(self, req: Int32):
@@ -1219,12 +1588,14 @@ class _Sched:
 
 
 def _fake_args(cfg: Sm100SparseDecodeConfig):
-    """Fake tensors with symbolic dims (shared where the launch must agree) for the CPU compile."""
+    """Fake tensors with symbolic dims (shared where the launch must agree) for the CPU compile:
+    (positional args, extra-pool keyword args)."""
     b, s_q, topk, nblk, page, parts, b1, rows = (cute.sym_int() for _ in range(8))
     h = cfg.h_q
+    tile = cfg.tile
     i64 = lambda d: cute.sym_int64(divisibility=d)  # noqa: E731
     q = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_qk), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
-    kv = make_fake_tensor(Uint8, (nblk, page, TILE.row_bytes), stride=(i64(16), TILE.row_bytes, 1), assumed_align=16)
+    kv = make_fake_tensor(Uint8, (nblk, page, tile.row_bytes), stride=(i64(16), tile.row_bytes, 1), assumed_align=16)
     indices = make_fake_tensor(Int32, (b, s_q, topk), stride=(i64(1), i64(1), 1), assumed_align=4)
     topk_length = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4) if cfg.has_topk_length else None
     attn_sink = make_fake_tensor(Float32, (h,), stride=(1,), assumed_align=4) if cfg.has_attn_sink else None
@@ -1238,7 +1609,16 @@ def _fake_args(cfg: Sm100SparseDecodeConfig):
                                    assumed_align=16)
         lse_accum = make_fake_tensor(Float32, (rows, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
         args += [o_accum, lse_accum]
-    return args
+    extra = {}
+    if cfg.has_extra:
+        # its own blocks, page size and stride(0); the requests and tokens are the call's
+        nblk_e, page_e, topk_e = (cute.sym_int() for _ in range(3))
+        extra["extra_kv"] = make_fake_tensor(Uint8, (nblk_e, page_e, tile.row_bytes),
+                                             stride=(i64(16), tile.row_bytes, 1), assumed_align=16)
+        extra["extra_indices"] = make_fake_tensor(Int32, (b, s_q, topk_e), stride=(i64(1), i64(1), 1), assumed_align=4)
+        if cfg.has_extra_topk_length:
+            extra["extra_topk_length"] = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4)
+    return args, extra
 
 
 def compile_sparse_decode(cfg: Sm100SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
@@ -1249,9 +1629,11 @@ def compile_sparse_decode(cfg: Sm100SparseDecodeConfig, dump_dir: Optional[str] 
     def build(dump: Optional[str]):
         k = Sm100SparseDecodeKernel(cfg)
         host = k.host_split if cfg.split else k.host_no_split
+        args, extra = _fake_args(cfg)
         return cute.compile(
             host,
-            *_fake_args(cfg),
+            *args,
+            *[extra.get(n) for n in ("extra_kv", "extra_indices", "extra_topk_length")],
             Float32(1.0),
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options=compile_options(cfg.arch, dump),
@@ -1273,7 +1655,7 @@ def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm100SparseDecodeConfig,
     args = [t.q, t.kv, t.indices, t.topk_length, t.attn_sink, t.tile_md, t.accum_offsets, t.out, t.lse]
     if cfg.split:
         args += [t.o_accum, t.lse_accum]
-    compiled.fn(*args, float(softmax_scale))
+    compiled.fn(*args, t.extra_kv, t.extra_indices, t.extra_topk_length, float(softmax_scale))
 
 
 def _check_launch(cfg: Sm100SparseDecodeConfig, t: DecodeTensors) -> None:
@@ -1287,14 +1669,10 @@ def _check_launch(cfg: Sm100SparseDecodeConfig, t: DecodeTensors) -> None:
     if cfg.split != (t.o_accum is not None) or cfg.split != (t.lse_accum is not None):
         raise ValueError(f"{what}: the {'split' if cfg.split else 'no-split'} variant "
                          f"{'needs' if cfg.split else 'takes no'} o_accum / lse_accum")
-    kv, row = t.kv, TILE.row_bytes
-    if kv.dim() != 3 or kv.stride(1) != row or kv.stride(2) != 1 or kv.stride(0) % row:
-        raise ValueError(f"{what}: kv must be (num_blocks, page_block_size, {row}) uint8 with stride(1) == {row} "
-                         f"and stride(0) % {row} == 0 (a 2-D table of rows for the gather4 TMA), got strides {tuple(kv.stride())}")
-    if kv.shape[0] * (kv.stride(0) // row) >= 2**31:
-        raise ValueError(f"{what}: the cache has more than 2^31 - 1 rows of {row} bytes (TMA coordinates are int32)")
+    _check_cache(what, "kv", t.kv, cfg.tile)
     if t.indices.shape[-1] % TILE.sched_block:
         raise ValueError(f"{what}: topk must be a multiple of {TILE.sched_block}, got {t.indices.shape[-1]}")
+    _check_extra(what, cfg, t)
     md = t.tile_md
     if md.dim() != 2 or md.shape[1] != SCHED_ROW_INTS or not md.is_contiguous():
         raise ValueError(f"{what}: tile_md must be a contiguous (P, {SCHED_ROW_INTS}) int32 tensor, got {tuple(md.shape)}")
@@ -1309,3 +1687,36 @@ def _check_launch(cfg: Sm100SparseDecodeConfig, t: DecodeTensors) -> None:
     if cfg.split and (t.o_accum.stride(-1) != 1 or any(st % 4 for st in t.o_accum.stride()[:-1])
                       or t.lse_accum.stride(-1) != 1):
         raise ValueError(f"{what}: o_accum needs stride(-1) == 1 and 16-byte strides; lse_accum a contiguous last dim")
+
+
+def _check_cache(what: str, name: str, kv, tile: Tile) -> None:
+    """A cache the gather4 maps can see as a 2-D table of data rows (``tma_row_bytes`` apart)."""
+    row, pitch = tile.row_bytes, tile.tma_row_bytes
+    if kv.dim() != 3 or kv.stride(1) != row or kv.stride(2) != 1 or kv.stride(0) % pitch:
+        raise ValueError(f"{what}: {name} must be (num_blocks, page_block_size, {row}) uint8 with stride(1) == {row} "
+                         f"and stride(0) % {pitch} == 0 (a 2-D table of rows for the gather4 TMA), got strides {tuple(kv.stride())}")
+    if tile.scales_in_index and kv.shape[0] > 1 and kv.stride(0) < kv.shape[1] * row:
+        raise ValueError(f"{what}: {name} stride(0) {kv.stride(0)} does not hold a page block "
+                         f"({kv.shape[1]} x {row} bytes: data rows, then scale rows)")
+    if kv.shape[0] * (kv.stride(0) // pitch) >= 2**31:
+        raise ValueError(f"{what}: {name} has more than 2^31 - 1 rows of {pitch} bytes (TMA coordinates are int32)")
+
+
+def _check_extra(what: str, cfg: Sm100SparseDecodeConfig, t: DecodeTensors) -> None:
+    """The extra pool's tensors against the compiled variant."""
+    given = t.extra_kv is not None and t.extra_indices is not None
+    if cfg.has_extra != given or (not cfg.has_extra and t.extra_topk_length is not None):
+        raise ValueError(f"{what}: compiled with has_extra={cfg.has_extra}, got extra_kv / extra_indices="
+                         f"{'tensors' if given else 'None'}")
+    if cfg.has_extra_topk_length != (t.extra_topk_length is not None):
+        raise ValueError(f"{what}: compiled with has_extra_topk_length={cfg.has_extra_topk_length}, "
+                         f"got extra_topk_length={'a tensor' if t.extra_topk_length is not None else None}")
+    if not cfg.has_extra:
+        return
+    _check_cache(what, "extra_kv", t.extra_kv, cfg.tile)
+    ei = t.extra_indices
+    if ei.dim() != 3 or tuple(ei.shape[:2]) != tuple(t.indices.shape[:2]) or ei.stride(-1) != 1:
+        raise ValueError(f"{what}: extra_indices must be (b, s_q, extra_topk) like indices with a contiguous last dim, "
+                         f"got shape {tuple(ei.shape)}, strides {tuple(ei.stride())}")
+    if ei.shape[-1] % TILE.sched_block:
+        raise ValueError(f"{what}: extra_topk must be a multiple of {TILE.sched_block}, got {ei.shape[-1]}")
