@@ -37,7 +37,7 @@ def cmd_info(args) -> int:
 def _plan_from_args(args, s_q=None):
     from .plan import plan_sparse_decode
 
-    num_sms = args.num_sms or archs.get(args.arch).default_num_sms
+    num_sms = archs.get(args.arch).default_num_sms if args.num_sms is None else args.num_sms
     return plan_sparse_decode(args.b, s_q or args.s_q, args.h_q, args.d_qk, args.topk, arch=args.arch,
                               num_sms=num_sms, has_topk_length=args.topk_length, extra_topk=args.extra_topk,
                               has_extra_topk_length=args.extra_topk_length)
@@ -63,6 +63,12 @@ def cmd_plan(args) -> int:
 def cmd_compile(args) -> int:
     from .playground import registry
 
+    decode_only = [flag for flag, on in (("--split", args.split), ("--topk-length", args.topk_length),
+                                         ("--d-qk", args.d_qk != 576), ("--extra-kv", args.extra_kv),
+                                         ("--extra-topk-length", args.extra_topk_length)) if on]
+    if args.kernel != "sparse_decode" and decode_only:
+        raise ValueError(f"{', '.join(decode_only)}: options of --kernel sparse_decode, got --kernel {args.kernel}")
+
     t0 = time.time()
     report = registry.compile_to_dir(args.kernel, args.arch, args.out, h_q=args.h_q, split=args.split,
                                      has_topk_length=args.topk_length, has_attn_sink=args.attn_sink, d_qk=args.d_qk,
@@ -79,6 +85,17 @@ def cmd_demo(args) -> int:
     return demo.main(args)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (a count of requests, tokens, heads, positions or SMs)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cute-mla", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -86,11 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, the GPU, supported archs").set_defaults(fn=cmd_info)
 
     def shape_args(sp, s_q_default=1):
-        sp.add_argument("--b", type=int, default=1)
-        sp.add_argument("--s-q", type=int, default=s_q_default)
-        sp.add_argument("--h-q", type=int, default=64)
-        sp.add_argument("--d-qk", type=int, default=576)
-        sp.add_argument("--topk", type=int, default=2048)
+        sp.add_argument("--b", type=positive_int, default=1)
+        sp.add_argument("--s-q", type=positive_int, default=s_q_default)
+        sp.add_argument("--h-q", type=positive_int, default=64)
+        sp.add_argument("--d-qk", type=positive_int, default=576)
+        sp.add_argument("--topk", type=positive_int, default=2048)
         sp.add_argument("--topk-length", action="store_true", help="plan for per-request topk_length")
         sp.add_argument("--extra-topk", type=int, default=0, help="the V4 extra pool's list length (0: none)")
         sp.add_argument("--extra-topk-length", action="store_true", help="plan for per-request extra_topk_length")
@@ -98,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plan", help="print the plan of a call: kernel, variant, workspace, tensor maps")
     shape_args(sp)
     sp.add_argument("--arch", default=archs.SM90.name, choices=archs.SUPPORTED_ARCHS)
-    sp.add_argument("--num-sms", type=int, default=None, help="default: " + ", ".join(
+    sp.add_argument("--num-sms", type=positive_int, default=None, help="default: " + ", ".join(
         f"{a.default_num_sms} for {a.name}" for a in archs.ARCHS.values()))
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_plan)
@@ -128,6 +145,9 @@ def main(argv=None) -> int:
         return args.fn(args)
     except (ValueError, NotImplementedError, TypeError) as e:
         print(f"cute-mla {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # e.g. an --out directory that cannot be created or written
+        print(f"cute-mla {args.cmd}: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
 
 

@@ -85,7 +85,12 @@ def make_inputs(b: int, s_q: int, h_q: int, topk: int, **options) -> SparseDecod
     unknown = set(options) - {f.name for f in fields(InputOptions)}
     if unknown:
         raise TypeError(f"make_inputs: unknown options {sorted(unknown)}")
-    o = InputOptions(**options)
+    # Everything is generated on the host (CPU generators), whatever torch's default device is.
+    with torch.device("cpu"):
+        return _make_inputs(b, s_q, h_q, topk, InputOptions(**options))
+
+
+def _make_inputs(b: int, s_q: int, h_q: int, topk: int, o: InputOptions) -> SparseDecodeInputs:
     fmt = format_for_d_qk(o.d_qk)
     if o.extra_topk and not fmt.extra_pool:
         raise ValueError(f"make_inputs: extra_topk needs the V4 format (d_qk={V4.d_qk}), got d_qk={o.d_qk}")

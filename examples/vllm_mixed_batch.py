@@ -6,10 +6,17 @@ never read; cute-mla's plan has one partition, runs the no-split kernel and allo
     python examples/vllm_mixed_batch.py            # on an H100/H200 or B200
 """
 
+import sys
+
 import torch
 
 from cute_mla import flash_mla_with_kvcache, get_mla_metadata
+from cute_mla.archs import gpu_summary
 from cute_mla.formats import quantize_v32
+
+if not torch.cuda.is_available():
+    sys.exit(f"examples/vllm_mixed_batch.py needs an SM90 or SM100 GPU; this machine has {gpu_summary() or 'none'} "
+             "(cute-mla plan --b 1 --s-q 8192 shows the plan without one)")
 
 tokens, heads, topk, pool, page = 8192, 64, 2048, 131072, 64
 dev = "cuda"

@@ -322,3 +322,23 @@ def test_a_variant_through_the_public_seam(seed, shape):
     check(x, o, l)
     assert torch.equal(o, o0) and torch.equal(l.nan_to_num(7.0), l0.nan_to_num(7.0))
     assert get_mla_metadata()[0].tuning is None and DEFAULT_TUNING != variant
+
+
+@pytest.mark.parametrize("mode", ["set_default_device", "context"])
+@pytest.mark.parametrize("d_qk, topk_length", [(576, False), (576, True), (512, True)])
+def test_under_a_cuda_default_device(seed, mode, d_qk, topk_length):
+    """FlashMLA's own tests and many notebooks make CUDA the default device: the host schedule's
+    pinned copy, the plan and the inputs' host side must not follow it (the upload once failed
+    with "cannot pin 'torch.cuda.IntTensor'")."""
+    x = make_inputs(4, 2, 64, 128, num_tokens=2048, with_sink=True, with_topk_length=topk_length, d_qk=d_qk,
+                    device="cuda")
+    if mode == "set_default_device":
+        torch.set_default_device("cuda")
+        try:
+            o, l, _ = run_case(x)
+        finally:
+            torch.set_default_device(None)
+    else:
+        with torch.device("cuda"):
+            o, l, _ = run_case(x)
+    check(x, o, l)

@@ -74,3 +74,35 @@ def test_compile_sparse_decode(tmp_path, capsys, arch, extra):
     assert ("wgmma.mma_async" in text) if arch == "sm_90a" else ("tcgen05.mma" in text)
     if "registers" in out:
         assert "local 0 B" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "--num-sms", "0"], "--num-sms: expected a positive integer, got 0"),
+    (["plan", "--b", "-3"], "--b: expected a positive integer, got -3"),
+])
+def test_counts_must_be_positive(capsys, argv, says):
+    """argparse refuses a zero or negative count (it once fell back to the default SM count)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_plan_refuses_impossible_sizes_at_once(capsys):
+    """A billion requests of a million tokens: refused with the limits, not planned until memory runs out."""
+    assert main(["plan", "--b", "1000000000", "--s-q", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "b <= 1048576" in err and "b * s_q <= 2147483647" in err
+
+
+@pytest.mark.parametrize("flag", [["--split"], ["--topk-length"], ["--d-qk", "512"], ["--extra-kv"]])
+def test_compile_refuses_decode_options_on_other_kernels(tmp_path, capsys, flag):
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "combine", "--out", str(tmp_path)] + flag) == 2
+    assert "options of --kernel sparse_decode" in capsys.readouterr().err
+
+
+def test_compile_unwritable_out_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "scheduler", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cute-mla compile:") and "Traceback" not in err[0]

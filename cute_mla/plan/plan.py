@@ -38,6 +38,8 @@ from ..formats import KVCacheFormat, format_for_d_qk, supported_formats
 from ..scheduler import partition as sched
 
 SUPPORTED_H_Q = (64, 128)
+MAX_QUERY_ROWS = 2**31 - 1   # b * s_q: the combine's grid x and int32 row indices
+MAX_REQUESTS = 2**20         # b: the host scheduler and the plan walk every request in Python
 BLOCK_TOPK = sched.BLOCK_TOPK
 ACCUM_ITEM_BYTES = {"float32": 4, "bfloat16": 2}   # o_accum element sizes (SparseDecodePlan.accum_dtype)
 LSE_ACCUM_BYTES = 4                    # one fp32 lse_accum entry per (row, token, head)
@@ -143,6 +145,10 @@ def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int, extra_topk: 
             raise ValueError(f"{name}: must be a positive int, got {v!r}")
     if h_q not in SUPPORTED_H_Q:
         raise ValueError(f"h_q: got {h_q}, accepted: 64 or 128 (pad the heads, as vLLM and SGLang do)")
+    if b > MAX_REQUESTS or b * s_q > MAX_QUERY_ROWS:
+        raise ValueError(f"b, s_q: got b={b}, s_q={s_q}, accepted: b <= {MAX_REQUESTS} and b * s_q <= {MAX_QUERY_ROWS} "
+                         "(the combine's grid and the kernels' row indices are int32; the host scheduler walks "
+                         "every request)")
     if topk % BLOCK_TOPK:
         raise ValueError(f"topk: got {topk}, accepted: a positive multiple of {BLOCK_TOPK}")
     if not isinstance(extra_topk, int) or extra_topk < 0 or extra_topk % BLOCK_TOPK:

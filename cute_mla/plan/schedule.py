@@ -148,8 +148,10 @@ def uploaded_schedule(plan: "SparseDecodePlan", device: torch.device) -> Uploade
         entry = _host_schedules.get(key)
         if entry is None:
             s = plan.host_schedule
+            # on the host by name: under a CUDA default device a bare torch.tensor is a CUDA tensor,
+            # which cannot be pinned
             host = torch.tensor([v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
-                                dtype=torch.int32)
+                                dtype=torch.int32, device="cpu")
             if device.type == "cuda":
                 host = _pinned(host)
             dev = torch.empty_like(host, device=device)

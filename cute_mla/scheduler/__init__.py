@@ -44,8 +44,8 @@ def plan_splits(num_blocks: torch.Tensor, num_sm_parts: int, fixed_overhead: int
     b = num_blocks.shape[0]
     if num_blocks.device.type == "cpu":
         s = plan_splits_host(num_blocks.tolist(), num_sm_parts, fixed_overhead)
-        return (torch.tensor(s.rows, dtype=torch.int32).reshape(num_sm_parts, SCHED_ROW_INTS),
-                torch.tensor(s.num_splits, dtype=torch.int32))
+        return (torch.tensor(s.rows, dtype=torch.int32, device=num_blocks.device).reshape(num_sm_parts, SCHED_ROW_INTS),
+                torch.tensor(s.num_splits, dtype=torch.int32, device=num_blocks.device))
     from .device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
     from ..archs import device_arch
 
