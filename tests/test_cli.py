@@ -51,10 +51,10 @@ def test_demo_without_gpu(capsys):
 def test_compile_small_kernels(tmp_path, capsys, arch, kernel):
     assert main(["compile", "--arch", arch, "--kernel", kernel, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert any(f.endswith(f".{arch}.ptx") for f in os.listdir(tmp_path))
+    assert any(f.endswith(".ptx") and f.startswith(f"{kernel}-{arch}-") for f in os.listdir(tmp_path))
     assert "registers" in out or "cuobjdump not found" in out
     if kernel == "combine":   # the partials' dtype the plans of that arch use: bf16 rows on SM90, fp32 on SM100
-        ptx = next(f for f in os.listdir(tmp_path) if f.endswith(f".{arch}.ptx"))
+        ptx = next(f for f in os.listdir(tmp_path) if f.endswith(".ptx"))
         text = open(os.path.join(tmp_path, ptx)).read()
         assert ("ld.global.v2.b32" in text and "ld.global.v4" not in text) if arch == "sm_90a" else "ld.global.v4" in text
 
@@ -68,7 +68,7 @@ def test_compile_unknown_kernel(tmp_path, capsys):
 def test_compile_sparse_decode(tmp_path, capsys, arch, extra):
     assert main(["compile", "--arch", arch, "--kernel", "sparse_decode", "--out", str(tmp_path)] + extra) == 0
     out = capsys.readouterr().out
-    ptx = [f for f in os.listdir(tmp_path) if f.endswith(f".{arch}.ptx")]
+    ptx = [f for f in os.listdir(tmp_path) if f.endswith(".ptx") and f.startswith(f"sparse_decode-{arch}-")]
     assert ptx
     text = open(os.path.join(tmp_path, ptx[0])).read()
     assert ("wgmma.mma_async" in text) if arch == "sm_90a" else ("tcgen05.mma" in text)
@@ -106,3 +106,18 @@ def test_compile_unwritable_out_is_one_line(tmp_path, capsys):
     assert main(["compile", "--arch", "sm_90a", "--kernel", "scheduler", "--out", str(blocker / "sub")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("cute-mla compile:") and "Traceback" not in err[0]
+
+
+def test_compile_keeps_variants_apart_and_reports_resources(tmp_path, capsys):
+    """Split, sink and no-split variants compiled into one directory keep their own files, named
+    <kernel>-<arch>-<variant>; the report has the dynamic shared memory and the instruction mix."""
+    out = str(tmp_path)
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--out", out]) == 0
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--out", out, "--split", "--attn-sink",
+                 "--d-qk", "512", "--extra-kv"]) == 0
+    text = capsys.readouterr().out
+    names = sorted(f for f in os.listdir(out) if not f.startswith("."))
+    assert names == ["sparse_decode-sm_90a-h64-nosplit.cubin", "sparse_decode-sm_90a-h64-nosplit.ptx",
+                     "sparse_decode-sm_90a-h64-split-v4-extra-sink.cubin", "sparse_decode-sm_90a-h64-split-v4-extra-sink.ptx"]
+    assert "dynamic shared memory 231424 B" in text and "dynamic shared memory 206848 B" in text.split("split-v4")[-1]
+    assert "PTX: wgmma 80" in text and "PTX: wgmma 72" in text

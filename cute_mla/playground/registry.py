@@ -1,8 +1,9 @@
 """Kernels by name, for the ``cute-mla compile`` playground and the compile tests.
 
 ``compile_to_dir(name, arch, out_dir, ...)`` compiles one kernel for one arch on any machine (no
-GPU), keeps its PTX and cubin in ``out_dir`` and returns a short report (files, registers, shared
-memory, spills) read from the cubin with the cuobjdump of the ``nvidia-cuda-cuobjdump`` wheel.
+GPU), keeps its PTX and cubin in ``out_dir`` as ``<kernel>-<arch>-<variant>.{ptx,cubin}`` and
+returns a short report (files, registers, static and dynamic shared memory, TMEM, spills, PTX
+instruction counts) read from the cubin with the cuobjdump of the ``nvidia-cuda-cuobjdump`` wheel.
 The kernels are the ones the launcher runs: each arch's sparse decode kernel through its module's
 ``kernel_config``, and the split variants with the arch's o_accum dtype.
 """
@@ -10,10 +11,12 @@ The kernels are the ones the launcher runs: each arch's sparse decode kernel thr
 from __future__ import annotations
 
 import os
-from typing import List
+import shutil
+import tempfile
+from typing import List, Optional
 
 from .. import archs
-from ..formats import V32
+from ..formats import V4, V32
 from ..interface.launcher import kernel_module
 from . import inspect
 
@@ -22,44 +25,99 @@ KERNELS = ("sparse_decode", "combine", "scheduler")
 
 def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
              decode: dict):
+    """Compile one kernel into ``out_dir``; returns its config (sparse_decode) or None."""
     spec = archs.get(arch)
     if name == "sparse_decode":
         mod = kernel_module(arch)
         cfg = mod.kernel_config(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
                                 **decode)
-        return mod.compile_sparse_decode(cfg, dump_dir=out_dir)
+        mod.compile_sparse_decode(cfg, dump_dir=out_dir)
+        return cfg
     if name == "combine":
         from ..kernels import combine as mod
         cfg = mod.combine_config(arch=arch, h_q=h_q, has_attn_sink=has_attn_sink, num_sm_parts=spec.default_num_sms,
                                  accum_dtype=spec.accum_dtype)
-        return mod.compile_combine(cfg, dump_dir=out_dir)
+        mod.compile_combine(cfg, dump_dir=out_dir)
+        return None
     if name == "scheduler":
         from ..scheduler import device as mod
-        return mod.compile_scheduler(mod.SchedulerKernelConfig(arch=arch), dump_dir=out_dir)
+        mod.compile_scheduler(mod.SchedulerKernelConfig(arch=arch), dump_dir=out_dir)
+        return None
     raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
 
 
-def resource_lines(cubin: str) -> List[str]:
-    """Registers, shared memory, stack and local memory of the cubin's kernel, as one line."""
+def variant_name(name: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool, decode: dict) -> str:
+    """The file-name tag of a compiled variant: what sets it apart from the kernel's others."""
+    if name == "scheduler":
+        return "default"
+    parts = [f"h{h_q}"]
+    if name == "sparse_decode":
+        parts.append("split" if split else "nosplit")
+        parts += ["v4"] if decode.get("d_qk") == V4.d_qk else []
+        parts += ["tl"] if has_topk_length else []
+        parts += ["extra"] if decode.get("has_extra") else []
+        parts += ["xtl"] if decode.get("has_extra_topk_length") else []
+    parts += ["sink"] if has_attn_sink else []
+    return "-".join(parts)
+
+
+# PTX instruction families a reader looks for first (the compile tests check them per arch).
+INSTRUCTIONS = (("wgmma", "wgmma.mma_async"), ("tcgen05.mma", "tcgen05.mma"), ("TMA", "cp.async.bulk.tensor"),
+                ("gather4", "tile::gather4"), ("setmaxnreg", "setmaxnreg"), ("ld.global", "ld.global"))
+
+
+def resource_lines(cubin: str, ptx: Optional[str] = None, smem_dynamic: Optional[int] = None,
+                   tmem_columns: Optional[int] = None) -> List[str]:
+    """Registers, shared memory (static from the cubin, dynamic from the kernel's struct), TMEM
+    columns (SM100), stack and local memory (spills), and the instruction counts of the PTX."""
+    lines = []
     if inspect.find_tool("cuobjdump") is None:
-        return ["(cuobjdump not found: pip install nvidia-cuda-cuobjdump for resource usage)"]
-    u = inspect.resource_usage(cubin)
-    return [f"registers {u.get('REG')}, shared {u.get('SHARED')} B (static), stack {u.get('STACK')} B, local {u.get('LOCAL')} B"]
+        lines.append("(cuobjdump not found: pip install nvidia-cuda-cuobjdump for resource usage)")
+    else:
+        u = inspect.resource_usage(cubin)
+        lines.append(f"registers {u.get('REG')}, shared {u.get('SHARED')} B (static), stack {u.get('STACK')} B, "
+                     f"local {u.get('LOCAL')} B")
+    if smem_dynamic is not None:
+        lines.append(f"dynamic shared memory {smem_dynamic} B (of {archs.SMEM_PER_CTA})"
+                     + (f", TMEM {tmem_columns} columns" if tmem_columns is not None else ""))
+    if ptx is not None:
+        with open(ptx) as f:
+            text = f.read()
+        counts = [f"{label} {text.count(token)}" for label, token in INSTRUCTIONS if token in text]
+        lines.append("PTX: " + ", ".join(counts))
+    return lines
 
 
 def compile_to_dir(name: str, arch: str, out_dir: str, *, h_q: int = 64, split: bool = False,
                    has_topk_length: bool = False, has_attn_sink: bool = False, d_qk: int = V32.d_qk,
                    has_extra: bool = False, has_extra_topk_length: bool = False) -> List[str]:
-    """``d_qk`` names the cache format (576: V3.2, 512: V4); ``has_extra`` / ``has_extra_topk_length``:
-    the V4 extra pool (sparse_decode only)."""
+    """Compile one variant and keep it as ``<kernel>-<arch>-<variant>.{ptx,cubin}`` in ``out_dir``
+    (so variants compiled into one directory stay apart); returns the report lines. ``d_qk`` names
+    the cache format (576: V3.2, 512: V4); ``has_extra`` / ``has_extra_topk_length``: the V4 extra
+    pool (sparse_decode only)."""
     archs.check_arch(arch)
     if name not in KERNELS:
         raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
     os.makedirs(out_dir, exist_ok=True)
-    _compile(name, arch, out_dir, h_q, split, has_topk_length, has_attn_sink,
-             dict(d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length))
-    ptx, cubin = inspect.find_artifacts(out_dir, arch)
+    decode = dict(d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
+    stem = os.path.join(out_dir, f"{name}-{arch}-{variant_name(name, h_q, split, has_topk_length, has_attn_sink, decode)}")
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as build:
+        cfg = _compile(name, arch, build, h_q, split, has_topk_length, has_attn_sink, decode)
+        found = inspect.find_artifacts(build, arch)
+        kept = []
+        for src, ext in zip(found, ("ptx", "cubin")):
+            if src is not None:
+                shutil.move(src, f"{stem}.{ext}")
+                kept.append(f"{stem}.{ext}")
+            else:
+                kept.append(None)
+    ptx, cubin = kept
     report = [f"ptx:   {ptx or '(none)'}", f"cubin: {cubin or '(none)'}"]
     if cubin:
-        report += resource_lines(cubin)
+        smem = tmem = None
+        if cfg is not None:
+            mod = kernel_module(arch)
+            smem = mod.smem_bytes(cfg) if hasattr(mod, "smem_bytes") else None
+            tmem = mod.tmem_columns(cfg) if hasattr(mod, "tmem_columns") else None
+        report += resource_lines(cubin, ptx, smem, tmem)
     return report

@@ -340,6 +340,12 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig):
             extra_kv, extra_indices, extra_topk_length, Float32(1.0), stream)
 
 
+def smem_bytes(cfg: Sm90SparseDecodeConfig) -> int:
+    """Dynamic shared memory of one CTA: the kernel's shared-storage struct for the config's format
+    (and pools)."""
+    return shared_storage(cfg.tile, pools(cfg)).size_in_bytes()
+
+
 def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
     """Compile (once per ``cfg``) the SM90 sparse decode kernel against fake tensors. Needs no GPU;
     any valid config compiles, ``cfg.tuning`` included (the variant seam)."""
