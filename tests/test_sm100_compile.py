@@ -631,3 +631,163 @@ def test_v4_compile_is_cached():
     assert compile_sparse_decode(cfg) is compile_sparse_decode(cfg)
     assert compile_sparse_decode(cfg) is not compile_sparse_decode(
         Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False))
+
+
+# ------------------------------------------------------------------------------------------------
+# Robustness: an empty request range is skipped by every role, the last tcgen05.commit arrivals
+# are drained, TMEM is deallocated behind a tcgen05 fence pair. Checked on the PTX's control-flow
+# graph: each guard is a branch, so "removing it" changes which cycles the graph has.
+# ------------------------------------------------------------------------------------------------
+
+_LABEL = re.compile(r"^(\$L__\w+):")
+# Branches between the kernel's own blocks; the mbarrier spin loops are inline asm with local labels
+# (LAB_WAIT / DONE), which stay inside their block.
+_BRA = re.compile(r"^(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);")
+_ZERO_ST = re.compile(r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32 \[%r\d+\], \{(%r\d+)(, \1){31}\};")
+_WAIT = "mbarrier.try_wait"
+_Q_LOAD = "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier"   # Q's 9 (V4: 8) boxes
+_OUT_STORE = ".global.shared::cta.tile.bulk_group"                        # the epilogue's TMA stores
+
+ALL_VARIANTS = [("v32",) + v for v in VARIANTS] + [("v4",) + v for v in V4_VARIANTS]
+
+
+def _any_ptx(key, tmp_path_factory):
+    return (_compile(key[1:], tmp_path_factory) if key[0] == "v32" else _compile_v4(key[1:], tmp_path_factory))[2]
+
+
+def _cfg(ptx: str):
+    """(blocks, successors) of the kernel body: a block is a list of instruction lines."""
+    blocks, labels = [[]], {}
+    for raw in ptx[ptx.index(".entry"):].splitlines():
+        line = raw.strip()
+        m = _LABEL.match(line)
+        if m:
+            if blocks[-1]:
+                blocks.append([])
+            labels[m.group(1)] = len(blocks) - 1
+            continue
+        if not line or line.startswith("//"):
+            continue
+        blocks[-1].append(line)
+        if _BRA.match(line) or line.startswith(("ret;", "exit;", "trap;")):
+            blocks.append([])
+    succ = []
+    for i, b in enumerate(blocks):
+        last = b[-1] if b else ""
+        m = _BRA.match(last)
+        if m:
+            succ.append([labels[m.group(2)]] + ([i + 1] if m.group(1) else []))
+        elif last.startswith(("ret;", "exit;", "trap;")) or i + 1 == len(blocks):
+            succ.append([])
+        else:
+            succ.append([i + 1])
+    return blocks, succ
+
+
+def _sccs(nodes, succ):
+    """Strongly connected components (Tarjan, iterative) of the subgraph on ``nodes``."""
+    index, low, on, stack, out, n = {}, {}, set(), [], [], [0]
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter([s for s in succ[root] if s in nodes]))]
+        index[root] = low[root] = n[0]
+        n[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = set()
+                    while True:
+                        x = stack.pop()
+                        on.discard(x)
+                        comp.add(x)
+                        if x == v:
+                            break
+                    out.append(comp)
+            elif w not in index:
+                index[w] = low[w] = n[0]
+                n[0] += 1
+                stack.append(w)
+                on.add(w)
+                work.append((w, iter([s for s in succ[w] if s in nodes])))
+            elif w in on:
+                low[v] = min(low[v], index[w])
+    return out
+
+
+def _has(block, pattern) -> bool:
+    return any((pattern.search(line) if isinstance(pattern, re.Pattern) else pattern in line) for line in block)
+
+
+def _cycles(blocks, succ, nodes):
+    """The components of ``nodes`` that hold a cycle."""
+    return [c for c in _sccs(nodes, succ) if len(c) > 1 or any(v in succ[v] for v in c)]
+
+
+def _loop_skips(ptx: str, within, avoid, through=None) -> bool:
+    """Whether the loop nest holding the blocks that contain ``within`` (a role's request loop) can
+    go round without any block that contains ``avoid``, through a block that contains ``through``
+    (if given)."""
+    blocks, succ = _cfg(ptx)
+    everything = set(range(len(blocks)))
+    nest = set().union(*[c for c in _cycles(blocks, succ, everything) if any(_has(blocks[v], within) for v in c)])
+    assert nest, f"no loop holds {within!r}"
+    rest = {v for v in nest if not _has(blocks[v], avoid)}
+    return any(through is None or any(_has(blocks[v], through) for v in c) for c in _cycles(blocks, succ, rest))
+
+
+@pytest.mark.parametrize("key", ALL_VARIANTS, ids=lambda k: k[0] + "-" + "-".join(str(int(x)) for x in k[1:]))
+def test_every_role_skips_an_empty_request_range(key, tmp_path_factory):
+    """An empty range (a schedule that disagrees with the call) is skipped, not waited on. Each role's
+    request loop has a way round that does what an empty request needs and nothing else:
+
+    * MMA: no mbarrier wait at all (no Q, no K, no P: FlashMLA's hang was the final PV's P wait);
+    * GATHER: no wait and no Q load (the MMA warp will not free it);
+    * SOFTMAX: the epilogue without zeroing O (a request with tiles), and O is zeroed by 8 stores of
+      one zero register (an empty request: its epilogue must not write the previous request's O).
+
+    Without the guards each of these loops waits (or zeroes) on every round."""
+    ptx = _any_ptx(key, tmp_path_factory)
+    assert _loop_skips(ptx, "tcgen05.mma", _WAIT), "the MMA warp waits in every request (Q / final PV)"
+    assert _loop_skips(ptx, _Q_LOAD, _WAIT), "the GATHER warp loads Q for every request"
+    assert len(_ZERO_ST.findall(ptx)) == TMEM.o_cols // TILE.epi_cols, "the empty request's O is not zeroed"
+    assert _loop_skips(ptx, _ZERO_ST, _ZERO_ST, _OUT_STORE), "O is zeroed for every request"
+    # the INDEX and DEQUANT warps' tile loops are plain ranges: nothing to skip (no per-request wait)
+
+
+def _instructions(ptx: str):
+    return [ln.strip() for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith("//")]
+
+
+@pytest.mark.parametrize("key", ALL_VARIANTS, ids=lambda k: k[0] + "-" + "-".join(str(int(x)) for x in k[1:]))
+def test_tmem_teardown_fences_and_drained_commits(key, tmp_path_factory):
+    """The MMA warp deallocates TMEM after the Bar.TMEM barrier with tcgen05.fence::after_thread_sync,
+    the softmax warpgroup arrives there after tcgen05.fence::before_thread_sync; the producers of
+    the pipelines whose empty barriers tcgen05.commit arrives on wait for the last arrivals before
+    they exit (producer_tail): Q (1 stage), V3.2's RoPE (3) and K (2) stages. Those tail waits are
+    the only mbarrier waits outside every loop."""
+    ptx = _any_ptx(key, tmp_path_factory)
+    ins = _instructions(ptx)
+    tmem_bar = f"bar.sync \t{sd.Bar.TMEM}, {sd.WARPS.softmax_threads + 32};"
+    bars = [i for i, s in enumerate(ins) if s == tmem_bar]
+    dealloc = [i for i, s in enumerate(ins) if s.startswith("tcgen05.dealloc")]
+    assert len(dealloc) == 1
+    before = max(i for i in bars if i < dealloc[0])
+    assert [s for s in ins[before:dealloc[0]] if s.startswith("tcgen05.")] == ["tcgen05.fence::after_thread_sync;"]
+    # the softmax warpgroup's arrival: the fence is the instruction right before its barrier
+    fenced = [i for i in bars if ins[i - 1] == "tcgen05.fence::before_thread_sync;"]
+    assert len(fenced) == 1 and fenced[0] > dealloc[0]
+    assert not [s for s in ins[fenced[0]:] if s.startswith("tcgen05.")], "TMEM used after the teardown barrier"
+    # the tails: waits in blocks outside every cycle of the control-flow graph
+    blocks, succ = _cfg(ptx)
+    in_loops = set().union(*_cycles(blocks, succ, set(range(len(blocks)))))
+    tails = sum(line.count(_WAIT) for v, b in enumerate(blocks) if v not in in_loops for line in b)
+    v32 = key[0] == "v32"
+    assert tails == STAGES.q + (STAGES.gather if v32 else 0) + STAGES.kbuf

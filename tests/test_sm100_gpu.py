@@ -18,10 +18,16 @@ request), the split variant on FlashMLA's greedy schedule for this GPU's SM coun
 results merged here in float64 torch (the combine kernel has its own tests; the public-API test
 below runs the real launcher, combine included).
 
+Every launch waits through :func:`finish_or_exit`: a kernel that does not finish within a minute
+stops the whole session with a message naming the test (a hung kernel keeps the GPU, so nothing
+after it could run).
+
 ``python tests/test_sm100_gpu.py --bench`` prints CUDA-event timings (median of 20).
 """
 
+import os
 import sys
+import time
 
 import pytest
 import torch
@@ -63,8 +69,24 @@ def _schedule(topk, topk_length, b, split, s_q, h_q, device, extra_topk=0, extra
     return s, tile_md, offsets
 
 
-def run_kernel(inp, split):
+def finish_or_exit(what: str) -> None:
+    """Wait for the GPU work queued so far; if it has not finished after 60 s (SM100_HANG_TIMEOUT_S:
+    more under compute-sanitizer), stop the test session (pytest.exit): a hung kernel keeps the
+    GPU, every later test would hang too."""
+    timeout_s = float(os.environ.get("SM100_HANG_TIMEOUT_S", "60"))
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            pytest.exit(f"{what}: the SM100 kernel did not finish in {timeout_s:.0f} s (a hang; docs/sm100.md, "
+                        "first run on a B200)", returncode=3)
+        time.sleep(0.005)
+
+
+def run_kernel(inp, split, schedule=None):
     """Launch the SM100 main kernel; for the split variant merge the partials in torch.
+    ``schedule``: (HostSchedule, tile_md, accum_offsets) to run with instead of the call's own.
 
     Returns (out (b, s_q, h, 512) fp32, lse (b, h, s_q) fp32, schedule)."""
     from cute_mla.kernels.sm100.sparse_decode import launch_sparse_decode
@@ -77,8 +99,8 @@ def run_kernel(inp, split):
     extra_topk = inp.extra_indices.shape[-1] if has_extra else 0
     cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None, d_qk=d_qk,
                             has_extra=has_extra, has_extra_topk_length=inp.extra_topk_length is not None)
-    sched, tile_md, offsets = _schedule(topk, inp.topk_length, b, split, s_q, h_q, dev, extra_topk,
-                                        inp.extra_topk_length)
+    sched, tile_md, offsets = schedule or _schedule(topk, inp.topk_length, b, split, s_q, h_q, dev, extra_topk,
+                                                    inp.extra_topk_length)
     # NaN-filled outputs: every element the kernel owns must be written.
     out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=dev)
     lse = torch.full((b, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
@@ -91,21 +113,26 @@ def run_kernel(inp, split):
     t = DecodeTensors(q, kv, inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets, out, lse, o_acc, lse_acc,
                       extra_kv, inp.extra_indices, inp.extra_topk_length)
     launch_sparse_decode(compiled, cfg, t, inp.softmax_scale)
-    torch.cuda.synchronize()
+    finish_or_exit(f"b={b} s_q={s_q} h_q={h_q} topk={topk} split={split}")
     out = out.float()
     if split:
         out, lse = merge_splits(out, lse, o_acc, lse_acc, sched, inp.attn_sink)
     return out, lse.transpose(1, 2), sched
 
 
-def _check(inp, split):
-    out, lse, sched = run_kernel(inp, split)
+def _reference(inp):
+    """The fp32 reference of the call's inputs (sink, lengths and the extra pool included)."""
     extra = {}
     if inp.extra_indices is not None:
         extra = dict(extra_k_cache=inp.extra_k_cache, extra_indices=inp.extra_indices,
                      extra_topk_length=inp.extra_topk_length)
-    ref_out, ref_lse = sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale,
-                                               attn_sink=inp.attn_sink, topk_length=inp.topk_length, **extra)
+    return sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale, attn_sink=inp.attn_sink,
+                                   topk_length=inp.topk_length, **extra)
+
+
+def _check(inp, split, schedule=None):
+    out, lse, sched = run_kernel(inp, split, schedule)
+    ref_out, ref_lse = _reference(inp)
     try:
         check_out_lse(out, lse, ref_out, ref_lse)
     except AssertionError:
@@ -114,11 +141,43 @@ def _check(inp, split):
     return sched
 
 
+def _check_o_halves(inp):
+    """The no-split kernel's out[..., :256] and out[..., 256:] against the reference, apart: O[:, 256:]
+    lives in TMEM lanes 16-31 of each 32-lane slab (the second N=256 accumulator of the M=64
+    layout), O[:, :256] in lanes 0-15. A failure names the half."""
+    out, lse, _ = run_kernel(inp, split=False)
+    ref_out, ref_lse = _reference(inp)
+    for name, cols in (("out[..., :256] (TMEM lanes 0-15)", slice(0, 256)),
+                       ("out[..., 256:] (TMEM lanes 16-31)", slice(256, 512))):
+        try:
+            check_out_lse(out[..., cols], lse, ref_out[..., cols], ref_lse)
+        except AssertionError as e:
+            raise AssertionError(f"{name} is wrong: {e}") from e
+
+
 # A single small case first: if this fails, nothing else will pass (see docs/sm100.md).
 def test_smoke_one_tile(seed):
+    """b=1, s_q=1, h_q=64, one 64-token block, every index valid; the halves of O apart (the upper
+    one is the first hardware use of TMEM lanes 16-31), then the whole call."""
     g = torch.Generator().manual_seed(seed)
     inp = make_inputs(1, 1, 64, 64, num_tokens=512, page_block_size=64, invalid_frac=0.0, nan_unused=True,
                       device="cuda", generator=g)
+    _check_o_halves(inp)
+    _check(inp, split=False)
+
+
+@pytest.mark.parametrize("d_qk", [576, 512], ids=["v32", "v4"])
+def test_gather4_rows(seed, d_qk):
+    """gather4 as such: the raw-row boxes (V3.2: 544 B of a 656-B row, the NoPE bytes and the four
+    fp32 scales; V4: 448 B of a 576-B data row) and the RoPE boxes, 4 rows a box from 4 different
+    page blocks of 3 tokens with 2 rows of padding after each (coordinate = block * rows per block
+    + row), indices in random order, every one valid; V3.2 with arbitrary fp32 scales (read from
+    bytes 512-527 of the box). A token order permuted within a box, a wrong pitch or a wrong box
+    width show here while the one-block smoke case (page 64, no padding) may pass."""
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(1, 2, 64, 128, num_tokens=600, page_block_size=3, block_stride_pad=2, invalid_frac=0.0,
+                      power_of_two_scales=(d_qk != 576), d_qk=d_qk, device="cuda", generator=g)
+    _check_o_halves(inp)
     _check(inp, split=False)
 
 
@@ -173,6 +232,87 @@ def test_public_api_dispatches_here(seed):
         check_out_lse(o, l, ro, rl)
 
 
+# ------------------------------------------------------------------------------ all-invalid and empty requests
+
+
+def test_all_invalid_rows_and_zero_lengths(seed):
+    """Rows whose indices are all invalid and requests with topk_length 0 (one masked block): out 0,
+    lse +inf, without NaN from the NaN bytes of unused cache slots (b=4, s_q=2, h_q=64 and 128)."""
+    g = torch.Generator().manual_seed(seed)
+    for h_q in (64, 128):
+        inp = make_inputs(4, 2, h_q, 128, num_tokens=1024, page_block_size=64, all_invalid_rows=2,
+                          with_topk_length=True, nan_unused=True, device="cuda", generator=g)
+        inp.topk_length = torch.tensor([0, 128, 0, 77], dtype=torch.int32, device="cuda")
+        for split in (False, True):
+            out, lse, _ = run_kernel(inp, split)
+            assert (out[0] == 0).all() and (out[2] == 0).all() and (lse[[0, 2]] == float("inf")).all()
+            _check(inp, split)
+
+
+def _uploaded(s: HostSchedule):
+    """(schedule, tile_md, accum_offsets) of a host schedule, for run_kernel."""
+    tile_md = torch.tensor(s.rows, dtype=torch.int32, device="cuda").reshape(len(s.rows), 8)
+    return s, tile_md, torch.tensor(accum_offsets(s.num_splits), dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_empty_range_writes_an_empty_request(seed, h_q):
+    """A schedule that disagrees with topk_length can give a request an empty block range. Every role
+    skips it and it is written as an all-invalid request (out 0, lse +inf), both where the CTA's O
+    holds the previous request's values and where TMEM was never written; the neighbours are
+    unaffected. FlashMLA traps here; before the guard this hung (the MMA warp waited for a P).
+
+    Partition 0: request 0 whole, request 1 as its last request with end block 0 (empty).
+    Partition 1: request 2 from block 5 (its topk_length 64 gives it 1 block: empty, the CTA's
+    first request), request 3 blocks [0, 4) (its topk_length 256: all of it)."""
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(4, 2, h_q, 512, num_tokens=2048, page_block_size=64, with_topk_length=True,
+                      out_of_range_frac=0.05, device="cuda", generator=g)
+    inp.topk_length = torch.tensor([512, 300, 64, 256], dtype=torch.int32, device="cuda")
+    rows = ((0, 1, 0, 0, 0, 0, 0, 0), (2, 3, 5, 4, 0, 0, 0, 0))
+    out, lse, _ = run_kernel(inp, split=False, schedule=_uploaded(HostSchedule(rows, tuple(range(5)))))
+    ref_out, ref_lse = _reference(inp)
+    for r in (1, 2):
+        assert (out[r] == 0).all(), f"request {r} (empty range): out is not 0"
+        assert (lse[r] == float("inf")).all(), f"request {r} (empty range): lse is not +inf"
+    for r in (0, 3):
+        check_out_lse(out[r], lse[r], ref_out[r], ref_lse[r])
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_stale_split_schedule_after_a_shorter_topk_length(seed, h_q):
+    """The split schedule of topk_length [2048] * 3 over 4 partitions, run with request 1 shortened
+    to 100 tokens: partition 2 starts request 1 at block 19 of its now 2 blocks (an empty piece,
+    o_accum 0 and lse_accum -inf), partition 1 still covers its valid tokens. The merged result is
+    the reference of the new lengths, and nothing hangs."""
+    g = torch.Generator().manual_seed(seed)
+    inp = make_inputs(3, 1, h_q, 2048, num_tokens=8192, page_block_size=64, with_topk_length=True,
+                      with_sink=True, out_of_range_frac=0.05, device="cuda", generator=g)
+    old = plan_splits_host(blocks_per_request(2048, [2048] * 3), 4)
+    assert old.rows[2][:4] == (1, 2, 19, 10), old.rows      # request 1 starts partition 2 at block 19
+    inp.topk_length = torch.tensor([2048, 100, 2048], dtype=torch.int32, device="cuda")
+    _check(inp, split=True, schedule=_uploaded(old))
+
+
+def test_public_api_reused_schedule_with_changed_topk_length(seed):
+    """flash_mla_with_kvcache called twice with one schedule object, the second time with a shorter
+    topk_length (the schedule is reused as built for the first call's lengths): it finishes and,
+    the shortened request's valid tokens being inside its old range, matches the reference."""
+    from cute_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    g = torch.Generator().manual_seed(seed)
+    x = make_inputs(3, 1, 64, 2048, num_tokens=8192, page_block_size=64, with_topk_length=True, device="cuda",
+                    generator=g)
+    sched, _ = get_mla_metadata()
+    for lengths in ([2048, 2048, 2048], [2048, 100, 2048]):
+        x.topk_length = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, softmax_scale=x.softmax_scale,
+                                      is_fp8_kvcache=True, indices=x.indices, topk_length=x.topk_length)
+        finish_or_exit(f"public API, topk_length {lengths}")
+        ro, rl = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, topk_length=x.topk_length)
+        check_out_lse(o, l, ro, rl)
+
+
 # ------------------------------------------------------------------------------ V4 (d_qk 512) + extra pool
 # The V4 cache ("MODEL1": 576-B data rows, then 8-B ue8m0 scale rows per page block; V = all 512
 # dims, RoPE included) and its extra KV pool, straight through the SM100 kernel. make_inputs builds
@@ -191,6 +331,7 @@ def test_v4_smoke_one_tile(seed):
     """The first V4 case to run (docs/sm100.md): one 64-token block, every index valid, no extra pool."""
     inp = _v4_inputs(seed, 1, 1, 64, 64, num_tokens=512, page_block_size=64, invalid_frac=0.0, with_sink=False,
                      out_of_range_frac=0.0)
+    _check_o_halves(inp)
     _check(inp, split=False)
 
 
@@ -255,6 +396,22 @@ def test_v4_lengths_zero_and_empty_lists(seed):
     inp.extra_topk_length = torch.tensor([0, 65, 0], dtype=torch.int32, device="cuda")
     _check(inp, split=False)
     _check(inp, split=True)
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_v4_stale_schedule_with_the_extra_pool(seed, h_q):
+    """The split schedule of main and extra lists of 512 (8 + 8 blocks a request, 3 partitions), run
+    with both topk_lengths cut to 64 (blocks: 1 main + 8 extra). Partitions keep their old ranges
+    where the schedule gives both ends: partition 2's request 1 runs [7, 16), tiles past the end of
+    the last request's extra list, which the INDEX warp must not read (it reads no index at or past
+    a list's length); partition 1 starts request 0 at block 14 of its 9 (an empty piece). Every
+    valid block is still in exactly one piece: the reference of the new lengths, and nothing hangs."""
+    inp = _v4_inputs(seed, 2, 1, h_q, 512, num_tokens=2048, page_block_size=64, extra_topk=512,
+                     extra_num_tokens=1024, extra_page_block_size=2, with_topk_length=True)
+    old = plan_splits_host(blocks_per_request(512, [512, 512], extra_topk=512), 3)
+    assert old.rows[0][:4] == (0, 0, 0, 14) and old.rows[1][:4] == (0, 1, 14, 7), old.rows
+    inp.topk_length = torch.tensor([64, 64], dtype=torch.int32, device="cuda")
+    _check(inp, split=True, schedule=_uploaded(old))
 
 
 def test_v4_public_api_dispatches_here(seed):

@@ -57,6 +57,10 @@ Pipelines (producer -> consumer, arrive counts per phase); each is a CUTLASS pip
   (tcgen05.commit after PV). Its empty phase doubles as "PV done": the softmax waits on it before
   it rescales O, before it rewrites P and before the epilogue reads O.
 
+The producers of ``q``, ``rope`` (V3.2) and ``kbuf``, whose consumer arrivals are tcgen05.commits,
+wait for the last ones before they exit (``producer_tail``). A request whose tile range is empty
+(a schedule that disagrees with the call) is skipped by every role (``_Sched.request_tiles``).
+
 Tensor memory (512 columns allocated, 320 used): O (64 x 512 fp32) is two M=64 N=256 accumulators
 interleaved in lanes (tcgen05 data-path layout F: rows 16w..16w+15 of warp w's 32-lane slab; dims
 0-255 in lanes 0-15, dims 256-511 in lanes 16-31), columns [0, 256). S stage j: columns
@@ -894,8 +898,10 @@ class Sm100SparseDecodeKernel:
                 tmem.relinquish_alloc_permit()
                 self.mma_role(cta, g, sm, pipes, qk_mma, pv_mma, tmem_ptr)
                 # Every tcgen05 op has completed once the softmax warpgroup (which waits for the
-                # last PV and reads O last) reaches this barrier.
+                # last PV and reads O last) reaches this barrier; the fence orders the dealloc after
+                # the softmax's tcgen05.ld / st (its before_thread_sync pairs with this one).
                 cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
+                tcgen05_fence_after_thread_sync()
                 tmem.free(tmem_ptr)
             if warp == Warp.GATHER:
                 self.gather_role(cta, g, sm, pipes, qk_mma, boxes)
@@ -917,6 +923,8 @@ class Sm100SparseDecodeKernel:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.softmax_role(cta, g, sm, pipes, boxes, tmem_ptr)
+            # This warpgroup's last tcgen05.ld / st before the MMA warp deallocates TMEM.
+            tcgen05_fence_before_thread_sync()
             cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
 
     # ------------------------------------------------------------------------------ INDEX warp
@@ -963,18 +971,23 @@ class Sm100SparseDecodeKernel:
         mKV = g.mKV
         in_extra = cutlass.Boolean(False)
         pos = t * TILE.tokens + lane
-        raw = Int32(-1)
         length = topk_len
         if cutlass.const_expr(self.cfg.has_extra):
             in_extra = t >= t_extra
             if in_extra:
                 pos = (t - t_extra) * TILE.tokens + lane
-                raw = g.mExtraIdx[req, cta.s_idx, pos]
                 length = extra_len
+        # A position at or past its list's valid length is invalid and not read: with a schedule
+        # that disagrees with the call, a tile can lie past the end of the extra list.
+        raw = Int32(-1)
+        if pos < length:
+            if cutlass.const_expr(self.cfg.has_extra):
+                if in_extra:
+                    raw = g.mExtraIdx[req, cta.s_idx, pos]
+                else:
+                    raw = g.mIdx[req, cta.s_idx, pos]
             else:
                 raw = g.mIdx[req, cta.s_idx, pos]
-        else:
-            raw = g.mIdx[req, cta.s_idx, pos]
         page = Int32(mKV.shape[1])
         blocks = Int32(mKV.shape[0])
         rows_per_block = g.rows_per_block
@@ -1034,14 +1047,16 @@ class Sm100SparseDecodeKernel:
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
             t0, t1, topk_len, t_extra, extra_len = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
             # Q (64 heads x d_qk) of this request: waits until the previous request's last QK is done.
-            gQ = cute.local_tile(mQ[None, None, s_idx, req], (tile.heads, tile.d_qk), (hg, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
-                cute.group_modes(thr_mma.partition_A(gQ), 0, 3),
-            )
-            q_pipe.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-            q_state.advance()
+            # A request with an empty range gets none: the MMA warp neither waits for it nor frees it.
+            if t1 > t0:
+                gQ = cute.local_tile(mQ[None, None, s_idx, req], (tile.heads, tile.d_qk), (hg, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                    cute.group_modes(thr_mma.partition_A(gQ), 0, 3),
+                )
+                q_pipe.producer_acquire(q_state)
+                cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                q_state.advance()
             for t in cutlass.range(t0, t1, unroll=1):
                 idx_pipe.consumer_wait(i_state)
                 coords = coord_ptr + i_state.index * TILE.tokens
@@ -1064,6 +1079,14 @@ class Sm100SparseDecodeKernel:
                 idx_pipe.consumer_release(i_state)
                 i_state.advance()
                 g_state.advance()
+        # The MMA warp frees Q and (V3.2) the RoPE stages with tcgen05.commit, an arrive that lands
+        # when the tensor core is done, after the MMA warp has moved on: wait for the last ones, so
+        # that no arrive reaches this CTA's shared memory after it has exited (CUTLASS's producer
+        # tail). The raw stages and V4's RoPE stages are freed by thread arrives, which cannot
+        # outlive the CTA.
+        q_pipe.producer_tail(q_state)
+        if cutlass.const_expr(not tile.rope_in_k):
+            rope_pipe.producer_tail(g_state)
 
     @cute.jit
     def gather_either(self, atom: cute.CopyAtom, mData: cute.Tensor, extra_atom: Optional[cute.CopyAtom],
@@ -1135,6 +1158,8 @@ class Sm100SparseDecodeKernel:
                 cute.arch.fence_view_async_shared()
                 k_pipe.producer_commit(k_state)
                 k_state.advance()
+        # The MMA warp frees K stages with tcgen05.commit after PV: wait for the last arrives (see gather_role).
+        k_pipe.producer_tail(k_state)
 
     @cute.jit
     def dequant_role_rope_in_k(self, cta: "Cta", g: "Gmem", smem: "Smem", pipes: "Pipes"):
@@ -1208,6 +1233,8 @@ class Sm100SparseDecodeKernel:
                 cute.arch.fence_view_async_shared()
                 k_pipe.producer_commit(k_state)
                 k_state.advance()
+        # The MMA warp frees K stages with tcgen05.commit after PV: wait for the last arrives (see gather_role).
+        k_pipe.producer_tail(k_state)
 
     @cute.jit
     def warp_scales(self, dq, sw, dw: Int32):
@@ -1263,39 +1290,44 @@ class Sm100SparseDecodeKernel:
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
             t0, t1, topk_len, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
             n = t1 - t0
-            q_pipe.consumer_wait(q_state)
-            for i in cutlass.range(n, unroll=1):
-                # ---- S = Q K^T for tile i
-                k_pipe.consumer_wait(kq_state)
-                if cutlass.const_expr(rope_tile):
-                    rope_pipe.consumer_wait(g_state)
-                s_pipe.producer_acquire(s_state)
-                tcgen05_fence_after_thread_sync()  # the softmax's tcgen05.ld of this stage is ordered before
-                tStS = cute.make_tensor(tmem_ptr + TMEM.s_col + s_state.index * TMEM.s_cols, s_layout)
-                for kb in cutlass.range_constexpr(n_nope_k):
-                    qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(qk_mma, tStS, tCrQ[None, None, kb, 0], tCrK[None, None, kb, kq_state.index], tStS)
-                for kb in cutlass.range_constexpr(n_rope_k):
-                    qk_mma.set(tcgen05.Field.ACCUMULATE, True)
-                    cute.gemm(qk_mma, tStS, tCrQ[None, None, n_nope_k + kb, 0], tCrR[None, None, kb, g_state.index],
-                              tStS)
-                s_pipe.producer_commit(s_state)
-                if cutlass.const_expr(rope_tile):
-                    rope_pipe.consumer_release(g_state)
-                if i == n - 1:
-                    q_pipe.consumer_release(q_state)
-                s_state.advance()
-                g_state.advance()
-                kq_state.advance()
-                # ---- O += P V for tile i - 1
-                if i > 0:
-                    pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, i > 1, kp_state, p_state, k_pipe, p_pipe)
-                    kp_state.advance()
-                    p_state.advance()
-            pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, n > 1, kp_state, p_state, k_pipe, p_pipe)
-            kp_state.advance()
-            p_state.advance()
-            q_state.advance()
+            # An empty range (possible only with a schedule that disagrees with the call) gets no Q,
+            # no tile and no PV here, as in every other role (_Sched.request_tiles).
+            if n > 0:
+                q_pipe.consumer_wait(q_state)
+                for i in cutlass.range(n, unroll=1):
+                    # ---- S = Q K^T for tile i
+                    k_pipe.consumer_wait(kq_state)
+                    if cutlass.const_expr(rope_tile):
+                        rope_pipe.consumer_wait(g_state)
+                    s_pipe.producer_acquire(s_state)
+                    tcgen05_fence_after_thread_sync()  # the softmax's tcgen05.ld of this stage is ordered before
+                    tStS = cute.make_tensor(tmem_ptr + TMEM.s_col + s_state.index * TMEM.s_cols, s_layout)
+                    for kb in cutlass.range_constexpr(n_nope_k):
+                        qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(qk_mma, tStS, tCrQ[None, None, kb, 0], tCrK[None, None, kb, kq_state.index], tStS)
+                    for kb in cutlass.range_constexpr(n_rope_k):
+                        qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+                        cute.gemm(qk_mma, tStS, tCrQ[None, None, n_nope_k + kb, 0], tCrR[None, None, kb, g_state.index],
+                                  tStS)
+                    s_pipe.producer_commit(s_state)
+                    if cutlass.const_expr(rope_tile):
+                        rope_pipe.consumer_release(g_state)
+                    if i == n - 1:
+                        q_pipe.consumer_release(q_state)
+                    s_state.advance()
+                    g_state.advance()
+                    kq_state.advance()
+                    # ---- O += P V for tile i - 1
+                    if i > 0:
+                        pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, i > 1, kp_state, p_state, k_pipe,
+                                               p_pipe)
+                        kp_state.advance()
+                        p_state.advance()
+                pv_mma = self.issue_pv(pv_mma, tOrP, tOrV, tmem_ptr, o_layout, n > 1, kp_state, p_state, k_pipe,
+                                       p_pipe)
+                kp_state.advance()
+                p_state.advance()
+                q_state.advance()
 
     @cute.jit
     def issue_pv(self, pv_mma: cute.TiledMma, tOrP: cute.Tensor, tOrV: cute.Tensor, tmem_ptr, o_layout: cute.Layout,
@@ -1419,6 +1451,15 @@ class Sm100SparseDecodeKernel:
             # ---- epilogue: wait for the last PV (same phase the next request's first P waits on)
             p_pipe.producer_acquire(p_state)
             tcgen05_fence_after_thread_sync()
+            if t1 <= t0:
+                # An empty range had no PV: O still holds the previous request's values (or was never
+                # written). Zero it so that the epilogue writes what an all-invalid request gives
+                # (L = 0: out 0, lse +inf; split: o_accum 0, lse_accum -inf). The next request's
+                # first PV overwrites O (ACCUMULATE false).
+                rO.fill(0.0)
+                for c in cutlass.range_constexpr(TMEM.o_cols // TILE.epi_cols):
+                    cute.copy(st_copy, rO, cute.make_tensor(tSt.iterator + TMEM.o_col + c * TILE.epi_cols, tSt.layout))
+                cute.arch.fence_view_async_tmem_store()
             self.epilogue(cta, g, smem, boxes, req, row, upper, src_lane, m_run, l_run, (ld_copy, tL, rO), epi_base)
 
     @cute.jit
@@ -1553,7 +1594,18 @@ class _Sched:
         in this partition. A request's blocks are its main list's (``blocks_of_length``), then its
         extra list's (``extra_blocks_of_length``; none without the extra pool): tile t reads main
         positions [32 t, 32 t + 32) below the first extra tile, extra positions from 32 (t - first
-        extra tile) at and past it."""
+        extra tile) at and past it.
+
+        An empty range (end tile <= first tile) never comes from the scheduler (every piece it cuts
+        holds at least one block); it comes from a schedule that disagrees with the call: the
+        first request's first block and the last request's end block are the schedule's, every
+        other end is the request's block count from this call's ``topk_length``. Every role then skips the request the same way: no Q
+        (GATHER), no tile (INDEX, GATHER, DEQUANT), no QK or PV (MMA), and the SOFTMAX warpgroup
+        writes it as an all-invalid request (out 0, lse +inf; a split piece o_accum 0, lse_accum
+        -inf), which is also what the SM90 kernel writes for such a range. Skipped rather than
+        trapped (FlashMLA's MMA warp traps): a trap leaves the CUDA context unusable for every later
+        call of the process, and it would flag only the empty case of a disagreeing schedule, not a
+        range that is merely wrong; that check needs the schedule's lengths, on the host."""
         topk_len = self.topk
         nblk = self.topk // TILE.sched_block
         if cutlass.const_expr(mTopkLen is not None):
