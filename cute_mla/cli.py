@@ -1,4 +1,4 @@
-"""The ``cute-mla`` command: info, plan, compile, demo."""
+"""The ``cute-mla`` command: info, plan, compile, warmup, demo."""
 
 from __future__ import annotations
 
@@ -79,6 +79,24 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def cmd_warmup(args) -> int:
+    from . import warmup
+    from .dsl.compile import cache_dir
+
+    where = cache_dir()
+    if where is None:
+        raise ValueError("warmup: the compile cache is off (CUTE_MLA_CACHE_DIR=off); nothing would be kept")
+    t0 = time.time()
+    n = warmup.warmup(args.arch, h_qs=args.h_q, d_qks=args.d_qk, kinds=args.kinds, jobs=args.jobs,
+                      progress=(lambda line: print(line, flush=True)) if args.progress else None)
+    print(f"{n} kernels for {args.arch} in the compile cache {where} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+def _int_list(text: str):
+    return tuple(positive_int(v) for v in text.split(",") if v)
+
+
 def cmd_demo(args) -> int:
     from . import demo
 
@@ -132,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--extra-kv", action="store_true", help="the V4 extra KV pool")
     sp.add_argument("--extra-topk-length", action="store_true", help="with --extra-kv: per-request extra_topk_length")
     sp.set_defaults(fn=cmd_compile)
+
+    sp = sub.add_parser("warmup", help="precompile every kernel variant the dispatcher can pick into the disk cache (no GPU)")
+    sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS)
+    sp.add_argument("--h-q", type=_int_list, default=(64, 128), help="head counts, e.g. 64,128")
+    sp.add_argument("--d-qk", type=_int_list, default=None, help="formats by key width: 576 (V3.2), 512 (V4); default all")
+    sp.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=("decode", "combine", "scheduler"),
+                    help="decode,combine,scheduler")
+    sp.add_argument("--jobs", type=positive_int, default=1, help="compiling processes")
+    sp.add_argument("--progress", action="store_true", help="a line per kernel")
+    sp.set_defaults(fn=cmd_warmup)
 
     sp = sub.add_parser("demo", help="run a realistic sparse decode (GPU) or show plans and the reference (CPU)")
     sp.add_argument("--quick", action="store_true", help="smaller shapes")

@@ -43,6 +43,22 @@ def kernel_module(arch: str):
     return importlib.import_module(archs.get(arch).kernel_module)
 
 
+def launch_configs(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool, tuning=None):
+    """(decode kernel config, combine config or None): what a plan's calls compile (``cute-mla
+    warmup`` precompiles the same set)."""
+    main_cfg = kernel_module(plan.arch).kernel_config(
+        h_q=plan.h_q, d_qk=plan.d_qk, split=plan.split, has_topk_length=has_topk_length,
+        has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
+        has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length)
+    combine_cfg = None
+    if plan.split:
+        from ..kernels import combine
+
+        combine_cfg = combine.combine_config(arch=plan.arch, h_q=plan.h_q, has_attn_sink=has_attn_sink,
+                                             num_sm_parts=plan.num_sm_parts, accum_dtype=plan.accum_dtype, b=plan.b)
+    return main_cfg, combine_cfg
+
+
 class Launcher:
     """Everything a plan's launches need, resolved once (kernel module, configs, compiled kernels).
 
@@ -60,19 +76,13 @@ class Launcher:
             raise ValueError(f"plan: a token walk never splits, got split with token_walk ({plan})")
         self.plan = plan
         self.main_mod = kernel_module(plan.arch)
-        self.main_cfg = self.main_mod.kernel_config(
-            h_q=plan.h_q, d_qk=plan.d_qk, split=plan.split, has_topk_length=has_topk_length,
-            has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
-            has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length)
+        self.main_cfg, self.combine_cfg = launch_configs(plan, has_topk_length, has_attn_sink, tuning)
         self.main_compiled = self.main_mod.compile_sparse_decode(self.main_cfg)
-        self.combine_mod = self.combine_cfg = self.combine_compiled = None
-        if plan.split:
+        self.combine_mod = self.combine_compiled = None
+        if self.combine_cfg is not None:
             from ..kernels import combine
 
             self.combine_mod = combine
-            self.combine_cfg = combine.combine_config(arch=plan.arch, h_q=plan.h_q, has_attn_sink=has_attn_sink,
-                                                      num_sm_parts=plan.num_sm_parts, accum_dtype=plan.accum_dtype,
-                                                      b=plan.b)
             self.combine_compiled = combine.compile_combine(self.combine_cfg)
 
     def __call__(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,

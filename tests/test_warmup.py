@@ -1,0 +1,50 @@
+"""CPU: ``cute-mla warmup`` precompiles exactly what the dispatcher can pick: every plan's decode
+and combine configs (the launcher's ``launch_configs``) are among ``warmup.variants``."""
+
+import itertools
+
+import pytest
+
+from cute_mla import archs, plan_sparse_decode, warmup
+from cute_mla.cli import main
+from cute_mla.dsl import compile as dc
+from cute_mla.interface.launcher import launch_configs
+
+SHAPES = [(1, 1), (1, 8), (1, 128), (1, 8192), (4, 1), (32, 1), (74, 3), (128, 1), (128, 2), (321, 1), (512, 1),
+          (3, 40), (1, 67)]
+LISTS = [(576, 2048, 0), (576, 64, 0), (512, 128, 0), (512, 128, 512), (512, 128, 1024), (512, 2048, 1024)]
+
+
+@pytest.mark.parametrize("arch", archs.SUPPORTED_ARCHS)
+def test_every_plan_configuration_is_warmed(arch):
+    spec = archs.get(arch)
+    warmed_decode = {cfg for kind, cfg in warmup.variants(arch) if kind == "decode"}
+    warmed_combine = {cfg.cache_key for kind, cfg in warmup.variants(arch) if kind == "combine"}
+    checked = 0
+    for (b, s_q), h_q, (d_qk, topk, extra), tl, xtl, sink in itertools.product(
+            SHAPES, (64, 128), LISTS, (False, True), (False, True), (False, True)):
+        if xtl and not extra:
+            continue
+        plan = plan_sparse_decode(b, s_q, h_q, d_qk, topk, arch=arch, num_sms=spec.default_num_sms, has_topk_length=tl,
+                                  extra_topk=extra, has_extra_topk_length=xtl)
+        main_cfg, combine_cfg = launch_configs(plan, tl, sink)
+        assert main_cfg in warmed_decode, (b, s_q, h_q, d_qk, topk, extra, tl, xtl, sink, main_cfg)
+        if combine_cfg is not None:
+            assert combine_cfg.cache_key in warmed_combine, (b, s_q, h_q, plan.num_sm_parts, combine_cfg)
+        checked += 1
+    assert checked > 900
+
+
+def test_kinds_are_checked():
+    with pytest.raises(ValueError, match="kinds"):
+        warmup.variants("sm_90a", kinds=("decoder",))
+
+
+def test_warmup_command_fills_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(dc.CACHE_ENV, str(tmp_path))
+    assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler"]) == 0
+    assert "1 kernels for sm_90a in the compile cache" in capsys.readouterr().out
+    assert len(list(dc.cache_dir().glob("*.o"))) == 1
+    monkeypatch.setenv(dc.CACHE_ENV, "off")
+    assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler"]) == 2
+    assert "compile cache is off" in capsys.readouterr().err
