@@ -342,3 +342,19 @@ def test_under_a_cuda_default_device(seed, mode, d_qk, topk_length):
         with torch.device("cuda"):
             o, l, _ = run_case(x)
     check(x, o, l)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensors_on_another_gpu_than_the_current_one(seed):
+    """q on cuda:1 while cuda:0 is current: the schedule, the SM count and the launches follow the
+    tensors' device (a device guard for the call)."""
+    x = make_inputs(4, 2, 64, 2048, num_tokens=4096, with_sink=True, device="cuda:1")
+    torch.cuda.set_device(0)
+    o, l, sched = run_case(x)
+    assert o.device == x.q.device and sched.tile_scheduler_metadata.device == x.q.device
+    assert torch.cuda.current_device() == 0
+    check(x, o, l)
+    x2 = make_inputs(4, 2, 64, 2048, num_tokens=4096, with_sink=True, with_topk_length=True, device="cuda:1")
+    o, l, sched = run_case(x2)   # a device schedule (scheduler kernel) on cuda:1
+    assert sched.tile_scheduler_metadata.device == x2.q.device
+    check(x2, o, l)

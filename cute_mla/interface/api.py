@@ -93,12 +93,26 @@ def flash_mla_with_kvcache(
     b, s_q, h_q, topk, extra_topk = _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
                                                   extra)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    launcher = _schedule(sched, q, (b, s_q, h_q, topk, extra_topk), topk_length, attn_sink is not None, extra_topk_length)
+    call = (sched, q, k_cache, indices, topk_length, attn_sink, out, scale, extra, (b, s_q, h_q, topk, extra_topk),
+            head_dim_v)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        # The kernels launch on the current device's stream and the schedule is made there: a
+        # call with tensors on another GPU switches to theirs for its duration (no sync).
+        with torch.cuda.device(q.device):
+            return _launch(*call)
+    return _launch(*call)
+
+
+def _launch(sched, q, k_cache, indices, topk_length, attn_sink, out, scale, extra, dims, head_dim_v):
+    """The call's schedule (first call), outputs and launches, on q's device (the current one)."""
+    b, s_q, h_q, topk, extra_topk = dims
+    extra_k_cache, extra_indices, extra_topk_length = extra
+    launcher = _schedule(sched, q, dims, topk_length, attn_sink is not None, extra_topk_length)
     if out is None:
         out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
     launcher(q, _cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata, sched.accum_offsets,
-             out, lse, scale, (None if extra_k_cache is None else _cache_bytes(extra_k_cache), extra_indices_in_kvcache,
+             out, lse, scale, (None if extra_k_cache is None else _cache_bytes(extra_k_cache), extra_indices,
                                extra_topk_length))
     return out, lse.transpose(1, 2)
 
