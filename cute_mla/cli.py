@@ -9,6 +9,7 @@ import time
 from importlib import metadata
 
 from . import archs
+from .formats import V32
 
 
 def _version(dist: str) -> str:
@@ -64,7 +65,7 @@ def cmd_compile(args) -> int:
     from .playground import registry
 
     decode_only = [flag for flag, on in (("--split", args.split), ("--topk-length", args.topk_length),
-                                         ("--d-qk", args.d_qk != 576), ("--extra-kv", args.extra_kv),
+                                         ("--d-qk", args.d_qk != V32.d_qk), ("--extra-kv", args.extra_kv),
                                          ("--extra-topk-length", args.extra_topk_length)) if on]
     if args.kernel != "sparse_decode" and decode_only:
         raise ValueError(f"{', '.join(decode_only)}: options of --kernel sparse_decode, got --kernel {args.kernel}")
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--b", type=positive_int, default=1)
         sp.add_argument("--s-q", type=positive_int, default=s_q_default)
         sp.add_argument("--h-q", type=positive_int, default=64)
-        sp.add_argument("--d-qk", type=positive_int, default=576)
+        sp.add_argument("--d-qk", type=positive_int, default=V32.d_qk)
         sp.add_argument("--topk", type=positive_int, default=2048)
         sp.add_argument("--topk-length", action="store_true", help="plan for per-request topk_length")
         sp.add_argument("--extra-topk", type=int, default=0, help="the V4 extra pool's list length (0: none)")
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--split", action="store_true", help="the split variant of sparse_decode")
     sp.add_argument("--topk-length", action="store_true")
     sp.add_argument("--attn-sink", action="store_true")
-    sp.add_argument("--d-qk", type=int, default=576, help="the cache format: 576 (V3.2) or 512 (V4)")
+    sp.add_argument("--d-qk", type=int, default=V32.d_qk, help="the cache format: 576 (V3.2) or 512 (V4)")
     sp.add_argument("--extra-kv", action="store_true", help="the V4 extra KV pool")
     sp.add_argument("--extra-topk-length", action="store_true", help="with --extra-kv: per-request extra_topk_length")
     sp.set_defaults(fn=cmd_compile)

@@ -10,6 +10,17 @@ from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import make_inputs
 
 
+
+def assert_matches_float64(out, lse, rout, rlse):
+    """The fp32 oracle against a float64 computation: the same empty rows (lse +inf), lse and out
+    within 1e-5, no NaN."""
+    assert torch.equal(torch.isinf(lse), torch.isinf(rlse)) and (lse[torch.isinf(lse)] > 0).all()
+    fin = torch.isfinite(rlse)
+    assert fin.any(), "the case must have rows with valid tokens"
+    assert (lse[fin].double() - rlse[fin]).abs().max() < 1e-5
+    assert (out.double() - rout).abs().max() < 1e-5
+    assert not torch.isnan(out).any()
+
 def direct_float64(q, k_cache, indices, scale, sink, topk_length):
     b, s_q, h_q, _ = q.shape
     kv = dequantize_v32(k_cache.reshape(-1, 656)).to(torch.bfloat16).double()
@@ -50,12 +61,7 @@ def test_reference_matches_float64(seed, case):
     out, lse = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, x.attn_sink, x.topk_length)
     rout, rlse = direct_float64(x.q, x.k_cache, x.indices, x.softmax_scale, x.attn_sink, x.topk_length)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
-    assert torch.equal(torch.isinf(lse), torch.isinf(rlse)) and (lse[torch.isinf(lse)] > 0).all()
-    fin = torch.isfinite(rlse)
-    assert fin.any(), "the case must have rows with valid tokens"
-    assert (lse[fin].double() - rlse[fin]).abs().max() < 1e-5
-    assert (out.double() - rout).abs().max() < 1e-5
-    assert not torch.isnan(out).any()
+    assert_matches_float64(out, lse, rout, rlse)
 
 
 def test_empty_rows_give_zero_and_plus_inf(seed):
@@ -162,12 +168,7 @@ def test_v4_reference_matches_float64(seed, case):
     out, lse = x.reference()
     rout, rlse = direct_float64_v4(x)
     assert out.shape == (x.q.shape[0], x.q.shape[1], 64, 512) and lse.shape == (x.q.shape[0], 64, x.q.shape[1])
-    assert torch.equal(torch.isinf(lse), torch.isinf(rlse)) and (lse[torch.isinf(lse)] > 0).all()
-    fin = torch.isfinite(rlse)
-    assert fin.any(), "the case must have rows with valid tokens"
-    assert (lse[fin].double() - rlse[fin]).abs().max() < 1e-5
-    assert (out.double() - rout).abs().max() < 1e-5
-    assert not torch.isnan(out).any()
+    assert_matches_float64(out, lse, rout, rlse)
     if case.get("all_invalid_rows"):
         assert torch.isinf(lse).any(), "an all-invalid row (both lists) has lse +inf"
     # the float64 reference agrees with the fp32 one on every row

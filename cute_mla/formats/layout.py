@@ -68,6 +68,49 @@ class KVCacheFormat:
         return -(-page_block_size * self.row_bytes // self.block_align) * self.block_align
 
 
+class E4m3Dequant:
+    """The device conversions every e4m3 format shares (plain functions that emit IR when a kernel
+    calls them at trace time). A format's ``Dequant`` subclasses it and says how its scales are
+    stored: ``scale_words`` (i32 registers of a row's scales as loaded), ``packed_scales`` (several
+    scales per register: a producer derives each where it uses it), ``scale_index(dim)`` and
+    ``scale_bits(words, k)`` (the fp32 bits of scale k).
+
+    A producer hands over one 32-bit word of four e4m3 values and its scale and stores the two
+    bf16x2 words it gets back; both paths give bf16(float(fp8) * scale) bit for bit, as the
+    reference does.
+    """
+
+    scale_words: int
+    packed_scales: bool
+
+    @staticmethod
+    def scale_takes_fast_path(scale_bits):
+        """Whether :meth:`fast` is exact for this scale: a power of two (or zero) below 2^8, as
+        FlashMLA's recipe writes. A producer takes the fast path for a whole warp when every
+        lane's scales allow it, and :meth:`exact` otherwise."""
+        from ..dsl import ptx
+        return ptx.is_pow2_scale(scale_bits)
+
+    @staticmethod
+    def fast_multiplier(scale_bits):
+        """The bf16x2 multiplier :meth:`fast` takes, made once per scale."""
+        from ..dsl import ptx
+        return ptx.pow2_scale_multiplier(scale_bits)
+
+    @staticmethod
+    def fast(word, multiplier):
+        """Four e4m3 values -> two bf16x2 words: 4 ALU ops per pair (bit moves, one bf16x2 multiply)."""
+        from ..dsl import ptx
+        return ptx.fp8x4_to_bf16x4_pow2(word, multiplier)
+
+    @staticmethod
+    def exact(word, scale_bits):
+        """Four e4m3 values -> two bf16x2 words with any fp32 scale: 6 ops per pair. An invalid
+        row's fp8 bytes must be zeroed by the caller (NaN bytes times a zero scale stay NaN)."""
+        from ..dsl import ptx
+        return ptx.fp8x4_to_bf16x4_exact(word, scale_bits)
+
+
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """FlashMLA's recipe: the smallest power of two that maps ``amax`` into e4m3's range, at least
     2^ceil(log2(1e-4))."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import FP8_E4M3_MAX, KVCacheFormat, cache_bytes, padded_cache, pow2_scale
+from .layout import FP8_E4M3_MAX, E4m3Dequant, KVCacheFormat, cache_bytes, padded_cache, pow2_scale
 
 ROW_BYTES = 656
 D_QK, D_V, D_NOPE, D_ROPE, GROUP = 576, 512, 512, 64, 128
@@ -82,19 +82,13 @@ def dequantize_cache_v32(k_cache: torch.Tensor) -> torch.Tensor:
     return dequantize_v32(raw)
 
 
-class Dequant:
-    """The device dequant routine of V3.2 rows (plain functions that emit IR when a kernel calls them
-    at trace time).
+class Dequant(E4m3Dequant):
+    """V3.2's scales: four fp32 per row, one per 128 NoPE dims, loaded as four words. Rounding the
+    scale to bf16 first (FlashMLA's SM90 numerics) fails the cosine and lse tolerances with scales
+    that are not powers of two, hence the exact path for those."""
 
-    A producer hands over one 32-bit word of four e4m3 values and the fp32 bits of their group's
-    scale (:func:`scale_index` says which) and stores the two bf16x2 words it gets back. Both paths
-    give bf16(float(fp8) * scale) bit for bit, as the reference does; rounding the scale to bf16
-    first (FlashMLA's SM90 numerics) fails the cosine and lse tolerances with scales that are not
-    powers of two.
-    """
-
-    scale_words = 4   # i32 words of one row's scales as loaded (4 x fp32)
-    packed_scales = False   # one scale per word: a producer keeps them converted
+    scale_words = 4
+    packed_scales = False
 
     @staticmethod
     def scale_index(dim: int) -> int:
@@ -105,33 +99,6 @@ class Dequant:
     def scale_bits(words, k: int):
         """The fp32 bits of scale ``k`` from a row's loaded scale words."""
         return words[k]
-
-    @staticmethod
-    def scale_takes_fast_path(scale_bits):
-        """Whether :meth:`fast` is exact for this scale: a power of two (or zero) below 2^8, as
-        FlashMLA's recipe writes. A producer takes the fast path for a whole warp when every
-        lane's scales allow it, and :meth:`exact` otherwise."""
-        from ..dsl import ptx
-        return ptx.is_pow2_scale(scale_bits)
-
-    @staticmethod
-    def fast_multiplier(scale_bits):
-        """The bf16x2 multiplier :meth:`fast` takes, made once per scale."""
-        from ..dsl import ptx
-        return ptx.pow2_scale_multiplier(scale_bits)
-
-    @staticmethod
-    def fast(word, multiplier):
-        """Four e4m3 values -> two bf16x2 words: 4 ALU ops per pair (bit moves, one bf16x2 multiply)."""
-        from ..dsl import ptx
-        return ptx.fp8x4_to_bf16x4_pow2(word, multiplier)
-
-    @staticmethod
-    def exact(word, scale_bits):
-        """Four e4m3 values -> two bf16x2 words with any fp32 scale: 6 ops per pair. An invalid
-        row's fp8 bytes must be zeroed by the caller (NaN bytes times a zero scale stay NaN)."""
-        from ..dsl import ptx
-        return ptx.fp8x4_to_bf16x4_exact(word, scale_bits)
 
 
 V32 = KVCacheFormat(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import FP8_E4M3_MAX, KVCacheFormat, block_bytes, padded_cache, pow2_scale
+from .layout import FP8_E4M3_MAX, E4m3Dequant, KVCacheFormat, block_bytes, padded_cache, pow2_scale
 
 ROW_BYTES = 584
 D_QK, D_V, D_NOPE, D_ROPE, GROUP = 512, 512, 448, 64, 64
@@ -66,8 +66,8 @@ def dequantize_v4(k_cache: torch.Tensor) -> torch.Tensor:
     return torch.cat([(fp8 * scale).reshape(nb, page, D_NOPE), rope], dim=-1)
 
 
-class Dequant:
-    """The device dequant routine of V4 rows (V3.2's conversions; only the scales differ).
+class Dequant(E4m3Dequant):
+    """The device dequant routine of V4 rows: the e4m3 conversions of every format, V4's scales.
 
     A row's scales are loaded as two i32 words (its 8-byte scale row), four ue8m0 bytes per word
     (``packed_scales``: a producer derives each chunk's scale from the words where it uses it).
@@ -81,16 +81,6 @@ class Dequant:
     packed_scales = True
 
     @staticmethod
-    def packed_takes_fast_path(words, k: int):
-        from ..dsl import ptx
-        return ptx.ue8m0_takes_fast_path(words[k // 4], k % 4)
-
-    @staticmethod
-    def packed_multiplier(words, k: int):
-        from ..dsl import ptx
-        return ptx.ue8m0_pow2_multiplier(words[k // 4], k % 4)
-
-    @staticmethod
     def scale_index(dim: int) -> int:
         return dim // GROUP
 
@@ -100,24 +90,14 @@ class Dequant:
         return ptx.ue8m0_to_f32_bits(words[k // 4], k % 4)
 
     @staticmethod
-    def scale_takes_fast_path(scale_bits):
+    def packed_takes_fast_path(words, k: int):
         from ..dsl import ptx
-        return ptx.is_pow2_scale(scale_bits)
+        return ptx.ue8m0_takes_fast_path(words[k // 4], k % 4)
 
     @staticmethod
-    def fast_multiplier(scale_bits):
+    def packed_multiplier(words, k: int):
         from ..dsl import ptx
-        return ptx.pow2_scale_multiplier(scale_bits)
-
-    @staticmethod
-    def fast(word, multiplier):
-        from ..dsl import ptx
-        return ptx.fp8x4_to_bf16x4_pow2(word, multiplier)
-
-    @staticmethod
-    def exact(word, scale_bits):
-        from ..dsl import ptx
-        return ptx.fp8x4_to_bf16x4_exact(word, scale_bits)
+        return ptx.ue8m0_pow2_multiplier(words[k // 4], k % 4)
 
 
 V4 = KVCacheFormat(

@@ -9,6 +9,7 @@ with FlashMLA). The metadata tensors live in the object, at stable addresses, fo
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
@@ -89,32 +90,31 @@ def flash_mla_with_kvcache(
     _check_arguments(tile_scheduler_metadata, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
                      extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     sched = tile_scheduler_metadata
-    extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     b, s_q, h_q, topk, extra_topk = _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
-                                                  extra)
+                                                  (extra_k_cache, extra_indices_in_kvcache, extra_topk_length))
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    call = (sched, q, k_cache, indices, topk_length, attn_sink, out, scale, extra, (b, s_q, h_q, topk, extra_topk),
-            head_dim_v)
-    if q.is_cuda and q.device.index != torch.cuda.current_device():
-        # The kernels launch on the current device's stream and the schedule is made there: a
-        # call with tensors on another GPU switches to theirs for its duration (no sync).
-        with torch.cuda.device(q.device):
-            return _launch(*call)
-    return _launch(*call)
-
-
-def _launch(sched, q, k_cache, indices, topk_length, attn_sink, out, scale, extra, dims, head_dim_v):
-    """The call's schedule (first call), outputs and launches, on q's device (the current one)."""
-    b, s_q, h_q, topk, extra_topk = dims
-    extra_k_cache, extra_indices, extra_topk_length = extra
-    launcher = _schedule(sched, q, dims, topk_length, attn_sink is not None, extra_topk_length)
-    if out is None:
-        out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-    launcher(q, _cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata, sched.accum_offsets,
-             out, lse, scale, (None if extra_k_cache is None else _cache_bytes(extra_k_cache), extra_indices,
-                               extra_topk_length))
+    with _on_device_of(q):
+        launcher = _schedule(sched, q, (b, s_q, h_q, topk, extra_topk), topk_length, attn_sink is not None,
+                             extra_topk_length)
+        if out is None:
+            out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+        launcher(q, _cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata,
+                 sched.accum_offsets, out, lse, scale,
+                 (None if extra_k_cache is None else _cache_bytes(extra_k_cache), extra_indices_in_kvcache,
+                  extra_topk_length))
     return out, lse.transpose(1, 2)
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _on_device_of(q: torch.Tensor):
+    """The kernels launch on the current device's stream and the schedule is made there: a call
+    with tensors on another GPU switches to theirs for its duration (no sync)."""
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        return torch.cuda.device(q.device)
+    return _SAME_DEVICE
 
 
 def _cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
