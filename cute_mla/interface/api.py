@@ -9,7 +9,6 @@ with FlashMLA). The metadata tensors live in the object, at stable addresses, fo
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
@@ -20,7 +19,9 @@ from ..archs import UnsupportedDeviceError, device_arch, device_num_sms
 from ..formats import detect_format
 from ..plan import SparseDecodePlan, check_problem, plan_sparse_decode
 from ..plan.schedule import Schedule, make_schedule
+from . import ops
 from .launcher import Launcher
+from .ops import cache_bytes, on_device_of
 from .validate import KV_CACHE_DTYPES, check_aligned_strides, check_tensor
 
 
@@ -86,40 +87,36 @@ def flash_mla_with_kvcache(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode, FlashMLA's signature. Returns ``out`` (b, s_q, h_q, 512) bf16 and ``lse``
     (b, h_q, s_q) fp32 natural log (a transposed view, as FlashMLA's). ``block_table`` and
-    ``cache_seqlens`` are ignored in sparse mode (the indices already address the cache)."""
+    ``cache_seqlens`` are ignored in sparse mode (the indices already address the cache).
+
+    Under ``torch.compile`` the call traces as the ``cute_mla::sparse_decode_schedule`` and
+    ``cute_mla::sparse_decode`` ops (:mod:`.ops`), with the same checks; ``tile_scheduler_metadata``
+    is then only type-checked (the graph makes each call's schedule)."""
     _check_arguments(tile_scheduler_metadata, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
                      extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    if torch.compiler.is_compiling():
+        b, s_q, h_q, topk, extra_topk = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
+                                                          extra, pointers=False)
+        scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+        out, lse = ops.traced_call(q, k_cache, indices, topk_length, attn_sink, extra, out, scale, topk, extra_topk,
+                                   head_dim_v)
+        return out, lse.transpose(1, 2)
     sched = tile_scheduler_metadata
     b, s_q, h_q, topk, extra_topk = _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
-                                                  (extra_k_cache, extra_indices_in_kvcache, extra_topk_length))
+                                                  extra)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    with _on_device_of(q):
+    with on_device_of(q):
         launcher = _schedule(sched, q, (b, s_q, h_q, topk, extra_topk), topk_length, attn_sink is not None,
                              extra_topk_length)
         if out is None:
             out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-        launcher(q, _cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata,
+        launcher(q, cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata,
                  sched.accum_offsets, out, lse, scale,
-                 (None if extra_k_cache is None else _cache_bytes(extra_k_cache), extra_indices_in_kvcache,
+                 (None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices_in_kvcache,
                   extra_topk_length))
     return out, lse.transpose(1, 2)
-
-
-_SAME_DEVICE = contextlib.nullcontext()
-
-
-def _on_device_of(q: torch.Tensor):
-    """The kernels launch on the current device's stream and the schedule is made there: a call
-    with tensors on another GPU switches to theirs for its duration (no sync)."""
-    if q.is_cuda and q.device.index != torch.cuda.current_device():
-        return torch.cuda.device(q.device)
-    return _SAME_DEVICE
-
-
-def _cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
-    """A (num_blocks, page_block_size, 1, row bytes) cache as the kernels' uint8 (num_blocks, page_block_size, row bytes)."""
-    return k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
 
 
 def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, dims: Tuple[int, ...], topk_length: Optional[torch.Tensor],
@@ -212,8 +209,11 @@ def _require_cuda(q) -> None:
         raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
 
 
-def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):
-    """The tensor checks of :func:`_checked_dims`; returns (b, s_q, h_q, topk, extra_topk)."""
+def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None),
+                      pointers: bool = True):
+    """The tensor checks of :func:`_checked_dims`; returns (b, s_q, h_q, topk, extra_topk).
+    ``pointers=False`` (a call being traced): all but the base-pointer alignment, which the
+    ``cute_mla::sparse_decode`` op checks on the real tensors (``validate.check_call_pointers``)."""
     check_tensor("q", q, dtypes=(torch.bfloat16,), dim=4, shape_doc="(b, s_q, h_q, d_qk)")
     b, s_q, h_q, d_qk = q.shape
     if not isinstance(head_dim_v, int) or head_dim_v != 512:
@@ -230,13 +230,13 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
         if extra_topk < 1:
             raise ValueError(f"extra_topk: got {extra_topk} (extra_indices_in_kvcache's last dim), accepted: a positive "
                              "multiple of 64 (pass no extra pool instead of an empty one)")
-        check_aligned_strides("extra_indices_in_kvcache", extra_indices)
+        check_aligned_strides("extra_indices_in_kvcache", extra_indices, pointer=pointers)
     check_problem(b, s_q, h_q, d_qk, topk, extra_topk)
-    check_aligned_strides("q", q)
-    check_aligned_strides("indices", indices)
-    fmt = _check_cache("k_cache", k_cache, d_qk, q.device)
+    check_aligned_strides("q", q, pointer=pointers)
+    check_aligned_strides("indices", indices, pointer=pointers)
+    fmt = _check_cache("k_cache", k_cache, d_qk, q.device, pointers)
     if extra_k_cache is not None:
-        extra_fmt = _check_cache("extra_k_cache", extra_k_cache, d_qk, q.device)
+        extra_fmt = _check_cache("extra_k_cache", extra_k_cache, d_qk, q.device, pointers)
         if extra_fmt is not fmt:
             raise ValueError(f"extra_k_cache: the {extra_fmt.name} format ({extra_fmt.row_bytes} bytes/token) differs from "
                              f"k_cache's {fmt.name} ({fmt.row_bytes} bytes/token); the extra pool takes k_cache's format")
@@ -252,13 +252,14 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
     if out is not None:
         check_tensor("out", out, dtypes=(torch.bfloat16,), dim=4, shape=(b, s_q, h_q, fmt.d_v), device=q.device,
                      shape_doc=f"(b, s_q, h_q, {fmt.d_v})")
-        check_aligned_strides("out", out)
+        check_aligned_strides("out", out, pointer=pointers)
     _require_cuda(q)
     return b, s_q, h_q, topk, extra_topk
 
 
-def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
-    """The checks of one paged cache (``k_cache`` or ``extra_k_cache``); returns its format."""
+def _check_cache(name: str, k_cache, d_qk: int, device: torch.device, pointers: bool = True):
+    """The checks of one paged cache (``k_cache`` or ``extra_k_cache``); returns its format
+    (``pointers``: as in :func:`_validate_tensors`)."""
     check_tensor(name, k_cache, dtypes=KV_CACHE_DTYPES, dim=4, device=device,
                  shape_doc="(num_blocks, page_block_size, 1, bytes_per_token)")
     num_blocks, page_block_size, h_k, bytes_per_token = k_cache.shape
@@ -274,9 +275,9 @@ def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
     if num_blocks * page_block_size >= 2**31:
         raise ValueError(f"{name}: {num_blocks}x{page_block_size} tokens do not fit int32 indices")
     stride0 = k_cache.stride(0) * k_cache.element_size()   # bytes (the kernels read it as uint8)
-    if k_cache.data_ptr() % 16 or stride0 % 16:
-        raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got offset {k_cache.data_ptr() % 16} "
-                         f"and stride(0)={stride0}")
+    if stride0 % 16 or (pointers and k_cache.data_ptr() % 16):
+        raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got "
+                         f"{f'offset {k_cache.data_ptr() % 16} and ' if pointers else ''}stride(0)={stride0}")
     if stride0 >= 2**31:
         raise ValueError(f"{name}: stride(0) of {stride0} bytes, accepted: below 2^31 bytes per page block")
     if num_blocks > 1 and stride0 < page_block_size * bytes_per_token:

@@ -27,9 +27,8 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], dim: Optional[i
         raise TypeError(f"{name}: expected a torch.Tensor{' ' + shape_doc if shape_doc else ''}, got {_desc(t)}")
     if t.layout is not torch.strided:
         raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
-    if t.is_neg():
-        raise ValueError(f"{name}: a lazily negated view (torch._neg_view) is not read as negated by the kernels; "
-                         "pass t.resolve_neg()")
+    if not torch.compiler.is_compiling():     # a trace cannot ask: check_deferred asks the real tensor
+        check_not_neg(name, t)
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: got dtype {t.dtype}, accepted: {', '.join(str(d) for d in dtypes)}")
     if dim is not None and t.dim() != dim:
@@ -47,11 +46,38 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], dim: Optional[i
     return t
 
 
-def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16) -> None:
-    """TMA and 16-byte vector accesses need every outer stride (in bytes) and the base 16-byte aligned."""
+def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16, pointer: bool = True) -> None:
+    """TMA and 16-byte vector accesses need every outer stride (in bytes) and the base 16-byte aligned.
+    ``pointer=False``: the strides only (a traced call has no data pointer; :func:`check_pointer`
+    runs where the tensor is real)."""
     es = t.element_size()
     for i, s in enumerate(t.stride()[:-1]):
         if t.shape[i] > 1 and (s * es) % align_bytes:
             raise ValueError(f"{name}: stride {i} is {s} elements ({s * es} bytes), accepted: a multiple of {align_bytes} bytes")
-    if t.data_ptr() % align_bytes:
+    if pointer:
+        check_pointer(name, t, align_bytes)
+
+
+def check_pointer(name: str, t: Optional[torch.Tensor], align_bytes: int = 16) -> None:
+    """The base-pointer half of :func:`check_aligned_strides` (None passes)."""
+    if t is not None and t.data_ptr() % align_bytes:
         raise ValueError(f"{name}: the data pointer must be {align_bytes}-byte aligned, got an offset of {t.data_ptr() % align_bytes} bytes")
+
+
+def check_not_neg(name: str, t: torch.Tensor) -> None:
+    if t.is_neg():
+        raise ValueError(f"{name}: a lazily negated view (torch._neg_view) is not read as negated by the kernels; "
+                         "pass t.resolve_neg()")
+
+
+def check_deferred(tensors, caches) -> None:
+    """The checks a traced call defers to its op, which sees the real tensors: base pointers and the
+    neg bit. ``tensors`` and ``caches``: (name, tensor or None) pairs; a cache's base needs 16 bytes."""
+    for name, t in tensors + caches:
+        if t is not None:
+            check_not_neg(name, t)
+    for name, t in tensors:
+        check_pointer(name, t)
+    for name, t in caches:
+        if t is not None and t.data_ptr() % 16:
+            raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got offset {t.data_ptr() % 16}")

@@ -1,0 +1,180 @@
+"""The call as ``torch.library`` ops: what ``torch.compile`` traces.
+
+Two ops in the ``cute_mla`` namespace, each with a fake (meta) implementation that gives its
+outputs' shapes and dtypes from the plan, so a traced graph holds them as opaque nodes:
+
+* ``cute_mla::sparse_decode_schedule(q, topk_length?, extra_topk_length?, topk, extra_topk, arch,
+  num_sms) -> schedule``: the call's schedule, packed as one int32 tensor
+  ``[tile_md (partitions x 8) | num_splits (n) | accum_offsets (n)]`` (:func:`schedule_views`);
+* ``cute_mla::sparse_decode(q, k_cache, indices, topk_length?, attn_sink?, extra_k_cache?,
+  extra_indices?, extra_topk_length?, schedule, out!, softmax_scale, arch, num_sms) -> lse``:
+  the decode kernel and, where the plan splits, the combine; ``out`` (b, s_q, h_q, 512) bf16 is
+  written in place (declared mutated), ``lse`` (b, s_q, h_q) fp32 is returned.
+
+A traced :func:`~.api.flash_mla_with_kvcache` makes its schedule in the graph (both ops, per call)
+instead of keeping it in the ``FlashMLASchedMeta``, which a graph cannot fill: under CUDA graphs the
+schedule is then recomputed at each replay from the lengths the replay reads. Host-known schedules
+are copied from their cached upload (one device copy, a stable source address).
+
+Eager calls do not go through the dispatcher: it costs ~5 µs of host time per call on a
+``Library.impl`` op and ~70 µs on a ``torch.library.custom_op`` (the CI machine), more than the
+decode kernel of a small call, so :func:`~.api.flash_mla_with_kvcache` runs the same code directly
+and keeps the schedule in the metadata object, once per decode step.
+
+The plan of a traced call is a function of the tensors' shapes and of (arch, num_sms), which the
+trace reads from the device once (:func:`device_facts`) and passes to both ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+
+from ..archs import device_arch, device_num_sms
+from ..plan import SparseDecodePlan, plan_sparse_decode
+from ..plan.schedule import make_schedule
+from ..scheduler import SCHED_ROW_INTS
+from .launcher import Launcher
+from .validate import check_deferred
+
+NAMESPACE = "cute_mla"
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+_lib.define(
+    "sparse_decode_schedule(Tensor q, Tensor? topk_length, Tensor? extra_topk_length, int topk, int extra_topk, "
+    "str arch, int num_sms) -> Tensor")
+_lib.define(
+    "sparse_decode(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+    "Tensor? extra_k_cache, Tensor? extra_indices, Tensor? extra_topk_length, Tensor schedule, Tensor(a!) out, "
+    "float softmax_scale, str arch, int num_sms) -> Tensor")
+
+
+@torch.compiler.assume_constant_result
+def device_facts(device: torch.device) -> Tuple[str, int]:
+    """(arch name, SM count) of the call's device: constants of a traced call (read once, at trace time)."""
+    return device_arch(device), device_num_sms(device)
+
+
+def call_plan(q: torch.Tensor, topk: int, extra_topk: int, has_topk_length: bool, has_extra_topk_length: bool,
+              arch: str, num_sms: int) -> SparseDecodePlan:
+    """The plan of a call (cached: ``plan_sparse_decode``). The plan (a partition count, a kernel
+    variant) is a function of the shapes: a trace with symbolic sizes specializes on them here
+    (``int()`` guards each value) rather than carrying symbols into the plan."""
+    b, s_q, h_q, d_qk = (int(v) for v in q.shape)
+    return plan_sparse_decode(b, s_q, h_q, d_qk, int(topk), arch=arch, num_sms=num_sms, has_topk_length=has_topk_length,
+                              extra_topk=int(extra_topk), has_extra_topk_length=has_extra_topk_length)
+
+
+def schedule_sizes(plan: SparseDecodePlan) -> Tuple[int, int]:
+    """(partitions, n): the packed schedule's tile_md rows and its num_splits / accum_offsets length."""
+    if plan.host_schedule is not None:
+        return len(plan.host_schedule.rows), len(plan.host_schedule.num_splits)
+    return (plan.b if plan.schedule == "per_request" else plan.num_sm_parts), plan.b + 1
+
+
+def schedule_views(plan: SparseDecodePlan, packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tile_md, num_splits, accum_offsets) views of a packed schedule."""
+    p, n = schedule_sizes(plan)
+    rows = p * SCHED_ROW_INTS
+    return packed[:rows].view(p, SCHED_ROW_INTS), packed[rows:rows + n], packed[rows + n:rows + 2 * n]
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device_of(q: torch.Tensor):
+    """The kernels launch on the current device's stream and the schedule is made there: a call
+    with tensors on another GPU switches to theirs for its duration (no sync)."""
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        return torch.cuda.device(q.device)
+    return _SAME_DEVICE
+
+
+def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
+    """A (num_blocks, page_block_size, 1, row bytes) cache as the kernels' uint8 (num_blocks, page_block_size, row bytes)."""
+    return k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
+
+
+_launchers: dict = {}   # (plan, has_attn_sink) -> Launcher; plans are hashable and cached
+
+
+def launcher_of(plan: SparseDecodePlan, has_attn_sink: bool) -> Launcher:
+    key = (plan, has_attn_sink)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = _launchers[key] = Launcher(plan, plan.has_topk_length, has_attn_sink)
+    return launcher
+
+
+def _plan_of(q, indices, topk_length, extra_indices, extra_topk_length, arch, num_sms) -> SparseDecodePlan:
+    return call_plan(q, indices.shape[-1], 0 if extra_indices is None else extra_indices.shape[-1],
+                     topk_length is not None, extra_topk_length is not None, arch, num_sms)
+
+
+# ------------------------------------------------------------------------------- the schedule op
+
+
+def _schedule_impl(q, topk_length, extra_topk_length, topk, extra_topk, arch, num_sms):
+    plan = call_plan(q, topk, extra_topk, topk_length is not None, extra_topk_length is not None, arch, num_sms)
+    with on_device_of(q):
+        s = make_schedule(plan, q.device, topk_length, extra_topk_length)
+        if s.upload is not None:
+            s.ensure_ready()
+            return s.upload.dev.clone()      # the op's output must not alias the cache's entry
+        return torch.cat((s.tile_md.flatten(), s.num_splits, s.accum_offsets))
+
+
+def _schedule_fake(q, topk_length, extra_topk_length, topk, extra_topk, arch, num_sms):
+    plan = call_plan(q, topk, extra_topk, topk_length is not None, extra_topk_length is not None, arch, num_sms)
+    p, n = schedule_sizes(plan)
+    return q.new_empty(p * SCHED_ROW_INTS + 2 * n, dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------------- the decode op
+
+
+def _decode_impl(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
+                 schedule, out, softmax_scale, arch, num_sms):
+    # a trace cannot read data pointers or neg bits: their checks run here, on the real tensors, before the launch
+    check_deferred((("q", q), ("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink),
+                    ("out", out), ("extra_indices_in_kvcache", extra_indices), ("extra_topk_length", extra_topk_length)),
+                   (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)))
+    plan = _plan_of(q, indices, topk_length, extra_indices, extra_topk_length, arch, num_sms)
+    tile_md, _, accum_offsets = schedule_views(plan, schedule)
+    b, s_q, h_q, _ = q.shape
+    with on_device_of(q):
+        lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+        launcher_of(plan, attn_sink is not None)(
+            q, cache_bytes(k_cache), indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, softmax_scale,
+            (None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices, extra_topk_length))
+    return lse
+
+
+def _decode_fake(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
+                 schedule, out, softmax_scale, arch, num_sms):
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty(b, s_q, h_q, dtype=torch.float32)
+
+
+_lib.impl("sparse_decode_schedule", _schedule_impl, "CUDA")
+_lib.impl("sparse_decode", _decode_impl, "CUDA")
+torch.library.register_fake(f"{NAMESPACE}::sparse_decode_schedule", _schedule_fake, lib=_lib)
+torch.library.register_fake(f"{NAMESPACE}::sparse_decode", _decode_fake, lib=_lib)
+
+
+def traced_call(q, k_cache, indices, topk_length, attn_sink, extra, out: Optional[torch.Tensor], softmax_scale: float,
+                topk: int, extra_topk: int, d_v: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The body of a call being traced (``torch.compiler.is_compiling()``), its checks done:
+    (out, lse (b, s_q, h_q)) through the two ops."""
+    extra_k_cache, extra_indices, extra_topk_length = extra
+    arch, num_sms = device_facts(q.device)
+    b, s_q, h_q, _ = q.shape
+    schedule = torch.ops.cute_mla.sparse_decode_schedule(q, topk_length, extra_topk_length, topk, extra_topk, arch,
+                                                         num_sms)
+    if out is None:
+        out = torch.empty(b, s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.ops.cute_mla.sparse_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
+                                           extra_topk_length, schedule, out, softmax_scale, arch, num_sms)
+    return out, lse

@@ -1,0 +1,236 @@
+"""The ``torch.library`` ops a traced call goes through (``cute_mla.interface.ops``).
+
+CPU: ``torch.compile(fullgraph=True)`` traces the public API with fake CUDA tensors (no GPU, no
+launch): the graph holds the two ops, the outputs have FlashMLA's shapes, dtypes and strides, and a
+bad input is still refused by name. GPU: a compiled module equals the eager call, also under CUDA
+graphs (``mode="reduce-overhead"``) with lengths that change between replays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cute_mla
+from cute_mla.interface import ops
+from cute_mla.plan import plan_sparse_decode
+from cute_mla.plan.schedule import make_schedule
+
+
+@torch.compiler.assume_constant_result
+def _h200(device):
+    return "sm_90a", 132
+
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+    """A trace's device facts without a GPU; a fresh dynamo state per test."""
+    monkeypatch.setattr(ops, "device_facts", _h200)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _call(q, cache, idx, topk_length=None, sink=None, xcache=None, xidx=None, xlen=None, out=None, scale=None):
+    sched, _ = cute_mla.get_mla_metadata()
+    return cute_mla.flash_mla_with_kvcache(q, cache, None, None, 512, sched, softmax_scale=scale, is_fp8_kvcache=True,
+                                           indices=idx, topk_length=topk_length, attn_sink=sink, extra_k_cache=xcache,
+                                           extra_indices_in_kvcache=xidx, extra_topk_length=xlen, out=out)
+
+
+class _Recorder:
+    """A dynamo backend that keeps the graphs and runs them as traced (on fake tensors: fake impls)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self):
+        return [str(n.target) for g in self.graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+def _fake(shape, dtype, mode):
+    with mode:
+        return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+CASES = {
+    # name: (b, s_q, h_q, d_qk, row bytes, topk, with topk_length, with sink, extra_topk, with out)
+    "v32": (2, 1, 64, 576, 656, 128, False, False, 0, False),
+    "v32-lengths-sink": (3, 2, 128, 576, 656, 2048, True, True, 0, False),
+    "v32-token-walk": (1, 64, 64, 576, 656, 2048, False, False, 0, True),
+    "v4-extra": (4, 2, 128, 512, 584, 128, True, True, 512, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_traced_call_has_flashmla_shapes(fake_h200, case):
+    b, s_q, h_q, d_qk, row, topk, lengths, sink, extra_topk, with_out = CASES[case]
+    mode = FakeTensorMode()
+    i32, u8 = torch.int32, torch.uint8
+    args = dict(q=_fake((b, s_q, h_q, d_qk), torch.bfloat16, mode), cache=_fake((100, 64, 1, row), u8, mode),
+                idx=_fake((b, s_q, topk), i32, mode))
+    if lengths:
+        args["topk_length"] = _fake((b,), i32, mode)
+    if sink:
+        args["sink"] = _fake((h_q,), torch.float32, mode)
+    if extra_topk:
+        args.update(xcache=_fake((50, 2, 1, row), u8, mode), xidx=_fake((b, s_q, extra_topk), i32, mode),
+                    xlen=_fake((b,), i32, mode))
+    if with_out:
+        args["out"] = _fake((b, s_q, h_q, 512), torch.bfloat16, mode)
+    rec = _Recorder()
+    compiled = torch.compile(_call, fullgraph=True, backend=rec)
+    with mode:
+        out, lse = compiled(**args)
+    assert out.shape == (b, s_q, h_q, 512) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
+    assert lse.shape == (b, h_q, s_q) and lse.dtype == torch.float32
+    assert lse.stride() == (s_q * h_q, 1, h_q)          # FlashMLA's: a transposed view of (b, s_q, h_q)
+    if with_out:
+        assert out is args["out"]
+    assert rec.targets().count("cute_mla.sparse_decode_schedule") == 1
+    assert rec.targets().count("cute_mla.sparse_decode") == 1
+
+
+def test_traced_call_with_dynamic_shapes(fake_h200):
+    """A dynamic-shape trace specializes the plan's sizes (the fake implementations guard them)."""
+    rec = _Recorder()
+    compiled = torch.compile(_call, fullgraph=True, backend=rec, dynamic=True)
+    for b in (2, 3, 5):
+        mode = FakeTensorMode()
+        q = _fake((b, 1, 64, 576), torch.bfloat16, mode)
+        cache, idx = _fake((100, 64, 1, 656), torch.uint8, mode), _fake((b, 1, 128), torch.int32, mode)
+        with mode:
+            out, lse = compiled(q, cache, idx)
+        assert out.shape == (b, 1, 64, 512) and lse.shape == (b, 64, 1)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(q_dtype=torch.float32), "q: got dtype torch.float32"),
+    (dict(idx_dtype=torch.int64), "indices: got dtype torch.int64"),
+    (dict(row=600), "k_cache"),
+])
+def test_traced_call_refuses_bad_input(fake_h200, bad, message):
+    """Under fullgraph the API's checks run in the trace: the error names the argument."""
+    mode = FakeTensorMode()
+    q = _fake((2, 1, 64, 576), bad.get("q_dtype", torch.bfloat16), mode)
+    cache = _fake((100, 64, 1, bad.get("row", 656)), torch.uint8, mode)
+    idx = _fake((2, 1, 128), bad.get("idx_dtype", torch.int32), mode)
+    compiled = torch.compile(_call, fullgraph=True, backend=_Recorder())
+    with mode, pytest.raises(Exception, match=message):
+        compiled(q, cache, idx)
+
+
+def test_ops_declare_out_mutated():
+    schema = torch.ops.cute_mla.sparse_decode.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["out"]
+    assert not any(a.alias_info for a in torch.ops.cute_mla.sparse_decode_schedule.default._schema.arguments)
+
+
+@pytest.mark.parametrize("b, s_q, h_q, topk, lengths, extra_topk", [
+    (2, 1, 64, 2048, False, 0),       # host schedule, split
+    (1, 64, 64, 2048, False, 0),      # token walk
+    (128, 1, 64, 128, True, 512),     # per request (device lengths)
+    (32, 1, 128, 128, True, 512),     # device scheduler
+    (3, 2, 64, 2048, True, 0),
+])
+def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra_topk):
+    """The fake schedule's length is what the real op returns (host schedules on the CPU; device
+    ones by the torch-op scheduler where it runs on the CPU, else from the plan's fields)."""
+    d_qk = 512 if extra_topk else 576
+    plan = plan_sparse_decode(b, s_q, h_q, d_qk, topk, arch="sm_90a", num_sms=132, has_topk_length=lengths,
+                              extra_topk=extra_topk, has_extra_topk_length=bool(extra_topk))
+    p, n = ops.schedule_sizes(plan)
+    q = torch.empty(b, s_q, h_q, d_qk, dtype=torch.bfloat16)
+    fake = ops._schedule_fake(q, torch.empty(b, dtype=torch.int32) if lengths else None,
+                              torch.empty(b, dtype=torch.int32) if extra_topk else None, topk, extra_topk, "sm_90a", 132)
+    assert fake.shape == (p * 8 + 2 * n,) and fake.dtype == torch.int32
+    if plan.host_schedule is not None:
+        s = make_schedule(plan, torch.device("cpu"), None)
+        packed = s.upload.dev
+        tile_md, num_splits, offsets = ops.schedule_views(plan, packed)
+        assert torch.equal(tile_md, s.tile_md) and torch.equal(num_splits, s.num_splits)
+        assert torch.equal(offsets, s.accum_offsets) and packed.numel() == fake.numel()
+    elif plan.schedule == "per_request":
+        assert (p, n) == (b, b + 1)
+    else:
+        assert (p, n) == (plan.num_sm_parts, b + 1)
+
+
+def test_the_op_checks_what_a_trace_cannot():
+    """Base pointers and neg bits are checked by the op on the real tensors, before any launch."""
+    q = torch.zeros(2 * 64 * 576 + 8, dtype=torch.bfloat16)[8:].view(2, 1, 64, 576)   # 16-byte aligned
+    cache = torch.zeros(10, 64, 1, 656, dtype=torch.uint8)
+    idx, out = torch.zeros(2, 1, 128, dtype=torch.int32), torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)
+    unaligned = torch.zeros(2 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(2, 1, 64, 576)
+    args = (None, None, None, None, None, torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="^q: the data pointer must be 16-byte aligned"):
+        ops._decode_impl(unaligned, cache, idx, *args[:5], args[5], out, 0.1, "sm_90a", 132)
+    with pytest.raises(ValueError, match="^k_cache: base pointer"):
+        ops._decode_impl(q, torch.zeros(10 * 64 * 656 + 1, dtype=torch.uint8)[1:].view(10, 64, 1, 656), idx,
+                         *args[:5], args[5], out, 0.1, "sm_90a", 132)
+    with pytest.raises(ValueError, match="^out: a lazily negated view"):
+        ops._decode_impl(q, cache, idx, *args[:5], args[5], torch._neg_view(out), 0.1, "sm_90a", 132)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+class _Attention(torch.nn.Module):
+    """A small module whose forward calls the public API, as an engine's attention layer does."""
+
+    def forward(self, q, cache, idx, topk_length, sink, xcache, xidx, xlen):
+        o, l = _call(q, cache, idx, topk_length, sink, xcache, xidx, xlen, scale=q.shape[-1] ** -0.55)
+        return o * 2, l
+
+
+def _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths):
+    from cute_mla.testing import make_inputs
+
+    x = make_inputs(b, s_q, h_q, topk, num_tokens=4096, page_block_size=64, with_sink=True, with_topk_length=lengths,
+                    d_qk=d_qk, extra_topk=extra_topk, with_extra_topk_length=bool(extra_topk) and lengths,
+                    device="cuda")
+    return [x.q, x.k_cache, x.indices, x.topk_length, x.attn_sink, x.extra_k_cache, x.extra_indices,
+            x.extra_topk_length]
+
+
+GPU_CASES = [(1, 1, 64, 2048, 576, 0, False), (4, 2, 128, 2048, 576, 0, True), (1, 64, 64, 2048, 576, 0, False),
+             (32, 1, 128, 128, 512, 512, True), (128, 1, 64, 128, 512, 1024, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, s_q, h_q, topk, d_qk, extra_topk, lengths", GPU_CASES)
+def test_compiled_equals_eager(seed, b, s_q, h_q, topk, d_qk, extra_topk, lengths):
+    torch._dynamo.reset()
+    args = _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths)
+    module = _Attention()
+    eager_o, eager_l = module(*args)
+    compiled = torch.compile(module, fullgraph=True)
+    o, l = compiled(*args)
+    torch.cuda.synchronize()
+    # the same plan, schedule and kernels: bit for bit
+    assert torch.equal(o, eager_o) and torch.equal(l, eager_l)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, s_q, h_q, topk, d_qk, extra_topk, lengths", [GPU_CASES[1], GPU_CASES[3]])
+def test_compiled_under_cuda_graphs_follows_new_lengths(seed, b, s_q, h_q, topk, d_qk, extra_topk, lengths):
+    """``mode="reduce-overhead"`` replays a CUDA graph: the schedule made in the graph reads the
+    lengths of each replay (the metadata object is not what a graph reads)."""
+    torch._dynamo.reset()
+    args = _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths)
+    module = _Attention()
+    compiled = torch.compile(module, fullgraph=True, mode="reduce-overhead")
+    for step in range(4):
+        args[3].copy_(torch.randint(0, topk + 1, (b,), dtype=torch.int32, device="cuda"))
+        if args[7] is not None:
+            args[7].copy_(torch.randint(0, extra_topk + 1, (b,), dtype=torch.int32, device="cuda"))
+        o, l = compiled(*args)
+        eager_o, eager_l = module(*args)
+        torch.cuda.synchronize()
+        assert torch.equal(o, eager_o) and torch.equal(l, eager_l), f"replay {step}"
