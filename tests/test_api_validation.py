@@ -2,6 +2,8 @@
 
 All of these are raised on the host before any launch, so they run on a CPU-only machine."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -72,6 +74,12 @@ def test_rejected_argument(over, exc, msg):
 
 
 # ------------------------------------------------------------------------------------------- V4
+
+
+def _no_schedule(sched, *args, **kwargs):
+    """Stands in for the API's ``_schedule`` on the CPU: a ready schedule and a launcher that launches nothing."""
+    sched.schedule = SimpleNamespace(ensure_ready=lambda: None)
+    return lambda *a, **k: None
 
 
 def good_v4(b=2, s_q=1, h_q=64, topk=128, extra_topk=512):
@@ -166,7 +174,7 @@ def test_v4_checked_signature_includes_the_extra_pool(monkeypatch):
     from cute_mla.interface import api
 
     monkeypatch.setattr(api, "_require_cuda", lambda q: None)
-    monkeypatch.setattr(api, "_schedule", lambda *a, **k: (lambda *a2, **k2: None))
+    monkeypatch.setattr(api, "_schedule", _no_schedule)
     runs = []
     full = api._validate_tensors
     monkeypatch.setattr(api, "_validate_tensors", lambda *a, **k: runs.append(1) or full(*a, **k))
@@ -220,7 +228,7 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
     from cute_mla.interface import api
 
     monkeypatch.setattr(api, "_require_cuda", lambda q: None)
-    monkeypatch.setattr(api, "_schedule", lambda *a, **k: (lambda *a2, **k2: None))
+    monkeypatch.setattr(api, "_schedule", _no_schedule)
     runs = []
     full = api._validate_tensors
     monkeypatch.setattr(api, "_validate_tensors", lambda *a: runs.append(1) or full(*a))
@@ -252,7 +260,7 @@ def test_sparse_and_negated_views_are_named(over, msg, monkeypatch):
     from cute_mla.interface import api
 
     monkeypatch.setattr(api, "_require_cuda", lambda q: None)
-    monkeypatch.setattr(api, "_schedule", lambda *a, **k: (lambda *a2, **k2: None))
+    monkeypatch.setattr(api, "_schedule", _no_schedule)
     kw = good()
     flash_mla_with_kvcache(**dict(kw, attn_sink=torch.zeros(64)))
     with pytest.raises(ValueError, match=msg):

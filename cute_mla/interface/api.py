@@ -48,8 +48,9 @@ class FlashMLASchedMeta:
     tuning: Optional[object] = None
     schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
     _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> Launcher
-    # tensor signatures (_tensor_key) that passed _validate_tensors -> (b, s_q, h_q, topk, extra_topk): every
-    # layer of a decode step calls with the same signatures, so only the first pays the checks
+    # tensor signatures (_tensor_key) that passed _validate_tensors and _schedule -> ((b, s_q, h_q, topk,
+    # extra_topk), launcher): every layer of a decode step calls with the same signatures, so only the
+    # first pays the checks and the plan
     _validated: dict = field(default_factory=dict, repr=False, compare=False)
 
     def launcher(self, has_attn_sink: bool) -> Launcher:
@@ -103,12 +104,10 @@ def flash_mla_with_kvcache(
                                    head_dim_v)
         return out, lse.transpose(1, 2)
     sched = tile_scheduler_metadata
-    b, s_q, h_q, topk, extra_topk = _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
-                                                  extra)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     with on_device_of(q):
-        launcher = _schedule(sched, q, (b, s_q, h_q, topk, extra_topk), topk_length, attn_sink is not None,
-                             extra_topk_length)
+        (b, s_q, h_q, _, _), launcher = _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length,
+                                                      out, extra)
         if out is None:
             out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
@@ -166,23 +165,27 @@ def _check_arguments(sched, num_splits, softmax_scale, causal, is_fp8_kvcache, i
         raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
 
 
-def _checked_dims(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):
-    """(b, s_q, h_q, topk, extra_topk) of the call's tensors, checked (``extra``: the extra pool's
-    cache, indices and lengths; extra_topk is 0 without it).
+def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):
+    """((b, s_q, h_q, topk, extra_topk), launcher) of a call, its tensors checked and its schedule
+    ready (``extra``: the extra pool's cache, indices and lengths; extra_topk is 0 without it).
 
     The tensor checks depend only on each tensor's type, layout, dtype, shape, strides, device,
-    base-pointer alignment and neg bit (_tensor_key): a signature that passed once for this
-    FlashMLASchedMeta is not checked again (the other layers of the decode step).
+    base-pointer alignment and neg bit (_tensor_key), and so does the plan: a signature that passed
+    once for this FlashMLASchedMeta (the other layers of the decode step) costs the key, a dict
+    lookup and the schedule's ready flag.
     """
     key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, *extra)
-    dims = sched._validated.get(key) if key is not None else None
-    if dims is None:
-        dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra)
-        if key is not None:
-            if len(sched._validated) >= _MAX_VALIDATED:
-                sched._validated.clear()
-            sched._validated[key] = dims
-    return dims
+    known = sched._validated.get(key) if key is not None else None
+    if known is not None:
+        sched.schedule.ensure_ready()
+        return known
+    dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra)
+    launcher = _schedule(sched, q, dims, topk_length, attn_sink is not None, extra[2])
+    if key is not None:
+        if len(sched._validated) >= _MAX_VALIDATED:
+            sched._validated.clear()
+        sched._validated[key] = dims, launcher
+    return dims, launcher
 
 
 _MAX_VALIDATED = 16

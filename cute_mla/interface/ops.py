@@ -87,7 +87,7 @@ _SAME_DEVICE = contextlib.nullcontext()
 def on_device_of(q: torch.Tensor):
     """The kernels launch on the current device's stream and the schedule is made there: a call
     with tensors on another GPU switches to theirs for its duration (no sync)."""
-    if q.is_cuda and q.device.index != torch.cuda.current_device():
+    if isinstance(q, torch.Tensor) and q.is_cuda and q.device.index != torch.cuda.current_device():
         return torch.cuda.device(q.device)
     return _SAME_DEVICE
 
