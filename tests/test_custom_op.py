@@ -189,12 +189,12 @@ class _Attention(torch.nn.Module):
         return o * 2, l
 
 
-def _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths):
+def _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths, nan_unused=True):
     from cute_mla.testing import make_inputs
 
     x = make_inputs(b, s_q, h_q, topk, num_tokens=4096, page_block_size=64, with_sink=True, with_topk_length=lengths,
                     d_qk=d_qk, extra_topk=extra_topk, with_extra_topk_length=bool(extra_topk) and lengths,
-                    device="cuda")
+                    nan_unused=nan_unused, device="cuda")
     return [x.q, x.k_cache, x.indices, x.topk_length, x.attn_sink, x.extra_k_cache, x.extra_indices,
             x.extra_topk_length]
 
@@ -223,7 +223,8 @@ def test_compiled_under_cuda_graphs_follows_new_lengths(seed, b, s_q, h_q, topk,
     """``mode="reduce-overhead"`` replays a CUDA graph: the schedule made in the graph reads the
     lengths of each replay (the metadata object is not what a graph reads)."""
     torch._dynamo.reset()
-    args = _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths)
+    # no NaN in the slots the first lengths leave unused: the new lengths make them valid
+    args = _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths, nan_unused=False)
     module = _Attention()
     compiled = torch.compile(module, fullgraph=True, mode="reduce-overhead")
     for step in range(4):
@@ -233,4 +234,5 @@ def test_compiled_under_cuda_graphs_follows_new_lengths(seed, b, s_q, h_q, topk,
         o, l = compiled(*args)
         eager_o, eager_l = module(*args)
         torch.cuda.synchronize()
+        assert not o.isnan().any()
         assert torch.equal(o, eager_o) and torch.equal(l, eager_l), f"replay {step}"
