@@ -176,6 +176,8 @@ def test_the_op_checks_what_a_trace_cannot():
                          *args[:5], args[5], out, 0.1, "sm_90a", 132)
     with pytest.raises(ValueError, match="^out: a lazily negated view"):
         ops._decode_impl(q, cache, idx, *args[:5], args[5], torch._neg_view(out), 0.1, "sm_90a", 132)
+    with pytest.raises(ValueError, match=r"^schedule: expected this call's packed schedule, \(\d+,\) int32"):
+        ops._decode_impl(q, cache, idx, *args[:5], args[5], out, 0.1, "sm_90a", 132)   # 8 ints: not this plan's
 
 
 # ------------------------------------------------------------------------------------------- GPU

@@ -11,6 +11,10 @@ outputs' shapes and dtypes from the plan, so a traced graph holds them as opaque
   the decode kernel and, where the plan splits, the combine; ``out`` (b, s_q, h_q, 512) bf16 is
   written in place (declared mutated), ``lse`` (b, s_q, h_q) fp32 is returned.
 
+They are the traced form of :func:`~.api.flash_mla_with_kvcache`, whose trace runs the argument
+checks: call the API, not the ops (the decode op checks only what a trace cannot, and that the
+schedule is the plan's).
+
 A traced :func:`~.api.flash_mla_with_kvcache` makes its schedule in the graph (both ops, per call)
 instead of keeping it in the ``FlashMLASchedMeta``, which a graph cannot fill: under CUDA graphs the
 schedule is then recomputed at each replay from the lengths the replay reads. Host-known schedules
@@ -142,6 +146,12 @@ def _decode_impl(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
                     ("out", out), ("extra_indices_in_kvcache", extra_indices), ("extra_topk_length", extra_topk_length)),
                    (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)))
     plan = _plan_of(q, indices, topk_length, extra_indices, extra_topk_length, arch, num_sms)
+    p, n = schedule_sizes(plan)
+    if schedule.dtype != torch.int32 or schedule.shape != (p * SCHED_ROW_INTS + 2 * n,) or schedule.device != q.device:
+        # the kernels index tile_md and accum_offsets without bounds: only this plan's schedule will do
+        raise ValueError(f"schedule: expected this call's packed schedule, ({p * SCHED_ROW_INTS + 2 * n},) int32 on "
+                         f"{q.device} (cute_mla::sparse_decode_schedule), got {schedule.dtype} {tuple(schedule.shape)} "
+                         f"on {schedule.device}")
     tile_md, _, accum_offsets = schedule_views(plan, schedule)
     b, s_q, h_q, _ = q.shape
     with on_device_of(q):
