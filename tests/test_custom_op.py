@@ -8,6 +8,9 @@ graphs (``mode="reduce-overhead"``) with lengths that change between replays.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -123,6 +126,20 @@ def test_traced_call_refuses_bad_input(fake_h200, bad, message):
     compiled = torch.compile(_call, fullgraph=True, backend=_Recorder())
     with mode, pytest.raises(Exception, match=message):
         compiled(q, cache, idx)
+
+
+def test_device_facts_are_a_trace_constant_without_importing_dynamo():
+    """The trace reads (arch, SM count) once, as a constant; marking it so must not import
+    torch._dynamo into every process that imports cute_mla (1.2 s), so ops.py sets the marker
+    assume_constant_result sets: a torch that marks differently fails here."""
+    def probe():
+        return 0
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert vars(marked) == {"_dynamo_marked_constant": True}
+    assert vars(ops.device_facts).get("_dynamo_marked_constant") is True
+    code = "import sys, cute_mla; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 def test_ops_declare_out_mutated():

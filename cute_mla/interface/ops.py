@@ -32,6 +32,7 @@ trace reads from the device once (:func:`device_facts`) and passes to both ops.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -55,7 +56,17 @@ _lib.define(
     "float softmax_scale, str arch, int num_sms) -> Tensor")
 
 
-@torch.compiler.assume_constant_result
+def _constant_for_dynamo(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (~1.2 s of
+    import time) in a process that never traces: the marker it sets (``tests/test_custom_op.py``
+    checks that the public function still sets exactly this)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_for_dynamo
 def device_facts(device: torch.device) -> Tuple[str, int]:
     """(arch name, SM count) of the call's device: constants of a traced call (read once, at trace time)."""
     return device_arch(device), device_num_sms(device)
