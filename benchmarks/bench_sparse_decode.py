@@ -104,6 +104,13 @@ def time_one(mod, q, cache, idx, target_s=0.25):
     return res, (go, gl)
 
 
+def commit_id() -> str:
+    """The commit the results belong to. The device machine's copy of the tree may carry a stale
+    .git: the caller's CUTE_MLA_COMMIT wins."""
+    return os.environ.get("CUTE_MLA_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+
+
 def capture_graph(fn, n=1):
     """A CUDA graph of ``n`` back-to-back ``fn()`` (one warm-up ``fn()`` on a side stream first, as
     torch requires) and what the last captured ``fn()`` returned. The benchmark scripts' one
@@ -259,11 +266,8 @@ def main():
         del q, cache, idx
         torch.cuda.empty_cache()
 
-    # The device machine's copy of the tree may carry a stale .git: the caller's CUTE_MLA_COMMIT wins.
-    commit = os.environ.get("CUTE_MLA_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                commit=commit, torch=torch.__version__, masked=args.masked, pool=POOL, page_block_size=PAGE, topk=TOPK,
+                commit=commit_id(), torch=torch.__version__, masked=args.masked, pool=POOL, page_block_size=PAGE, topk=TOPK,
                 command="python -m benchmarks.bench_sparse_decode " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:

@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 
 import torch
 
 import cute_mla
-from benchmarks.bench_sparse_decode import capture_graph, flashmla, replay_median_us, warm_up
+from benchmarks.bench_sparse_decode import capture_graph, commit_id, flashmla, replay_median_us, warm_up
 from cute_mla.formats import V4, quantize_v4
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, transient_bytes
@@ -185,10 +183,7 @@ def main():
         results.append(r)
         print(json.dumps(r), flush=True)
         torch.cuda.empty_cache()
-    # The device machine's copy of the tree may carry a stale .git: the caller's CUTE_MLA_COMMIT wins.
-    commit = os.environ.get("CUTE_MLA_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
-    meta = dict(gpu=torch.cuda.get_device_name(), commit=commit, torch=torch.__version__,
+    meta = dict(gpu=torch.cuda.get_device_name(), commit=commit_id(), torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 pool=POOL, page_block_size=PAGE, topk=TOPK, masked=args.masked, sample=args.sample,
                 flashmla=fm is not None, command="python -m benchmarks.bench_v4 " + " ".join(sys.argv[1:]))

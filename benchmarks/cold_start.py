@@ -49,11 +49,7 @@ def child() -> dict:
             torch.cuda.synchronize()
             t = time.perf_counter()
             sched, _ = cute_mla.get_mla_metadata()
-            cute_mla.flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, softmax_scale=x.softmax_scale,
-                                            is_fp8_kvcache=True, indices=x.indices, attn_sink=x.attn_sink,
-                                            topk_length=x.topk_length, extra_k_cache=x.extra_k_cache,
-                                            extra_indices_in_kvcache=x.extra_indices,
-                                            extra_topk_length=x.extra_topk_length)
+            cute_mla.flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **x.call_kwargs())
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         res["rows"].append(dict(row=name, variant=sched.plan.variant, first_s=times[0], second_s=times[1]))
@@ -80,6 +76,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
+    from benchmarks.bench_sparse_decode import commit_id
     from cute_mla.archs import device_arch
 
     arch = device_arch(torch.device("cuda"))
@@ -90,7 +87,8 @@ def main(argv=None) -> int:
                        env=dict(os.environ, CUTE_MLA_CACHE_DIR=warm_dir), check=True, capture_output=True)
         warmup_s = time.perf_counter() - t
         warm = run_child(warm_dir)
-    print(f"{torch.cuda.get_device_name()}  commit {os.environ.get('CUTE_MLA_COMMIT', '?')}  "
+    commit = commit_id()
+    print(f"{torch.cuda.get_device_name()}  commit {commit}  "
           f"cute-mla warmup --arch {arch} --jobs {args.jobs}: {warmup_s:.1f} s")
     print(f"{'':24} {'cold cache':>12} {'after warmup':>13}")
     print(f"{'import torch + CUDA init':24} {cold['import_torch_s']:>11.2f}s {warm['import_torch_s']:>12.2f}s")
@@ -100,7 +98,7 @@ def main(argv=None) -> int:
               f"(second call {w['second_s'] * 1e3:.2f} ms; {c['variant']})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("CUTE_MLA_COMMIT"), arch=arch,
+            json.dump(dict(gpu=torch.cuda.get_device_name(), commit=commit, arch=arch,
                            warmup_s=warmup_s, jobs=args.jobs, cold=cold, after_warmup=warm), f, indent=1)
     return 0
 

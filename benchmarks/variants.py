@@ -150,7 +150,7 @@ def planned_call(parts, tuning, q, cache, idx):
     dev = q.device
     plan = plan_with_parts(b, s_q, h, idx.shape[-1], parts, dev)
     schedule = make_schedule(plan, dev, None)
-    launcher = Launcher(plan, False, False, tuning)
+    launcher = Launcher(plan, False, tuning)
     out = torch.empty(b, s_q, h, V32.d_v, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=dev)
     args = (q, cache.view(torch.uint8).squeeze(2), idx, None, None, schedule.tile_md, schedule.accum_offsets, out, lse,

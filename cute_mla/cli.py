@@ -8,7 +8,7 @@ import sys
 import time
 from importlib import metadata
 
-from . import archs
+from . import archs, warmup
 from .formats import V32
 
 
@@ -81,7 +81,6 @@ def cmd_compile(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    from . import warmup
     from .dsl.compile import cache_dir
 
     where = cache_dir()
@@ -121,15 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", help="versions, the GPU, supported archs").set_defaults(fn=cmd_info)
 
+    def variant_args(sp):
+        """The options a plan and a kernel variant share."""
+        sp.add_argument("--h-q", type=positive_int, default=64)
+        sp.add_argument("--d-qk", type=positive_int, default=V32.d_qk, help="the cache format: 576 (V3.2) or 512 (V4)")
+        sp.add_argument("--topk-length", action="store_true", help="per-request topk_length")
+        sp.add_argument("--extra-topk-length", action="store_true", help="per-request extra_topk_length (V4's extra pool)")
+
     def shape_args(sp, s_q_default=1):
+        variant_args(sp)
         sp.add_argument("--b", type=positive_int, default=1)
         sp.add_argument("--s-q", type=positive_int, default=s_q_default)
-        sp.add_argument("--h-q", type=positive_int, default=64)
-        sp.add_argument("--d-qk", type=positive_int, default=V32.d_qk)
         sp.add_argument("--topk", type=positive_int, default=2048)
-        sp.add_argument("--topk-length", action="store_true", help="plan for per-request topk_length")
         sp.add_argument("--extra-topk", type=int, default=0, help="the V4 extra pool's list length (0: none)")
-        sp.add_argument("--extra-topk-length", action="store_true", help="plan for per-request extra_topk_length")
 
     sp = sub.add_parser("plan", help="print the plan of a call: kernel, variant, workspace, tensor maps")
     shape_args(sp)
@@ -143,20 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS)
     sp.add_argument("--kernel", required=True, help="sparse_decode | combine | scheduler")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--h-q", type=int, default=64)
+    variant_args(sp)
     sp.add_argument("--split", action="store_true", help="the split variant of sparse_decode")
-    sp.add_argument("--topk-length", action="store_true")
     sp.add_argument("--attn-sink", action="store_true")
-    sp.add_argument("--d-qk", type=int, default=V32.d_qk, help="the cache format: 576 (V3.2) or 512 (V4)")
     sp.add_argument("--extra-kv", action="store_true", help="the V4 extra KV pool")
-    sp.add_argument("--extra-topk-length", action="store_true", help="with --extra-kv: per-request extra_topk_length")
     sp.set_defaults(fn=cmd_compile)
 
     sp = sub.add_parser("warmup", help="precompile every kernel variant the dispatcher can pick into the disk cache (no GPU)")
     sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS)
-    sp.add_argument("--h-q", type=_int_list, default=(64, 128), help="head counts, e.g. 64,128")
+    sp.add_argument("--h-q", type=_int_list, default=warmup.SUPPORTED_H_Q, help="head counts, e.g. 64,128")
     sp.add_argument("--d-qk", type=_int_list, default=None, help="formats by key width: 576 (V3.2), 512 (V4); default all")
-    sp.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=("decode", "combine", "scheduler"),
+    sp.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=warmup.KINDS,
                     help="decode,combine,scheduler")
     sp.add_argument("--jobs", type=positive_int, default=1, help="compiling processes")
     sp.add_argument("--progress", action="store_true", help="a line per kernel")

@@ -9,10 +9,9 @@ from typing import Optional
 import torch
 
 from . import archs
-from .formats import V4, V32, KVCacheFormat, format_for_d_qk, quantize_v32
+from .formats import V4, V32, KVCacheFormat, format_for_d_qk
+from .reference import sparse_decode_reference, valid_positions
 from .scheduler import FIXED_OVERHEAD, accum_offsets, blocks_per_request, plan_splits_host
-
-ROW = V32.row_bytes
 
 
 @dataclass
@@ -37,7 +36,6 @@ class SparseDecodeInputs:
 
     def reference(self, q: Optional[torch.Tensor] = None, **kw):
         """:func:`cute_mla.reference.sparse_decode_reference` of these inputs (``q`` replaced if given)."""
-        from .reference import sparse_decode_reference
         return sparse_decode_reference(self.q if q is None else q, self.k_cache, self.indices, self.softmax_scale,
                                        self.attn_sink, self.topk_length, extra_k_cache=self.extra_k_cache,
                                        extra_indices=self.extra_indices, extra_topk_length=self.extra_topk_length, **kw)
@@ -90,6 +88,15 @@ def make_inputs(b: int, s_q: int, h_q: int, topk: int, **options) -> SparseDecod
         return _make_inputs(b, s_q, h_q, topk, InputOptions(**options))
 
 
+def v4_sweep_inputs(seed: int, b: int, s_q: int, h_q: int, topk: int, **options) -> SparseDecodeInputs:
+    """V4 inputs in the style of FlashMLA's d_qk = 512 sweep (sinks on, 5 % of the indices out of
+    range unless ``options`` say otherwise) on the GPU, from a generator seeded with ``seed``."""
+    options.setdefault("with_sink", True)
+    options.setdefault("out_of_range_frac", 0.05)
+    return make_inputs(b, s_q, h_q, topk, d_qk=V4.d_qk, device="cuda", generator=torch.Generator().manual_seed(seed),
+                       **options)
+
+
 def _make_inputs(b: int, s_q: int, h_q: int, topk: int, o: InputOptions) -> SparseDecodeInputs:
     fmt = format_for_d_qk(o.d_qk)
     if o.extra_topk and not fmt.extra_pool:
@@ -128,17 +135,14 @@ def _random_cache(fmt: KVCacheFormat, num_tokens: int, page: int, o: InputOption
     num_blocks = -(-num_tokens // page)
     num_tokens = num_blocks * page
     kv = (torch.randn(num_tokens, fmt.d_qk, generator=o.generator) / 10).clamp(-1, 1)
-    if fmt is V32:   # (the layout of earlier versions, byte for byte)
-        raw = quantize_v32(kv, power_of_two_scales=o.power_of_two_scales)
-        pad = 1 if o.block_stride_pad is None else o.block_stride_pad
-        cache = torch.zeros(num_blocks, page + pad, 1, ROW, dtype=torch.uint8)
-        cache = cache[:, :page]
-        cache.copy_(raw.reshape(num_blocks, page, 1, ROW))
-        return cache, num_tokens
+    pad = o.block_stride_pad if o.block_stride_pad is not None else (1 if fmt is V32 else 0)
+    stride0 = fmt.block_stride(page) + pad * fmt.data_row_bytes
+    kv = kv.reshape(num_blocks, page, fmt.d_qk)
+    if fmt is V32:   # one padding row per block by default (the layout of earlier versions, byte for byte)
+        return fmt.quantize_cache(kv, power_of_two_scales=o.power_of_two_scales, stride0=stride0), num_tokens
     if not o.power_of_two_scales:
         raise ValueError(f"make_inputs: the {fmt.name} format stores power-of-two (ue8m0) scales only")
-    stride0 = fmt.block_stride(page) + (o.block_stride_pad or 0) * fmt.data_row_bytes
-    return fmt.quantize_cache(kv.reshape(num_blocks, page, fmt.d_qk), stride0=stride0), num_tokens
+    return fmt.quantize_cache(kv, stride0=stride0), num_tokens
 
 
 def _random_extra_pool(fmt: KVCacheFormat, b: int, s_q: int, empty_rows, o: InputOptions):
@@ -199,14 +203,9 @@ def _poison_unused_rows(cache: torch.Tensor, fmt: KVCacheFormat, idx: torch.Tens
                         num_tokens: int) -> None:
     """NaN bytes (0xFF is NaN in e4m3, ue8m0, fp32 and bf16) in every cache slot no valid index
     reads: a token's whole row (V3.2), or its data row and its scale row (V4, pad byte included)."""
-    b, _, topk = idx.shape
     page = cache.shape[1]
     used = torch.zeros(num_tokens, dtype=torch.bool)
-    vi = idx.to(torch.int64)
-    valid = (vi >= 0) & (vi < num_tokens)
-    if topk_length is not None:
-        valid &= torch.arange(topk).view(1, 1, topk) < topk_length.view(b, 1, 1).to(torch.int64)
-    used[vi[valid]] = True
+    used[idx.to(torch.int64)[valid_positions(idx, num_tokens, topk_length)]] = True
     unused = (~used).nonzero().flatten()
     blk, row = unused // page, unused % page
     if fmt.scales_in_row:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, List, Optional, Tuple
 
 from . import archs
 from .formats import format_for_d_qk, supported_formats
+from .plan.plan import SUPPORTED_H_Q
 from .scheduler import partition as sched
 
 KINDS = ("decode", "combine", "scheduler")
@@ -59,7 +59,7 @@ def combine_variants(arch: str, h_qs: Iterable[int]) -> List[Variant]:
     return out
 
 
-def variants(arch: str, h_qs: Iterable[int] = (64, 128), d_qks: Optional[Iterable[int]] = None,
+def variants(arch: str, h_qs: Iterable[int] = SUPPORTED_H_Q, d_qks: Optional[Iterable[int]] = None,
              kinds: Iterable[str] = KINDS) -> List[Variant]:
     """Every (kind, config) ``warmup`` compiles."""
     archs.check_arch(arch)
@@ -95,7 +95,7 @@ def compile_variant(variant: Variant) -> float:
     return time.perf_counter() - t0
 
 
-def warmup(arch: str, *, h_qs: Iterable[int] = (64, 128), d_qks: Optional[Iterable[int]] = None,
+def warmup(arch: str, *, h_qs: Iterable[int] = SUPPORTED_H_Q, d_qks: Optional[Iterable[int]] = None,
            kinds: Iterable[str] = KINDS, jobs: int = 1, progress: Optional[Callable[[str], None]] = None) -> int:
     """Compile every variant into the disk cache in ``jobs`` fresh worker processes (spawned: a
     variant this process already holds in memory would not be written to disk again; each entry is
@@ -107,6 +107,3 @@ def warmup(arch: str, *, h_qs: Iterable[int] = (64, 128), d_qks: Optional[Iterab
             report(f"[{i}/{len(todo)}] {todo[i - 1][0]} {seconds:.1f} s")
     return len(todo)
 
-
-def default_jobs() -> int:
-    return max(1, min(8, (os.cpu_count() or 1)))

@@ -180,21 +180,23 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
 
 
 def test_the_op_checks_what_a_trace_cannot():
-    """Base pointers and neg bits are checked by the op on the real tensors, before any launch."""
+    """Base pointers, neg bits and the schedule's size are checked by the op on the real tensors,
+    before any launch."""
     q = torch.zeros(2 * 64 * 576 + 8, dtype=torch.bfloat16)[8:].view(2, 1, 64, 576)   # 16-byte aligned
     cache = torch.zeros(10, 64, 1, 656, dtype=torch.uint8)
     idx, out = torch.zeros(2, 1, 128, dtype=torch.int32), torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)
-    unaligned = torch.zeros(2 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(2, 1, 64, 576)
-    args = (None, None, None, None, None, torch.zeros(8, dtype=torch.int32))
+
+    def decode(q=q, cache=cache, out=out, schedule=torch.zeros(8, dtype=torch.int32)):
+        return ops._decode_impl(q, cache, idx, None, None, None, None, None, schedule, out, 0.1, "sm_90a", 132)
+
     with pytest.raises(ValueError, match="^q: the data pointer must be 16-byte aligned"):
-        ops._decode_impl(unaligned, cache, idx, *args[:5], args[5], out, 0.1, "sm_90a", 132)
+        decode(q=torch.zeros(2 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(2, 1, 64, 576))
     with pytest.raises(ValueError, match="^k_cache: base pointer"):
-        ops._decode_impl(q, torch.zeros(10 * 64 * 656 + 1, dtype=torch.uint8)[1:].view(10, 64, 1, 656), idx,
-                         *args[:5], args[5], out, 0.1, "sm_90a", 132)
+        decode(cache=torch.zeros(10 * 64 * 656 + 1, dtype=torch.uint8)[1:].view(10, 64, 1, 656))
     with pytest.raises(ValueError, match="^out: a lazily negated view"):
-        ops._decode_impl(q, cache, idx, *args[:5], args[5], torch._neg_view(out), 0.1, "sm_90a", 132)
+        decode(out=torch._neg_view(out))
     with pytest.raises(ValueError, match=r"^schedule: expected this call's packed schedule, \(\d+,\) int32"):
-        ops._decode_impl(q, cache, idx, *args[:5], args[5], out, 0.1, "sm_90a", 132)   # 8 ints: not this plan's
+        decode()   # 8 ints: not this plan's
 
 
 # ------------------------------------------------------------------------------------------- GPU

@@ -55,14 +55,18 @@ def _counts(ptx: str) -> dict:
 _COMPILED = {}
 
 
+def _compile_cfg(key, cfg, tag, tmp_path_factory):
+    """(cfg, compiled kernel, PTX, dump dir) of a config, compiled once per test session."""
+    if key not in _COMPILED:
+        d = str(tmp_path_factory.mktemp(tag))
+        _COMPILED[key] = (cfg, compile_sparse_decode(cfg, dump_dir=d), read_ptx(d, "sm_100a"), d)
+    return _COMPILED[key]
+
+
 def _compile(variant, tmp_path_factory):
-    if variant not in _COMPILED:
-        h_q, split, tl, sink = variant
-        cfg = Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink)
-        d = str(tmp_path_factory.mktemp(f"sm100_{h_q}_{int(split)}{int(tl)}{int(sink)}"))
-        compiled = compile_sparse_decode(cfg, dump_dir=d)
-        _COMPILED[variant] = (cfg, compiled, read_ptx(d, "sm_100a"), d)
-    return _COMPILED[variant]
+    h_q, split, tl, sink = variant
+    cfg = Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink)
+    return _compile_cfg(variant, cfg, f"sm100_{h_q}_{int(split)}{int(tl)}{int(sink)}", tmp_path_factory)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"h{v[0]}-{'split' if v[1] else 'nosplit'}-tl{int(v[2])}-sink{int(v[3])}")
@@ -382,13 +386,8 @@ def _v4_cfg(variant):
 
 
 def _compile_v4(variant, tmp_path_factory):
-    key = ("v4",) + variant
-    if key not in _COMPILED:
-        cfg = _v4_cfg(variant)
-        d = str(tmp_path_factory.mktemp("sm100_v4_" + _v4_id(variant).replace("-", "_")))
-        compiled = compile_sparse_decode(cfg, dump_dir=d)
-        _COMPILED[key] = (cfg, compiled, read_ptx(d, "sm_100a"), d)
-    return _COMPILED[key]
+    return _compile_cfg(("v4",) + variant, _v4_cfg(variant), "sm100_v4_" + _v4_id(variant).replace("-", "_"),
+                        tmp_path_factory)
 
 
 def test_v4_tile_geometry_from_the_format():

@@ -36,7 +36,7 @@ from cute_mla.kernels import DecodeTensors
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.scheduler import accum_offsets, blocks_per_request, num_sm_parts, per_request_rows, plan_splits_host
 from cute_mla.scheduler.partition import HostSchedule
-from cute_mla.testing import check_out_lse, make_inputs, diagnose, median_event_us, merge_splits
+from cute_mla.testing import check_out_lse, make_inputs, diagnose, median_event_us, merge_splits, v4_sweep_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm100]
 
@@ -120,19 +120,9 @@ def run_kernel(inp, split, schedule=None):
     return out, lse.transpose(1, 2), sched
 
 
-def _reference(inp):
-    """The fp32 reference of the call's inputs (sink, lengths and the extra pool included)."""
-    extra = {}
-    if inp.extra_indices is not None:
-        extra = dict(extra_k_cache=inp.extra_k_cache, extra_indices=inp.extra_indices,
-                     extra_topk_length=inp.extra_topk_length)
-    return sparse_decode_reference(inp.q, inp.k_cache, inp.indices, inp.softmax_scale, attn_sink=inp.attn_sink,
-                                   topk_length=inp.topk_length, **extra)
-
-
 def _check(inp, split, schedule=None):
     out, lse, sched = run_kernel(inp, split, schedule)
-    ref_out, ref_lse = _reference(inp)
+    ref_out, ref_lse = inp.reference()
     try:
         check_out_lse(out, lse, ref_out, ref_lse)
     except AssertionError:
@@ -146,7 +136,7 @@ def _check_o_halves(inp):
     lives in TMEM lanes 16-31 of each 32-lane slab (the second N=256 accumulator of the M=64
     layout), O[:, :256] in lanes 0-15. A failure names the half."""
     out, lse, _ = run_kernel(inp, split=False)
-    ref_out, ref_lse = _reference(inp)
+    ref_out, ref_lse = inp.reference()
     for name, cols in (("out[..., :256] (TMEM lanes 0-15)", slice(0, 256)),
                        ("out[..., 256:] (TMEM lanes 16-31)", slice(256, 512))):
         try:
@@ -271,7 +261,7 @@ def test_empty_range_writes_an_empty_request(seed, h_q):
     inp.topk_length = torch.tensor([512, 300, 64, 256], dtype=torch.int32, device="cuda")
     rows = ((0, 1, 0, 0, 0, 0, 0, 0), (2, 3, 5, 4, 0, 0, 0, 0))
     out, lse, _ = run_kernel(inp, split=False, schedule=_uploaded(HostSchedule(rows, tuple(range(5)))))
-    ref_out, ref_lse = _reference(inp)
+    ref_out, ref_lse = inp.reference()
     for r in (1, 2):
         assert (out[r] == 0).all(), f"request {r} (empty range): out is not 0"
         assert (lse[r] == float("inf")).all(), f"request {r} (empty range): lse is not +inf"
@@ -321,15 +311,9 @@ def test_public_api_reused_schedule_with_changed_topk_length(seed):
 # RoPE (now part of V) or scale of an invalid token that leaks shows as NaN.
 
 
-def _v4_inputs(seed, b, s_q, h_q, topk, **kw):
-    kw.setdefault("with_sink", True)
-    kw.setdefault("out_of_range_frac", 0.05)
-    return make_inputs(b, s_q, h_q, topk, d_qk=512, device="cuda", generator=torch.Generator().manual_seed(seed), **kw)
-
-
 def test_v4_smoke_one_tile(seed):
     """The first V4 case to run (docs/sm100.md): one 64-token block, every index valid, no extra pool."""
-    inp = _v4_inputs(seed, 1, 1, 64, 64, num_tokens=512, page_block_size=64, invalid_frac=0.0, with_sink=False,
+    inp = v4_sweep_inputs(seed, 1, 1, 64, 64, num_tokens=512, page_block_size=64, invalid_frac=0.0, with_sink=False,
                      out_of_range_frac=0.0)
     _check_o_halves(inp)
     _check(inp, split=False)
@@ -337,7 +321,7 @@ def test_v4_smoke_one_tile(seed):
 
 def test_v4_smoke_extra_pool(seed):
     """One main block and one extra block (its own cache, page block size 2), every index valid."""
-    inp = _v4_inputs(seed, 1, 1, 64, 64, num_tokens=512, page_block_size=64, invalid_frac=0.0, with_sink=False,
+    inp = v4_sweep_inputs(seed, 1, 1, 64, 64, num_tokens=512, page_block_size=64, invalid_frac=0.0, with_sink=False,
                      out_of_range_frac=0.0, extra_topk=64, extra_num_tokens=256, extra_page_block_size=2)
     _check(inp, split=False)
 
@@ -368,7 +352,7 @@ def _v4_id(c):
 @pytest.mark.parametrize("split", [False, True], ids=["nosplit", "split"])
 def test_v4_sweep(seed, h_q, case, split):
     b, s_q, topk, tokens, page, extra, etokens, epage, tl, etl, empty, pad = case
-    inp = _v4_inputs(seed, b, s_q, h_q, topk, num_tokens=tokens, page_block_size=page, with_topk_length=tl,
+    inp = v4_sweep_inputs(seed, b, s_q, h_q, topk, num_tokens=tokens, page_block_size=page, with_topk_length=tl,
                      all_invalid_rows=empty, block_stride_pad=pad, extra_topk=extra, extra_num_tokens=etokens or None,
                      extra_page_block_size=epage or None, with_extra_topk_length=etl)
     _check(inp, split)
@@ -378,7 +362,7 @@ def test_v4_sweep(seed, h_q, case, split):
 def test_v4_split_pieces_cross_into_the_extra_list(seed, h_q):
     """Greedy pieces that start inside the extra list and pieces that span main and extra blocks:
     the kernel's per-block pool choice (main blocks first, then extra) against the scheduler's."""
-    inp = _v4_inputs(seed, 8, 1, h_q, 2048, num_tokens=8192, page_block_size=64, extra_topk=1024,
+    inp = v4_sweep_inputs(seed, 8, 1, h_q, 2048, num_tokens=8192, page_block_size=64, extra_topk=1024,
                      extra_num_tokens=4096, extra_page_block_size=53, all_invalid_rows=1)
     sched = _check(inp, split=True)
     n_main = 2048 // 64
@@ -389,7 +373,7 @@ def test_v4_split_pieces_cross_into_the_extra_list(seed, h_q):
 
 def test_v4_lengths_zero_and_empty_lists(seed):
     """topk_length 0 (one masked main block), extra_topk_length 0 (no extra block), both at once."""
-    inp = _v4_inputs(seed, 3, 2, 64, 128, num_tokens=1024, page_block_size=53, extra_topk=128,
+    inp = v4_sweep_inputs(seed, 3, 2, 64, 128, num_tokens=1024, page_block_size=53, extra_topk=128,
                      extra_num_tokens=512, extra_page_block_size=2, with_topk_length=True,
                      with_extra_topk_length=True)
     inp.topk_length = torch.tensor([0, 0, 77], dtype=torch.int32, device="cuda")
@@ -406,7 +390,7 @@ def test_v4_stale_schedule_with_the_extra_pool(seed, h_q):
     the last request's extra list, which the INDEX warp must not read (it reads no index at or past
     a list's length); partition 1 starts request 0 at block 14 of its 9 (an empty piece). Every
     valid block is still in exactly one piece: the reference of the new lengths, and nothing hangs."""
-    inp = _v4_inputs(seed, 2, 1, h_q, 512, num_tokens=2048, page_block_size=64, extra_topk=512,
+    inp = v4_sweep_inputs(seed, 2, 1, h_q, 512, num_tokens=2048, page_block_size=64, extra_topk=512,
                      extra_num_tokens=1024, extra_page_block_size=2, with_topk_length=True)
     old = plan_splits_host(blocks_per_request(512, [512, 512], extra_topk=512), 3)
     assert old.rows[0][:4] == (0, 0, 0, 14) and old.rows[1][:4] == (0, 1, 14, 7), old.rows
@@ -419,7 +403,7 @@ def test_v4_public_api_dispatches_here(seed):
     from cute_mla import flash_mla_with_kvcache, get_mla_metadata
 
     for b, topk, extra in ((4, 128, 512), (74, 2048, 1024)):
-        x = _v4_inputs(seed, b, 1, 128, topk, num_tokens=4096, page_block_size=64, extra_topk=extra,
+        x = v4_sweep_inputs(seed, b, 1, 128, topk, num_tokens=4096, page_block_size=64, extra_topk=extra,
                        extra_num_tokens=2048, extra_page_block_size=2, with_extra_topk_length=True)
         sched, _ = get_mla_metadata()
         o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **x.call_kwargs())

@@ -19,15 +19,9 @@ import torch
 
 from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decode
 from cute_mla.archs import device_arch, device_num_sms
-from cute_mla.testing import check_allclose, check_out_lse, make_inputs, transient_bytes
+from cute_mla.testing import check_allclose, check_out_lse, make_inputs, transient_bytes, v4_sweep_inputs
 
 pytestmark = pytest.mark.gpu
-
-
-def inputs(seed, b, s_q, h_q, topk, **kw):
-    kw.setdefault("with_sink", True)                       # FlashMLA's sweep: sinks always on
-    kw.setdefault("out_of_range_frac", 0.05)
-    return make_inputs(b, s_q, h_q, topk, d_qk=512, device="cuda", generator=torch.Generator().manual_seed(seed), **kw)
 
 
 def run_case(x, out=None, sched=None):
@@ -88,7 +82,7 @@ def test_v4_sweep(seed, h_q, case):
     b, s_q, topk, s_k, page, extra, extra_s_k, epage, tl, etl, empty = case
     kw = dict(extra_topk=extra, extra_num_tokens=extra_s_k, extra_page_block_size=epage,
               with_extra_topk_length=etl) if extra else {}
-    x = inputs(seed, b, s_q, h_q, topk, num_tokens=s_k, page_block_size=page, with_topk_length=tl,
+    x = v4_sweep_inputs(seed, b, s_q, h_q, topk, num_tokens=s_k, page_block_size=page, with_topk_length=tl,
                all_invalid_rows=empty, **kw)
     o, l, sched = run_case(x)
     assert sched.plan.d_qk == 512 and sched.plan.extra_topk == extra
@@ -101,7 +95,7 @@ def test_v4_rows_without_valid_tokens(seed, h_q, b, s_q, extra_topk):
     """Rows with no valid token in either list (all -1, out of range, or lengths of 0) give out 0
     and lse +inf, sinks or not; rows whose main list is empty but not their extra list (and the
     reverse) attend the other list only."""
-    x = inputs(seed, b, s_q, h_q, 128, num_tokens=1024, page_block_size=53, extra_topk=extra_topk,
+    x = v4_sweep_inputs(seed, b, s_q, h_q, 128, num_tokens=1024, page_block_size=53, extra_topk=extra_topk,
                extra_num_tokens=1024, extra_page_block_size=2, with_topk_length=True,
                with_extra_topk_length=bool(extra_topk), all_invalid_rows=1)
     x.indices[0, 0] = -1                                         # request 0, token 0: nothing valid ...
@@ -120,7 +114,7 @@ def test_v4_rows_without_valid_tokens(seed, h_q, b, s_q, extra_topk):
 @pytest.mark.parametrize("sink", [math.inf, -math.inf])
 def test_v4_infinite_sinks(seed, h_q, sink):
     """Sink +inf: out exactly 0 (lse unchanged); -inf: as if no sink was given."""
-    x = inputs(seed, 8, 2, h_q, 128, num_tokens=2046, extra_topk=512, extra_num_tokens=1024,
+    x = v4_sweep_inputs(seed, 8, 2, h_q, 128, num_tokens=2046, extra_topk=512, extra_num_tokens=1024,
                extra_page_block_size=53, with_topk_length=True, with_extra_topk_length=True)
     x.attn_sink = torch.full((h_q,), sink, device="cuda")
     o, l, _ = run_case(x)
@@ -138,7 +132,7 @@ def test_v4_infinite_sinks(seed, h_q, sink):
 @pytest.mark.parametrize("b,s_q,extra_topk", [(4, 2, 1024), (128, 1, 512)])
 def test_v4_preallocated_out(seed, h_q, b, s_q, extra_topk):
     """``out=``: a strided view of a larger NaN-filled buffer is written in place and returned."""
-    x = inputs(seed, b, s_q, h_q, 128, num_tokens=2046, extra_topk=extra_topk, extra_num_tokens=2046,
+    x = v4_sweep_inputs(seed, b, s_q, h_q, 128, num_tokens=2046, extra_topk=extra_topk, extra_num_tokens=2046,
                extra_page_block_size=2, with_topk_length=True, with_extra_topk_length=True)
     big = torch.full((b, s_q, h_q, 640), float("nan"), dtype=torch.bfloat16, device="cuda")
     o, l, _ = run_case(x, out=big[..., :512])
@@ -162,7 +156,7 @@ def _transient(x):
 def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
     """An unsplit plan allocates no accumulators (nothing beyond out and lse); a split plan exactly
     its accumulator rows (the caching allocator rounds to 512-B blocks)."""
-    x = inputs(seed, b, s_q, h_q, 128, num_tokens=4096, extra_topk=extra_topk, extra_num_tokens=4096,
+    x = v4_sweep_inputs(seed, b, s_q, h_q, 128, num_tokens=4096, extra_topk=extra_topk, extra_num_tokens=4096,
                extra_page_block_size=2, with_topk_length=lengths, with_extra_topk_length=lengths,
                unique=False, nan_unused=False)
     dev = torch.device("cuda")

@@ -27,7 +27,7 @@ def test_every_plan_configuration_is_warmed(arch):
             continue
         plan = plan_sparse_decode(b, s_q, h_q, d_qk, topk, arch=arch, num_sms=spec.default_num_sms, has_topk_length=tl,
                                   extra_topk=extra, has_extra_topk_length=xtl)
-        main_cfg, combine_cfg = launch_configs(plan, tl, sink)
+        main_cfg, combine_cfg = launch_configs(plan, sink)
         assert main_cfg in warmed_decode, (b, s_q, h_q, d_qk, topk, extra, tl, xtl, sink, main_cfg)
         if combine_cfg is not None:
             assert combine_cfg.cache_key in warmed_combine, (b, s_q, h_q, plan.num_sm_parts, combine_cfg)

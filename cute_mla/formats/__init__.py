@@ -47,3 +47,13 @@ def format_for_d_qk(d_qk: int) -> KVCacheFormat:
     if any(k[0] == d_qk for k in _KNOWN_UNIMPLEMENTED):
         raise NotImplementedError(f"d_qk: {d_qk} (the V4.1 formats) is not implemented yet; accepted: {accepted}")
     raise ValueError(f"d_qk: got {d_qk}, accepted: {accepted}")
+
+
+def kernel_format(d_qk: int, has_extra: bool, has_extra_topk_length: bool) -> KVCacheFormat:
+    """A kernel config's format, with its extra-pool flags checked against it (every arch's config)."""
+    fmt = format_for_d_qk(d_qk)
+    if has_extra and not fmt.extra_pool:
+        raise ValueError(f"has_extra: the {fmt.name} format (d_qk={d_qk}) has no extra pool")
+    if has_extra_topk_length and not has_extra:
+        raise ValueError("has_extra_topk_length: needs has_extra")
+    return fmt

@@ -5,7 +5,7 @@ and the format module's device dequant routine)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -67,13 +67,23 @@ class KVCacheFormat:
         (kernels accept any stride(0) that holds a block and is 16-byte aligned)."""
         return -(-page_block_size * self.row_bytes // self.block_align) * self.block_align
 
+    def quantizer_stride0(self, page_block_size: int, stride0: Optional[int] = None) -> int:
+        """A quantizer's stride(0): :meth:`block_stride` by default, else ``stride0`` checked (it
+        holds a block and is 16-byte aligned, as the kernels need)."""
+        if stride0 is None:
+            return self.block_stride(page_block_size)
+        if stride0 < page_block_size * self.row_bytes or stride0 % 16:
+            raise ValueError(f"stride0: must hold a block ({page_block_size * self.row_bytes} B) and be 16-B aligned, "
+                             f"got {stride0}")
+        return stride0
+
 
 class E4m3Dequant:
     """The device conversions every e4m3 format shares (plain functions that emit IR when a kernel
     calls them at trace time). A format's ``Dequant`` subclasses it and says how its scales are
     stored: ``scale_words`` (i32 registers of a row's scales as loaded), ``packed_scales`` (several
-    scales per register: a producer derives each where it uses it), ``scale_index(dim)`` and
-    ``scale_bits(words, k)`` (the fp32 bits of scale k).
+    scales per register: a producer derives each where it uses it), ``scale_group`` (NoPE dims per
+    scale) and ``scale_bits(words, k)`` (the fp32 bits of scale k).
 
     A producer hands over one 32-bit word of four e4m3 values and its scale and stores the two
     bf16x2 words it gets back; both paths give bf16(float(fp8) * scale) bit for bit, as the
@@ -82,6 +92,12 @@ class E4m3Dequant:
 
     scale_words: int
     packed_scales: bool
+    scale_group: int
+
+    @classmethod
+    def scale_index(cls, dim: int) -> int:
+        """Which of a row's scales multiplies NoPE dim ``dim``."""
+        return dim // cls.scale_group
 
     @staticmethod
     def scale_takes_fast_path(scale_bits):
@@ -155,6 +171,11 @@ class FormatGeometry:
     @property
     def data_row_bytes(self) -> int:
         return self.fmt.data_row_bytes
+
+    @property
+    def scale_words(self) -> int:
+        """i32 words of one row's scales as loaded (4 V3.2, 2 V4)."""
+        return self.fmt.dequant.scale_words
 
 
 def cache_bytes(k_cache: torch.Tensor, row_bytes: int) -> torch.Tensor:

@@ -73,7 +73,7 @@ def quantize_cache_v32(kv: torch.Tensor, power_of_two_scales: bool = True, strid
         raise ValueError(f"kv: expected shape (num_blocks, page_block_size, {D_QK}), got {tuple(kv.shape)}")
     nb, page, _ = kv.shape
     rows = quantize_v32(kv.reshape(nb * page, D_QK), power_of_two_scales)
-    return padded_cache(rows.reshape(nb, page * ROW_BYTES), page, ROW_BYTES, stride0 or page * ROW_BYTES)
+    return padded_cache(rows.reshape(nb, page * ROW_BYTES), page, ROW_BYTES, V32.quantizer_stride0(page, stride0))
 
 
 def dequantize_cache_v32(k_cache: torch.Tensor) -> torch.Tensor:
@@ -89,11 +89,7 @@ class Dequant(E4m3Dequant):
 
     scale_words = 4
     packed_scales = False
-
-    @staticmethod
-    def scale_index(dim: int) -> int:
-        """Which of a row's scales multiplies NoPE dim ``dim``."""
-        return dim // GROUP
+    scale_group = GROUP
 
     @staticmethod
     def scale_bits(words, k: int):

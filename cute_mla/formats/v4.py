@@ -35,10 +35,7 @@ def quantize_v4(kv: torch.Tensor, stride0: int | None = None) -> torch.Tensor:
     if kv.dim() != 3 or kv.shape[2] != D_QK:
         raise ValueError(f"kv: expected shape (num_blocks, page_block_size, {D_QK}), got {tuple(kv.shape)}")
     nb, page, _ = kv.shape
-    if stride0 is None:
-        stride0 = V4.block_stride(page)
-    if stride0 < page * ROW_BYTES or stride0 % 16:
-        raise ValueError(f"stride0: must hold a block ({page * ROW_BYTES} B) and be 16-B aligned, got {stride0}")
+    stride0 = V4.quantizer_stride0(page, stride0)
     kv = kv.float()
     nope = kv[..., :D_NOPE].reshape(nb, page, NUM_SCALES, GROUP)
     scale = pow2_scale(nope.abs().amax(dim=-1))                                  # (nb, page, 7)
@@ -79,10 +76,7 @@ class Dequant(E4m3Dequant):
 
     scale_words = 2
     packed_scales = True
-
-    @staticmethod
-    def scale_index(dim: int) -> int:
-        return dim // GROUP
+    scale_group = GROUP
 
     @staticmethod
     def scale_bits(words, k: int):

@@ -20,9 +20,8 @@ from ..formats import detect_format
 from ..plan import SparseDecodePlan, check_problem, plan_sparse_decode
 from ..plan.schedule import Schedule, make_schedule
 from . import ops
-from .launcher import Launcher
-from .ops import cache_bytes, on_device_of
-from .validate import KV_CACHE_DTYPES, check_aligned_strides, check_tensor
+from .launcher import Launcher, cache_bytes, launcher_of, on_device_of
+from .validate import KV_CACHE_DTYPES, check_aligned_strides, check_cache_pointer, check_tensor
 
 
 @dataclass
@@ -47,19 +46,15 @@ class FlashMLASchedMeta:
     plan: Optional[SparseDecodePlan] = None
     tuning: Optional[object] = None
     schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
-    _launchers: dict = field(default_factory=dict, repr=False)   # has_attn_sink -> Launcher
     # tensor signatures (_tensor_key) that passed _validate_tensors and _schedule -> ((b, s_q, h_q, topk,
     # extra_topk), launcher): every layer of a decode step calls with the same signatures, so only the
     # first pays the checks and the plan
     _validated: dict = field(default_factory=dict, repr=False, compare=False)
 
     def launcher(self, has_attn_sink: bool) -> Launcher:
-        """The filled object's launcher for calls with or without a sink (made once each)."""
-        launcher = self._launchers.get(has_attn_sink)
-        if launcher is None:
-            launcher = self._launchers[has_attn_sink] = Launcher(self.plan, self.plan.has_topk_length, has_attn_sink,
-                                                                 self.tuning)
-        return launcher
+        """The filled object's launcher for calls with or without a sink (``launcher_of``: one per
+        plan, sink and tuning in the process)."""
+        return launcher_of(self.plan, has_attn_sink, self.tuning)
 
 
 def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
@@ -96,15 +91,14 @@ def flash_mla_with_kvcache(
     _check_arguments(tile_scheduler_metadata, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
                      extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
         b, s_q, h_q, topk, extra_topk = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
-                                                          extra, pointers=False)
-        scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+                                                          extra)
         out, lse = ops.traced_call(q, k_cache, indices, topk_length, attn_sink, extra, out, scale, topk, extra_topk,
                                    head_dim_v)
         return out, lse.transpose(1, 2)
     sched = tile_scheduler_metadata
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     with on_device_of(q):
         (b, s_q, h_q, _, _), launcher = _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length,
                                                       out, extra)
@@ -212,11 +206,10 @@ def _require_cuda(q) -> None:
         raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
 
 
-def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None),
-                      pointers: bool = True):
-    """The tensor checks of :func:`_checked_dims`; returns (b, s_q, h_q, topk, extra_topk).
-    ``pointers=False`` (a call being traced): all but the base-pointer alignment, which the
-    ``cute_mla::sparse_decode`` op checks on the real tensors (``validate.check_call_pointers``)."""
+def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):
+    """The tensor checks of :func:`_checked_call`; returns (b, s_q, h_q, topk, extra_topk). In a
+    call being traced, the base pointers and neg bits are left to the ``cute_mla::sparse_decode``
+    op, which sees the real tensors (``validate.check_deferred``)."""
     check_tensor("q", q, dtypes=(torch.bfloat16,), dim=4, shape_doc="(b, s_q, h_q, d_qk)")
     b, s_q, h_q, d_qk = q.shape
     if not isinstance(head_dim_v, int) or head_dim_v != 512:
@@ -233,13 +226,13 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
         if extra_topk < 1:
             raise ValueError(f"extra_topk: got {extra_topk} (extra_indices_in_kvcache's last dim), accepted: a positive "
                              "multiple of 64 (pass no extra pool instead of an empty one)")
-        check_aligned_strides("extra_indices_in_kvcache", extra_indices, pointer=pointers)
+        check_aligned_strides("extra_indices_in_kvcache", extra_indices)
     check_problem(b, s_q, h_q, d_qk, topk, extra_topk)
-    check_aligned_strides("q", q, pointer=pointers)
-    check_aligned_strides("indices", indices, pointer=pointers)
-    fmt = _check_cache("k_cache", k_cache, d_qk, q.device, pointers)
+    check_aligned_strides("q", q)
+    check_aligned_strides("indices", indices)
+    fmt = _check_cache("k_cache", k_cache, d_qk, q.device)
     if extra_k_cache is not None:
-        extra_fmt = _check_cache("extra_k_cache", extra_k_cache, d_qk, q.device, pointers)
+        extra_fmt = _check_cache("extra_k_cache", extra_k_cache, d_qk, q.device)
         if extra_fmt is not fmt:
             raise ValueError(f"extra_k_cache: the {extra_fmt.name} format ({extra_fmt.row_bytes} bytes/token) differs from "
                              f"k_cache's {fmt.name} ({fmt.row_bytes} bytes/token); the extra pool takes k_cache's format")
@@ -255,14 +248,13 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
     if out is not None:
         check_tensor("out", out, dtypes=(torch.bfloat16,), dim=4, shape=(b, s_q, h_q, fmt.d_v), device=q.device,
                      shape_doc=f"(b, s_q, h_q, {fmt.d_v})")
-        check_aligned_strides("out", out, pointer=pointers)
+        check_aligned_strides("out", out)
     _require_cuda(q)
     return b, s_q, h_q, topk, extra_topk
 
 
-def _check_cache(name: str, k_cache, d_qk: int, device: torch.device, pointers: bool = True):
-    """The checks of one paged cache (``k_cache`` or ``extra_k_cache``); returns its format
-    (``pointers``: as in :func:`_validate_tensors`)."""
+def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
+    """The checks of one paged cache (``k_cache`` or ``extra_k_cache``); returns its format."""
     check_tensor(name, k_cache, dtypes=KV_CACHE_DTYPES, dim=4, device=device,
                  shape_doc="(num_blocks, page_block_size, 1, bytes_per_token)")
     num_blocks, page_block_size, h_k, bytes_per_token = k_cache.shape
@@ -278,9 +270,9 @@ def _check_cache(name: str, k_cache, d_qk: int, device: torch.device, pointers: 
     if num_blocks * page_block_size >= 2**31:
         raise ValueError(f"{name}: {num_blocks}x{page_block_size} tokens do not fit int32 indices")
     stride0 = k_cache.stride(0) * k_cache.element_size()   # bytes (the kernels read it as uint8)
-    if stride0 % 16 or (pointers and k_cache.data_ptr() % 16):
-        raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got "
-                         f"{f'offset {k_cache.data_ptr() % 16} and ' if pointers else ''}stride(0)={stride0}")
+    if stride0 % 16:
+        raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got stride(0)={stride0}")
+    check_cache_pointer(name, k_cache)
     if stride0 >= 2**31:
         raise ValueError(f"{name}: stride(0) of {stride0} bytes, accepted: below 2^31 bytes per page block")
     if num_blocks > 1 and stride0 < page_block_size * bytes_per_token:

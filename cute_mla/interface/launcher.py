@@ -11,6 +11,7 @@ playground run variants this way, and time the decode kernel alone with :meth:`L
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Optional, Tuple
 
@@ -43,11 +44,11 @@ def kernel_module(arch: str):
     return importlib.import_module(archs.get(arch).kernel_module)
 
 
-def launch_configs(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool, tuning=None):
+def launch_configs(plan: SparseDecodePlan, has_attn_sink: bool, tuning=None):
     """(decode kernel config, combine config or None): what a plan's calls compile (``cute-mla
     warmup`` precompiles the same set)."""
     main_cfg = kernel_module(plan.arch).kernel_config(
-        h_q=plan.h_q, d_qk=plan.d_qk, split=plan.split, has_topk_length=has_topk_length,
+        h_q=plan.h_q, d_qk=plan.d_qk, split=plan.split, has_topk_length=plan.has_topk_length,
         has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
         has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length)
     combine_cfg = None
@@ -62,21 +63,21 @@ def launch_configs(plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink:
 class Launcher:
     """Everything a plan's launches need, resolved once (kernel module, configs, compiled kernels).
 
-    Built by the first call of a decode step and kept in its ``FlashMLASchedMeta``, so that every
-    later call (every layer) only allocates its outputs and launches: the host work between the
-    main kernel and the combine is one Python call.
+    Made once per (plan, sink, tuning) by :func:`launcher_of`, so that every later call (every
+    layer) only allocates its outputs and launches: the host work between the main kernel and the
+    combine is one Python call.
     """
 
     __slots__ = ("plan", "main_mod", "main_cfg", "main_compiled", "combine_mod", "combine_cfg", "combine_compiled")
 
-    def __init__(self, plan: SparseDecodePlan, has_topk_length: bool, has_attn_sink: bool, tuning=None):
+    def __init__(self, plan: SparseDecodePlan, has_attn_sink: bool, tuning=None):
         if plan.split and plan.token_walk:
             # the walk's num_splits is the call's one request, not the s_q requests the combine
             # would index (and its layout_checked launch relies on b + 1 entries)
             raise ValueError(f"plan: a token walk never splits, got split with token_walk ({plan})")
         self.plan = plan
         self.main_mod = kernel_module(plan.arch)
-        self.main_cfg, self.combine_cfg = launch_configs(plan, has_topk_length, has_attn_sink, tuning)
+        self.main_cfg, self.combine_cfg = launch_configs(plan, has_attn_sink, tuning)
         self.main_compiled = self.main_mod.compile_sparse_decode(self.main_cfg)
         self.combine_mod = self.combine_compiled = None
         if self.combine_cfg is not None:
@@ -112,7 +113,7 @@ class Launcher:
             softmax_scale)
         return o_accum, lse_accum
 
-    def combine(self, workspace: Workspace, accum_offsets, attn_sink, out, lse, tile_md=None) -> None:
+    def combine(self, workspace: Workspace, accum_offsets, attn_sink, out, lse, tile_md) -> None:
         """The split-KV combine of the pieces :meth:`main` wrote (nothing when unsplit); ``tile_md``:
         the schedule's rows, which the combine walks when the plan has more requests than
         partitions (``combine.CombineConfig.by_partition``)."""
@@ -125,3 +126,33 @@ class Launcher:
             self.combine_mod.launch_combine(self.combine_compiled, self.combine_cfg, lse_accum, o_accum, accum_offsets,
                                             attn_sink, out, lse, layout_checked=True,
                                             tile_md=tile_md if self.combine_cfg.by_partition else None)
+
+
+_launchers: dict = {}   # (plan, has_attn_sink, tuning) -> Launcher; plans and tunings are hashable values
+
+
+def launcher_of(plan: SparseDecodePlan, has_attn_sink: bool, tuning=None) -> Launcher:
+    """The process's one :class:`Launcher` for a plan's calls with or without a sink, of a kernel
+    variant (``tuning``; None: the default)."""
+    key = (plan, has_attn_sink, tuning)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = _launchers[key] = Launcher(plan, has_attn_sink, tuning)
+    return launcher
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device_of(q: torch.Tensor):
+    """The kernels launch on the current device's stream and the schedule is made there: a call
+    with tensors on another GPU switches to theirs for its duration (no sync)."""
+    if isinstance(q, torch.Tensor) and q.is_cuda and q.device.index != torch.cuda.current_device():
+        return torch.cuda.device(q.device)
+    return _SAME_DEVICE
+
+
+def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
+    """A checked (num_blocks, page_block_size, 1, row bytes) cache as the kernels' uint8 (num_blocks,
+    page_block_size, row bytes): the launch path's lean ``formats.layout.cache_bytes``."""
+    return k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)

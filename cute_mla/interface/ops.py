@@ -31,7 +31,6 @@ trace reads from the device once (:func:`device_facts`) and passes to both ops.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from typing import Optional, Tuple
 
@@ -41,7 +40,7 @@ from ..archs import device_arch, device_num_sms
 from ..plan import SparseDecodePlan, plan_sparse_decode
 from ..plan.schedule import make_schedule
 from ..scheduler import SCHED_ROW_INTS
-from .launcher import Launcher
+from .launcher import cache_bytes, launcher_of, on_device_of
 from .validate import check_deferred
 
 NAMESPACE = "cute_mla"
@@ -72,14 +71,15 @@ def device_facts(device: torch.device) -> Tuple[str, int]:
     return device_arch(device), device_num_sms(device)
 
 
-def call_plan(q: torch.Tensor, topk: int, extra_topk: int, has_topk_length: bool, has_extra_topk_length: bool,
-              arch: str, num_sms: int) -> SparseDecodePlan:
+def call_plan(q: torch.Tensor, topk: int, extra_topk: int, topk_length: Optional[torch.Tensor],
+              extra_topk_length: Optional[torch.Tensor], arch: str, num_sms: int) -> SparseDecodePlan:
     """The plan of a call (cached: ``plan_sparse_decode``). The plan (a partition count, a kernel
     variant) is a function of the shapes: a trace with symbolic sizes specializes on them here
     (``int()`` guards each value) rather than carrying symbols into the plan."""
     b, s_q, h_q, d_qk = (int(v) for v in q.shape)
-    return plan_sparse_decode(b, s_q, h_q, d_qk, int(topk), arch=arch, num_sms=num_sms, has_topk_length=has_topk_length,
-                              extra_topk=int(extra_topk), has_extra_topk_length=has_extra_topk_length)
+    return plan_sparse_decode(b, s_q, h_q, d_qk, int(topk), arch=arch, num_sms=num_sms,
+                              has_topk_length=topk_length is not None, extra_topk=int(extra_topk),
+                              has_extra_topk_length=extra_topk_length is not None)
 
 
 def schedule_sizes(plan: SparseDecodePlan) -> Tuple[int, int]:
@@ -89,6 +89,12 @@ def schedule_sizes(plan: SparseDecodePlan) -> Tuple[int, int]:
     return (plan.b if plan.schedule == "per_request" else plan.num_sm_parts), plan.b + 1
 
 
+def schedule_length(plan: SparseDecodePlan) -> int:
+    """Ints in the packed schedule of ``plan``."""
+    p, n = schedule_sizes(plan)
+    return p * SCHED_ROW_INTS + 2 * n
+
+
 def schedule_views(plan: SparseDecodePlan, packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tile_md, num_splits, accum_offsets) views of a packed schedule."""
     p, n = schedule_sizes(plan)
@@ -96,43 +102,11 @@ def schedule_views(plan: SparseDecodePlan, packed: torch.Tensor) -> Tuple[torch.
     return packed[:rows].view(p, SCHED_ROW_INTS), packed[rows:rows + n], packed[rows + n:rows + 2 * n]
 
 
-_SAME_DEVICE = contextlib.nullcontext()
-
-
-def on_device_of(q: torch.Tensor):
-    """The kernels launch on the current device's stream and the schedule is made there: a call
-    with tensors on another GPU switches to theirs for its duration (no sync)."""
-    if isinstance(q, torch.Tensor) and q.is_cuda and q.device.index != torch.cuda.current_device():
-        return torch.cuda.device(q.device)
-    return _SAME_DEVICE
-
-
-def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
-    """A (num_blocks, page_block_size, 1, row bytes) cache as the kernels' uint8 (num_blocks, page_block_size, row bytes)."""
-    return k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)
-
-
-_launchers: dict = {}   # (plan, has_attn_sink) -> Launcher; plans are hashable and cached
-
-
-def launcher_of(plan: SparseDecodePlan, has_attn_sink: bool) -> Launcher:
-    key = (plan, has_attn_sink)
-    launcher = _launchers.get(key)
-    if launcher is None:
-        launcher = _launchers[key] = Launcher(plan, plan.has_topk_length, has_attn_sink)
-    return launcher
-
-
-def _plan_of(q, indices, topk_length, extra_indices, extra_topk_length, arch, num_sms) -> SparseDecodePlan:
-    return call_plan(q, indices.shape[-1], 0 if extra_indices is None else extra_indices.shape[-1],
-                     topk_length is not None, extra_topk_length is not None, arch, num_sms)
-
-
 # ------------------------------------------------------------------------------- the schedule op
 
 
 def _schedule_impl(q, topk_length, extra_topk_length, topk, extra_topk, arch, num_sms):
-    plan = call_plan(q, topk, extra_topk, topk_length is not None, extra_topk_length is not None, arch, num_sms)
+    plan = call_plan(q, topk, extra_topk, topk_length, extra_topk_length, arch, num_sms)
     with on_device_of(q):
         s = make_schedule(plan, q.device, topk_length, extra_topk_length)
         if s.upload is not None:
@@ -142,9 +116,8 @@ def _schedule_impl(q, topk_length, extra_topk_length, topk, extra_topk, arch, nu
 
 
 def _schedule_fake(q, topk_length, extra_topk_length, topk, extra_topk, arch, num_sms):
-    plan = call_plan(q, topk, extra_topk, topk_length is not None, extra_topk_length is not None, arch, num_sms)
-    p, n = schedule_sizes(plan)
-    return q.new_empty(p * SCHED_ROW_INTS + 2 * n, dtype=torch.int32)
+    plan = call_plan(q, topk, extra_topk, topk_length, extra_topk_length, arch, num_sms)
+    return q.new_empty(schedule_length(plan), dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------------- the decode op
@@ -156,11 +129,12 @@ def _decode_impl(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     check_deferred((("q", q), ("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink),
                     ("out", out), ("extra_indices_in_kvcache", extra_indices), ("extra_topk_length", extra_topk_length)),
                    (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)))
-    plan = _plan_of(q, indices, topk_length, extra_indices, extra_topk_length, arch, num_sms)
-    p, n = schedule_sizes(plan)
-    if schedule.dtype != torch.int32 or schedule.shape != (p * SCHED_ROW_INTS + 2 * n,) or schedule.device != q.device:
+    plan = call_plan(q, indices.shape[-1], 0 if extra_indices is None else extra_indices.shape[-1], topk_length,
+                     extra_topk_length, arch, num_sms)
+    length = schedule_length(plan)
+    if schedule.dtype != torch.int32 or schedule.shape != (length,) or schedule.device != q.device:
         # the kernels index tile_md and accum_offsets without bounds: only this plan's schedule will do
-        raise ValueError(f"schedule: expected this call's packed schedule, ({p * SCHED_ROW_INTS + 2 * n},) int32 on "
+        raise ValueError(f"schedule: expected this call's packed schedule, ({length},) int32 on "
                          f"{q.device} (cute_mla::sparse_decode_schedule), got {schedule.dtype} {tuple(schedule.shape)} "
                          f"on {schedule.device}")
     tile_md, _, accum_offsets = schedule_views(plan, schedule)

@@ -46,15 +46,15 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], dim: Optional[i
     return t
 
 
-def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16, pointer: bool = True) -> None:
-    """TMA and 16-byte vector accesses need every outer stride (in bytes) and the base 16-byte aligned.
-    ``pointer=False``: the strides only (a traced call has no data pointer; :func:`check_pointer`
-    runs where the tensor is real)."""
+def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16) -> None:
+    """TMA and 16-byte vector accesses need every outer stride (in bytes) and the base 16-byte aligned
+    (the base: not in a trace, which has no data pointer; :func:`check_deferred` checks it on the
+    real tensor)."""
     es = t.element_size()
     for i, s in enumerate(t.stride()[:-1]):
         if t.shape[i] > 1 and (s * es) % align_bytes:
             raise ValueError(f"{name}: stride {i} is {s} elements ({s * es} bytes), accepted: a multiple of {align_bytes} bytes")
-    if pointer:
+    if not torch.compiler.is_compiling():
         check_pointer(name, t, align_bytes)
 
 
@@ -79,5 +79,11 @@ def check_deferred(tensors, caches) -> None:
     for name, t in tensors:
         check_pointer(name, t)
     for name, t in caches:
-        if t is not None and t.data_ptr() % 16:
-            raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got offset {t.data_ptr() % 16}")
+        check_cache_pointer(name, t)
+
+
+def check_cache_pointer(name: str, t: Optional[torch.Tensor]) -> None:
+    """A paged cache's base (its page blocks' 16-byte alignment starts there); not in a trace
+    (:func:`check_deferred`); None passes."""
+    if t is not None and not torch.compiler.is_compiling() and t.data_ptr() % 16:
+        raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got offset {t.data_ptr() % 16}")

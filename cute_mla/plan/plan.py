@@ -180,13 +180,13 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     blocks = (topk + extra_topk) // BLOCK_TOPK   # per request without lengths (check_problem: multiples of 64)
     overhead = sched.fixed_overhead_blocks(arch, b=b, parts=parts, blocks=blocks)
     host_schedule, token_walk = None, False
-    if spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk and b <= archs.MAX_GRID_Y:
+    short_lists = (spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk
+                   and b <= archs.MAX_GRID_Y)
+    if short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms)):
         schedule, parts, accum_rows = "per_request", b, 0
         if not lengths:
             nb = sched.blocks_per_request(topk, b=b, extra_topk=extra_topk)
             host_schedule = sched.HostSchedule(rows=sched.per_request_rows(nb), num_splits=tuple(range(b + 1)))
-    elif lengths and sm90_per_request(arch, b, h_q, blocks, num_sms):
-        schedule, parts, accum_rows = "per_request", b, 0
     elif lengths:
         schedule = "device"
         accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts, b)

@@ -97,7 +97,7 @@ from ...dsl.compat import (
     tcgen05_fence_before_thread_sync,
 )
 from ...dsl.compile import CompiledKernel, compile_cached, compile_options
-from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk
+from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk, kernel_format
 from ...scheduler.partition import BLOCK_TOPK, SCHED_ROW_INTS, SchedField, blocks_of_length, extra_blocks_of_length
 from .. import DecodeTensors
 from . import ptx
@@ -129,12 +129,8 @@ class Sm100SparseDecodeConfig:
     def __post_init__(self):
         if self.h_q not in (64, 128):
             raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
-        fmt = format_for_d_qk(self.d_qk)  # NotImplementedError for a known format not built yet
-        tile_of(fmt)
-        if self.has_extra and not fmt.extra_pool:
-            raise ValueError(f"has_extra: the {fmt.name} format (d_qk={self.d_qk}) has no extra pool")
-        if self.has_extra_topk_length and not self.has_extra:
-            raise ValueError("has_extra_topk_length: needs has_extra")
+        # NotImplementedError for a known format not built yet; tile_of: one this kernel lays out
+        tile_of(kernel_format(self.d_qk, self.has_extra, self.has_extra_topk_length))
         if self.arch != archs.SM100.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM100.name!r}")
 
@@ -273,10 +269,6 @@ class Tile(FormatGeometry):
         return self.data_row_bytes
 
     @property
-    def scale_words(self) -> int:
-        return self.fmt.dequant.scale_words  # i32 words of one row's scales as loaded (4 V3.2, 2 V4)
-
-    @property
     def scales_in_index(self) -> bool:
         """The scales are in per-block scale rows (V4): the INDEX warp loads each token's scale row
         into the index stage (no TMA map can address 8-byte rows: global strides are 16-B multiples)."""
@@ -381,10 +373,8 @@ LAZY_RESCALE_LOG2 = 6.0  # FlashMLA's threshold: P may grow to 2^6 in bf16 befor
 MAX_INIT = -1.0e30  # finite running-max start: never (-inf) - (-inf)
 
 assert TMEM.used(STAGES.s) <= TMEM.alloc <= TMEM_COLUMNS
-# a gathered raw row holds the NoPE bytes and the scales, and four of them fill whole 128-B lines
-assert TILE.rope_offset <= TILE.raw_row_bytes <= TILE.row_bytes and (4 * TILE.raw_row_bytes) % 128 == 0
-# the dequant warps' split of a K tile: two 64-dim column blocks per warp (one of them V4's RoPE)
-assert TILE.k_dims == 2 * WARPS.dequant_warps * TILE.chunk
+# V3.2's gathered raw row reaches past its RoPE offset (tile_of checks the rest for every format)
+assert TILE.rope_offset <= TILE.raw_row_bytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -550,13 +540,13 @@ class Gmem(NamedTuple):
     rows_per_block: Int32          # stride(0) / data row bytes: the cache seen as a table of rows
     scale_log2: Float32
     # The extra pool (V4): its two gather4 maps, its cache, (b, s_q, extra_topk) indices and lengths.
-    tma_enope: Optional[cute.CopyAtom] = None
-    mENope: Optional[cute.Tensor] = None
-    tma_erope: Optional[cute.CopyAtom] = None
-    mERope: Optional[cute.Tensor] = None
-    mExtraKV: Optional[cute.Tensor] = None
-    mExtraIdx: Optional[cute.Tensor] = None
-    mExtraLen: Optional[cute.Tensor] = None
+    tma_enope: Optional[cute.CopyAtom]
+    mENope: Optional[cute.Tensor]
+    tma_erope: Optional[cute.CopyAtom]
+    mERope: Optional[cute.Tensor]
+    mExtraKV: Optional[cute.Tensor]
+    mExtraIdx: Optional[cute.Tensor]
+    mExtraLen: Optional[cute.Tensor]
 
 
 class Smem(NamedTuple):
@@ -935,14 +925,14 @@ class Sm100SparseDecodeKernel:
         the request's main blocks reads the extra list and the extra cache's geometry."""
         tile = self.tile
         sched, s_idx, _ = cta
-        mTopkLen, mIdx, mKV, rows_per_block = g.mTopkLen, g.mIdx, g.mKV, g.rows_per_block
+        mIdx, mKV, rows_per_block = g.mIdx, g.mKV, g.rows_per_block
         sCoord, sValid, idx_pipe = smem.sCoord, smem.sValid, pipes.index
         lane = cute.arch.lane_idx()
         page = mKV.shape[1]
         num_tokens = mKV.shape[0] * page
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.index)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len, t_extra, extra_len = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
+            t0, t1, topk_len, t_extra, extra_len = sched.request_tiles(req, g)
             for t in cutlass.range(t0, t1, unroll=1):
                 idx_pipe.producer_acquire(state)
                 if cutlass.const_expr(not self.cfg.has_extra and not tile.scales_in_index):
@@ -1034,7 +1024,7 @@ class Sm100SparseDecodeKernel:
         (through the extra pool's maps for a tile past the request's main blocks)."""
         tile = self.tile
         sched, s_idx, hg = cta
-        mTopkLen, tma_q, mQ, tma_nope, mNope, tma_rope, mRope = g.mTopkLen, g.tma_q, g.mQ, g.tma_nope, g.mNope, g.tma_rope, g.mRope
+        tma_q, mQ, tma_nope, mNope, tma_rope, mRope = g.tma_q, g.mQ, g.tma_nope, g.mNope, g.tma_rope, g.mRope
         sQ, storage, raw_layout, rope_tma_layout = smem.sQ, smem.storage, boxes.raw_layout, boxes.rope_tma_layout
         q_pipe, idx_pipe, raw_pipe, rope_pipe = pipes.q, pipes.index, pipes.raw, pipes.rope
         thr_mma = qk_mma.get_slice(0)
@@ -1045,7 +1035,7 @@ class Sm100SparseDecodeKernel:
         g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.gather)
         i_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.index)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len, t_extra, extra_len = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
+            t0, t1, topk_len, t_extra, extra_len = sched.request_tiles(req, g)
             # Q (64 heads x d_qk) of this request: waits until the previous request's last QK is done.
             # A request with an empty range gets none: the MMA warp neither waits for it nor frees it.
             if t1 > t0:
@@ -1120,7 +1110,7 @@ class Sm100SparseDecodeKernel:
         (V3.2: exactly one fp32 scale from the row; V4: :meth:`dequant_role_rope_in_k`). Reads are
         conflict-free 16-B loads; writes follow SW128."""
         tile = self.tile
-        sched, mTopkLen, storage, raw_pipe, k_pipe = cta.sched, g.mTopkLen, smem.storage, pipes.raw, pipes.kbuf
+        sched, storage, raw_pipe, k_pipe = cta.sched, smem.storage, pipes.raw, pipes.kbuf
         lane = cute.arch.lane_idx()
         dw = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - Warp.DEQUANT
         raw_base = ptx.smem_addr(storage.sRaw.data_ptr())
@@ -1128,15 +1118,13 @@ class Sm100SparseDecodeKernel:
         g_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.gather)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.kbuf)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
+            t0, t1, topk_len, _, _ = sched.request_tiles(req, g)
             for t in cutlass.range(t0, t1, unroll=1):
                 raw_pipe.consumer_wait(g_state)
                 row = raw_base + g_state.index * tile.raw_stage_bytes + lane * tile.raw_row_bytes
                 words = cute.make_rmem_tensor(cute.make_layout(32), Int32)
                 for k in cutlass.range_constexpr(8):
-                    v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
-                    for e in cutlass.range_constexpr(4):
-                        words[4 * k + e] = ptx.vec_elem(v, e)
+                    self.load_words(words, k, row + dw * 128 + k * 16)
                 scale_bits = ptx.ld_shared_i32(row + tile.scale_offset + dw * 4)
                 # Invalid tokens were zero-filled by the TMA (coordinate -1): scale 0, fp8 0 -> K = 0.
                 cute.arch.sync_warp()
@@ -1146,14 +1134,7 @@ class Sm100SparseDecodeKernel:
                 k_pipe.producer_acquire(k_state)
                 k_stage = k_base + k_state.index * (tile.k_stage_elems * 2)
                 for k in cutlass.range_constexpr(8):  # 16 dims = 4 words = two 16-B chunks per step
-                    out = []
-                    for e in cutlass.range_constexpr(4):
-                        lo, hi = tile.fmt.dequant.exact(words[4 * k + e], scale_bits)
-                        out.append(lo)
-                        out.append(hi)
-                    d = 128 * dw + 16 * k
-                    ptx.st_shared_v4(k_stage + k_tile_byte(lane, d), out[0], out[1], out[2], out[3])
-                    ptx.st_shared_v4(k_stage + k_tile_byte(lane, d + 8), out[4], out[5], out[6], out[7])
+                    self.dequant_store(tile.fmt.dequant, words, k, scale_bits, k_stage, lane, 128 * dw + 16 * k)
                 # Generic-proxy writes -> visible to the tensor core (async proxy) before the arrive.
                 cute.arch.fence_view_async_shared()
                 k_pipe.producer_commit(k_state)
@@ -1171,7 +1152,7 @@ class Sm100SparseDecodeKernel:
         TMA zero-filled: K = V = 0)."""
         tile = self.tile
         dq = tile.fmt.dequant
-        sched, mTopkLen, storage = cta.sched, g.mTopkLen, smem.storage
+        sched, storage = cta.sched, smem.storage
         raw_pipe, rope_pipe, idx_pipe, k_pipe = pipes.raw, pipes.rope, pipes.index, pipes.kbuf
         lane = cute.arch.lane_idx()
         dw = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - Warp.DEQUANT
@@ -1185,7 +1166,7 @@ class Sm100SparseDecodeKernel:
         i_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.index)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.kbuf)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, _, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
+            t0, t1, _, _, _ = sched.request_tiles(req, g)
             for t in cutlass.range(t0, t1, unroll=1):
                 idx_pipe.consumer_wait(i_state)
                 sw = [ptx.ld_shared_i32(scale_base + i_state.index * (TILE.tokens * 4 * tile.scale_words) + 4 * j)
@@ -1195,14 +1176,10 @@ class Sm100SparseDecodeKernel:
                 words = cute.make_rmem_tensor(cute.make_layout(32), Int32)
                 for k in cutlass.range_constexpr(8):  # the warp's 128 fp8 bytes (64 on the RoPE warp)
                     if cutlass.const_expr(k < 4):
-                        v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
-                        for e in cutlass.range_constexpr(4):
-                            words[4 * k + e] = ptx.vec_elem(v, e)
+                        self.load_words(words, k, row + dw * 128 + k * 16)
                     else:
                         if two_nope_blocks:
-                            v = ptx.ld_shared_v4(row + dw * 128 + k * 16)
-                            for e in cutlass.range_constexpr(4):
-                                words[4 * k + e] = ptx.vec_elem(v, e)
+                            self.load_words(words, k, row + dw * 128 + k * 16)
                 cute.arch.sync_warp()
                 raw_pipe.consumer_release(g_state)
                 if lane == 0:
@@ -1251,6 +1228,13 @@ class Sm100SparseDecodeKernel:
         return s0, s1
 
     @cute.jit
+    def load_words(self, words, k: cutlass.Constexpr, addr: Int32):
+        """``words[4 k : 4 k + 4]`` <- the 16 fp8 bytes at shared address ``addr`` (one 16-B load)."""
+        v = ptx.ld_shared_v4(addr)
+        for e in cutlass.range_constexpr(4):
+            words[4 * k + e] = ptx.vec_elem(v, e)
+
+    @cute.jit
     def dequant_store(self, dq, words, k: cutlass.Constexpr, scale_bits: Int32, k_stage: Int32, lane: Int32, d: Int32):
         """16 dims (``words[4 k : 4 k + 4]``, fp8) -> bf16(fp8 * scale) at K[lane, d : d + 16]."""
         out = []
@@ -1267,7 +1251,7 @@ class Sm100SparseDecodeKernel:
                  pv_mma: cute.TiledMma, tmem_ptr):
         """QK(i) is issued before PV(i-1), so the tensor core computes the next S while the softmax
         warpgroup works on the current one (two S stages in TMEM)."""
-        sched, mTopkLen = cta.sched, g.mTopkLen
+        sched = cta.sched
         sQ, sK, sRope, sP, sV = smem.sQ, smem.sK, smem.sRope, smem.sP, smem.sV
         q_pipe, rope_pipe, k_pipe, s_pipe, p_pipe = pipes.q, pipes.rope, pipes.kbuf, pipes.s, pipes.p
         tCrQ = qk_mma.make_fragment_A(sQ)  # (MMA, 1, 36, 1)
@@ -1288,7 +1272,7 @@ class Sm100SparseDecodeKernel:
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.s)
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.p)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
+            t0, t1, topk_len, _, _ = sched.request_tiles(req, g)
             n = t1 - t0
             # An empty range (possible only with a schedule that disagrees with the call) gets no Q,
             # no tile and no PV here, as in every other role (_Sched.request_tiles).
@@ -1357,7 +1341,7 @@ class Sm100SparseDecodeKernel:
         and of O, dims 256 (l // 16) + [0, 256). Row statistics live in lane l % 16; lanes >= 16
         fetch them by shuffle."""
         sched, s_idx, hg = cta
-        mTopkLen, scale_log2 = g.mTopkLen, g.scale_log2
+        scale_log2 = g.scale_log2
         sValid, storage = smem.sValid, smem.storage
         idx_pipe, s_pipe, p_pipe = pipes.index, pipes.s, pipes.p
         tidx, _, _ = cute.arch.thread_idx()
@@ -1388,7 +1372,7 @@ class Sm100SparseDecodeKernel:
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES.s)
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES.p)
         for req in cutlass.range(sched.begin_req, sched.end_req + 1, unroll=1):
-            t0, t1, topk_len, _, _ = sched.request_tiles(req, mTopkLen, g.mExtraIdx, g.mExtraLen)
+            t0, t1, topk_len, _, _ = sched.request_tiles(req, g)
             m_run = Float32(MAX_INIT)
             l_run = Float32(0.0)
             for i in cutlass.range(t1 - t0, unroll=1):
@@ -1561,8 +1545,8 @@ class Sm100SparseDecodeKernel:
 class _Sched:
     """One scheduler row (``SchedField``) and the per-request tile ranges every role walks identically.
 
-    A plain bag of Int32 values that the DSL can carry through dynamic loops; the optional
-    ``topk_length`` tensor is passed to :meth:`request_tiles` by the caller.
+    A plain bag of Int32 values that the DSL can carry through dynamic loops; the length tensors
+    come with the kernel's ``Gmem`` (:meth:`request_tiles`).
     """
 
     _FIELDS = ("batch", "topk", "begin_req", "end_req", "begin_blk", "end_blk", "begin_split", "first_split",
@@ -1588,8 +1572,7 @@ class _Sched:
         return _Sched(*[Int32(v) for v in values])
 
     @cute.jit
-    def request_tiles(self, req: Int32, mTopkLen: Optional[cute.Tensor], mExtraIdx: Optional[cute.Tensor] = None,
-                      mExtraLen: Optional[cute.Tensor] = None):
+    def request_tiles(self, req: Int32, g: "Gmem"):
         """(first tile, end tile, valid top-k length, first extra tile, valid extra length) of ``req``
         in this partition. A request's blocks are its main list's (``blocks_of_length``), then its
         extra list's (``extra_blocks_of_length``; none without the extra pool): tile t reads main
@@ -1606,6 +1589,7 @@ class _Sched:
         trapped (FlashMLA's MMA warp traps): a trap leaves the CUDA context unusable for every later
         call of the process, and it would flag only the empty case of a disagreeing schedule, not a
         range that is merely wrong; that check needs the schedule's lengths, on the host."""
+        mTopkLen, mExtraIdx, mExtraLen = g.mTopkLen, g.mExtraIdx, g.mExtraLen
         topk_len = self.topk
         nblk = self.topk // TILE.sched_block
         if cutlass.const_expr(mTopkLen is not None):
@@ -1641,7 +1625,7 @@ class _Sched:
 
 def _fake_args(cfg: Sm100SparseDecodeConfig):
     """Fake tensors with symbolic dims (shared where the launch must agree) for the CPU compile:
-    (positional args, extra-pool keyword args)."""
+    the host function's tensor arguments, in order (None for an absent optional one)."""
     b, s_q, topk, nblk, page, parts, b1, rows = (cute.sym_int() for _ in range(8))
     h = cfg.h_q
     tile = cfg.tile
@@ -1661,16 +1645,16 @@ def _fake_args(cfg: Sm100SparseDecodeConfig):
                                    assumed_align=16)
         lse_accum = make_fake_tensor(Float32, (rows, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
         args += [o_accum, lse_accum]
-    extra = {}
+    extra_kv = extra_indices = extra_topk_length = None
     if cfg.has_extra:
         # its own blocks, page size and stride(0); the requests and tokens are the call's
         nblk_e, page_e, topk_e = (cute.sym_int() for _ in range(3))
-        extra["extra_kv"] = make_fake_tensor(Uint8, (nblk_e, page_e, tile.row_bytes),
-                                             stride=(i64(16), tile.row_bytes, 1), assumed_align=16)
-        extra["extra_indices"] = make_fake_tensor(Int32, (b, s_q, topk_e), stride=(i64(1), i64(1), 1), assumed_align=4)
+        extra_kv = make_fake_tensor(Uint8, (nblk_e, page_e, tile.row_bytes), stride=(i64(16), tile.row_bytes, 1),
+                                    assumed_align=16)
+        extra_indices = make_fake_tensor(Int32, (b, s_q, topk_e), stride=(i64(1), i64(1), 1), assumed_align=4)
         if cfg.has_extra_topk_length:
-            extra["extra_topk_length"] = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4)
-    return args, extra
+            extra_topk_length = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4)
+    return args + [extra_kv, extra_indices, extra_topk_length]
 
 
 def compile_sparse_decode(cfg: Sm100SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
@@ -1681,11 +1665,9 @@ def compile_sparse_decode(cfg: Sm100SparseDecodeConfig, dump_dir: Optional[str] 
     def build(dump: Optional[str]):
         k = Sm100SparseDecodeKernel(cfg)
         host = k.host_split if cfg.split else k.host_no_split
-        args, extra = _fake_args(cfg)
         return cute.compile(
             host,
-            *args,
-            *[extra.get(n) for n in ("extra_kv", "extra_indices", "extra_topk_length")],
+            *_fake_args(cfg),
             Float32(1.0),
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options=compile_options(cfg.arch, dump),

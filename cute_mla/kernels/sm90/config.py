@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ... import archs
-from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk
+from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk, kernel_format
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,6 @@ class Tile(FormatGeometry):
     @property
     def chunks(self) -> int:  # 64-dim column blocks of a K tile: NoPE, then one of RoPE
         return self.d_qk // self.chunk
-
-    @property
-    def scale_words(self) -> int:  # i32 registers of a row's scales as loaded
-        return self.fmt.dequant.scale_words
 
     @property
     def scale_reg(self) -> int:  # first register of the scales in a thread's row slots
@@ -244,11 +240,7 @@ class Sm90SparseDecodeConfig:
         if self.column_pair and not (self.split and self.h_q == 64):
             raise ValueError(f"column_pair: only the h_q=64 split variant runs column pairs (got h_q={self.h_q}, "
                              f"split={self.split})")
-        fmt = format_for_d_qk(self.d_qk)
-        if self.has_extra and not fmt.extra_pool:
-            raise ValueError(f"has_extra: the {fmt.name} format (d_qk={self.d_qk}) has no extra pool")
-        if self.has_extra_topk_length and not self.has_extra:
-            raise ValueError("has_extra_topk_length: needs has_extra")
+        kernel_format(self.d_qk, self.has_extra, self.has_extra_topk_length)
         if not isinstance(self.tuning, Sm90Tuning):
             raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
         if self.arch != archs.SM90.name:

@@ -41,9 +41,9 @@ class Gmem(NamedTuple):
     mAccumOffsets: cute.Tensor           # (b+1,): request r's split pieces own rows [off[r], off[r+1])
     mLse: cute.Tensor
     mLseAcc: Optional[cute.Tensor]
-    mExtraKV: Optional[cute.Tensor] = None       # the extra pool (V4): its cache,
-    mExtraIdx: Optional[cute.Tensor] = None      # its (b, s_q, extra_topk) indices
-    mExtraLen: Optional[cute.Tensor] = None      # and their (b,) lengths
+    mExtraKV: Optional[cute.Tensor]      # the extra pool (V4): its cache,
+    mExtraIdx: Optional[cute.Tensor]     # its (b, s_q, extra_topk) indices
+    mExtraLen: Optional[cute.Tensor]     # and their (b,) lengths
 
 
 class Cta(NamedTuple):

@@ -1,7 +1,7 @@
 """WG0 (``Role.SOFTMAX``): S = Q K^T, the online softmax, P V into O's left columns, the epilogue.
 
 Per request: Q is loaded by TMA (64 heads x d_qk dims, after WG1's previous output store has left
-the staging that aliases the Q buffer). Per K tile: 36 SS wgmma 64x64x16 give S, invalid tokens are
+the staging that aliases the Q buffer). Per K tile: d_qk / 16 SS wgmma 64x64x16 (36 V3.2, 32 V4) give S, invalid tokens are
 masked to -inf from the tile's mask, the online softmax runs in the log2 domain, bf16 P stays in
 registers for the RS wgmma P V[:, left] and goes to shared memory with the per-row rescale for
 WG1. The next tile's QK is issued right behind this tile's PV, so the tensor core gets the next
