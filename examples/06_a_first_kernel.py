@@ -34,6 +34,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8
 from cutlass.cute.nvgpu import warpgroup
 
+from cute_mla.archs import SM90
 from cute_mla.dsl.compat import LayoutEnum, OperandMajorMode, SmemAllocator, sm90_utils
 from cute_mla.dsl.compile import compile_options
 from cute_mla.formats import V32
@@ -102,8 +103,8 @@ class FirstKernel:
             scale = scales[row, V32.scale_offset // 4 + c // per_scale]
             # TensorSSA math: 16 e4m3 -> fp32, times the scale, rounded once to bf16 (the
             # reference's bf16(float(fp8) * scale), bit for bit).
-            k = chunk(nope, row, c, NOPE_CHUNK).load().to(Float32) * scale
-            chunk(sK, t, c, NOPE_CHUNK).store(k.to(BFloat16))
+            keys = chunk(nope, row, c, NOPE_CHUNK).load().to(Float32) * scale
+            chunk(sK, t, c, NOPE_CHUNK).store(keys.to(BFloat16))
         rope_chunks = D_ROPE // BF16_CHUNK                       # 8 per row, copied as they are
         for i in cutlass.range(tid, TOKENS * rope_chunks, THREADS):
             t, c = i // rope_chunks, i % rope_chunks
@@ -155,25 +156,25 @@ def compile_kernel(dump_dir: str):
     # on torch's current stream, which the fake stream stands for.
     stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(FirstKernel(), q, cache, indices, scores, stream,
-                        options=compile_options("sm_90a", dump_dir))
+                        options=compile_options(SM90.name, dump_dir))
 
 
 def report(dump_dir: str) -> None:
     """Registers and shared memory of the compiled kernel, read from its cubin."""
     from cute_mla.playground.inspect import find_artifacts, resource_usage
 
-    ptx, cubin = find_artifacts(dump_dir, "sm_90a")
+    ptx, cubin = find_artifacts(dump_dir, SM90.name)
     try:
         if ptx is None or cubin is None:
             raise FileNotFoundError(f"no PTX / cubin in {dump_dir}")
         res = resource_usage(cubin)
     except (FileNotFoundError, ValueError) as e:
-        print(f"compiled for sm_90a; no resource report ({e})")
+        print(f"compiled for {SM90.name}; no resource report ({e})")
         return
     with open(ptx) as f:
         wgmma = f.read().count("wgmma.mma_async")
     tiles = (HEADS + TOKENS) * D_QK * 2      # the q and K tiles (bf16), allocated at launch
-    print(f"compiled for sm_90a: {res.get('REG')} registers per thread, shared memory {res.get('SHARED', 0)} B static "
+    print(f"compiled for {SM90.name}: {res.get('REG')} registers per thread, shared memory {res.get('SHARED', 0)} B static "
           f"+ {tiles} B dynamic (q and K tiles), {wgmma} wgmma.mma_async in the PTX")
 
 
@@ -207,7 +208,12 @@ def main() -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a and print its resources (no GPU)")
     args = ap.parse_args()
     if not args.compile_only:
-        require_gpu(__file__, hint="`python examples/06_a_first_kernel.py --compile-only` compiles it here")
+        hint = "`python examples/06_a_first_kernel.py --compile-only` compiles it here"
+        require_gpu(__file__, hint=hint)
+        from cute_mla.archs import device_arch, gpu_summary
+
+        if device_arch("cuda") != SM90.name:     # wgmma is Hopper's; SM100 has tcgen05 instead
+            sys.exit(f"06_a_first_kernel.py runs its wgmma on an SM90 GPU only; this one is {gpu_summary()}; {hint}")
     with tempfile.TemporaryDirectory() as dump_dir:
         fn = compile_kernel(dump_dir)
         report(dump_dir)
