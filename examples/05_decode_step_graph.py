@@ -5,7 +5,9 @@ An engine replays a whole decode step as one CUDA graph; this is that step's spa
 indices (2048 of the request's context tokens) and its own FP8 KV cache (V3.2, 656 B per token:
 ``b x context`` tokens per layer; per-layer caches, not one shared pool, so that no layer finds
 another's rows in L2). ``get_mla_metadata()`` is called once per step and its object is shared by
-all 61 calls, as in vLLM. Inputs are random; the model's other kernels are left out.
+all 61 calls, as in vLLM. 128 heads is the model's full count, as one GPU runs it with
+data-parallel attention (tensor parallelism would divide the heads among GPUs). Inputs are random;
+the model's other kernels are left out.
 
 Prints the step's time and the time per layer (graph replay between CUDA events, median of
 ``--replays``), the same for FlashMLA on the same inputs when it is importable (vLLM's build), and
