@@ -47,12 +47,14 @@ def combine_variants(arch: str, h_qs: Iterable[int]) -> List[Variant]:
 
     spec = archs.get(arch)
     out = []
+    seen = set()
     for h_q in h_qs:
-        parts = sorted({sched.num_sm_parts(arch, spec.default_num_sms, s_q, h_q) for s_q in range(1, spec.default_num_sms + 1)})
-        for sink, walk in itertools.product((False, True), (False, True)):
-            seen = set()
-            for p in parts:
-                cfg = combine_config(arch, h_q, sink, p, spec.accum_dtype, b=p + 1 if walk else p)
+        for s_q in range(1, spec.default_num_sms + 1):
+            p = sched.num_sm_parts(arch, spec.default_num_sms, s_q, h_q)
+            # with a sink or not; the fewest and the most requests of a grid over requests (its
+            # layout follows b * s_q * h_q), and a grid over partitions
+            for sink, b in itertools.product((False, True), (1, p, p + 1)):
+                cfg = combine_config(arch, h_q, sink, p, spec.accum_dtype, b=b, s_q=s_q)
                 if cfg.cache_key not in seen:
                     seen.add(cfg.cache_key)
                     out.append(("combine", cfg))

@@ -9,6 +9,11 @@ from cute_mla.kernels.combine import (
     MAX_SPLITS_BUCKETS,
     ROWS_IN_FLIGHT,
     THREADS_PER_CTA,
+    VALUES_IN_FLIGHT,
+    WARP_PER_HEAD_ABOVE_PAIRS,
+    WARPS_PER_HEAD,
+    chunks_per_lane,
+    rows_in_flight,
     CombineConfig,
     combine_config,
     combine_max_splits,
@@ -24,19 +29,22 @@ ARCHS = ("sm_90a", "sm_100a")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("h_q", [64, 128])
 @pytest.mark.parametrize("has_attn_sink", [False, True])
-def test_compiles_with_expected_ptx(arch, h_q, has_attn_sink, tmp_path):
-    cfg = CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=160, arch=arch)
+@pytest.mark.parametrize("warps_per_head", WARPS_PER_HEAD)
+def test_compiles_with_expected_ptx(arch, h_q, has_attn_sink, warps_per_head, tmp_path):
+    cfg = CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=160, arch=arch, warps_per_head=warps_per_head)
     compile_combine(cfg, dump_dir=str(tmp_path))
     ptx = read_ptx(str(tmp_path))
+    chunks = chunks_per_lane(warps_per_head)
     assert f".target {arch}" in ptx
     assert ptx.count(".entry") == 1
-    assert f".reqntid {THREADS_PER_CTA}, 1, 1" in ptx, "4 warps: one CTA per (token, head)"
+    assert f".reqntid {THREADS_PER_CTA}, 1, 1" in ptx, "4 warps: a CTA per (token, head) or four heads"
     assert "griddepcontrol.wait" in ptx, "PDL wait before the accumulators are read"
-    # Split rows come in as 16-byte loads, one per lane and row, ROWS_IN_FLIGHT per batch, from one
-    # copy of the batch code; plain (not .nc) loads, since .nc and PDL do not mix.
-    assert ptx.count("ld.global.v4") == ROWS_IN_FLIGHT and "ld.global.nc" not in ptx
-    # The bf16 row leaves as one 8-byte store per lane (plus one in the NaN-poison path).
-    assert ptx.count("st.global.v2.b32") == 2
+    # Split rows come in as 16-byte loads, one per lane, chunk and row, rows_in_flight per batch,
+    # from one copy of the batch code; plain (not .nc) loads, since .nc and PDL do not mix.
+    assert ptx.count("ld.global.v4") == rows_in_flight(warps_per_head) * chunks and "ld.global.nc" not in ptx
+    assert rows_in_flight(warps_per_head) * chunks * 4 == VALUES_IN_FLIGHT
+    # Each bf16 chunk leaves as one 8-byte store per lane (and again in the NaN-poison path).
+    assert ptx.count("st.global.v2.b32") == 2 * chunks
     assert "st.global.b16" not in ptx and "st.global.v4" not in ptx, "no scalar or 16-byte bf16 stores"
     # exp2/log2 are the approx instructions, which keep +-inf exact.
     assert "ex2.approx.f32" in ptx and "lg2.approx.f32" in ptx and "ex2.approx.ftz" not in ptx
@@ -61,22 +69,27 @@ def _sass_or_skip(cubin):
 
 # every bucket with fp32 partials (SM100's), with and without a sink; bf16 partials (SM90's) at both
 # ends of the bucket range
-SPILL_CASES = [(ms, sink, "float32") for ms in MAX_SPLITS_BUCKETS for sink in (False, True)] + [
-    (ms, True, "bfloat16") for ms in (32, 160, 256)]
+# (warps per head 4) every bucket with fp32 partials (SM100's), with and without a sink; bf16
+# partials (SM90's) at both ends of the bucket range; (warps per head 1) both dtypes at both ends
+SPILL_CASES = [(ms, sink, "float32", 4) for ms in MAX_SPLITS_BUCKETS for sink in (False, True)] + [
+    (ms, True, "bfloat16", 4) for ms in (32, 160, 256)] + [
+    (ms, True, dt, 1) for ms in (32, 256) for dt in ("float32", "bfloat16")]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("max_splits,has_attn_sink,accum_dtype", SPILL_CASES)
-def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, accum_dtype, tmp_path):
+@pytest.mark.parametrize("max_splits,has_attn_sink,accum_dtype,warps_per_head", SPILL_CASES)
+def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, accum_dtype, warps_per_head, tmp_path):
     """No local memory (no spill, no stack), and the batch of row loads issued back to back.
 
-    In the SASS the ROWS_IN_FLIGHT row loads (16 bytes per lane for fp32 partials, 8 for bf16)
-    form one run with nothing in between that uses a row (FFMA), waits on the lse loads (SHFL,
-    MUFU of the reduction) or ends the block (BRA), and the run ends its basic block, so ptxas
-    cannot schedule the lse reduction ahead of it.
+    In the SASS the batch's row loads (VALUES_IN_FLIGHT / 4 per lane: 16 bytes each for fp32
+    partials, 8 for bf16) form one run with nothing in between that uses a row (FFMA), waits on
+    the lse loads (SHFL, MUFU of the reduction) or ends the block (BRA), and the run ends its
+    basic block, so ptxas cannot schedule the lse reduction ahead of it.
     """
-    rows_in_flight = ROWS_IN_FLIGHT
-    cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch, accum_dtype=accum_dtype)
+    rows_in_flight = VALUES_IN_FLIGHT // 4
+    assert ROWS_IN_FLIGHT == rows_in_flight
+    cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch, accum_dtype=accum_dtype,
+                        warps_per_head=warps_per_head)
     compile_combine(cfg, dump_dir=str(tmp_path))
     bf16 = accum_dtype == "bfloat16"
     ptx = read_ptx(str(tmp_path))
@@ -132,6 +145,28 @@ def test_config_validation():
     a, b = (CombineConfig(h_q=64, has_attn_sink=False, max_splits=64, arch="sm_90a", accum_dtype=d)
             for d in ("float32", "bfloat16"))
     assert a.cache_key != b.cache_key, "one compiled kernel per partial dtype"
+    with pytest.raises(ValueError, match="warps_per_head"):
+        CombineConfig(h_q=64, has_attn_sink=False, max_splits=32, arch="sm_90a", warps_per_head=2)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        CombineConfig(h_q=66, has_attn_sink=False, max_splits=32, arch="sm_90a", warps_per_head=1)
+    a, b = (CombineConfig(h_q=64, has_attn_sink=False, max_splits=64, arch="sm_90a", warps_per_head=w)
+            for w in WARPS_PER_HEAD)
+    assert a.cache_key != b.cache_key, "one compiled kernel per layout"
+
+
+def test_layout_follows_pairs():
+    """A CTA per (token, head) while the grid is small; a warp per head once it holds more than
+    WARP_PER_HEAD_ABOVE_PAIRS (token, head) pairs; always a warp per head when the grid walks the
+    partitions (at least 66 rows of h_q >= 64 pairs)."""
+    def wph(h_q, parts, b, s_q=1):
+        return combine_config("sm_90a", h_q, False, parts, "bfloat16", b=b, s_q=s_q).warps_per_head
+
+    t = WARP_PER_HEAD_ABOVE_PAIRS
+    assert wph(64, 132, 1) == 4 and wph(128, 8, 1, s_q=8) == 4 and wph(64, 16, 1, s_q=8) == 4
+    assert wph(64, 132, t // 64) == 4 and wph(64, 132, t // 64 + 1) == 1
+    assert wph(128, 66, 32) == 1 and wph(128, 66, 16) == 1
+    assert wph(64, 132, 133) == 1 and combine_config("sm_90a", 64, False, 132, b=133).by_partition
+    assert wph(128, 66, 67) == 1
 
 
 def test_launcher_checks_before_launch():

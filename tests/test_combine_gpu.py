@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cute_mla.archs import device_arch
-from cute_mla.kernels.combine import CombineConfig, combine_max_splits, compile_combine, launch_combine
+from cute_mla.kernels.combine import WARPS_PER_HEAD, CombineConfig, combine_max_splits, compile_combine, launch_combine
 
 pytestmark = pytest.mark.gpu
 
@@ -92,10 +92,10 @@ def check(case):
     return split
 
 
-def run(case, h_q, max_splits):
+def run(case, h_q, max_splits, warps_per_head=4):
     cfg = CombineConfig(h_q=h_q, has_attn_sink=case["attn_sink"] is not None, max_splits=max_splits,
                         arch=device_arch(torch.device("cuda")),
-                        accum_dtype=str(case["o_accum"].dtype).removeprefix("torch."))
+                        accum_dtype=str(case["o_accum"].dtype).removeprefix("torch."), warps_per_head=warps_per_head)
     compiled = compile_combine(cfg)
     launch_combine(compiled, cfg, case["lse_accum"], case["o_accum"], case["accum_offsets"], case["attn_sink"],
                    case["out"], case["lse"])
@@ -106,7 +106,8 @@ def run(case, h_q, max_splits):
 @pytest.mark.parametrize("h_q", [64, 128])
 @pytest.mark.parametrize("sink_kind", [None, "finite+inf", "-inf"])
 @pytest.mark.parametrize("shape", ["small", "over32", "over132"])
-def test_matches_fp64(h_q, sink_kind, shape, seed):
+@pytest.mark.parametrize("warps_per_head", WARPS_PER_HEAD)
+def test_matches_fp64(h_q, sink_kind, shape, warps_per_head, seed):
     gen = torch.Generator().manual_seed(seed)
     if shape == "small":
         counts = [1, 2, 0, 3, 2, 1, 5]
@@ -119,7 +120,7 @@ def test_matches_fp64(h_q, sink_kind, shape, seed):
         s_q = 1
     max_splits = combine_max_splits(max(counts))
     case = make_case(counts, s_q, h_q, sink_kind, gen=gen)
-    run(case, h_q, max_splits)
+    run(case, h_q, max_splits, warps_per_head)
     check(case)
     # make_case emptied (request r % 3 == 0, query 0, first half of the heads): out 0, lse +inf.
     r = next(i for i, c in enumerate(counts) if c > 1 and i % 3 == 0)
@@ -130,11 +131,12 @@ def test_matches_fp64(h_q, sink_kind, shape, seed):
 @pytest.mark.parametrize("h_q", [64, 128])
 @pytest.mark.parametrize("sink_kind", [None, "finite+inf"])
 @pytest.mark.parametrize("counts,s_q", [([1, 2, 0, 3, 2, 1, 5], 3), ([33, 1, 40, 2, 64], 2), ([133, 150, 1, 160], 1)])
-def test_bf16_partials_match_fp64(h_q, sink_kind, counts, s_q, seed):
+@pytest.mark.parametrize("warps_per_head", WARPS_PER_HEAD)
+def test_bf16_partials_match_fp64(h_q, sink_kind, counts, s_q, warps_per_head, seed):
     """bf16 o_accum (the SM90 plan's accum_dtype): 8-byte row loads widened to fp32."""
     gen = torch.Generator().manual_seed(seed)
     case = make_case(counts, s_q, h_q, sink_kind, gen=gen, accum_dtype="bfloat16")
-    run(case, h_q, combine_max_splits(max(counts)))
+    run(case, h_q, combine_max_splits(max(counts)), warps_per_head)
     check(case)
     r = next(i for i, c in enumerate(counts) if c > 1 and i % 3 == 0)
     assert bool((case["out"][r, 0, : h_q // 2] == 0).all())
@@ -153,9 +155,15 @@ def test_random_counts_in_large_bucket(seed):
     case["lse"].fill_(LSE_SENTINEL)
     run(case, 64, 256)
     assert torch.equal(case["out"], first[0]) and torch.equal(case["lse"], first[1])
+    # and so does a warp per head (rows summed in the same order, 4 per batch instead of 16)
+    case["out"].fill_(OUT_SENTINEL)
+    case["lse"].fill_(LSE_SENTINEL)
+    run(case, 64, 160, warps_per_head=1)
+    assert torch.equal(case["out"], first[0]) and torch.equal(case["lse"], first[1])
 
 
-def test_grid_beyond_65535(seed):
+@pytest.mark.parametrize("warps_per_head", WARPS_PER_HEAD)
+def test_grid_beyond_65535(warps_per_head, seed):
     """b*s_q > 65535 rides on grid x: the last requests must be combined too."""
     gen = torch.Generator().manual_seed(seed)
     b, h_q = 70_001, 8
@@ -163,27 +171,29 @@ def test_grid_beyond_65535(seed):
     for r in list(range(0, 100, 7)) + list(range(65_530, 65_545)) + [b - 2, b - 1]:
         counts[r] = 2 + r % 5
     case = make_case(counts, 1, h_q, "finite+inf", gen=gen)
-    run(case, h_q, 32)
+    run(case, h_q, 32, warps_per_head)
     split = check(case)
     assert bool(split[b - 1]) and bool((case["lse"][b - 1] != LSE_SENTINEL).all())
 
 
-def test_strided_out(seed):
+@pytest.mark.parametrize("warps_per_head", WARPS_PER_HEAD)
+def test_strided_out(warps_per_head, seed):
     """out may be a view (here: heads sliced out of a wider buffer); only stride(-1) == 1 is needed."""
     gen = torch.Generator().manual_seed(seed)
     h_q = 64
     case = make_case([2, 1, 4], 2, h_q, "finite+inf", gen=gen)
     wide = torch.full((3, 2, h_q + 8, D_V), OUT_SENTINEL, dtype=torch.bfloat16, device="cuda")
     case["out"] = wide[:, :, 4 : 4 + h_q]
-    run(case, h_q, 32)
+    run(case, h_q, 32, warps_per_head)
     check(case)
     assert bool((wide[:, :, :4] == OUT_SENTINEL).all()) and bool((wide[:, :, 4 + h_q :] == OUT_SENTINEL).all())
 
 
-def test_too_many_splits_poisons(seed):
+@pytest.mark.parametrize("warps_per_head", WARPS_PER_HEAD)
+def test_too_many_splits_poisons(warps_per_head, seed):
     gen = torch.Generator().manual_seed(seed)
     case = make_case([2, 33, 1], 1, 64, None, gen=gen)
-    run(case, 64, 32)
+    run(case, 64, 32, warps_per_head)
     assert bool(case["out"][1].isnan().all()) and bool(case["lse"][1].isnan().all())
     assert not bool(case["out"][0].isnan().any())
 

@@ -56,7 +56,8 @@ def launch_configs(plan: SparseDecodePlan, has_attn_sink: bool, tuning=None):
         from ..kernels import combine
 
         combine_cfg = combine.combine_config(arch=plan.arch, h_q=plan.h_q, has_attn_sink=has_attn_sink,
-                                             num_sm_parts=plan.num_sm_parts, accum_dtype=plan.accum_dtype, b=plan.b)
+                                             num_sm_parts=plan.num_sm_parts, accum_dtype=plan.accum_dtype, b=plan.b,
+                                             s_q=plan.s_q)
     return main_cfg, combine_cfg
 
 

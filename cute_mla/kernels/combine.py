@@ -13,21 +13,32 @@ with more than one split this kernel writes::
 
 A request with a single split is left alone: the decode kernel already wrote its out/lse.
 
-Grid ``(b*s_q, h_q)`` with 128 threads: one CTA per (token, head), so even b = s_q = 1 spreads
-the partials over h_q SMs; x carries b*s_q because y/z stop at 65535. With more requests than
+Two layouts (``CombineConfig.warps_per_head``), both with 128-thread CTAs and x carrying b*s_q
+because y/z stop at 65535:
+
+- **4 warps per head** (few (token, head) pairs): grid ``(b*s_q, h_q)``, one CTA per (token,
+  head), so even b = s_q = 1 spreads the partials over h_q SMs and each head's rows are read by
+  128 lanes, 16 rows in flight each.
+- **1 warp per head** (many pairs): grid ``(b*s_q, h_q/4)``, four heads per CTA. With more CTAs
+  than fit on the GPU at once the pairs run in waves, and each CTA pays its start, its offset
+  loads, its PDL wait and the lse reduction (done by every warp of a head); a warp per head does
+  that work once per head and a quarter as many CTAs start (b=32, h_q=128: 1,024 CTAs, one wave,
+  instead of 4,096). With more requests than
 schedule partitions (``CombineConfig.by_partition``) x walks the partitions instead: at most one
 request per partition is split *and starts there* (the partition whose last request is split and
 whose piece of it begins at the request's block 0), so CTA ``(p, q, head)`` combines that request
 or leaves at once, and the CTAs of the requests no split touched are never launched (at b = 512,
 h_q = 128 on 66 partitions: 8,448 CTAs instead of 65,536, most of which only read their request's
-two offsets and left: 43.6 of the call's 323 µs on the H200). Warp w owns the output
-columns ``[128w, 128w+128)`` and lane l the 4 contiguous columns ``[128w+4l, 128w+4l+4)``: a
-split row is read with one 16-byte load per lane (512 contiguous bytes per warp; 8 bytes of bf16
-partials, widened to fp32 before use) and the bf16 row is written with one 8-byte store per lane.
+two offsets and left: 43.6 of the call's 323 µs on the H200). A head's 512 columns are 128
+chunks of 4; the head's lanes own chunks round robin, so lane l of the head's warp w owns the
+chunks ``l + 32*(w + warps_per_head*i)``: a split row's chunk is one 16-byte load per lane (512
+contiguous bytes per warp; 8 bytes of bf16 partials, widened to fp32 before use) and the bf16
+chunk leaves as one 8-byte store per lane.
 
-Every warp reduces the split lses itself (redundantly: at most ``max_splits`` floats), which
-needs no shared memory or barrier. Memory-level parallelism is what makes the kernel fast: the
-split rows are loaded ``ROWS_IN_FLIGHT`` at a time, back to back, before any is accumulated, and
+Every warp reduces the split lses itself (redundantly with 4 warps per head: at most
+``max_splits`` floats), which needs no shared memory or barrier. Memory-level parallelism is what
+makes the kernel fast: the split rows are loaded ``VALUES_IN_FLIGHT / chunk values per lane`` at a
+time (16 rows with 4 warps per head, 4 with 1), back to back, before any is accumulated, and
 the first batch is issued before the lse reduction so that its latency overlaps the lse loads and
 the reduction math. (32 rows in flight let a request of up to 32 splits wait one round trip for
 its rows, not two, but measured no faster on the H200.)
@@ -61,17 +72,36 @@ MAX_SPLITS_BUCKETS = (32, 64, 128, 160, 256)
 
 D_V = 512
 WARP_THREADS = 32
-WARPS_PER_CTA = 4  # one CTA per (token, head); warp w owns output columns [128w, 128w+128)
+WARPS_PER_CTA = 4
 THREADS_PER_CTA = WARP_THREADS * WARPS_PER_CTA
-COLS_PER_LANE = D_V // THREADS_PER_CTA  # 4 contiguous columns per lane
+WARPS_PER_HEAD = (4, 1)  # the two layouts (module docstring): a CTA per (token, head), or a warp per head
+COLS_PER_LANE = 4  # contiguous columns of a chunk: one vector load per split row, one vector store
+CHUNKS_PER_HEAD = D_V // COLS_PER_LANE  # 128
 OUT_STORE_BYTES = COLS_PER_LANE * (BFloat16.width // 8)  # 8: one vector store per lane; out's base alignment
 # o_accum element types (the split variants write them, this kernel reads them): fp32, or bf16 where
 # the plan halves the partials' bytes (SparseDecodePlan.accum_dtype). Accumulation is fp32 either way.
 ACCUM_DTYPES = ("float32", "bfloat16")
-ROWS_IN_FLIGHT = 16  # split rows loaded back to back before any is accumulated (memory-level parallelism)
-assert COLS_PER_LANE * THREADS_PER_CTA == D_V
-# It divides 32: a batch of rows never straddles two lse register slots, so its weights come from one slot.
-assert WARP_THREADS % ROWS_IN_FLIGHT == 0
+# Partial values per lane loaded back to back before any is accumulated (memory-level parallelism):
+# 16 split rows of one chunk with 4 warps per head, 4 rows of four chunks with 1.
+VALUES_IN_FLIGHT = 64
+ROWS_IN_FLIGHT = VALUES_IN_FLIGHT // COLS_PER_LANE  # with 4 warps per head (the latency layout)
+# Many (token, head) pairs: above this many (the grid's rows, requests or partitions, x s_q x h_q)
+# a warp per head is used. It is about one wave of the 4-warps-per-head CTAs on the H200 (8 of them
+# per SM at <= 64 registers, 132 SMs), measured there (docs/performance.md, V4): 1x8x128 (1,024
+# pairs) is x0.965 with a warp per head, 16x1x128 (2,048) x1.09, V4 b=32, h=128, extra 1024 x1.24.
+WARP_PER_HEAD_ABOVE_PAIRS = 1024
+
+
+def chunks_per_lane(warps_per_head: int) -> int:
+    return CHUNKS_PER_HEAD // (WARP_THREADS * warps_per_head)
+
+
+def rows_in_flight(warps_per_head: int) -> int:
+    return VALUES_IN_FLIGHT // (COLS_PER_LANE * chunks_per_lane(warps_per_head))
+
+
+# Each divides 32: a batch of rows never straddles two lse register slots, so its weights come from one slot.
+assert all(WARP_THREADS % rows_in_flight(w) == 0 and chunks_per_lane(w) >= 1 for w in WARPS_PER_HEAD)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -105,6 +135,7 @@ class CombineConfig:
     d_v: int = D_V
     accum_dtype: str = "float32"           # o_accum's element type (ACCUM_DTYPES)
     by_partition: bool = False             # grid x over the schedule's partitions (module docstring), tile_md given
+    warps_per_head: int = 4                # WARPS_PER_HEAD: a CTA per (token, head), or a warp per head
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
@@ -114,13 +145,22 @@ class CombineConfig:
             raise ValueError(f"combine: max_splits must be one of {MAX_SPLITS_BUCKETS}, got {self.max_splits}")
         if self.h_q < 1:
             raise ValueError(f"combine: h_q must be >= 1, got {self.h_q}")
+        if self.warps_per_head not in WARPS_PER_HEAD:
+            raise ValueError(f"combine: warps_per_head must be one of {WARPS_PER_HEAD}, got {self.warps_per_head}")
+        if self.h_q % self.heads_per_cta:
+            raise ValueError(f"combine: h_q must be a multiple of {self.heads_per_cta} with {self.warps_per_head} "
+                             f"warp(s) per head, got {self.h_q}")
         if self.accum_dtype not in ACCUM_DTYPES:
             raise ValueError(f"combine: accum_dtype must be one of {ACCUM_DTYPES}, got {self.accum_dtype!r}")
 
     @property
     def cache_key(self):
         return ("combine", self.arch, self.h_q, self.has_attn_sink, self.max_splits, self.d_v, self.accum_dtype,
-                self.by_partition)
+                self.by_partition, self.warps_per_head)
+
+    @property
+    def heads_per_cta(self) -> int:
+        return WARPS_PER_CTA // self.warps_per_head
 
     @property
     def accum_type(self):
@@ -129,12 +169,16 @@ class CombineConfig:
 
 
 def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int,
-                   accum_dtype: str = "float32", b: int = 0) -> CombineConfig:
+                   accum_dtype: str = "float32", b: int = 0, s_q: int = 1) -> CombineConfig:
     """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many
     splits); ``accum_dtype``: the plan's (SparseDecodePlan.accum_dtype); ``b``: the requests (more
-    than partitions: the grid walks the partitions)."""
+    than partitions: the grid walks the partitions); ``b`` and ``s_q`` pick the layout: a warp per
+    head when the grid holds more than WARP_PER_HEAD_ABOVE_PAIRS (token, head) pairs."""
+    by_partition = b > num_sm_parts
+    pairs = (num_sm_parts if by_partition else b) * s_q * h_q
+    per_head = 1 if pairs > WARP_PER_HEAD_ABOVE_PAIRS and h_q % WARPS_PER_CTA == 0 else 4
     return CombineConfig(h_q=h_q, has_attn_sink=has_attn_sink, max_splits=combine_max_splits(num_sm_parts), arch=arch,
-                         accum_dtype=accum_dtype, by_partition=b > num_sm_parts)
+                         accum_dtype=accum_dtype, by_partition=by_partition, warps_per_head=per_head)
 
 
 def _exp2(x):
@@ -157,13 +201,14 @@ def _combine_host(
     lse: cute.Tensor,  # (b, s_q, h_q) fp32
     tile_md: Optional[cute.Tensor],  # (partitions, 8) int32 when by_partition, else None
     max_splits: cutlass.Constexpr[int],
+    warps_per_head: cutlass.Constexpr[int],
     stream,
 ):
     grid_x = out.shape[0] * out.shape[1]
     if cutlass.const_expr(tile_md is not None):
         grid_x = tile_md.shape[0] * out.shape[1]
-    _combine_kernel(lse_accum, o_accum, accum_offsets, attn_sink, out, lse, tile_md, max_splits).launch(
-        grid=(grid_x, out.shape[2], 1),
+    _combine_kernel(lse_accum, o_accum, accum_offsets, attn_sink, out, lse, tile_md, max_splits, warps_per_head).launch(
+        grid=(grid_x, out.shape[2] // (WARPS_PER_CTA // warps_per_head), 1),
         block=(THREADS_PER_CTA, 1, 1),
         stream=stream,
         # Programmatic dependent launch: the combine is launched while the decode kernel still
@@ -175,40 +220,44 @@ def _combine_host(
 
 
 @cute.jit
-def _load_rows(frags, lane_addr: Int64, row_bytes: Int64, first: Int32, last: Int32):
+def _load_rows(frags, lane_addr: Int64, chunk_bytes: cutlass.Constexpr[int], row_bytes: Int64, first: Int32,
+               last: Int32):
     """Issue the loads of split rows ``first .. first+rows-1`` (clamped to ``last``) into ``frags``
-    (``rows``: its second mode, ``ROWS_IN_FLIGHT``).
+    (``(COLS_PER_LANE, chunks, rows)``).
 
-    ``lane_addr`` is this lane's 16-byte chunk of the request's first split row and
-    ``row_bytes`` the distance between split rows. The row number is non-negative, so it is
-    widened unsigned: an address costs one 32x64-bit multiply-add. All loads go out back to
-    back; nothing here waits on them. A clamped row is in bounds and gets weight 0 (its split
-    lse is -inf), so no tail branch is needed.
+    ``lane_addr`` is this lane's first chunk of the request's first split row, ``chunk_bytes``
+    the distance to its next chunk and ``row_bytes`` the distance between split rows. The row
+    number is non-negative, so it is widened unsigned: an address costs one 32x64-bit
+    multiply-add. All loads go out back to back; nothing here waits on them. A clamped row is
+    in bounds and gets weight 0 (its split lse is -inf), so no tail branch is needed.
     """
-    align = COLS_PER_LANE * frags.element_type.width // 8   # one vector load per row: 16 B fp32, 8 B bf16
-    for u in cutlass.range_constexpr(cute.size(frags, mode=[1])):
-        row = Int64(Uint32(cutlass.min(first + u, last)))
-        ptr = cute.make_ptr(frags.element_type, lane_addr + row * row_bytes, cute.AddressSpace.gmem, assumed_align=align)
-        cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(COLS_PER_LANE)), frags[None, u])
+    align = COLS_PER_LANE * frags.element_type.width // 8   # one vector load per chunk: 16 B fp32, 8 B bf16
+    for u in cutlass.range_constexpr(cute.size(frags, mode=[2])):
+        row_addr = lane_addr + Int64(Uint32(cutlass.min(first + u, last))) * row_bytes
+        for c in cutlass.range_constexpr(cute.size(frags, mode=[1])):
+            ptr = cute.make_ptr(frags.element_type, row_addr + c * chunk_bytes, cute.AddressSpace.gmem,
+                                assumed_align=align)
+            cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(COLS_PER_LANE)), frags[None, c, u])
 
 
-def _out_cols(out: cute.Tensor, req, q, head, col_tile):
-    """This lane's COLS_PER_LANE output columns of (req, q, head)."""
-    return cute.local_tile(out[req, q, head, None], (COLS_PER_LANE,), (col_tile,))
+def _out_cols(out: cute.Tensor, req, q, head, chunk):
+    """Output chunk ``chunk`` (COLS_PER_LANE columns) of (req, q, head)."""
+    return cute.local_tile(out[req, q, head, None], (COLS_PER_LANE,), (chunk,))
 
 
 @cute.jit
 def _accumulate(acc, frags, w_slot: Float32, src_lane: Int32):
-    """``acc += w * frags[:, u]`` for the batch in ``frags`` (bf16 rows widened to fp32 first); row
-    u's weight sits in lane ``src_lane + u`` of ``w_slot``."""
+    """``acc += w * frags[:, :, u]`` for the batch in ``frags`` (bf16 rows widened to fp32 first);
+    row u's weight sits in lane ``src_lane + u`` of ``w_slot``."""
     vals = frags
     if cutlass.const_expr(frags.element_type != Float32):
         vals = cute.make_rmem_tensor(frags.layout, Float32)
         vals.store(frags.load().to(Float32))
-    for u in cutlass.range_constexpr(cute.size(frags, mode=[1])):
+    for u in cutlass.range_constexpr(cute.size(frags, mode=[2])):
         w = cute.arch.shuffle_sync(w_slot, src_lane + u)
-        for e in cutlass.range_constexpr(COLS_PER_LANE):
-            acc[e] += w * vals[e, u]
+        for c in cutlass.range_constexpr(cute.size(frags, mode=[1])):
+            for e in cutlass.range_constexpr(COLS_PER_LANE):
+                acc[e, c] += w * vals[e, c, u]
 
 
 @cute.jit
@@ -278,13 +327,18 @@ def _combine_kernel(
     lse: cute.Tensor,
     tile_md: Optional[cute.Tensor],
     max_splits: cutlass.Constexpr[int],
+    warps_per_head: cutlass.Constexpr[int],
 ):
     lse_slots = max_splits // WARP_THREADS  # splits lane, lane+32, ... held in registers
+    chunks = chunks_per_lane(warps_per_head)
+    chunk_step = WARP_THREADS * warps_per_head  # between a lane's chunks
 
-    bs, head, _ = cute.arch.block_idx()
+    bs, head_block, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
-    col_tile = warp * WARP_THREADS + lane  # this lane's columns: [COLS_PER_LANE * col_tile, +COLS_PER_LANE)
+    head = head_block * (WARPS_PER_CTA // warps_per_head) + warp // warps_per_head
+    warp_in_head = warp % warps_per_head
+    chunk0 = warp_in_head * WARP_THREADS + lane  # this lane's chunks: chunk0 + chunk_step * i
     s_q = Int32(out.shape[1])
     req = bs // s_q
     q = bs - req * s_q
@@ -301,8 +355,9 @@ def _combine_kernel(
         # Not representable in this bucket: poison rather than return a wrong answer.
         nan_frag = cute.make_rmem_tensor((COLS_PER_LANE,), BFloat16)
         nan_frag.fill(BFloat16(math.nan))
-        cute.autovec_copy(nan_frag, _out_cols(out, req, q, head, col_tile))
-        if warp == 0:
+        for c in cutlass.range_constexpr(chunks):
+            cute.autovec_copy(nan_frag, _out_cols(out, req, q, head, chunk0 + c * chunk_step))
+        if warp_in_head == 0:
             if lane == 0:
                 lse[req, q, head] = Float32(math.nan)
     elif n > 1:
@@ -321,24 +376,27 @@ def _combine_kernel(
         if cutlass.const_expr(attn_sink is not None):
             sink = attn_sink[head] * Float32(LOG2E)
 
-        # 2) out = sum_i w_i o_i, ROWS_IN_FLIGHT split rows per batch, loaded back to back before
-        #    any is used. Split i's weight is in lane i % 32 of register slot i // 32; a batch
-        #    lies in one slot (ROWS_IN_FLIGHT divides 32) and a shuffle hands the weights out.
+        # 2) out = sum_i w_i o_i, rows_in_flight(warps_per_head) split rows per batch, loaded back
+        #    to back before any is used. Split i's weight is in lane i % 32 of register slot
+        #    i // 32; a batch lies in one slot (its size divides 32) and a shuffle hands the
+        #    weights out.
         #    The first iteration turns the lses into weights after issuing its row loads: the
         #    loads end a basic block and the reduction starts the next one, so ptxas cannot
         #    schedule the reduction (which waits for the lses) ahead of them, and the row
         #    latency overlaps the lse latency and the reduction. (In one straight-line block
         #    ptxas issues the loads just ahead of their use, a few at a time.)
         last = n - 1
-        lane_addr = cute.local_tile(o_accum[row_begin, q, head, None], (COLS_PER_LANE,), (col_tile,)).iterator.toint()
+        batch = rows_in_flight(warps_per_head)
+        lane_addr = cute.local_tile(o_accum[row_begin, q, head, None], (COLS_PER_LANE,), (chunk0,)).iterator.toint()
+        chunk_bytes = chunk_step * COLS_PER_LANE * o_accum.element_type.width // 8
         row_bytes = Int64(o_accum.stride[0]) * (o_accum.element_type.width // 8)
-        # Register tensors are column-major: COLS_PER_LANE goes first so each row's run is contiguous.
-        frags = cute.make_rmem_tensor((COLS_PER_LANE, ROWS_IN_FLIGHT), o_accum.element_type)
-        acc = cute.make_rmem_tensor((COLS_PER_LANE,), Float32)
+        # Register tensors are column-major: COLS_PER_LANE goes first so each chunk's run is contiguous.
+        frags = cute.make_rmem_tensor((COLS_PER_LANE, chunks, batch), o_accum.element_type)
+        acc = cute.make_rmem_tensor((COLS_PER_LANE, chunks), Float32)
         acc.fill(0.0)
         lse_nat = Float32(0.0)
-        for first in cutlass.range(0, n, ROWS_IN_FLIGHT, unroll=1):
-            _load_rows(frags, lane_addr, row_bytes, first, last)
+        for first in cutlass.range(0, n, batch, unroll=1):
+            _load_rows(frags, lane_addr, chunk_bytes, row_bytes, first, last)
             if first == 0:
                 lse_nat = _split_weights(lse_reg, sink, attn_sink is not None)
             slot = first // WARP_THREADS
@@ -351,10 +409,11 @@ def _combine_kernel(
         # 3) bf16, one 8-byte store per lane, and the lse, once per (token, head). Both addresses
         #    are formed here, not before the loop, where they would hold registers (or get
         #    spilled) across it.
-        out_frag = cute.make_rmem_tensor((COLS_PER_LANE,), BFloat16)
+        out_frag = cute.make_rmem_tensor((COLS_PER_LANE, chunks), BFloat16)
         out_frag.store(acc.load().to(BFloat16))
-        cute.autovec_copy(out_frag, _out_cols(out, req, q, head, col_tile))
-        if warp == 0:
+        for c in cutlass.range_constexpr(chunks):
+            cute.autovec_copy(out_frag[None, c], _out_cols(out, req, q, head, chunk0 + c * chunk_step))
+        if warp_in_head == 0:
             if lane == 0:
                 lse[req, q, head] = lse_nat
 
@@ -386,6 +445,7 @@ def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> Compi
             _combine_host,
             *_fake_args(cfg),
             cfg.max_splits,
+            cfg.warps_per_head,
             make_fake_stream(use_tvm_ffi_env_stream=True),
             options=compile_options(cfg.arch, dump),
         )
