@@ -35,25 +35,17 @@ import time
 import torch
 
 import cute_mla
-from cute_mla.formats import V32, quantize_v32
+from cute_mla.formats import V32
+from cute_mla.playground.bench import PAGE, POOL, V32_MASKED, V32_TOPK as TOPK, capture_graph, import_flashmla as flashmla
+from cute_mla.playground.bench import replay_median_us, v32_inputs as make_inputs, warm_up, work
 from cute_mla.testing import transient_bytes
 
 GRID = [(1, 1, 64), (1, 8, 64), (1, 128, 64), (1, 1024, 64), (1, 8192, 64), (1, 32768, 64),
         (1, 1, 128), (1, 8, 128), (1, 128, 128), (1, 1024, 128), (1, 8192, 128),
         (128, 2, 128), (64, 2, 64), (128, 1, 64)]
 QUICK = [(1, 1, 64), (1, 8, 64), (1, 1024, 64), (1, 8192, 64), (1, 1024, 128), (128, 2, 128), (64, 2, 64), (128, 1, 64)]
-POOL, PAGE, TOPK = 131072, 64, 2048
 LAYER_CALLS = 16           # calls per graph for layer_us
 LATENCY_ROW_TOKENS = 8     # rows with b * s_q at most this get layer_us
-
-
-def flashmla():
-    try:
-        from vllm.third_party.flashmla import flash_mla_interface as fm
-        return fm
-    except Exception as e:  # noqa: BLE001
-        print(f"FlashMLA not importable ({type(e).__name__}: {e}); cute-mla only")
-        return None
 
 
 def parse_row(text):
@@ -65,15 +57,6 @@ def parse_row(text):
 def parse_rows(text):
     """"b,s_q,h;b,s_q,h;..." -> [(b, s_q, h), ...]."""
     return [parse_row(r) for r in text.split(";")]
-
-
-def make_inputs(b, s_q, h, masked, g, topk=TOPK):
-    kv = (torch.randn(POOL, V32.d_qk, device="cuda", generator=g) / 10).clamp(-1, 1)
-    cache = quantize_v32(kv).view(POOL // PAGE, PAGE, 1, V32.row_bytes)
-    q = torch.randn(b, s_q, h, V32.d_qk, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
-    idx = torch.randint(0, POOL, (b, s_q, topk), device="cuda", generator=g, dtype=torch.int32)
-    idx[torch.rand(idx.shape, device="cuda", generator=g) < masked] = -1
-    return q, cache, idx
 
 
 def call(mod, sched, q, cache, idx):
@@ -111,48 +94,9 @@ def commit_id() -> str:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
-def capture_graph(fn, n=1):
-    """A CUDA graph of ``n`` back-to-back ``fn()`` (one warm-up ``fn()`` on a side stream first, as
-    torch requires) and what the last captured ``fn()`` returned. The benchmark scripts' one
-    capture helper."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for _ in range(n):
-            res = fn()
-    return gr, res
-
-
 def capture_calls(mod, sched, q, cache, idx, n):
     """A CUDA graph of ``n`` back-to-back calls and the last captured call's outputs."""
     return capture_graph(lambda: call(mod, sched, q, cache, idx), n)
-
-
-def replay_median_us(gr, n):
-    """Median µs of ``n`` replays, each between two events (3 warm-up replays first)."""
-    for _ in range(3):
-        gr.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for a, b_ in ev:
-        a.record(); gr.replay(); b_.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b_) * 1e3 for a, b_ in ev)
-
-
-def warm_up(seconds):
-    """An idle H200 sits at 345 MHz; a row timed right after that measured up to 20 % slow (the
-    first row of a run: 19.3 µs vs 15.3-15.9 µs in warm runs)."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        for _ in range(20):
-            a @ a
-        torch.cuda.synchronize()
 
 
 def run_for(mod, sched, q, cache, idx, seconds):
@@ -212,7 +156,7 @@ def sustained(row, seconds, masked, variants):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="all", help="all | quick | h128 | b,s_q,h;b,s_q,h;...")
-    ap.add_argument("--masked", type=float, default=0.2)
+    ap.add_argument("--masked", type=float, default=V32_MASKED)
     ap.add_argument("--json", default=None)
     ap.add_argument("--warmup-s", type=float, default=2.0,
                     help="seconds of bf16 matmuls first, so the first row is not timed while the clocks ramp up")
@@ -241,7 +185,7 @@ def main():
     results = []
     for (b, s_q, h) in rows:
         q, cache, idx = make_inputs(b, s_q, h, args.masked, g)
-        flop = 2 * h * (V32.d_qk + V32.d_v) * TOPK * b * s_q
+        flop, _ = work(V32, h, b * s_q, b * s_q * TOPK)
         r = dict(b=b, s_q=s_q, h_q=h)
         try:
             ours, (oo, ol) = time_one(cute_mla, q, cache, idx)

@@ -1,4 +1,4 @@
-"""The ``cute-mla`` command: info, plan, compile, warmup, demo."""
+"""The ``cute-mla`` command: info, plan, compile, warmup, demo, bench."""
 
 from __future__ import annotations
 
@@ -103,6 +103,68 @@ def cmd_demo(args) -> int:
     return demo.main(args)
 
 
+def cmd_bench(args) -> int:
+    from .archs import UnsupportedDeviceError, device_spec, gpu_summary
+    from .playground import bench
+
+    if args.replot:
+        if not args.plot:
+            raise ValueError("--replot: give --plot OUT.png, the figure to write")
+        meta, rows = bench.load(args.replot)
+        return _bench_plot(bench, meta, rows, args.plot, replot=True)
+    if not args.shape:
+        raise ValueError("give at least one --shape BxS_QxH_Q (e.g. --shape 1x8192x128), or --replot RESULTS.json")
+    fmt = bench.format_named(args.format)
+    if args.extra_topk is not None and not fmt.extra_pool:
+        raise ValueError(f"--extra-topk: the {fmt.name} format has no extra pool (--format v4 has)")
+    extra = bench.check_extra_topk(bench.V4_EXTRA_TOPK if args.extra_topk is None else args.extra_topk) \
+        if fmt.extra_pool else 0
+    shapes = [bench.parse_shape(s, fmt, extra) for s in args.shape]
+    tuning = bench.parse_variant(args.variant)
+    try:
+        if gpu_summary() is None:
+            raise UnsupportedDeviceError("this machine has none")
+        device_spec("cuda")
+    except UnsupportedDeviceError as e:
+        print(f"cute-mla bench: needs an SM90 or SM100 GPU; {e} (--replot RESULTS.json --plot OUT.png plots saved "
+              "results on any machine)", file=sys.stderr)
+        return 2
+    meta, rows = bench.run(shapes, fmt, tuning=tuning, vs_flashmla=args.vs == "flashmla", extra_topk=extra,
+                           sample=args.sample, warmup_s=args.warmup_s,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    meta["command"] = " ".join(["cute-mla bench", *(f"--shape {s}" for s in args.shape), f"--format {args.format}",
+                                *([f"--extra-topk {extra}"] if fmt.extra_pool else []),
+                                *(f"--variant {v}" for v in args.variant), *([f"--vs {args.vs}"] if args.vs else [])])
+    print(bench.table(meta, rows))
+    if args.json:
+        bench.save(args.json, meta, rows)
+        print(f"results: {args.json}")
+    rc = 0
+    if args.plot:
+        rc = _bench_plot(bench, meta, rows, args.plot, replot=False, saved=args.json)
+    bad = bench.failed(rows)
+    for line in bad:
+        print(f"cute-mla bench: {line}", file=sys.stderr)
+    return 1 if bad else rc
+
+
+def _bench_plot(bench, meta, rows, path, replot, saved=None) -> int:
+    """The figure, or (no matplotlib) the results saved next to it and how to plot them elsewhere."""
+    try:
+        bench.plot(meta, rows, path)
+    except ImportError:
+        if replot:
+            raise ValueError("--replot: matplotlib is not installed here (pip install matplotlib)") from None
+        if saved is None:
+            saved = bench.companion_json(path)
+            bench.save(saved, meta, rows)
+        print(f"matplotlib is not installed here; results in {saved}: plot them on any machine with "
+              f"cute-mla bench --replot {saved} --plot {path}")
+        return 0
+    print(f"figure: {path}")
+    return 0
+
+
 def positive_int(text: str) -> int:
     """argparse type: a positive integer (a count of requests, tokens, heads, positions or SMs)."""
     try:
@@ -112,6 +174,13 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def _paragraphs(text: str) -> str:
+    """``text``'s paragraphs wrapped for a help page that keeps line breaks (its examples)."""
+    import textwrap
+
+    return "\n\n".join(textwrap.fill(p, 100) for p in text.split("\n\n"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +234,41 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("demo", help="run a realistic sparse decode (GPU) or show plans and the reference (CPU)")
     sp.add_argument("--quick", action="store_true", help="smaller shapes")
     sp.set_defaults(fn=cmd_demo)
+
+    from .playground import bench
+    sp = sub.add_parser(
+        "bench", help="check against the reference, then time cute-mla, a kernel variant and FlashMLA side by side (GPU)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paragraphs("Per shape: (1) cute-mla (and the variant, and FlashMLA with --vs flashmla) checked against the "
+                    "fp32 reference on a sample of query tokens, with FlashMLA's tolerances; (2) each timed by CUDA "
+                    "graph replay, interleaved; (3) a table: µs, TFLOP/s, speed-up against FlashMLA and against "
+                    "cute-mla's default, transient MiB. Exit status 1 if a cute-mla kernel fails its check.\n\n"
+                    f"Inputs: V3.2 top-k {bench.V32_TOPK} with {bench.V32_MASKED:.0%} of the indices -1; V4 top-k "
+                    f"{bench.V4_TOPK} with topk_length, an extra pool; pools of {bench.POOL} tokens, page block "
+                    f"{bench.PAGE}. Ceilings of the figure: {bench.CEILINGS_GPU} bf16 MMA {bench.BF16_MMA_TFLOPS:.0f} "
+                    f"TFLOP/s, copy {bench.COPY_TBPS} TB/s (docs/performance.md)."),
+        epilog="examples:\n"
+               "  cute-mla bench --shape 1x8192x128 --vs flashmla --plot bench.png\n"
+               "  cute-mla bench --shape 1x1x64 --shape 1x1024x64 --variant prefetch_rows=false\n"
+               "  cute-mla bench --format v4 --shape 128x1x128 --vs flashmla --json v4.json\n"
+               "  cute-mla bench --replot bench.json --plot bench.png      # any machine, no GPU")
+    sp.add_argument("--shape", action="append", default=[], metavar="BxS_QxH_Q",
+                    help="b x s_q x h_q, e.g. 1x8192x128 (repeat for a sweep)")
+    sp.add_argument("--format", default="v32", choices=tuple(bench.FORMATS), help="the cache format (default v32)")
+    sp.add_argument("--extra-topk", type=int, default=None,
+                    help=f"v4: the extra pool's list length, a multiple of 64 or 0 (default {bench.V4_EXTRA_TOPK})")
+    sp.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                    help="an SM90 kernel variant (Sm90Tuning fields; repeat for several): " + bench.variant_keys_help())
+    sp.add_argument("--vs", choices=("flashmla",), default=None, help="also time FlashMLA (vLLM's build) when importable")
+    sp.add_argument("--plot", metavar="OUT.png", help="TFLOP/s per shape against the ceilings (needs matplotlib; "
+                    "without it the results go to OUT.json, for --replot)")
+    sp.add_argument("--json", metavar="OUT.json", help="write the results")
+    sp.add_argument("--replot", metavar="RESULTS.json", help="plot saved results (with --plot; no GPU needed)")
+    sp.add_argument("--sample", type=positive_int, default=bench.SAMPLE_TOKENS,
+                    help=f"query tokens per shape checked against the reference (default {bench.SAMPLE_TOKENS})")
+    sp.add_argument("--warmup-s", type=float, default=bench.WARMUP_S,
+                    help=f"seconds of bf16 matmuls first, so the clocks are up (default {bench.WARMUP_S:g})")
+    sp.set_defaults(fn=cmd_bench)
     return p
 
 
