@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -427,13 +428,14 @@ def bench_shape(fmt, shape: Shape, runs: Dict[str, Tuple[object, Callable]], ext
             if row[f"{key}_check"] != "ok" and key != "flashmla":
                 continue
             del out, lse
-            _, transient = transient_bytes(lambda: call(mod, sched, fmt, x))
-            graphs[key], _ = capture_graph(lambda: call(mod, sched, fmt, x))
+            one_call = functools.partial(call, mod, sched, fmt, x)
+            _, transient = transient_bytes(one_call)
+            graphs[key], _ = capture_graph(one_call)
         except Exception as e:  # noqa: BLE001 -- a library's failure is a result of the row
             row[f"{key}_error"] = one_line(e)
             continue
         row[f"{key}_transient_mib"] = transient / 2**20
-        keep.append(sched)      # a replay reads and writes what the call's objects hold
+        keep.append(one_call)   # a replay reads and writes what the call's objects hold
     for key, us in interleaved_median_us(graphs).items():
         row[f"{key}_us"] = us
         row[f"{key}_tflops"] = flop / us * 1e-6
