@@ -38,16 +38,6 @@ POOL = 131072          # tokens of the FP8 cache (page blocks of 64)
 CHECKED_TOKENS = 256   # query tokens of the mixed batch checked against the fp32 reference
 
 
-def flashmla():
-    """FlashMLA's interface module as vLLM ships it, or None."""
-    try:
-        from vllm.third_party.flashmla import flash_mla_interface as fm
-        return fm
-    except Exception as e:  # noqa: BLE001 -- any failure to import means "not here"
-        print(f"FlashMLA is not importable ({type(e).__name__}); cute-mla only")
-        return None
-
-
 def decode(lib, sched, x):
     """One layer's call, as an engine writes it (``sched``: the step's metadata object)."""
     return lib.flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, softmax_scale=x.softmax_scale,
@@ -116,9 +106,10 @@ def main():
     require_gpu(__file__, hint=f"`cute-mla plan --b 1 --s-q {args.tokens} --h-q 64` shows the mixed batch's plan")
 
     from cute_mla.archs import gpu_summary
+    from cute_mla.playground.bench import import_flashmla
 
     print(f"GPU: {gpu_summary()}")
-    fm = flashmla()
+    fm = import_flashmla()
     case("decode batch", 64, 1, 128, fm)
     case("mixed batch (vLLM)", 1, args.tokens, 64, fm)
 

@@ -22,7 +22,6 @@ Needs: GPU
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 from cute_mla.playground import require_gpu
@@ -31,16 +30,6 @@ LAYERS = 61            # DeepSeek V3.2's transformer layers, each with one MLA a
 HEADS = 128            # its query heads
 TOPK = 2048            # its indexer's top-k
 PAGE = 64              # tokens per page block of the cache
-
-
-def flashmla():
-    """FlashMLA's interface module as vLLM ships it, or None."""
-    try:
-        from vllm.third_party.flashmla import flash_mla_interface as fm
-        return fm
-    except Exception as e:  # noqa: BLE001 -- any failure to import means "not here"
-        print(f"FlashMLA is not importable ({type(e).__name__}); cute-mla only")
-        return None
 
 
 def make_layers(b, context):
@@ -73,35 +62,13 @@ def step(lib, sched, q, caches, indices):
 
 
 def capture_step(lib, q, caches, indices):
-    """(graph, the layers' outputs it writes, the metadata object): one warm-up step on a side stream (compiles or loads
-    the kernel and fills the metadata object), then the step captured with the same object."""
-    import torch
+    """(graph, the layers' outputs it writes, the metadata object): the step captured with one
+    metadata object, after a warm-up step (compiles or loads the kernel, fills the object)."""
+    from cute_mla.playground.bench import capture_graph
 
     sched, _ = lib.get_mla_metadata()          # once per step, shared by all layers
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(lib, sched, q, caches, indices)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(lib, sched, q, caches, indices)
+    graph, outs = capture_graph(lambda: step(lib, sched, q, caches, indices))
     return graph, outs, sched
-
-
-def replay_us(graph, replays):
-    """Median µs of ``replays`` replays, each between two CUDA events (5 warm-up replays first)."""
-    import torch
-
-    for _ in range(5):
-        graph.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in ev:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in ev)
 
 
 def check_layers(name, outs, q, caches, indices):
@@ -137,6 +104,7 @@ def main():
     import cute_mla
     from cute_mla.archs import gpu_summary
     from cute_mla.formats import V32
+    from cute_mla.playground.bench import import_flashmla, replay_median_us, warm_up
 
     print(f"GPU: {gpu_summary()}")
     q, caches, indices = make_layers(args.batch, args.context)
@@ -145,12 +113,13 @@ def main():
           f"{args.batch * args.context} tokens ({cache_gb:.2f} GB in all)")
     flops = 2 * HEADS * (V32.d_qk + V32.d_v) * TOPK * args.batch     # QK and PV of one layer
 
+    warm_up(1.0)                               # an idle GPU clocks down: the first replays would read slow
     times, outputs = {}, {}
-    for name, lib in (("cute-mla", cute_mla), ("FlashMLA", flashmla())):
+    for name, lib in (("cute-mla", cute_mla), ("FlashMLA", import_flashmla())):
         if lib is None:
             continue
         graph, outs, sched = capture_step(lib, q, caches, indices)
-        us = replay_us(graph, args.replays)
+        us = replay_median_us(graph, args.replays)
         per_layer = us / LAYERS
         times[name], outputs[name] = us, outs
         print(f"  {name:<9} step {us:8.1f} us   per layer {per_layer:6.2f} us ({flops / per_layer * 1e-6:.0f} TFLOP/s)")
