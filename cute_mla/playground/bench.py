@@ -256,7 +256,7 @@ def v4_pool(g: torch.Generator) -> torch.Tensor:
     return quantize_v4((torch.randn(POOL // PAGE, PAGE, V4.d_qk, device="cuda", generator=g) / 10).clamp(-1, 1))
 
 
-def _index_list(b: int, s_q: int, k: int, masked: float, g: torch.Generator):
+def index_list(b: int, s_q: int, k: int, masked: float, g: torch.Generator):
     """(b, s_q, k) indices into a pool and (b,) lengths uniform in [1, k]."""
     idx = torch.randint(0, POOL, (b, s_q, k), device="cuda", generator=g, dtype=torch.int32)
     idx[torch.rand(idx.shape, device="cuda", generator=g) < masked] = -1
@@ -273,8 +273,8 @@ def make_case(fmt, shape: Shape, extra_topk: int, g: torch.Generator, pools=None
         q, cache, idx = v32_inputs(shape.b, shape.s_q, shape.h_q, V32_MASKED, g)
         return SparseDecodeInputs(q=q, k_cache=cache, indices=idx, topk_length=None, attn_sink=None, softmax_scale=scale)
     q = torch.randn(shape.b, shape.s_q, shape.h_q, fmt.d_qk, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
-    idx, length = _index_list(shape.b, shape.s_q, V4_TOPK, 0.0, g)
-    extra_idx, extra_length = _index_list(shape.b, shape.s_q, extra_topk, 0.0, g) if extra_topk else (None, None)
+    idx, length = index_list(shape.b, shape.s_q, V4_TOPK, 0.0, g)
+    extra_idx, extra_length = index_list(shape.b, shape.s_q, extra_topk, 0.0, g) if extra_topk else (None, None)
     return SparseDecodeInputs(q=q, k_cache=pools[0], indices=idx, topk_length=length,
                               attn_sink=torch.randn(shape.h_q, device="cuda", generator=g), softmax_scale=scale,
                               extra_k_cache=pools[1] if extra_topk else None, extra_indices=extra_idx,
