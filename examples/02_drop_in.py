@@ -40,7 +40,9 @@ CHECKED_TOKENS = 256   # query tokens of the mixed batch checked against the fp3
 
 def decode(lib, sched, x):
     """One layer's call, as an engine writes it (``sched``: the step's metadata object)."""
-    return lib.flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, softmax_scale=x.softmax_scale,
+    from cute_mla.formats import V32
+
+    return lib.flash_mla_with_kvcache(x.q, x.k_cache, None, None, V32.d_v, sched, softmax_scale=x.softmax_scale,
                                       is_fp8_kvcache=True, indices=x.indices)
 
 
