@@ -383,15 +383,18 @@ def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
 
 
 @pytest.mark.parametrize("b, h_q, extra, expect", [
-    (128, 64, 512, True), (512, 64, 1024, True), (128, 128, 1024, True),   # 0.5 .. 4 waves of CTAs
+    (128, 64, 512, True), (128, 128, 512, True),                          # 10 blocks, 0.5 .. 2 waves of CTAs
     (32, 64, 512, False), (32, 128, 512, False),                          # under half a wave
-    (512, 128, 512, False),                                               # beyond 4 waves
+    (512, 64, 512, False), (512, 128, 512, False),                        # beyond 2 waves
+    (128, 64, 1024, False), (128, 128, 1024, False), (512, 64, 1024, False),   # 18 blocks: split
+    (1, 64, 0, True), (32, 128, 0, True), (512, 64, 0, True),             # 2 blocks: up to 4 waves
+    (512, 128, 0, False),
 ])
 def test_sm90_short_lists_with_lengths_run_one_partition_per_request(b, h_q, extra, expect):
     """V4-sized lists with device lengths: no split, no accumulators, no combine where the plan's
     wave rule says so; the split device schedule otherwise."""
     p = plan_sparse_decode(b, 1, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True, extra_topk=extra,
-                           has_extra_topk_length=True)
+                           has_extra_topk_length=extra > 0)
     if expect:
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
             "per_request", b, False, 0, ("sm90_sparse_decode",))

@@ -47,10 +47,13 @@ FLASHMLA_ACCUM_BYTES_PER_HEAD = 512 * 4 + LSE_ACCUM_BYTES   # FlashMLA's fp32 o_
 # The column pair pays off while its doubled CTAs leave the GPU mostly idle: measured faster up to
 # 32 pieces with work on the H200 (1x1x64 .. 2x1x64), slower beyond (sm90_column_pair).
 COLUMN_PAIR_MAX_BUSY_CTAS = 32
-# SM90 one partition per request (sm90_per_request): short lists only (V4's 128 + 1024 positions),
-# between half a wave and four waves of CTAs.
-PER_REQUEST_MAX_BLOCKS = 18
-PER_REQUEST_WAVES = (0.5, 4)
+# SM90 one partition per request (sm90_per_request): lists of at most PER_REQUEST_MAX_BLOCKS blocks
+# (V4's 128 + 512 positions) between half a wave and two waves of CTAs, or of at most
+# PER_REQUEST_TINY_BLOCKS (V4's 128 without an extra list) up to four waves.
+PER_REQUEST_MAX_BLOCKS = 10
+PER_REQUEST_WAVES = (0.5, 2)
+PER_REQUEST_TINY_BLOCKS = 2
+PER_REQUEST_TINY_MAX_WAVES = 4
 
 
 @dataclass(frozen=True)
@@ -235,19 +238,25 @@ def sm90_column_pair(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
 
 def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> bool:
     """SM90 with per-request lengths (a device schedule) and short lists: one partition per request,
-    nothing split, no accumulators, no combine, when the (request, head block) CTAs make between
-    half a wave and ``PER_REQUEST_WAVES[1]`` waves.
+    nothing split, no accumulators, no combine. The (request, head block) CTAs then start as SMs
+    free up, and the call takes as long as its longest request or its waves of CTA starts; the
+    split schedule balances the blocks but pays the pieces' partials and the combine.
 
-    FlashMLA's greedy cuts short requests at partition boundaries all the same (at b = 128, h = 64
-    on the V4 rows: 65 of 128 requests split), and the combine of those pieces cost more than the
-    balance gained: on the H200 (V4, top-k 128 + extra 512, lengths uniform) 38.5 µs against 53.8
-    at b = 128, h = 64, 63.3 against 71.6 at b = 128, h = 128, 109 against 117 at b = 512, h = 64.
-    Below half a wave the GPU idles (b = 32: 0.46-0.84x of the split schedule's speed); beyond a
-    few waves every CTA's start and end count again (b = 512, h = 128: 282 against 270 µs)."""
-    if arch != archs.SM90.name or blocks > PER_REQUEST_MAX_BLOCKS or b > archs.MAX_GRID_Y:
+    Measured on the H200 (V4 rows: top-k 128 + extra 0 / 512 / 1024, lengths uniform), one
+    partition per request against the split schedule with the warp-per-head combine:
+    - lists of <= 2 blocks win at any b up to four waves (b = 32: x1.06 at h = 64, x1.02 at
+      h = 128; b = 1: even; b = 128, 512 at h = 64 already did);
+    - lists of <= 10 blocks (extra 512) win in half a wave to two waves (b = 128, h = 128: x1.02;
+      b = 128, h = 64: 38.5 against 53.8 µs with the older combine) and lose beyond (b = 512,
+      h = 64: x0.97), and below half a wave the GPU idles (b = 1, h = 128: x0.63);
+    - lists of 18 blocks (extra 1024) lose: x0.85 at b = 128, h = 128, x0.90 at b = 128 and 512,
+      h = 64 (the longest request, or a CTA that draws two long ones, sets the time)."""
+    if arch != archs.SM90.name or b > archs.MAX_GRID_Y:
         return False
-    ctas = b * (h_q // 64)
-    return PER_REQUEST_WAVES[0] * num_sms <= ctas <= PER_REQUEST_WAVES[1] * num_sms
+    waves = b * (h_q // 64) / num_sms
+    if blocks <= PER_REQUEST_TINY_BLOCKS:
+        return waves <= PER_REQUEST_TINY_MAX_WAVES
+    return blocks <= PER_REQUEST_MAX_BLOCKS and PER_REQUEST_WAVES[0] <= waves <= PER_REQUEST_WAVES[1]
 
 
 def uses_token_walk(arch: str, b: int, s_q: int, h_q: int, parts: int, num_sms: int) -> bool:

@@ -1,0 +1,73 @@
+"""Probe (V4 rows, SM90): the plan's schedule against the other one for the same call (one
+partition per request <-> the split schedule), end to end, interleaved, with the default captured
+twice (the spread between two identical graphs). Only the plan's wave window
+(``plan.PER_REQUEST_WAVES``) differs: (0, inf) forces one partition per request where the lists
+are short enough, (inf, inf) forces the split schedule.
+
+    python -m benchmarks.v4_schedule_probe [--rows "b,h,extra;..."] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import cute_mla
+from benchmarks import bench_sparse_decode as v32b
+from benchmarks import bench_v4 as v4b
+from cute_mla.plan import plan as plan_mod
+
+ROWS = ("1,64,0;1,128,0;32,64,0;32,128,0;1,128,512;128,64,1024;128,128,512;128,128,1024;512,64,512;"
+        "512,64,1024")
+FORCE = {"per_request": (1e9, 1e9), "device": (0.0, 1e9), "host": (0.0, 1e9)}   # default schedule -> the other
+
+
+def capture(row, pools, waves):
+    window = plan_mod.PER_REQUEST_WAVES
+    plan_mod.PER_REQUEST_WAVES = waves
+    plan_mod.plan_sparse_decode.cache_clear()   # plans are cached by their arguments
+    try:
+        sched, _ = cute_mla.get_mla_metadata()
+        fn = lambda: v4b.call(cute_mla, sched, row, *pools)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        p = sched.plan
+        name = f"{p.schedule}/{p.variant}/ws {p.workspace_bytes / 2**20:.1f} MiB"
+        gr, (o, _) = v32b.capture_graph(fn)
+        gr.replay()
+        torch.cuda.synchronize()
+        return gr, o.float().clone(), name, p.schedule, sched   # the graph reads sched's tensors: keep it
+    finally:
+        plan_mod.PER_REQUEST_WAVES = window
+        plan_mod.plan_sparse_decode.cache_clear()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default=ROWS)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    v32b.warm_up(2.0)
+    pools = (v4b.make_pool(g), v4b.make_pool(g))
+    for b, h, e in v4b.parse_rows(args.rows):
+        row = v4b.make_row(b, h, e, 0.0, g)
+        default = capture(row, pools, plan_mod.PER_REQUEST_WAVES)
+        again = capture(row, pools, plan_mod.PER_REQUEST_WAVES)
+        other = capture(row, pools, FORCE[default[3]])
+        graphs = {"default": default, "again": again, "other": other}
+        times = {k: [] for k in graphs}
+        for _ in range(args.rounds):
+            for k, c in graphs.items():
+                times[k].append(v32b.replay_median_us(c[0], 50))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        diff = (default[1] - other[1]).abs().max().item()
+        print(f"V4 b={b} h={h} extra={e}: default ({default[2]}) {med['default']:.2f} / again {med['again']:.2f} us"
+              f" | other ({other[2]}) {med['other']:.2f} us | other x{med['default'] / med['other']:.3f}"
+              f" | max|diff| {diff:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
