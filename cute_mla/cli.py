@@ -73,7 +73,8 @@ def cmd_compile(args) -> int:
     t0 = time.time()
     report = registry.compile_to_dir(args.kernel, args.arch, args.out, h_q=args.h_q, split=args.split,
                                      has_topk_length=args.topk_length, has_attn_sink=args.attn_sink, d_qk=args.d_qk,
-                                     has_extra=args.extra_kv, has_extra_topk_length=args.extra_topk_length)
+                                     has_extra=args.extra_kv, has_extra_topk_length=args.extra_topk_length,
+                                     variant=args.variant)
     print(f"compiled {args.kernel} for {args.arch} in {time.time() - t0:.1f} s -> {args.out}")
     for line in report:
         print(line)
@@ -219,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--split", action="store_true", help="the split variant of sparse_decode")
     sp.add_argument("--attn-sink", action="store_true")
     sp.add_argument("--extra-kv", action="store_true", help="the V4 extra KV pool")
+    sp.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                    help="an SM90 kernel variant (Sm90Tuning fields, as cute-mla bench takes them; repeat for several)")
     sp.set_defaults(fn=cmd_compile)
 
     sp = sub.add_parser("warmup", help="precompile every kernel variant the dispatcher can pick into the disk cache (no GPU)")

@@ -121,3 +121,21 @@ def test_compile_keeps_variants_apart_and_reports_resources(tmp_path, capsys):
                      "sparse_decode-sm_90a-h64-split-v4-extra-sink.cubin", "sparse_decode-sm_90a-h64-split-v4-extra-sink.ptx"]
     assert "dynamic shared memory 231424 B" in text and "dynamic shared memory 206848 B" in text.split("split-v4")[-1]
     assert "PTX: wgmma 80" in text and "PTX: wgmma 72" in text
+
+
+def test_compile_a_variant(tmp_path, capsys):
+    """--variant compiles an Sm90Tuning variant (bench's key=value syntax) into its own files; the
+    variant's PTX differs where the knob acts (no L2 row prefetch: no prefetch.global.L2)."""
+    out = str(tmp_path)
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--out", out]) == 0
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--out", out,
+                 "--variant", "prefetch_rows=false"]) == 0
+    base = open(os.path.join(out, "sparse_decode-sm_90a-h64-nosplit.ptx")).read()
+    var = open(os.path.join(out, "sparse_decode-sm_90a-h64-nosplit-prefetch_rows_false.ptx")).read()
+    assert "prefetch.global.L2" in base and "prefetch.global.L2" not in var
+    capsys.readouterr()
+    assert main(["compile", "--arch", "sm_100a", "--kernel", "sparse_decode", "--out", out,
+                 "--variant", "prefetch_rows=false"]) == 2
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--out", out, "--variant", "bogus=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "Sm90Tuning values apply to" in err[0] and "unknown key 'bogus'" in err[1], err

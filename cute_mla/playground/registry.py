@@ -11,9 +11,10 @@ The kernels are the ones the launcher runs: each arch's sparse decode kernel thr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from .. import archs
 from ..formats import V4, V32
@@ -24,13 +25,13 @@ KERNELS = ("sparse_decode", "combine", "scheduler")
 
 
 def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
-             decode: dict):
+             decode: dict, tuning=None):
     """Compile one kernel into ``out_dir``; returns its config (sparse_decode) or None."""
     spec = archs.get(arch)
     if name == "sparse_decode":
         mod = kernel_module(arch)
         cfg = mod.kernel_config(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
-                                **decode)
+                                tuning=tuning, **decode)
         mod.compile_sparse_decode(cfg, dump_dir=out_dir)
         return cfg
     if name == "combine":
@@ -46,8 +47,10 @@ def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk
     raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
 
 
-def variant_name(name: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool, decode: dict) -> str:
-    """The file-name tag of a compiled variant: what sets it apart from the kernel's others."""
+def variant_name(name: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool, decode: dict,
+                 variant: Sequence[str] = ()) -> str:
+    """The file-name tag of a compiled variant: what sets it apart from the kernel's others
+    (``variant``: the key=value pairs of a kernel variant, e.g. ``prefetch_rows=false``)."""
     if name == "scheduler":
         return "default"
     parts = [f"h{h_q}"]
@@ -58,6 +61,7 @@ def variant_name(name: str, h_q: int, split: bool, has_topk_length: bool, has_at
         parts += ["extra"] if decode.get("has_extra") else []
         parts += ["xtl"] if decode.get("has_extra_topk_length") else []
     parts += ["sink"] if has_attn_sink else []
+    parts += [re.sub(r"[^A-Za-z0-9_.]+", "_", pair) for pair in variant]
     return "-".join(parts)
 
 
@@ -90,19 +94,29 @@ def resource_lines(cubin: str, ptx: Optional[str] = None, smem_dynamic: Optional
 
 def compile_to_dir(name: str, arch: str, out_dir: str, *, h_q: int = 64, split: bool = False,
                    has_topk_length: bool = False, has_attn_sink: bool = False, d_qk: int = V32.d_qk,
-                   has_extra: bool = False, has_extra_topk_length: bool = False) -> List[str]:
+                   has_extra: bool = False, has_extra_topk_length: bool = False,
+                   variant: Sequence[str] = ()) -> List[str]:
     """Compile one variant and keep it as ``<kernel>-<arch>-<variant>.{ptx,cubin}`` in ``out_dir``
     (so variants compiled into one directory stay apart); returns the report lines. ``d_qk`` names
     the cache format (576: V3.2, 512: V4); ``has_extra`` / ``has_extra_topk_length``: the V4 extra
-    pool (sparse_decode only)."""
+    pool (sparse_decode only). ``variant``: key=value pairs of an SM90 kernel variant (``Sm90Tuning``
+    fields, as ``cute-mla bench --variant`` takes them)."""
     archs.check_arch(arch)
     if name not in KERNELS:
         raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
+    tuning = None
+    if variant:
+        if name != "sparse_decode" or arch != archs.SM90.name:
+            raise ValueError(f"--variant: Sm90Tuning values apply to --kernel sparse_decode --arch {archs.SM90.name}, "
+                             f"got --kernel {name} --arch {arch}")
+        from .bench import parse_variant
+        tuning = parse_variant(variant)
     os.makedirs(out_dir, exist_ok=True)
     decode = dict(d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
-    stem = os.path.join(out_dir, f"{name}-{arch}-{variant_name(name, h_q, split, has_topk_length, has_attn_sink, decode)}")
+    tag = variant_name(name, h_q, split, has_topk_length, has_attn_sink, decode, variant)
+    stem = os.path.join(out_dir, f"{name}-{arch}-{tag}")
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as build:
-        cfg = _compile(name, arch, build, h_q, split, has_topk_length, has_attn_sink, decode)
+        cfg = _compile(name, arch, build, h_q, split, has_topk_length, has_attn_sink, decode, tuning)
         found = inspect.find_artifacts(build, arch)
         kept = []
         for src, ext in zip(found, ("ptx", "cubin")):

@@ -202,8 +202,8 @@ class RegisterBudget:
     rule holds on SM100). Chosen from the cubin (cuobjdump --dump-resource-usage, no GPU): the MMA
     warp keeps ~40 live smem descriptors (128 spilled them), ptxas converts a whole 128-value
     dequant slice at once (it wants > 168), the softmax warpgroup holds 32 S + 32 O values. With
-    176/184/144 the no-split variant has no stack at all; the split variant spills 64 B (dequant
-    addresses). Re-tune on hardware (docs/sm100.md)."""
+    176/184/144 the no-split variant has no stack at all; the split variant keeps 56 B of stack
+    (dequant addresses). Re-tune on hardware (docs/sm100.md)."""
 
     softmax: int = 176
     dequant: int = 184
