@@ -24,11 +24,12 @@ import torch
 
 import cute_mla
 from benchmarks.bench_sparse_decode import capture_graph, commit_id, flashmla, replay_median_us, warm_up
-from cute_mla.formats import V4, quantize_v4
+from cute_mla.formats import V4
+from cute_mla.playground import bench
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, transient_bytes
 
-POOL, PAGE, TOPK = 131072, 64, 128
+POOL, PAGE, TOPK = bench.POOL, bench.PAGE, 128   # the playground's pools (cute-mla bench --format v4)
 BATCHES, HEADS, EXTRA_TOPKS = (1, 32, 128, 512), (64, 128), (0, 512, 1024)
 GRID = [(b, h, e) for h in HEADS for e in EXTRA_TOPKS for b in BATCHES]
 QUICK = [(1, 64, 512), (32, 64, 1024), (128, 128, 512), (512, 128, 1024)]
@@ -42,22 +43,15 @@ def parse_rows(text):
 
 def make_pool(g):
     """A V4 cache of POOL tokens on the GPU: KV ~ N(0,1)/10 clamped, FlashMLA's quantizer (page
-    blocks padded to a multiple of 576 B)."""
-    kv = (torch.randn(POOL // PAGE, PAGE, V4.d_qk, device="cuda", generator=g) / 10).clamp(-1, 1)
-    return quantize_v4(kv)
+    blocks padded to a multiple of 576 B); the playground's (``cute-mla bench --format v4``)."""
+    return bench.v4_pool(g)
 
 
 def make_row(b, h, extra_topk, masked, g):
     """One row's q, indices, lengths and sinks (s_q = 1); the extra list's are None without one."""
     q = torch.randn(b, 1, h, V4.d_qk, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
-
-    def index_list(k):
-        idx = torch.randint(0, POOL, (b, 1, k), device="cuda", generator=g, dtype=torch.int32)
-        idx[torch.rand(idx.shape, device="cuda", generator=g) < masked] = -1
-        return idx, torch.randint(1, k + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
-
-    indices, topk_length = index_list(TOPK)
-    extra_indices, extra_topk_length = index_list(extra_topk) if extra_topk else (None, None)
+    indices, topk_length = bench.index_list(b, 1, TOPK, masked, g)
+    extra_indices, extra_topk_length = bench.index_list(b, 1, extra_topk, masked, g) if extra_topk else (None, None)
     sink = torch.randn(h, device="cuda", generator=g)
     return dict(q=q, indices=indices, topk_length=topk_length, extra_indices=extra_indices,
                 extra_topk_length=extra_topk_length, attn_sink=sink)
