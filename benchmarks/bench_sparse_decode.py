@@ -6,8 +6,9 @@ Times: CUDA graph replay (median of per-replay events) and eager (median of even
 On the latency rows (b * s_q <= 8) also ``layer_us``: the per-call time in one graph of
 LAYER_CALLS calls (an engine captures every layer of a decode step in one graph, so a call there
 pays no graph launch of its own; a one-call graph's replay includes the host's graph launch, 10-17
-µs for a graph of one trivial kernel on the H200). Transient = peak allocation during one call
-beyond out and lse.
+µs for a graph of one trivial kernel on the H200). Transient = peak allocation during a decode
+step's first call (a fresh metadata object) beyond out and lse: cute-mla's split workspace, which
+the step's later calls reuse, or FlashMLA's per-call accumulators (``testing.step_transient_bytes``).
 
     python -m benchmarks.bench_sparse_decode [--rows all|quick|h128|b,s_q,h;...] [--json PATH] [--masked 0.2]
     python -m benchmarks.bench_sparse_decode --sustained 1,32768,64 [--seconds 4] [--variants default,no_pf]
@@ -38,7 +39,7 @@ import cute_mla
 from cute_mla.formats import V32
 from cute_mla.playground.bench import PAGE, POOL, V32_MASKED, V32_TOPK as TOPK, capture_graph, import_flashmla as flashmla
 from cute_mla.playground.bench import replay_median_us, v32_inputs as make_inputs, warm_up, work
-from cute_mla.testing import transient_bytes
+from cute_mla.testing import step_transient_bytes
 
 GRID = [(1, 1, 64), (1, 8, 64), (1, 128, 64), (1, 1024, 64), (1, 8192, 64), (1, 32768, 64),
         (1, 1, 128), (1, 8, 128), (1, 128, 128), (1, 1024, 128), (1, 8192, 128),
@@ -68,9 +69,9 @@ def time_one(mod, q, cache, idx, target_s=0.25):
     sched, _ = mod.get_mla_metadata()
     out = call(mod, sched, q, cache, idx)          # warm-up: compile, schedule
     torch.cuda.synchronize()
-    # transient memory of one call
+    # a step's memory beyond its outputs: a fresh metadata object's first call
     del out
-    (o, l), transient = transient_bytes(lambda: call(mod, sched, q, cache, idx))
+    (o, l), transient = step_transient_bytes(lambda: mod.get_mla_metadata()[0], lambda s: call(mod, s, q, cache, idx))
     # eager
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(15)]
     for a, b_ in ev:

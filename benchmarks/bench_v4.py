@@ -7,7 +7,8 @@ extra_topk], ``attn_sink`` given; b in {1, 32, 128, 512}, h_q in {64, 128}.
 
 Each row: cute-mla's output is first checked against the fp32 reference on a sample of requests
 (FlashMLA's tolerances; FlashMLA's output too, for information), then each library's transient
-memory (peak allocation during one call beyond out and lse) and its time: CUDA graph replay of one
+memory (peak allocation during a decode step's first call beyond out and lse:
+``testing.step_transient_bytes``) and its time: CUDA graph replay of one
 call, median of per-replay events. ratio = FlashMLA µs / cute-mla µs (above 1: cute-mla faster).
 
     python -m benchmarks.bench_v4 [--rows all|quick|b,h,extra_topk;...] [--out PATH.json] [--sample 32]
@@ -27,7 +28,7 @@ from benchmarks.bench_sparse_decode import capture_graph, commit_id, flashmla, r
 from cute_mla.formats import V4
 from cute_mla.playground import bench
 from cute_mla.reference import sparse_decode_reference
-from cute_mla.testing import check_out_lse, transient_bytes
+from cute_mla.testing import check_out_lse, step_transient_bytes
 
 POOL, PAGE, TOPK = bench.POOL, bench.PAGE, 128   # the playground's pools (cute-mla bench --format v4)
 BATCHES, HEADS, EXTRA_TOPKS = (1, 32, 128, 512), (64, 128), (0, 512, 1024)
@@ -92,7 +93,7 @@ def time_one(mod, row, k_cache, extra_k_cache, check):
     torch.cuda.synchronize()
     res = dict(check=check(out, lse) or "ok")
     del out, lse
-    _, transient = transient_bytes(lambda: call(mod, sched, row, k_cache, extra_k_cache))
+    _, transient = step_transient_bytes(lambda: mod.get_mla_metadata()[0], lambda s: call(mod, s, row, k_cache, extra_k_cache))
     gr, (go, _) = capture_graph(lambda: call(mod, sched, row, k_cache, extra_k_cache))
     res.update(us=replay_median_us(gr, 100), transient_mib=transient / 2**20)
     plan = getattr(sched, "plan", None)

@@ -367,6 +367,16 @@ def median_event_us(fn, iters: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def step_transient_bytes(new_sched, call):
+    """:func:`transient_bytes` of a decode step's first call, ``call(new_sched())``: a fresh
+    metadata object, after an earlier call compiled the kernels and made the plan. A split cute-mla
+    plan allocates its workspace there and keeps it in the object, so the step's later calls (its
+    other layers) allocate nothing; FlashMLA allocates its accumulators on every call. Either way
+    this is the memory a step needs beyond its outputs. Returns ``(result, bytes)``."""
+    sched = new_sched()
+    return transient_bytes(lambda: call(sched))
+
+
 def transient_bytes(fn):
     """Run ``fn()`` (returning the call's output tensors) and measure its transient device memory:
     the peak bytes *requested* from torch's caching allocator during the call, beyond those held

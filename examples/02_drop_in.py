@@ -48,11 +48,12 @@ def decode(lib, sched, x):
 
 def run(name, lib, x):
     """``lib``'s (out, lse) on inputs ``x``; prints its time per call and transient memory."""
-    from cute_mla.testing import median_event_us, transient_bytes
+    from cute_mla.testing import median_event_us, step_transient_bytes
 
     sched, _ = lib.get_mla_metadata()      # once per decode step, shared by all its layers
     decode(lib, sched, x)                  # the first call compiles (or loads) the kernel and plans
-    (out, lse), transient = transient_bytes(lambda: decode(lib, sched, x))
+    # a step's memory beyond its outputs: a fresh metadata object's first call
+    (out, lse), transient = step_transient_bytes(lambda: lib.get_mla_metadata()[0], lambda s: decode(lib, s, x))
     us = median_event_us(lambda: decode(lib, sched, x), iters=10)
     print(f"  {name:<9} {us:9.1f} us per call (eager, median)   transient {transient / 2**20:8.1f} MiB")
     plan = getattr(sched, "plan", None)    # cute-mla's metadata object carries the call's plan

@@ -174,31 +174,46 @@ def test_schedule_first_uploaded_during_a_capture(seed):
 
 
 def _transient_bytes(x):
-    sched, _ = get_mla_metadata()
+    """(bytes a decode step's first call allocates beyond out and lse, bytes its next call (the
+    step's next layer) allocates, the step's metadata object)."""
     kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices, topk_length=x.topk_length)
-    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)   # warm-up: compile, schedule
+    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, get_mla_metadata()[0], **kw)   # compile, plan
     del o, l
-    _, transient = transient_bytes(lambda: flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw))
-    return transient, sched.plan
+    sched, _ = get_mla_metadata()
+    _, first = transient_bytes(lambda: flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw))
+    _, later = transient_bytes(lambda: flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw))
+    return first, later, sched
+
+
+def _held_bytes(sched):
+    """The split workspace a metadata object keeps for its step."""
+    return sum(t.nbytes for t in (sched.workspace or ()) if t is not None)
 
 
 @pytest.mark.parametrize("b,s_q,h_q", [(1, 8192, 64), (1, 1024, 128), (128, 1, 64)])
 def test_no_split_allocates_nothing(seed, b, s_q, h_q):
     x = make_inputs(b, s_q, h_q, 2048, num_tokens=65536, unique=False, nan_unused=False, device="cuda")
-    transient, plan = _transient_bytes(x)
-    assert not plan.split and plan.workspace_bytes == 0
+    transient, later, sched = _transient_bytes(x)
+    plan = sched.plan
+    assert not plan.split and plan.workspace_bytes == 0 and _held_bytes(sched) == 0
     print(f"b={b} s_q={s_q} h_q={h_q}: transient {transient / 2**20:.3f} MiB (FlashMLA: {plan.flashmla_workspace_bytes / 2**20:.1f} MiB)")
-    assert transient <= 2**20
+    assert transient <= 2**20 and later <= 2**20
 
 
 @pytest.mark.parametrize("b,s_q,h_q,tl", [(1, 1, 64, False), (1, 8, 128, False), (16, 2, 128, True)])
 def test_split_allocates_what_the_plan_says(seed, b, s_q, h_q, tl):
     x = make_inputs(b, s_q, h_q, 2048, num_tokens=16384, with_topk_length=tl, device="cuda")
-    transient, plan = _transient_bytes(x)
+    transient, later, sched = _transient_bytes(x)
+    plan = sched.plan
     assert plan.split
-    print(f"b={b} s_q={s_q} h_q={h_q} topk_length={tl}: transient {transient / 2**20:.3f} MiB, plan {plan.workspace_bytes / 2**20:.3f} MiB, FlashMLA {plan.flashmla_workspace_bytes / 2**20:.3f} MiB")
-    # the accumulators (rounded up by the caching allocator to 512-byte blocks) and nothing else
+    print(f"b={b} s_q={s_q} h_q={h_q} topk_length={tl}: transient {transient / 2**20:.3f} MiB then {later} B, plan "
+          f"{plan.workspace_bytes / 2**20:.3f} MiB, FlashMLA {plan.flashmla_workspace_bytes / 2**20:.3f} MiB")
+    # the step's first call: the accumulators (rounded up by the caching allocator to 512-byte
+    # blocks; a device schedule's few small tensors) and nothing else, kept in the metadata object
     assert plan.workspace_bytes <= transient <= plan.workspace_bytes + 2 * 512 + 4096
+    assert _held_bytes(sched) == plan.workspace_bytes
+    # the step's later calls reuse them
+    assert later < 4096
     assert plan.workspace_bytes <= plan.flashmla_workspace_bytes
 
 

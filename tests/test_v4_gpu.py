@@ -142,11 +142,14 @@ def test_v4_preallocated_out(seed, h_q, b, s_q, extra_topk):
 
 
 def _transient(x):
-    sched = get_mla_metadata()[0]
-    o, l, _ = run_case(x, sched=sched)                      # warm-up: compile, plan, schedule
+    """(bytes a decode step's first call allocates beyond out and lse, bytes its next call
+    allocates, the step's metadata object)."""
+    o, l, _ = run_case(x, sched=get_mla_metadata()[0])     # compile, plan
     del o, l
-    _, transient = transient_bytes(lambda: run_case(x, sched=sched)[:2])
-    return transient, sched.plan
+    sched = get_mla_metadata()[0]
+    _, first = transient_bytes(lambda: run_case(x, sched=sched)[:2])
+    _, later = transient_bytes(lambda: run_case(x, sched=sched)[:2])
+    return first, later, sched
 
 
 @pytest.mark.parametrize("b,s_q,h_q,extra_topk,lengths", [
@@ -162,12 +165,16 @@ def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
     dev = torch.device("cuda")
     want = plan_sparse_decode(b, s_q, h_q, 512, 128, arch=device_arch(dev), num_sms=device_num_sms(dev),
                               has_topk_length=lengths, extra_topk=extra_topk, has_extra_topk_length=lengths)
-    transient, plan = _transient(x)
-    assert plan == want
+    transient, later, sched = _transient(x)
+    plan = sched.plan
+    held = sum(t.nbytes for t in (sched.workspace or ()) if t is not None)
+    assert plan == want and held == plan.workspace_bytes
     if not plan.split:
-        assert plan.workspace_bytes == 0 and transient <= 2**20
+        assert plan.workspace_bytes == 0 and transient <= 2**20 and later <= 2**20
     else:
+        # the step's first call allocates the accumulators and keeps them; its later calls reuse them
         assert plan.workspace_bytes <= transient <= plan.workspace_bytes + 2 * 512 + 4096
+        assert later < 4096
         assert plan.workspace_bytes < plan.flashmla_workspace_bytes
 
 

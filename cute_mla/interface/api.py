@@ -20,7 +20,7 @@ from ..formats import detect_format
 from ..plan import SparseDecodePlan, check_problem, plan_sparse_decode
 from ..plan.schedule import Schedule, make_schedule
 from . import ops
-from .launcher import Launcher, cache_bytes, launcher_of, on_device_of
+from .launcher import Launcher, allocate_workspace, cache_bytes, launcher_of, on_device_of
 from .validate import KV_CACHE_DTYPES, check_aligned_strides, check_cache_pointer, check_tensor
 
 
@@ -36,6 +36,13 @@ class FlashMLASchedMeta:
     ``tuning``: a kernel variant (the arch kernel module's tuning type, e.g.
     ``cute_mla.kernels.sm90.Sm90Tuning``) that every call with this object compiles and runs
     instead of the default; for benchmarks and kernel authors (:class:`~.launcher.Launcher`).
+
+    ``workspace``: the split-KV accumulators of a split plan (exactly ``plan.workspace_bytes``;
+    (None, None) when nothing is split), allocated by the first call that uses the object and
+    reused by the later ones: every layer of
+    a decode step runs the same plan on one stream, one after the other, so they can share one
+    set (two allocations per call cost ~7 µs of host time). They live as long as the object, like
+    its schedule tensors; do not run calls with one object on two streams at once.
     """
 
     have_initialized: bool = False
@@ -46,6 +53,7 @@ class FlashMLASchedMeta:
     plan: Optional[SparseDecodePlan] = None
     tuning: Optional[object] = None
     schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
+    workspace: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
     # tensor signatures (_tensor_key) that passed _validate_tensors and _schedule -> ((b, s_q, h_q, topk,
     # extra_topk), launcher): every layer of a decode step calls with the same signatures, so only the
     # first pays the checks and the plan
@@ -108,7 +116,7 @@ def flash_mla_with_kvcache(
         launcher(q, cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata,
                  sched.accum_offsets, out, lse, scale,
                  (None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices_in_kvcache,
-                  extra_topk_length))
+                  extra_topk_length), sched.workspace)
     return out, lse.transpose(1, 2)
 
 
@@ -131,6 +139,7 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, dims: Tuple[int, ...], 
                               has_extra_topk_length=extra_topk_length is not None)
     schedule = make_schedule(plan, q.device, topk_length, extra_topk_length)
     sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = schedule.tile_md, schedule.num_splits, schedule.accum_offsets
+    sched.workspace = allocate_workspace(plan, q.device)   # the step's accumulators, for all its calls
     sched.schedule, sched.plan, sched.config, sched.have_initialized = schedule, plan, config, True
     return sched.launcher(has_attn_sink)
 

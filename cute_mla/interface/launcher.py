@@ -88,25 +88,27 @@ class Launcher:
             self.combine_compiled = combine.compile_combine(self.combine_cfg)
 
     def __call__(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
-                 softmax_scale: float, extra: Extra = NO_EXTRA) -> None:
+                 softmax_scale: float, extra: Extra = NO_EXTRA, workspace: Optional[Workspace] = None) -> None:
         """Launch what the plan says: the main kernel, then the combine only for the split variant."""
         workspace = self.main(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, softmax_scale,
-                              extra)
+                              extra, workspace)
         self.combine(workspace, accum_offsets, attn_sink, out, lse, tile_md)
 
     def main(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
-             softmax_scale: float, extra: Extra = NO_EXTRA) -> Workspace:
+             softmax_scale: float, extra: Extra = NO_EXTRA, workspace: Optional[Workspace] = None) -> Workspace:
         """The decode kernel alone; returns the workspace it wrote ((None, None) when unsplit).
         Without :meth:`combine` a split call's outputs stay unwritten: benchmarks time that as
         the call's bound without the combine. ``extra``: the extra pool's (cache, indices,
-        lengths) where the plan has one."""
+        lengths) where the plan has one. ``workspace``: the accumulators to write (the API passes
+        the ones its metadata object keeps for the step, :func:`allocate_workspace` of this plan);
+        None allocates them for this call."""
         extra_kv, extra_indices, extra_topk_length = extra
         if self.plan.token_walk:
             # b == 1: the s_q tokens become s_q one-token requests (views, no copy; plan docstring)
             q, indices, out, lse = q[0].unsqueeze(1), indices[0].unsqueeze(1), out[0].unsqueeze(1), lse[0].unsqueeze(1)
             if extra_indices is not None:
                 extra_indices = extra_indices[0].unsqueeze(1)
-        o_accum, lse_accum = allocate_workspace(self.plan, q.device)
+        o_accum, lse_accum = workspace if workspace is not None else allocate_workspace(self.plan, q.device)
         self.main_mod.launch_sparse_decode(
             self.main_compiled, self.main_cfg,
             DecodeTensors(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum,

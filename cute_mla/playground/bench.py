@@ -411,7 +411,7 @@ def bench_shape(fmt, shape: Shape, runs: Dict[str, Tuple[object, Callable]], ext
                 g: torch.Generator, pools=None) -> dict:
     """One results row: each of ``runs`` ({key: (module, new metadata object)}) checked on a sample
     (a cute-mla kernel that fails is not timed), its transient memory, then all timed interleaved."""
-    from ..testing import transient_bytes
+    from ..testing import step_transient_bytes
 
     x = make_case(fmt, shape, extra_topk, g, pools)
     flop, nbytes = case_work(fmt, x)
@@ -429,7 +429,7 @@ def bench_shape(fmt, shape: Shape, runs: Dict[str, Tuple[object, Callable]], ext
                 continue
             del out, lse
             one_call = functools.partial(call, mod, sched, fmt, x)
-            _, transient = transient_bytes(one_call)
+            _, transient = step_transient_bytes(new_sched, lambda s: call(mod, s, fmt, x))
             graphs[key], _ = capture_graph(one_call)
         except Exception as e:  # noqa: BLE001 -- a library's failure is a result of the row
             row[f"{key}_error"] = one_line(e)
