@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
 
@@ -20,6 +19,7 @@ import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
 from cute_mla.kernels.combine import WARPS_PER_HEAD, compile_combine
+from cute_mla.playground import bench
 
 V4_ROWS = "1,64,512;1,128,1024;32,64,0;32,64,512;32,64,1024;32,128,0;32,128,512;32,128,1024;512,64,1024;512,128,512;512,128,1024"
 V32_ROWS = "1,1,64;1,8,64;1,1,128;1,8,128;4,1,64;16,1,128;32,1,128;64,1,64"
@@ -54,18 +54,13 @@ def ab(name, fn, sched, has_sink, rounds, layers):
         launcher.combine_compiled = compile_combine(base)
     (o4, l4), (o1, l1) = outs[4], outs[1]
     same = torch.equal(o4, o1) and torch.equal(l4.nan_to_num(), l1.nan_to_num())
-    one = {w: [] for w in graphs}
-    per = {w: [] for w in graphs}
-    for _ in range(rounds):
-        for w, (g1, gl) in graphs.items():
-            one[w].append(v32b.replay_median_us(g1, 50))
-            if gl is not None:
-                per[w].append(v32b.replay_median_us(gl, 20) / layers)
-    med = {w: statistics.median(v) for w, v in one.items()}
+    timed = {(w, kind): gr for w, pair in graphs.items() for kind, gr in zip(("one", "layers"), pair) if gr is not None}
+    us = bench.interleaved_median_us(timed, rounds=rounds)
+    med = {w: us[(w, "one")] for w in graphs}
     line = (f"{name}: parts {plan.num_sm_parts} rows {plan.accum_rows} by_partition {base.by_partition} "
             f"default {base.warps_per_head} | one-call us 4w {med[4]:.2f} 1w {med[1]:.2f} (1w x{med[4] / med[1]:.3f})")
     if layers:
-        pl = {w: statistics.median(v) for w, v in per.items()}
+        pl = {w: us[(w, "layers")] / layers for w in graphs}
         line += f" | per call in {layers} 4w {pl[4]:.2f} 1w {pl[1]:.2f} (x{pl[4] / pl[1]:.3f})"
     print(line + ("" if same else "  OUTPUTS DIFFER"), flush=True)
     return med

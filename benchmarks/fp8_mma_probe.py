@@ -334,17 +334,6 @@ def ceilings() -> dict:
     return out
 
 
-def warm_up(seconds: float = 2.0) -> None:
-    """An idle H200 sits at a low clock: run bf16 matmuls first."""
-    import torch
-
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ a
-        torch.cuda.synchronize()
-
-
 def run(cfgs, iters: int, rounds: int, with_ceilings: bool) -> dict:
     import torch
 
@@ -372,7 +361,9 @@ def run(cfgs, iters: int, rounds: int, with_ceilings: bool) -> dict:
             continue
         fns[cfg], errors[cfg] = fn, err
     cfgs = list(fns)
-    warm_up()
+    from cute_mla.playground.bench import warm_up   # torch and CUDA only where the probe runs
+
+    warm_up(2.0)
     samples = {cfg: [] for cfg in cfgs}
     for _ in range(rounds):   # interleaved: the clock under the power cap drifts between rounds
         for cfg in cfgs:

@@ -10,7 +10,6 @@ are short enough, (inf, inf) forces the split schedule.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -18,6 +17,7 @@ import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
 from cute_mla.plan import plan as plan_mod
+from cute_mla.playground import bench
 
 ROWS = ("1,64,0;1,128,0;32,64,0;32,128,0;1,128,512;128,64,1024;128,128,512;128,128,1024;512,64,512;"
         "512,64,1024")
@@ -58,11 +58,7 @@ def main():
         again = capture(row, pools, plan_mod.PER_REQUEST_WAVES)
         other = capture(row, pools, FORCE[default[3]])
         graphs = {"default": default, "again": again, "other": other}
-        times = {k: [] for k in graphs}
-        for _ in range(args.rounds):
-            for k, c in graphs.items():
-                times[k].append(v32b.replay_median_us(c[0], 50))
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = bench.interleaved_median_us({k: c[0] for k, c in graphs.items()}, rounds=args.rounds)
         diff = (default[1] - other[1]).abs().max().item()
         print(f"V4 b={b} h={h} extra={e}: default ({default[2]}) {med['default']:.2f} / again {med['again']:.2f} us"
               f" | other ({other[2]}) {med['other']:.2f} us | other x{med['default'] / med['other']:.3f}"

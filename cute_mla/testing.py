@@ -367,6 +367,11 @@ def median_event_us(fn, iters: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def held_workspace_bytes(sched) -> int:
+    """The split workspace a filled ``FlashMLASchedMeta`` keeps for its step's calls, in bytes."""
+    return sum(t.nbytes for t in (sched.workspace or ()) if t is not None)
+
+
 def step_transient_bytes(new_sched, call):
     """:func:`transient_bytes` of a decode step's first call, ``call(new_sched())``: a fresh
     metadata object, after an earlier call compiled the kernels and made the plan. A split cute-mla

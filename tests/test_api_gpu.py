@@ -1,7 +1,6 @@
 """End-to-end GPU tests of the public API against the fp32 reference (FlashMLA's sweep and
 tolerances), CUDA graph replay, and the workspace rule measured with the allocator."""
 
-import math
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch
 from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decode
 from cute_mla.archs import device_arch, device_num_sms
 from cute_mla.reference import sparse_decode_reference
-from cute_mla.testing import check_out_lse, make_inputs, transient_bytes
+from cute_mla.testing import check_out_lse, held_workspace_bytes, make_inputs, transient_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -185,17 +184,13 @@ def _transient_bytes(x):
     return first, later, sched
 
 
-def _held_bytes(sched):
-    """The split workspace a metadata object keeps for its step."""
-    return sum(t.nbytes for t in (sched.workspace or ()) if t is not None)
-
 
 @pytest.mark.parametrize("b,s_q,h_q", [(1, 8192, 64), (1, 1024, 128), (128, 1, 64)])
 def test_no_split_allocates_nothing(seed, b, s_q, h_q):
     x = make_inputs(b, s_q, h_q, 2048, num_tokens=65536, unique=False, nan_unused=False, device="cuda")
     transient, later, sched = _transient_bytes(x)
     plan = sched.plan
-    assert not plan.split and plan.workspace_bytes == 0 and _held_bytes(sched) == 0
+    assert not plan.split and plan.workspace_bytes == 0 and held_workspace_bytes(sched) == 0
     print(f"b={b} s_q={s_q} h_q={h_q}: transient {transient / 2**20:.3f} MiB (FlashMLA: {plan.flashmla_workspace_bytes / 2**20:.1f} MiB)")
     assert transient <= 2**20 and later <= 2**20
 
@@ -211,7 +206,7 @@ def test_split_allocates_what_the_plan_says(seed, b, s_q, h_q, tl):
     # the step's first call: the accumulators (rounded up by the caching allocator to 512-byte
     # blocks; a device schedule's few small tensors) and nothing else, kept in the metadata object
     assert plan.workspace_bytes <= transient <= plan.workspace_bytes + 2 * 512 + 4096
-    assert _held_bytes(sched) == plan.workspace_bytes
+    assert held_workspace_bytes(sched) == plan.workspace_bytes
     # the step's later calls reuse them
     assert later < 4096
     assert plan.workspace_bytes <= plan.flashmla_workspace_bytes

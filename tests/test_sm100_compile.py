@@ -205,14 +205,19 @@ def _trace_layouts():
     _collect_layout_facts(L, s_frag, o_frag, o_full, coords)
 
 
+def _traced_once(store: dict, trace) -> dict:
+    """``store``, filled by compiling ``trace`` the first time. The trace builds tcgen05 atoms,
+    which check the arch: compiled for sm_100a, whatever CUTE_DSL_ARCH the caller's environment
+    holds (called directly, the trace took the environment's arch, and a shell with
+    CUTE_DSL_ARCH=sm_90a errored here)."""
+    if not store:
+        cute.compile(trace, options=compile_options("sm_100a"))
+    return store
+
+
 @pytest.fixture(scope="module")
 def facts():
-    if not _LAYOUT_FACTS:
-        # The trace builds tcgen05 atoms, which check the arch: compiled for sm_100a, whatever
-        # CUTE_DSL_ARCH the caller's environment holds (called directly, the trace took the
-        # environment's arch, and a shell with CUTE_DSL_ARCH=sm_90a errored here).
-        cute.compile(_trace_layouts, options=compile_options("sm_100a"))
-    return _LAYOUT_FACTS
+    return _traced_once(_LAYOUT_FACTS, _trace_layouts)
 
 
 def test_layout_swizzles(facts):
@@ -544,9 +549,7 @@ def _trace_v4_layouts():
 
 @pytest.fixture(scope="module")
 def v4_facts():
-    if not _V4_LAYOUT_FACTS:
-        cute.compile(_trace_v4_layouts, options=compile_options("sm_100a"))
-    return _V4_LAYOUT_FACTS
+    return _traced_once(_V4_LAYOUT_FACTS, _trace_v4_layouts)
 
 
 def test_v4_k_tile_and_v_view(v4_facts):

@@ -19,7 +19,8 @@ import torch
 
 from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decode
 from cute_mla.archs import device_arch, device_num_sms
-from cute_mla.testing import check_allclose, check_out_lse, make_inputs, transient_bytes, v4_sweep_inputs
+from cute_mla.testing import (check_allclose, check_out_lse, held_workspace_bytes, make_inputs, transient_bytes,
+                              v4_sweep_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -167,8 +168,7 @@ def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
                               has_topk_length=lengths, extra_topk=extra_topk, has_extra_topk_length=lengths)
     transient, later, sched = _transient(x)
     plan = sched.plan
-    held = sum(t.nbytes for t in (sched.workspace or ()) if t is not None)
-    assert plan == want and held == plan.workspace_bytes
+    assert plan == want and held_workspace_bytes(sched) == plan.workspace_bytes
     if not plan.split:
         assert plan.workspace_bytes == 0 and transient <= 2**20 and later <= 2**20
     else:
