@@ -162,6 +162,51 @@ def host_us(fn, calls):
     return dt
 
 
+def public_steps(p: Parts) -> dict:
+    """The public call's steps up to and after the decode launch, each as one callable on the
+    row's tensors, in the order the call takes them (``interface.api``)."""
+    from cute_mla.interface import api
+    from cute_mla.interface.launcher import cache_bytes, on_device_of
+    from cute_mla.kernels import DecodeTensors
+
+    sched, q, cache, idx, out, lse = p.sched, p.q, p.cache, p.idx, p.out, p.lse
+    key = api._tensor_key(q, cache, idx, None, None, None, V32.d_v, None, None, None)
+    launcher = p.launcher
+    kv = cache_bytes(cache)
+    o_acc, l_acc = p.workspace
+    walk = (q[0].unsqueeze(1), idx[0].unsqueeze(1), out[0].unsqueeze(1), lse[0].unsqueeze(1)) if launcher.plan.token_walk \
+        else (q, idx, out, lse)
+    t = DecodeTensors(walk[0], kv, walk[1], None, None, sched.tile_scheduler_metadata, sched.accum_offsets, walk[2],
+                      walk[3], o_acc, l_acc, None, None, None)
+
+    def guard():
+        with on_device_of(q):
+            pass
+
+    steps = {
+        "argument checks": lambda: api._check_arguments(sched, None, SCALE, False, True, idx, None, None, None),
+        "is_compiling": torch.compiler.is_compiling,
+        "device guard": guard,
+        "signature key": lambda: api._tensor_key(q, cache, idx, None, None, None, V32.d_v, None, None, None),
+        "signature lookup + ready flag": lambda: (sched._validated.get(key), sched.schedule.ensure_ready()),
+        "out allocation": lambda: torch.empty(out.shape, dtype=torch.bfloat16, device=q.device),
+        "lse allocation": lambda: torch.empty(lse.shape, dtype=torch.float32, device=q.device),
+        "cache view (cache_bytes)": lambda: cache_bytes(cache),
+        "token walk: 4 x [0].unsqueeze(1)": lambda: (q[0].unsqueeze(1), idx[0].unsqueeze(1), out[0].unsqueeze(1),
+                                                      lse[0].unsqueeze(1)),
+        "token walk: 4 x transpose(0, 1)": lambda: (q.transpose(0, 1), idx.transpose(0, 1), out.transpose(0, 1),
+                                                     lse.transpose(0, 1)),
+        "DecodeTensors": lambda: DecodeTensors(q, kv, idx, None, None, sched.tile_scheduler_metadata,
+                                               sched.accum_offsets, out, lse, o_acc, l_acc, None, None, None),
+        "decode launch (compiled fn)": lambda: launcher.main_mod.launch_sparse_decode(launcher.main_compiled,
+                                                                                      launcher.main_cfg, t, SCALE),
+    }
+    if p.split:
+        steps["combine launch"] = p.combine
+    steps["lse.transpose(1, 2)"] = lambda: lse.transpose(1, 2)
+    return steps
+
+
 def host_parts(args):
     b, s_q, h = parse_row(args.row or HOST_ROW)
     q, cache, idx = make_inputs(b, s_q, h, 0.2, torch.Generator(device="cuda").manual_seed(0))
@@ -183,6 +228,9 @@ def host_parts(args):
           f"({args.calls} calls)")
     for name, fn in parts.items():
         print(f"  {name:28s} {host_us(fn, args.calls):7.1f}", flush=True)
+    print("  steps of the public call, each alone (µs per step):")
+    for name, fn in public_steps(p).items():
+        print(f"    {name:36s} {host_us(fn, args.calls):7.2f}", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):

@@ -194,20 +194,31 @@ def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length
 _MAX_VALIDATED = 16
 
 
-def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, *extra):
-    """Everything _validate_tensors depends on, hashable; None if an argument is not a tensor
-    (the full checks then run and name it)."""
+def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, extra_k_cache, extra_indices,
+                extra_topk_length):
+    """Everything _validate_tensors depends on, hashable; None if an argument is not a strided
+    tensor (the full checks then run and name it). One tuple built in one expression: this runs on
+    every call, before the launch."""
     if type(head_dim_v) is not int:
         return None
-    key = [head_dim_v]
-    for t in (q, k_cache, indices, attn_sink, topk_length, out) + extra:
-        if t is None:
-            key.append(None)
-        elif isinstance(t, torch.Tensor) and t.layout is torch.strided:
-            key.append((type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15, t.is_neg()))
-        else:   # not a strided tensor: the full checks name it
-            return None
-    return tuple(key)
+    try:
+        return (head_dim_v, _signature(q), _signature(k_cache), _signature(indices),
+                None if attn_sink is None else _signature(attn_sink),
+                None if topk_length is None else _signature(topk_length),
+                None if out is None else _signature(out),
+                None if extra_k_cache is None else _signature(extra_k_cache),
+                None if extra_indices is None else _signature(extra_indices),
+                None if extra_topk_length is None else _signature(extra_topk_length))
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
+def _signature(t):
+    """What the checks read of one tensor: its type, dtype, shape, strides, device, base-pointer
+    alignment and neg bit (raises for what is not a strided tensor)."""
+    if t.layout is not torch.strided:
+        raise TypeError
+    return type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15, t.is_neg()
 
 
 def _require_cuda(q) -> None:

@@ -150,8 +150,10 @@ _SAME_DEVICE = contextlib.nullcontext()
 def on_device_of(q: torch.Tensor):
     """The kernels launch on the current device's stream and the schedule is made there: a call
     with tensors on another GPU switches to theirs for its duration (no sync)."""
-    if isinstance(q, torch.Tensor) and q.is_cuda and q.device.index != torch.cuda.current_device():
-        return torch.cuda.device(q.device)
+    if isinstance(q, torch.Tensor):
+        index = q.get_device()    # -1 off CUDA
+        if index >= 0 and index != torch.cuda.current_device():
+            return torch.cuda.device(index)
     return _SAME_DEVICE
 
 
