@@ -1,0 +1,67 @@
+"""Probe (V4 rows, SM90): kernel variants (``benchmarks.variants.VARIANTS``) against the default
+through the public seam (``FlashMLASchedMeta(tuning=...)``), end to end, CUDA-graph replay of one
+call, interleaved round by round, the default captured twice (the spread between two identical
+graphs). Each variant's output must be the default's bits, or it is reported and not timed.
+
+    python -m benchmarks.v4_variants [--variants early_q] [--rows "b,h,extra;..."] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import cute_mla
+from benchmarks import bench_sparse_decode as v32b
+from benchmarks import bench_v4 as v4b
+from benchmarks.variants import VARIANTS, same_bits
+from cute_mla.playground import bench
+
+ROWS = "32,64,1024;128,64,1024;512,64,512;512,64,1024;32,128,512;128,128,512;128,128,1024;512,128,512;512,128,1024"
+
+
+def capture(row, pools, tuning):
+    """(graph, (out, lse) copies, plan text, the metadata object the graph reads) of one call."""
+    sched = cute_mla.FlashMLASchedMeta(tuning=tuning)
+    fn = lambda: v4b.call(cute_mla, sched, row, *pools)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    gr, (o, l) = v32b.capture_graph(fn)
+    gr.replay()
+    torch.cuda.synchronize()
+    p = sched.plan
+    return gr, (o.clone(), l.clone()), f"{p.schedule}/{p.variant}/{p.num_sm_parts} parts", sched
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="early_q")
+    ap.add_argument("--rows", default=ROWS)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    for n in names:
+        if n not in VARIANTS or n == "default":
+            raise SystemExit(f"--variants: {n!r}, accepted: {', '.join(k for k in VARIANTS if k != 'default')}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    v32b.warm_up(2.0)
+    pools = (v4b.make_pool(g), v4b.make_pool(g))
+    print(f"{torch.cuda.get_device_name()}  V4 rows (s_q 1, top-k 128, lengths uniform, sinks on): µs per graph replay "
+          f"of one call, interleaved medians of {args.rounds} rounds", flush=True)
+    for b, h, e in v4b.parse_rows(args.rows):
+        row = v4b.make_row(b, h, e, 0.0, g)
+        caps = {"default": capture(row, pools, None), "again": capture(row, pools, None)}
+        for n in names:
+            caps[n] = capture(row, pools, VARIANTS[n])
+        differ = [n for n in names if not same_bits(caps[n][1], caps["default"][1])]
+        timed = {k: c[0] for k, c in caps.items() if k not in differ}
+        med = bench.interleaved_median_us(timed, rounds=args.rounds)
+        parts = [f"default {med['default']:.2f} / again {med['again']:.2f}"]
+        parts += [f"{n} {med[n]:.2f} (x{med['default'] / med[n]:.3f})" for n in names if n not in differ]
+        parts += [f"{n} DIFFERENT BITS (not timed)" for n in differ]
+        print(f"b={b} h={h} extra={e} [{caps['default'][2]}]: " + " | ".join(parts), flush=True)
+
+
+if __name__ == "__main__":
+    main()
