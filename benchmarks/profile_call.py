@@ -170,6 +170,7 @@ def public_steps(p: Parts) -> dict:
     from cute_mla.kernels import DecodeTensors
 
     sched, q, cache, idx, out, lse = p.sched, p.q, p.cache, p.idx, p.out, p.lse
+    b, s_q, h, _ = q.shape
     key = api._tensor_key(q, cache, idx, None, None, None, V32.d_v, None, None, None)
     launcher = p.launcher
     kv = cache_bytes(cache)
@@ -189,8 +190,13 @@ def public_steps(p: Parts) -> dict:
         "device guard": guard,
         "signature key": lambda: api._tensor_key(q, cache, idx, None, None, None, V32.d_v, None, None, None),
         "signature lookup + ready flag": lambda: (sched._validated.get(key), sched.schedule.ensure_ready()),
-        "out allocation": lambda: torch.empty(out.shape, dtype=torch.bfloat16, device=q.device),
-        "lse allocation": lambda: torch.empty(lse.shape, dtype=torch.float32, device=q.device),
+        "out allocation": lambda: torch.empty(b, s_q, h, V32.d_v, dtype=torch.bfloat16, device=q.device),
+        "lse allocation": lambda: torch.empty(b, s_q, h, dtype=torch.float32, device=q.device),
+        "  (out as q.new_empty)": lambda: q.new_empty((b, s_q, h, V32.d_v)),
+        "  (lse as q.new_empty, fp32)": lambda: q.new_empty((b, s_q, h), dtype=torch.float32),
+        "  (torch.empty_like(out))": lambda: torch.empty_like(out),
+        "  (current device: torch.cuda)": torch.cuda.current_device,
+        "  (current device: torch._C)": torch._C._cuda_getDevice,
         "cache view (cache_bytes)": lambda: cache_bytes(cache),
         "token walk: 4 x [0].unsqueeze(1)": lambda: (q[0].unsqueeze(1), idx[0].unsqueeze(1), out[0].unsqueeze(1),
                                                       lse[0].unsqueeze(1)),

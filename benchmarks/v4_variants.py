@@ -3,7 +3,7 @@ through the public seam (``FlashMLASchedMeta(tuning=...)``), end to end, CUDA-gr
 call, interleaved round by round, the default captured twice (the spread between two identical
 graphs). Each variant's output must be the default's bits, or it is reported and not timed.
 
-    python -m benchmarks.v4_variants [--variants early_q] [--rows "b,h,extra;..."] [--rounds 5]
+    python -m benchmarks.v4_variants [--variants no_pf,...] [--rows "b,h,extra;..."] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def capture(row, pools, tuning):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="early_q")
+    ap.add_argument("--variants", default="no_pf")
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()

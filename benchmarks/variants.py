@@ -59,7 +59,6 @@ VARIANTS = {
     "l2_128b": Sm90Tuning(gather_l2="size_128b"),
     "no_hints": Sm90Tuning(gather_l1="", gather_l2=""),       # no L1 evict_last either
     "no_h128_cluster": Sm90Tuning(h128_cluster=False),        # h=128: two independent CTAs, each gathers every row
-    "early_q": Sm90Tuning(early_q=True),                      # the next request's Q loaded in the last tile, out from registers
     # 8 registers from the softmax warp group to PV_RIGHT (no serialized wgmma; the no-split variant with
     # topk_length and a sink keeps 24 B of stack: `cute-mla compile --topk-length --attn-sink --variant registers=208/168/128`)
     "regs_208_168_128": Sm90Tuning(registers=RegisterBudget(208, 168, 128)),

@@ -151,7 +151,6 @@ VARIANTS = {
     "no_row_prefetch": Sm90Tuning(prefetch_rows=False),
     "no_gather_hints": Sm90Tuning(gather_l1="", gather_l2=""),
     "gather_l2_128b": Sm90Tuning(gather_l2="size_128b"),
-    "early_q": Sm90Tuning(early_q=True),
 }
 
 
@@ -164,24 +163,6 @@ def test_tuning_variants_match(name, seed):
                       device="cuda", generator=g)
     parts = num_sm_parts(ARCH, NUM_SMS, 3, 64)
     _check_variant(inp, True, parts, (VARIANTS[name],), (DEFAULT_TUNING,), name)
-
-
-# (b, s_q, h_q, topk, split, topk_length): partitions of several requests (whole ones and, split,
-# the pieces at their ends), for the early Q load's boundaries
-EARLY_Q_SHAPES = [(4, 16, 64, 2048, False, True), (33, 3, 128, 576, False, True), (74, 2, 128, 2048, True, True),
-                  (9, 1, 64, 1024, True, False)]
-
-
-@pytest.mark.parametrize("pattern", ["sparse", "one_valid"])
-@pytest.mark.parametrize("shape", range(len(EARLY_Q_SHAPES)))
-def test_early_q_matches(pattern, shape, seed):
-    """``early_q`` (the next request's Q loaded during the last tile, out from registers): the fp32
-    reference's answer and the default's bits, one partition of every request (no split) or the
-    plan's partitions (split)."""
-    b, s_q, h_q, topk, split, tl = EARLY_Q_SHAPES[shape]
-    inp = _patterned_inputs(b, s_q, h_q, topk, tl, 0.15, pattern, seed)
-    parts = num_sm_parts(ARCH, NUM_SMS, s_q, h_q) if split else 1
-    _check_variant(inp, split, parts, (Sm90Tuning(early_q=True),), (DEFAULT_TUNING,), "early_q")
 
 
 # (b, s_q, topk, split, topk_length): h_q = 128 shapes for the cluster (the crossover transport).

@@ -194,11 +194,6 @@ class Sm90Tuning:
     # (the second CTA's reads hit L2): +0.5..1.7 % on the h=128 throughput rows and +2.9 % on
     # 1x1x128 for the cluster, -2.3 % on 1x8x128.
     h128_cluster: bool = True
-    # A partition's next request: WG0 issues its Q load as soon as the current request's last QK
-    # has read the Q buffer (the load then overlaps that tile's softmax, PV and epilogue), and the
-    # request's out goes out from registers, since the staging in the Q buffer would race the
-    # load. Split pieces keep their staged o_accum stores and their next Q waits for them.
-    early_q: bool = False
     registers: RegisterBudget = field(default_factory=RegisterBudget)
     # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp) into a (grid x, grid y,
     # Stamp.SLOTS) int64 tensor passed as the launch's ``timeline`` (benchmarks/timeline.py).
@@ -284,9 +279,8 @@ class Sm90SparseDecodeConfig:
 
     @property
     def out_from_registers(self) -> bool:
-        """out is stored with per-thread stores: the column pair's 64 x 128 blocks have no tensor
-        map, and ``tuning.early_q`` refills the Q buffer the staging would use."""
-        return self.column_pair or self.tuning.early_q
+        """out is stored with per-thread stores (the column pair: its 64 x 128 blocks have no tensor map)."""
+        return self.column_pair
 
 
 def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,

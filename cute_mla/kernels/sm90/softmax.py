@@ -63,16 +63,15 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     split_rows = split_rows_of_partition(cfg, g, cta)
     n = Int32(0)
     rq = Int32(0)
-    q_issued = Int32(0)   # Sm90Tuning.early_q: this request's Q load was issued in the previous one's last tile
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
         start, stop, _, _, _ = request_range(cfg, g, cta, req)
-        is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         if rq > 0:
             # WG1's output store of the previous request no longer reads the staging (= sQ).
             cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-        if q_issued == 0:
-            issue_q(cfg, g, cta, tQgQ, tQsQ, q_full, warp, req)
-        q_issued = Int32(0)
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * cfg.tile.d_qk * 2)
+            cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full)
         m0 = Float32(-1e30)
         m1 = Float32(-1e30)
         l0 = Float32(0.0)
@@ -95,12 +94,6 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 info = ptx.ld_shared_v4(info_base + buf * (TILE.info_words * 4))
                 last_word = ptx.vec_elem(info, 2)
                 last = last_word != 0
-                if cutlass.const_expr(cfg.tuning.early_q):
-                    # This tile's QK has completed: the Q buffer is free unless this request's
-                    # epilogue stages a split piece in it.
-                    if last & (req < end_req) & (not is_split):
-                        issue_q(cfg, g, cta, tQgQ, tQsQ, q_full, warp, req + 1)
-                        q_issued = Int32(1)
                 m0, m1, l0, l1, sc0, sc1 = online_softmax(acc_s, info, quad, scale_log2, m0, m1, l0, l1)
                 tOrP_as_c.store(acc_s.load().to(BFloat16))
 
@@ -129,6 +122,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
         l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
         l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
+        is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, is_split, cta.hblk * TILE.heads + row0)
         o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, is_split, cta.hblk * TILE.heads + row0 + 8)
         cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
@@ -157,15 +151,6 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     # Balance the barriers WG1 arrived on once more than WG0 synced.
     cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
     cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-
-
-@cute.jit
-def issue_q(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, tQgQ, tQsQ, q_full, warp, req: Int32):
-    """Warp 0: request ``req``'s Q (64 heads x d_qk) into the Q buffer by TMA, on ``q_full``."""
-    if warp == 0:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * cfg.tile.d_qk * 2)
-        cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full)
 
 
 @cute.jit
