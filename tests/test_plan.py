@@ -1,7 +1,9 @@
 import pytest
+import torch
 
 from cute_mla import plan_sparse_decode
 from cute_mla.plan.plan import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES
+from cute_mla.plan.schedule import packed_schedule_device
 from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
 
 
@@ -383,24 +385,53 @@ def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
 
 
 @pytest.mark.parametrize("b, h_q, extra, expect", [
-    (128, 64, 512, True), (128, 128, 512, True),                          # 10 blocks, 0.5 .. 2 waves of CTAs
-    (32, 64, 512, False), (32, 128, 512, False),                          # under half a wave
-    (512, 64, 512, False), (512, 128, 512, False),                        # beyond 2 waves
-    (128, 64, 1024, False), (128, 128, 1024, False), (512, 64, 1024, False),   # 18 blocks: split
-    (1, 64, 0, True), (32, 128, 0, True), (512, 64, 0, True),             # 2 blocks: up to 4 waves
-    (512, 128, 0, False),
+    (128, 64, 512, "per_request"), (128, 128, 512, "packed"),              # 10 blocks, 0.5 .. 2 waves of CTAs
+    (32, 64, 512, "device"), (32, 128, 512, "device"),                     # under half a wave
+    (512, 64, 512, "device"), (512, 128, 512, "packed"),                   # beyond 2 waves (h=128: packed)
+    (66, 128, 512, "packed"), (65, 128, 512, "per_request"),               # packed from one wave of h=128 CTAs
+    (128, 64, 1024, "device"), (128, 128, 1024, "device"), (512, 64, 1024, "device"),   # 18 blocks: split
+    (1, 64, 0, "per_request"), (32, 128, 0, "per_request"), (512, 64, 0, "per_request"),   # 2 blocks: up to 4 waves
+    (512, 128, 0, "device"),
 ])
-def test_sm90_short_lists_with_lengths_run_one_partition_per_request(b, h_q, extra, expect):
+def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect):
     """V4-sized lists with device lengths: no split, no accumulators, no combine where the plan's
-    wave rule says so; the split device schedule otherwise."""
+    rules say so (one partition per request, or whole requests packed into one wave of
+    partitions at h_q = 128); the split device schedule otherwise."""
     p = plan_sparse_decode(b, 1, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True, extra_topk=extra,
                            has_extra_topk_length=extra > 0)
-    if expect:
+    if expect == "per_request":
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
             "per_request", b, False, 0, ("sm90_sparse_decode",))
+    elif expect == "packed":
+        assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
+            "packed", 66, False, 0, ("sm90_sparse_decode",))
     else:
         assert p.schedule == "device" and p.split
     # long lists (V3.2's 2048) keep the balanced split schedule
     assert plan_sparse_decode(b, 1, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=True).schedule == "device"
     # without lengths the host schedules as before
     assert plan_sparse_decode(b, 1, h_q, 512, 128, arch="sm_90a", num_sms=132, extra_topk=extra).schedule == "host"
+
+
+@pytest.mark.parametrize("charge", [0, 1, 3])
+def test_packed_schedule_cuts_whole_requests(charge):
+    """The packed device schedule (torch ops, here on the CPU): every request in exactly one
+    partition, in order, whole (block range 0 .. its blocks); a partition without a request has
+    FlashMLA's empty row; none costs more than its share plus one request; nothing split."""
+    g = torch.Generator().manual_seed(charge)
+    for b, parts in [(1, 66), (5, 66), (66, 66), (128, 66), (321, 66), (512, 132), (600, 33), (7, 1)]:
+        nb = torch.randint(1, 19, (b,), generator=g, dtype=torch.int32)
+        tile_md, num_splits = packed_schedule_device(nb, parts, charge)
+        assert tile_md.shape == (parts, 8) and tile_md.dtype == torch.int32
+        assert torch.equal(num_splits, torch.arange(b + 1, dtype=torch.int32))
+        cost = (nb + charge).tolist()
+        share, seen = sum(cost) / parts, []
+        for begin, end, b0, b1, *rest in tile_md.tolist():
+            assert rest == [0, 0, 0, 0] and b0 == 0
+            if begin == b:
+                assert (end, b1) == (b - 1, 0)
+                continue
+            assert begin <= end and b1 == nb[end]
+            seen += range(begin, end + 1)
+            assert sum(cost[begin:end + 1]) <= share + max(cost)
+        assert seen == list(range(b))

@@ -156,6 +156,7 @@ def _transient(x):
 @pytest.mark.parametrize("b,s_q,h_q,extra_topk,lengths", [
     (128, 1, 64, 512, False), (512, 1, 128, 1024, False), (4, 200, 64, 1024, False), (1, 300, 128, 512, False),
     (64, 2, 64, 512, True), (1, 1, 64, 1024, False), (2, 4, 128, 512, False), (32, 1, 128, 1024, True),
+    (128, 1, 128, 512, True),
 ])
 def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
     """An unsplit plan allocates no accumulators (nothing beyond out and lse); a split plan exactly
@@ -176,6 +177,27 @@ def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
         assert plan.workspace_bytes <= transient <= plan.workspace_bytes + 2 * 512 + 4096
         assert later < 4096
         assert plan.workspace_bytes < plan.flashmla_workspace_bytes
+
+
+@pytest.mark.parametrize("b,s_q", [(128, 1), (74, 2), (300, 1)])
+def test_v4_packed_whole_requests(seed, b, s_q):
+    """h_q = 128, an extra list of 512 and lengths from a wave of CTAs up: the packed plan (whole
+    requests in one wave of partitions, cut on the device) gives the reference's answer, eagerly
+    and with the schedule made inside a CUDA-graph capture."""
+    x = v4_sweep_inputs(seed, b, s_q, 128, 128, num_tokens=2046, page_block_size=64, with_topk_length=True,
+                        extra_topk=512, extra_num_tokens=1024, extra_page_block_size=53, with_extra_topk_length=True,
+                        all_invalid_rows=2)
+    o, l, sched = run_case(x)
+    if device_arch(torch.device("cuda")) == "sm_90a":
+        assert sched.plan.schedule == "packed" and not sched.plan.split
+    check(x, o, l)
+    # a fresh metadata object's first call captured: the schedule's torch ops replay with the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o2, l2, _ = run_case(x, sched=get_mla_metadata()[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o2, o) and torch.equal(l2.nan_to_num(7.0), l.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("b,s_q,h_q,lengths", [(1, 1, 64, True), (8, 2, 128, True), (128, 1, 64, False)])

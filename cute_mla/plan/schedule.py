@@ -11,7 +11,7 @@ Where the host knows the schedule (no ``topk_length``) the plan computed it: :fu
 uploads it once per (plan, device) into a cached buffer (:class:`UploadedSchedule`). With
 ``topk_length`` (device values the host must not read) it is built on the device: the blocks of
 each request from the lengths (``scheduler.partition.blocks_of_length``), then the scheduler
-kernel or, for SM100's one-partition-per-request plans, torch ops; no host synchronization.
+kernel or, for one-partition-per-request and packed plans, torch ops; no host synchronization.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from ..scheduler import (BLOCK_TOPK, SCHED_ROW_INTS, SchedField, accum_offsets, accum_offsets_device,
                          blocks_of_length, extra_blocks_of_length, plan_splits)
-from .plan import SparseDecodePlan
+from .plan import PACKED_REQUEST_CHARGE, SparseDecodePlan
 
 _lock = threading.Lock()
 # (plan, device) -> UploadedSchedule. Never evicted: a captured CUDA graph keeps reading the
@@ -218,6 +218,31 @@ def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor,
     return tile_md, num_splits
 
 
+def packed_schedule_device(num_blocks: torch.Tensor, parts: int, charge: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``parts`` partitions of contiguous whole requests, nothing split, with torch ops on the
+    device (no sync): (tile_md (parts, 8), num_splits (b+1,)).
+
+    Request r costs ``num_blocks[r] + charge`` and goes to the partition its cost's midpoint falls
+    in, ``floor((2 C_r - c_r) * parts / (2 C))`` with C_r the running cost through r and C the
+    total, so the partitions' costs differ from the share C / parts by at most half a request each
+    way. A partition no midpoint falls in gets FlashMLA's empty row (begin_req = b)."""
+    b, dev = num_blocks.shape[0], num_blocks.device
+    cost = num_blocks.to(torch.int64) + charge
+    running = torch.cumsum(cost, 0)
+    part_of = ((2 * running - cost) * parts) // (2 * running[-1])
+    ids = torch.arange(parts, dtype=torch.int64, device=dev)
+    begin = torch.searchsorted(part_of, ids)
+    end = torch.searchsorted(part_of, ids, right=True) - 1
+    empty = begin > end
+    last = end.clamp(min=0)
+    tile_md = torch.zeros(parts, SCHED_ROW_INTS, dtype=torch.int32, device=dev)
+    tile_md[:, SchedField.BEGIN_REQ] = torch.where(empty, b, begin).to(torch.int32)
+    tile_md[:, SchedField.END_REQ] = torch.where(empty, b - 1, end).to(torch.int32)
+    tile_md[:, SchedField.END_BLOCK] = torch.where(empty, 0, num_blocks[last]).to(torch.int32)
+    num_splits = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    return tile_md, num_splits
+
+
 def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Optional[torch.Tensor],
                   extra_topk_length: Optional[torch.Tensor] = None) -> Schedule:
     """The schedule of ``plan`` on ``device``: the host's, uploaded (cached), or built on the device
@@ -228,6 +253,8 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
     nb = device_num_blocks(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
     if plan.schedule == "per_request":
         tile_md, num_splits = per_request_schedule_device(nb)
+    elif plan.schedule == "packed":
+        tile_md, num_splits = packed_schedule_device(nb, plan.num_sm_parts, PACKED_REQUEST_CHARGE)
     else:
         tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
     return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))
