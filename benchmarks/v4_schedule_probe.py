@@ -2,7 +2,8 @@
 partition per request <-> the split schedule), end to end, interleaved, with the default captured
 twice (the spread between two identical graphs). Only the plan's wave window
 (``plan.PER_REQUEST_WAVES``) differs: (0, inf) forces one partition per request where the lists
-are short enough, (inf, inf) forces the split schedule.
+are short enough, (inf, inf) forces the split schedule. Rows whose plan packs whole requests
+(``plan.sm90_packed``) have no other schedule through that window and are reported as such.
 
     python -m benchmarks.v4_schedule_probe [--rows "b,h,extra;..."] [--rounds 5]
 """

@@ -389,6 +389,7 @@ def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
     (32, 64, 512, "device"), (32, 128, 512, "device"),                     # under half a wave
     (512, 64, 512, "device"), (512, 128, 512, "packed"),                   # beyond 2 waves (h=128: packed)
     (66, 128, 512, "packed"), (65, 128, 512, "per_request"),               # packed from one wave of h=128 CTAs
+    (128, 128, 448, "packed"),
     (128, 64, 1024, "device"), (128, 128, 1024, "device"), (512, 64, 1024, "device"),   # 18 blocks: split
     (1, 64, 0, "per_request"), (32, 128, 0, "per_request"), (512, 64, 0, "per_request"),   # 2 blocks: up to 4 waves
     (512, 128, 0, "device"),
@@ -407,6 +408,14 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
             "packed", 66, False, 0, ("sm90_sparse_decode",))
     else:
         assert p.schedule == "device" and p.split
+    # packed only where it was measured: s_q = 1 with an extra list
+    if expect == "packed":
+        assert plan_sparse_decode(b, 2, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
+                                  extra_topk=extra, has_extra_topk_length=True).schedule != "packed"
+        assert plan_sparse_decode(b, 1, h_q, 512, 128 + extra, arch="sm_90a", num_sms=132,
+                                  has_topk_length=True).schedule != "packed"
+        assert plan_sparse_decode(b, 1, h_q, 576, 128 + extra, arch="sm_90a", num_sms=132,
+                                  has_topk_length=True).schedule != "packed"
     # long lists (V3.2's 2048) keep the balanced split schedule
     assert plan_sparse_decode(b, 1, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=True).schedule == "device"
     # without lengths the host schedules as before

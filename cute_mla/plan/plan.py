@@ -15,8 +15,8 @@ launched **only when at least one request is split**.
   FlashMLA's ``b + num_sm_parts``.
 - SM100 with topk <= 640 (FlashMLA's rule): one partition per request, never split, 0 bytes.
 - SM90 with lengths and short lists (``sm90_per_request``): one partition per request as well;
-  at h_q = 128 from a wave of CTAs up (``sm90_packed``): one wave of partitions of whole requests,
-  cut on the device, never split.
+  V4 at h_q = 128 and s_q = 1 from a wave of CTAs up (``sm90_packed``): one wave of partitions of
+  whole requests, cut on the device, never split.
 
 Token walk (SM90, b == 1, no topk_length, one partition, more CTAs than SMs: vLLM's mixed batch):
 FlashMLA's grid would start one CTA per token and head half, each paying its own start and end
@@ -56,9 +56,10 @@ PER_REQUEST_MAX_BLOCKS = 10
 PER_REQUEST_WAVES = (0.5, 2)
 PER_REQUEST_TINY_BLOCKS = 2
 PER_REQUEST_TINY_MAX_WAVES = 4
-# SM90 whole requests packed into one wave of partitions (sm90_packed): h_q = 128, lists of
-# (PER_REQUEST_TINY_BLOCKS, PER_REQUEST_MAX_BLOCKS] blocks, at least PACKED_MIN_WAVES waves of
-# (request, head block) CTAs; the device cut charges PACKED_REQUEST_CHARGE blocks per request.
+# SM90 whole requests packed into one wave of partitions (sm90_packed): h_q = 128, s_q = 1, an
+# extra list, (PER_REQUEST_TINY_BLOCKS, PER_REQUEST_MAX_BLOCKS] blocks per request, at least
+# PACKED_MIN_WAVES waves of (request, head block) CTAs; the device cut charges
+# PACKED_REQUEST_CHARGE blocks per request.
 PACKED_H_Q = 128
 PACKED_MIN_WAVES = 1.0
 PACKED_REQUEST_CHARGE = 1
@@ -193,7 +194,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     host_schedule, token_walk = None, False
     short_lists = (spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk
                    and b <= archs.MAX_GRID_Y)
-    if lengths and not short_lists and sm90_packed(arch, b, s_q, h_q, blocks, num_sms):
+    if lengths and not short_lists and sm90_packed(arch, b, s_q, h_q, blocks, extra_topk, num_sms):
         schedule, accum_rows = "packed", 0
     elif short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms)):
         schedule, parts, accum_rows = "per_request", b, 0
@@ -269,22 +270,25 @@ def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> 
     return blocks <= PER_REQUEST_MAX_BLOCKS and PER_REQUEST_WAVES[0] <= waves <= PER_REQUEST_WAVES[1]
 
 
-def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, num_sms: int) -> bool:
-    """SM90 with per-request lengths, h_q = 128 and short lists, from a wave of CTAs up: the
-    partitions of one wave (``num_sm_parts``) each take a contiguous range of *whole* requests, cut
-    on the device where the requests' running blocks cross each partition's share
-    (``schedule.packed_schedule_device``). Nothing is split (no accumulators, no combine), and a
-    CTA's later requests overlap their index scan and first gathers with the request before it,
-    which one partition per request cannot: a request alone on a CTA spends ~6 µs before its first
-    tile and 1.7 µs after its last (``benchmarks/v4_timeline.py``).
+def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
+    """SM90 with per-request lengths, h_q = 128, s_q = 1 and short lists with an extra list (V4's
+    128 + 512), from a wave of CTAs up: the partitions of one wave (``num_sm_parts``) each take a
+    contiguous range of *whole* requests, each request in the partition its running cost's
+    midpoint falls in (``schedule.packed_schedule_device``, on the device). Nothing is split (no
+    accumulators, no combine), and a CTA's later requests overlap their index scan and first
+    gathers with the request before it, which one partition per request cannot: a request alone on
+    a CTA spends ~6 µs before its first tile and 1.7 µs after its last
+    (``benchmarks/v4_timeline.py``).
 
-    Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform, the cut made on the host:
-    ``benchmarks/v4_packing_probe.py``): x1.106-1.114 at b = 128 against one partition per
-    request, x1.055-1.113 at b = 512 against the split schedule; at h = 64 x1.00-1.04 (not taken);
-    with extra 1024 (18 blocks) x0.94-0.96, as whole requests that long cut too coarsely."""
-    if arch != archs.SM90.name or h_q != PACKED_H_Q:
+    Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform). The probe, a greedy cut
+    made on the host (``benchmarks/v4_packing_probe.py``): x1.106-1.114 at b = 128 against one
+    partition per request, x1.055-1.113 at b = 512 against the split schedule; at h = 64
+    x1.00-1.04 (not taken); with extra 1024 (18 blocks) x0.94-0.96, as whole requests that long
+    cut too coarsely. This rule's own cut against FlashMLA: b = 128 1.16x (1.07x before), b = 512
+    1.29x (1.17x). Not measured, so not taken: s_q > 1 and lists without an extra list."""
+    if arch != archs.SM90.name or h_q != PACKED_H_Q or s_q != 1 or not extra_topk:
         return False
-    waves = b * s_q * (h_q // 64) / num_sms
+    waves = b * (h_q // 64) / num_sms
     return PER_REQUEST_TINY_BLOCKS < blocks <= PER_REQUEST_MAX_BLOCKS and waves >= PACKED_MIN_WAVES
 
 

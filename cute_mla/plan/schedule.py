@@ -224,8 +224,11 @@ def packed_schedule_device(num_blocks: torch.Tensor, parts: int, charge: int) ->
 
     Request r costs ``num_blocks[r] + charge`` and goes to the partition its cost's midpoint falls
     in, ``floor((2 C_r - c_r) * parts / (2 C))`` with C_r the running cost through r and C the
-    total, so the partitions' costs differ from the share C / parts by at most half a request each
-    way. A partition no midpoint falls in gets FlashMLA's empty row (begin_req = b)."""
+    total: a partition costs at most its share C / parts plus half of its first and of its last
+    request. Every request costs at least one (``blocks_of_length`` gives a request at least one
+    block), so the midpoints increase and stay below 2 C. A partition no midpoint falls in, which
+    may be any partition, gets the empty row of ``scheduler.whole_request_rows`` (begin_req = b),
+    which the kernel skips."""
     b, dev = num_blocks.shape[0], num_blocks.device
     cost = num_blocks.to(torch.int64) + charge
     running = torch.cumsum(cost, 0)
