@@ -17,6 +17,7 @@ call, median of per-replay events. ratio = FlashMLA µs / cute-mla µs (above 1:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -26,11 +27,12 @@ import torch
 import cute_mla
 from benchmarks.bench_sparse_decode import capture_graph, commit_id, flashmla, replay_median_us, warm_up
 from cute_mla.formats import V4
+from cute_mla.plan import plan as plan_mod
 from cute_mla.playground import bench
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, step_transient_bytes
 
-POOL, PAGE, TOPK = bench.POOL, bench.PAGE, 128   # the playground's pools (cute-mla bench --format v4)
+POOL, PAGE, TOPK = bench.POOL, bench.PAGE, bench.V4_TOPK   # the playground's pools and list (cute-mla bench --format v4)
 BATCHES, HEADS, EXTRA_TOPKS = (1, 32, 128, 512), (64, 128), (0, 512, 1024)
 GRID = [(b, h, e) for h in HEADS for e in EXTRA_TOPKS for b in BATCHES]
 QUICK = [(1, 64, 512), (32, 64, 1024), (128, 128, 512), (512, 128, 1024)]
@@ -42,18 +44,12 @@ def parse_rows(text):
     return [tuple(int(v) for v in r.split(",")) for r in text.split(";") if r]
 
 
-def make_pool(g):
-    """A V4 cache of POOL tokens on the GPU: KV ~ N(0,1)/10 clamped, FlashMLA's quantizer (page
-    blocks padded to a multiple of 576 B); the playground's (``cute-mla bench --format v4``)."""
-    return bench.v4_pool(g)
+make_pool = bench.v4_pool   # a V4 cache of POOL tokens (the playground's, ``cute-mla bench --format v4``)
 
 
 def make_row(b, h, extra_topk, masked, g):
     """One row's q, indices, lengths and sinks (s_q = 1); the extra list's are None without one."""
-    q = torch.randn(b, 1, h, V4.d_qk, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
-    indices, topk_length = bench.index_list(b, 1, TOPK, masked, g)
-    extra_indices, extra_topk_length = bench.index_list(b, 1, extra_topk, masked, g) if extra_topk else (None, None)
-    sink = torch.randn(h, device="cuda", generator=g)
+    q, indices, topk_length, extra_indices, extra_topk_length, sink = bench.v4_lists(b, 1, h, extra_topk, masked, g)
     return dict(q=q, indices=indices, topk_length=topk_length, extra_indices=extra_indices,
                 extra_topk_length=extra_topk_length, attn_sink=sink)
 
@@ -65,6 +61,36 @@ def call(mod, sched, row, k_cache, extra_k_cache):
         indices=row["indices"], attn_sink=row["attn_sink"], extra_k_cache=extra_k_cache if extra else None,
         extra_indices_in_kvcache=row["extra_indices"], topk_length=row["topk_length"],
         extra_topk_length=row["extra_topk_length"])
+
+
+def capture_call(sched, row, pools):
+    """(graph of one public call on ``row`` with ``sched``, copies of the (out, lse) its first
+    replay wrote), after an eager call (compile, plan, schedule). Keep ``sched`` alive while the
+    graph replays: it reads the metadata object's tensors."""
+    fn = lambda: call(cute_mla, sched, row, *pools)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    gr, (o, l) = capture_graph(fn)
+    gr.replay()
+    torch.cuda.synchronize()
+    return gr, (o.clone(), l.clone())
+
+
+@contextlib.contextmanager
+def plan_constants(**values):
+    """The plan module's rule constants (``PER_REQUEST_WAVES``, ``PER_REQUEST_MAX_BLOCKS``,
+    ``PACKED_MIN_WAVES``, ...) replaced inside the block: how a probe forces another schedule.
+    Plans are cached by their arguments, so the cache is cleared on entry and on exit."""
+    saved = {k: getattr(plan_mod, k) for k in values}
+    for k, v in values.items():
+        setattr(plan_mod, k, v)
+    plan_mod.plan_sparse_decode.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(plan_mod, k, v)
+        plan_mod.plan_sparse_decode.cache_clear()
 
 
 def check_sample(out, lse, row, k_cache, extra_k_cache, sample, g):

@@ -18,15 +18,12 @@ import torch
 import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
+from benchmarks.variants import same_bits
 from cute_mla.kernels.combine import WARPS_PER_HEAD, compile_combine
 from cute_mla.playground import bench
 
 V4_ROWS = "1,64,512;1,128,1024;32,64,0;32,64,512;32,64,1024;32,128,0;32,128,512;32,128,1024;512,64,1024;512,128,512;512,128,1024"
 V32_ROWS = "1,1,64;1,8,64;1,1,128;1,8,128;4,1,64;16,1,128;32,1,128;64,1,64"
-
-
-def rows(text):
-    return [tuple(int(v) for v in r.split(",")) for r in text.split(";") if r]
 
 
 def ab(name, fn, sched, has_sink, rounds, layers):
@@ -52,8 +49,7 @@ def ab(name, fn, sched, has_sink, rounds, layers):
     finally:
         launcher.combine_cfg = base
         launcher.combine_compiled = compile_combine(base)
-    (o4, l4), (o1, l1) = outs[4], outs[1]
-    same = torch.equal(o4, o1) and torch.equal(l4.nan_to_num(), l1.nan_to_num())
+    same = same_bits(outs[4], outs[1])
     timed = {(w, kind): gr for w, pair in graphs.items() for kind, gr in zip(("one", "layers"), pair) if gr is not None}
     us = bench.interleaved_median_us(timed, rounds=rounds)
     med = {w: us[(w, "one")] for w in graphs}
@@ -76,14 +72,14 @@ def main():
     v32b.warm_up(2.0)
     if args.v4:
         pools = (v4b.make_pool(g), v4b.make_pool(g))
-        for b, h, e in rows(args.v4):
+        for b, h, e in v4b.parse_rows(args.v4):
             row = v4b.make_row(b, h, e, 0.0, g)
             sched, _ = cute_mla.get_mla_metadata()
             ab(f"V4 b={b} h={h} extra={e}", lambda: v4b.call(cute_mla, sched, row, *pools), sched, True,
                args.rounds, 0)
         del pools
         torch.cuda.empty_cache()
-    for b, s_q, h in rows(args.v32):
+    for b, s_q, h in v4b.parse_rows(args.v32):
         q, cache, idx = v32b.make_inputs(b, s_q, h, 0.2, g)
         sched, _ = cute_mla.get_mla_metadata()
         ab(f"V3.2 {b}x{s_q}x{h}", lambda: v32b.call(cute_mla, sched, q, cache, idx), sched, False, args.rounds,

@@ -44,7 +44,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8
 from cutlass.cute.nvgpu import warpgroup
 
-from cute_mla.archs import SM90
+from cute_mla.archs import SM90, device_num_sms
 from cute_mla.dsl.compat import LayoutEnum, OperandMajorMode, SmemAllocator, sm90_utils
 from cute_mla.dsl.compile import compile_options
 from cute_mla.formats import V32
@@ -286,20 +286,13 @@ def time_variant(fn, cfg: ProbeConfig, ctas: int, iters: int, reps: int = 5) -> 
     """Median µs of one call of ``iters`` iterations on ``ctas`` CTAs (CUDA events)."""
     import torch
 
+    from cute_mla.testing import median_event_us
+
     gen = torch.Generator().manual_seed(2)
     q, k = (t.view(torch.uint8).cuda() for t in tiles(cfg, gen))
     scale = torch.ones(GROUPS, TOKENS, device="cuda")
     s = torch.empty(HEADS, TOKENS, device="cuda")
-    fn(q, k, scale, s, iters, 1.0, ctas)
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn(q, k, scale, s, iters, 1.0, ctas)
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(times)
+    return median_event_us(lambda: fn(q, k, scale, s, iters, 1.0, ctas), iters=reps, warmup=1)
 
 
 def ceilings() -> dict:
@@ -341,7 +334,7 @@ def run(cfgs, iters: int, rounds: int, with_ceilings: bool) -> dict:
 
     if device_arch("cuda") != SM90.name:
         sys.exit(f"fp8_mma_probe runs wgmma on SM90 only; this GPU is {gpu_summary()}")
-    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = device_num_sms(torch.device("cuda"))
     fns, errors = {}, {}
     for cfg in cfgs:
         # One variant failing (compile or check) is reported and left out; the others still run.

@@ -21,7 +21,7 @@ import torch
 import cute_mla
 from cute_mla.archs import SM90, device_arch, device_num_sms
 from cute_mla.kernels.sm90 import DEFAULT_TUNING
-from cute_mla.interface.launcher import allocate_workspace, kernel_module
+from cute_mla.interface.launcher import allocate_workspace, cache_bytes, kernel_module
 from cute_mla.kernels import DecodeTensors
 from cute_mla.kernels.sm90.config import Stamp
 from cute_mla.plan.schedule import make_schedule
@@ -35,6 +35,9 @@ ORDER = [Stamp.PROLOGUE, Stamp.METADATA, Stamp.SCAN, Stamp.K_FREE, Stamp.HALF_A,
          Stamp.EPI_FINAL, Stamp.EPI_STAGED, Stamp.EPILOGUE, Stamp.WG1_EPI_STAGED, Stamp.WG1_EPILOGUE]
 
 
+GHZ = 1.98   # the H200's SM clock under load: cycles -> µs
+
+
 def stamped_launch(q, cache, idx, tuning):
     """(launch, stamp buffer, plan) of one call's decode kernel compiled with the timeline."""
     b, s_q, h, d_qk = q.shape
@@ -44,24 +47,65 @@ def stamped_launch(q, cache, idx, tuning):
     plan = cute_mla.plan_sparse_decode(b, s_q, h, d_qk, idx.shape[-1], arch=SM90.name, num_sms=device_num_sms(dev))
     if plan.token_walk:
         raise SystemExit("the timeline takes the latency rows (no token walk): use a small s_q")
-    schedule = make_schedule(plan, dev, None)
+    launch, stamps = stamped_kernel(plan, make_schedule(plan, dev, None), q, cache, idx, tuning)
+    return launch, stamps, plan
+
+
+def stamped_kernel(plan, schedule, q, cache, idx, tuning=None, topk_length=None, attn_sink=None,
+                   extra=(None, None, None)):
+    """(launch, stamp buffer) of ``plan``'s decode kernel compiled with the timeline, launched the
+    way the launcher would on ``schedule`` (``extra``: the extra pool's cache, indices, lengths)."""
+    dev = q.device
+    b, s_q, h, _ = q.shape
+    extra_cache, extra_idx, extra_len = extra
     mod = kernel_module(plan.arch)
-    cfg = mod.kernel_config(h_q=h, d_qk=d_qk, split=plan.split, has_topk_length=False, has_attn_sink=False,
-                            column_pair=plan.column_pair, tuning=dataclasses.replace(tuning or DEFAULT_TUNING, timeline=True))
+    cfg = mod.kernel_config(h_q=h, d_qk=plan.d_qk, split=plan.split, has_topk_length=topk_length is not None,
+                            has_attn_sink=attn_sink is not None, column_pair=plan.column_pair,
+                            tuning=dataclasses.replace(tuning or DEFAULT_TUNING, timeline=True),
+                            has_extra=extra_cache is not None, has_extra_topk_length=extra_len is not None)
     compiled = mod.compile_sparse_decode(cfg)
     o_accum, lse_accum = allocate_workspace(plan, dev)
     out = torch.empty(b, s_q, h, plan.d_v, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=dev)
     grid_x = s_q * cfg.n_hblk * cfg.n_cblk
     stamps = torch.zeros(grid_x, schedule.tile_md.shape[0], int(Stamp.SLOTS), dtype=torch.int64, device=dev)
-    t = DecodeTensors(q, cache.view(torch.uint8).squeeze(2), idx, None, None, schedule.tile_md, schedule.accum_offsets,
-                      out, lse, o_accum, lse_accum)
+    t = DecodeTensors(q, cache_bytes(cache), idx, topk_length, attn_sink, schedule.tile_md, schedule.accum_offsets,
+                      out, lse, o_accum, lse_accum, None if extra_cache is None else cache_bytes(extra_cache),
+                      extra_idx, extra_len)
 
     def launch():
         schedule.ensure_ready()
-        mod.launch_sparse_decode(compiled, cfg, t, d_qk ** -0.5, timeline=stamps)
+        mod.launch_sparse_decode(compiled, cfg, t, plan.d_qk ** -0.5, timeline=stamps)
 
-    return launch, stamps, plan
+    return launch, stamps
+
+
+def working_rows(launch, stamps, replays):
+    """(partition, stamp row) of every CTA with work, over ``replays`` replays of one graph of
+    ``launch`` (after three warm-up launches); the stamps are zeroed before each replay."""
+    for _ in range(3):
+        launch()
+    torch.cuda.synchronize()
+    graph, _ = capture_graph(launch)
+    for _ in range(replays):
+        stamps.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        st = stamps.cpu()
+        for x in range(st.shape[0]):
+            for part in range(st.shape[1]):
+                if int(st[x, part, Stamp.METADATA]) != 0:   # else a CTA without work
+                    yield part, st[x, part]
+
+
+def print_phases(order, rows, worst=None):
+    """One line per phase of ``order`` with samples in ``rows`` (cycles since entry): the median,
+    in cycles and µs, and the max over CTAs where ``worst`` is given."""
+    for s in order:
+        if rows[s]:
+            m = statistics.median(rows[s])
+            tail = f"   [{worst[s]:8d}]" if worst is not None else ""
+            print(f"  {s.name:<14} {m:8.0f} cyc {m / GHZ / 1e3:6.2f} us{tail}")
 
 
 def main():
@@ -77,38 +121,25 @@ def main():
         raise SystemExit("--variant: the timeline stamps the decode kernel, which runs alone anyway (no +nocomb)")
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: cycles since kernel entry, median over working CTAs and "
-          f"{args.replays} graph replays [max over CTAs]; us at 1.98 GHz")
+          f"{args.replays} graph replays [max over CTAs]; us at {GHZ} GHz")
     for h in (int(v) for v in args.heads.split(",")):
         for topk, masked in CASES:
             if args.topk is not None and topk != args.topk:
                 continue
             q, cache, idx = make_inputs(1, args.s_q, h, masked, g, topk=topk)
             launch, stamps, plan = stamped_launch(q, cache, idx, tuning)
-            for _ in range(3):
-                launch()
-            torch.cuda.synchronize()
-            graph, _ = capture_graph(launch)
             rows = {s: [] for s in ORDER}
             worst = {s: 0 for s in ORDER}
-            for _ in range(args.replays):
-                stamps.zero_()
-                graph.replay()
-                torch.cuda.synchronize()
-                for r in stamps.reshape(-1, int(Stamp.SLOTS)).cpu():
-                    if int(r[Stamp.METADATA]) == 0:
-                        continue   # a CTA without work
-                    for s in ORDER:
-                        if int(r[s]) != 0:
-                            d = int(r[s]) - int(r[Stamp.ENTRY])
-                            rows[s].append(d)
-                            worst[s] = max(worst[s], d)
+            for _, r in working_rows(launch, stamps, args.replays):
+                for s in ORDER:
+                    if int(r[s]) != 0:
+                        d = int(r[s]) - int(r[Stamp.ENTRY])
+                        rows[s].append(d)
+                        worst[s] = max(worst[s], d)
             ctas = len(rows[Stamp.METADATA]) // args.replays
             print(f"\ns_q={args.s_q} h={h} top-k {topk} masked {masked}: {plan.variant}"
                   f"{' (column pair)' if plan.column_pair else ''}, {ctas} CTAs with work")
-            for s in ORDER:
-                if rows[s]:
-                    m = statistics.median(rows[s])
-                    print(f"  {s.name:<14} {m:8.0f} cyc {m / 1980:6.2f} us   [{worst[s]:8d}]")
+            print_phases(ORDER, rows, worst)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
-from cute_mla.archs import device_num_sms
+from cute_mla.archs import SM90, device_num_sms
 from cute_mla.formats import V4
 from cute_mla.interface.launcher import cache_bytes, kernel_module
 from cute_mla.kernels import DecodeTensors
@@ -53,7 +53,7 @@ def packed_launch(row, pools, parts, overhead):
     nb = device_num_blocks(row["topk_length"], v4b.TOPK, b, q.device, row["extra_indices"].shape[-1],
                            row["extra_topk_length"]).cpu().tolist()
     rows = packed_rows(nb, parts, overhead)
-    mod = kernel_module("sm_90a")
+    mod = kernel_module(SM90.name)
     cfg = mod.kernel_config(h_q=h, d_qk=V4.d_qk, split=False, has_topk_length=True, has_attn_sink=True,
                             has_extra=True, has_extra_topk_length=True)
     compiled = mod.compile_sparse_decode(cfg)
@@ -83,16 +83,12 @@ def main():
     for b, h, e in v4b.parse_rows(args.rows):
         row = v4b.make_row(b, h, e, 0.0, g)
         sched = cute_mla.get_mla_metadata()[0]
-        fn = lambda: v4b.call(cute_mla, sched, row, *pools)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        g_default, (o_default, _) = v32b.capture_graph(fn)
+        g_default, (o_default, _) = v4b.capture_call(sched, row, pools)
         parts = args.parts or sms // (h // 64)
         launch, out, n_rows, longest = packed_launch(row, pools, parts, args.overhead)
         launch()
         torch.cuda.synchronize()
         g_packed, _ = v32b.capture_graph(launch)
-        g_default.replay()
         g_packed.replay()
         torch.cuda.synchronize()
         diff = (out.float() - o_default.float()).abs().max().item()

@@ -26,23 +26,12 @@ FORCE = {"per_request": (1e9, 1e9), "device": (0.0, 1e9), "host": (0.0, 1e9)}   
 
 
 def capture(row, pools, waves):
-    window = plan_mod.PER_REQUEST_WAVES
-    plan_mod.PER_REQUEST_WAVES = waves
-    plan_mod.plan_sparse_decode.cache_clear()   # plans are cached by their arguments
-    try:
+    with v4b.plan_constants(PER_REQUEST_WAVES=waves):
         sched, _ = cute_mla.get_mla_metadata()
-        fn = lambda: v4b.call(cute_mla, sched, row, *pools)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
+        gr, (o, _) = v4b.capture_call(sched, row, pools)
         p = sched.plan
         name = f"{p.schedule}/{p.variant}/ws {p.workspace_bytes / 2**20:.1f} MiB"
-        gr, (o, _) = v32b.capture_graph(fn)
-        gr.replay()
-        torch.cuda.synchronize()
-        return gr, o.float().clone(), name, p.schedule, sched   # the graph reads sched's tensors: keep it
-    finally:
-        plan_mod.PER_REQUEST_WAVES = window
-        plan_mod.plan_sparse_decode.cache_clear()
+        return gr, o.float(), name, p.schedule, sched   # the graph reads sched's tensors: keep it
 
 
 def main():

@@ -15,7 +15,7 @@ import torch
 import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
-from benchmarks.variants import VARIANTS, same_bits
+from benchmarks.variants import same_bits, variant_of
 from cute_mla.playground import bench
 
 ROWS = "32,64,1024;128,64,1024;512,64,512;512,64,1024;32,128,512;128,128,512;128,128,1024;512,128,512;512,128,1024"
@@ -24,14 +24,9 @@ ROWS = "32,64,1024;128,64,1024;512,64,512;512,64,1024;32,128,512;128,128,512;128
 def capture(row, pools, tuning):
     """(graph, (out, lse) copies, plan text, the metadata object the graph reads) of one call."""
     sched = cute_mla.FlashMLASchedMeta(tuning=tuning)
-    fn = lambda: v4b.call(cute_mla, sched, row, *pools)  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    gr, (o, l) = v32b.capture_graph(fn)
-    gr.replay()
-    torch.cuda.synchronize()
+    gr, outs = v4b.capture_call(sched, row, pools)
     p = sched.plan
-    return gr, (o.clone(), l.clone()), f"{p.schedule}/{p.variant}/{p.num_sm_parts} parts", sched
+    return gr, outs, f"{p.schedule}/{p.variant}/{p.num_sm_parts} parts", sched
 
 
 def main():
@@ -41,9 +36,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     names = [n for n in args.variants.split(",") if n]
-    for n in names:
-        if n not in VARIANTS or n == "default":
-            raise SystemExit(f"--variants: {n!r}, accepted: {', '.join(k for k in VARIANTS if k != 'default')}")
+    tunings = {n: variant_of(n) for n in names}   # (tuning, nocomb); raises on an unknown name
+    for n, (tuning, nocomb) in tunings.items():
+        if tuning is None or nocomb:
+            raise SystemExit(f"--variants: {n!r}: a kernel variant to time against the default (no default, no "
+                             "+nocomb)")
     g = torch.Generator(device="cuda").manual_seed(0)
     v32b.warm_up(2.0)
     pools = (v4b.make_pool(g), v4b.make_pool(g))
@@ -53,7 +50,7 @@ def main():
         row = v4b.make_row(b, h, e, 0.0, g)
         caps = {"default": capture(row, pools, None), "again": capture(row, pools, None)}
         for n in names:
-            caps[n] = capture(row, pools, VARIANTS[n])
+            caps[n] = capture(row, pools, tunings[n][0])
         differ = [n for n in names if not same_bits(caps[n][1], caps["default"][1])]
         timed = {k: c[0] for k, c in caps.items() if k not in differ}
         med = bench.interleaved_median_us(timed, rounds=args.rounds)

@@ -47,6 +47,7 @@ from cute_mla.interface.launcher import Launcher
 from cute_mla.kernels.sm90 import DEFAULT_TUNING, RegisterBudget, Sm90Tuning
 from cute_mla.plan.plan import sm90_column_pair
 from cute_mla.plan.schedule import make_schedule
+from cute_mla.playground import bench
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, make_inputs as test_inputs
 
@@ -230,13 +231,7 @@ def time_graphs(graphs, rounds, layers):
     times = {k: [] for k in graphs}
     for _ in range(rounds):
         for k, (gr, *_) in graphs.items():
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(6)]
-            for a, e in ev:
-                a.record()
-                gr.replay()
-                e.record()
-            torch.cuda.synchronize()
-            times[k] += [a.elapsed_time(e) * 1e3 / layers for a, e in ev]
+            times[k] += [t / layers for t in bench.replay_times_us(gr, 6)]
     return {k: (statistics.median(v), statistics.pstdev(v)) for k, v in times.items()}
 
 

@@ -240,9 +240,14 @@ def check_allclose(name: str, got: torch.Tensor, ref: torch.Tensor, abs_tol: flo
                              f"(abs {abs_tol}, rel {rel_tol}); e.g. got {g[i].item()} vs ref {r[i].item()}; "
                              f"max abs err {abs_err.max().item():.3e}")
     if cos_diff_tol is not None and g.numel():
-        denom = (g * g + r * r).sum()
-        cos_diff = (1 - 2 * (g * r).sum() / denom).item() if denom > 0 else 0.0
-        assert cos_diff <= cos_diff_tol, f"{name}: cosine difference {cos_diff:.3e} > {cos_diff_tol}"
+        diff = cos_diff(g, r)
+        assert diff <= cos_diff_tol, f"{name}: cosine difference {diff:.3e} > {cos_diff_tol}"
+
+
+def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """FlashMLA's cosine difference 1 - 2<a,b>/(|a|^2+|b|^2) (0 for two zero tensors)."""
+    denom = (a * a + b * b).sum()
+    return (1 - 2 * (a * b).sum() / denom).item() if denom > 0 else 0.0
 
 
 def check_out_lse(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> None:
@@ -380,6 +385,23 @@ def step_transient_bytes(new_sched, call):
     this is the memory a step needs beyond its outputs. Returns ``(result, bytes)``."""
     sched = new_sched()
     return transient_bytes(lambda: call(sched))
+
+
+def step_first_and_later_bytes(x: "SparseDecodeInputs"):
+    """(bytes a decode step's first public call on ``x`` allocates beyond out and lse, bytes its
+    next call (the step's next layer) allocates, the step's ``FlashMLASchedMeta``), after a
+    warm-up call that compiled the kernels and made the plan."""
+    from .interface.api import flash_mla_with_kvcache, get_mla_metadata
+
+    def call(sched):
+        return flash_mla_with_kvcache(x.q, x.k_cache, None, None, format_for_d_qk(x.q.shape[-1]).d_v, sched,
+                                      **x.call_kwargs())
+
+    call(get_mla_metadata()[0])      # compile, plan (its outputs freed before the measurement)
+    sched = get_mla_metadata()[0]
+    _, first = step_transient_bytes(lambda: sched, call)
+    _, later = transient_bytes(lambda: call(sched))
+    return first, later, sched
 
 
 def transient_bytes(fn):

@@ -32,11 +32,13 @@ def decode_variants(arch: str, h_qs: Iterable[int], d_qks: Iterable[int]) -> Lis
     out = []
     for d_qk, h_q, split, tl, sink in itertools.product(d_qks, h_qs, (False, True), (False, True), (False, True)):
         extras = [(False, False)] + ([(True, False), (True, True)] if format_for_d_qk(d_qk).extra_pool else [])
-        pairs = [False, True] if (arch == archs.SM90.name and h_q == 64 and split) else [False]
-        for (extra, extra_tl), pair in itertools.product(extras, pairs):
-            out.append(("decode", mod.kernel_config(h_q=h_q, d_qk=d_qk, split=split, has_topk_length=tl,
-                                                    has_attn_sink=sink, column_pair=pair, has_extra=extra,
-                                                    has_extra_topk_length=extra_tl)))
+        for (extra, extra_tl) in extras:
+            # the column pair: SM90 h_q = 64 split plans with a host schedule (no lengths; sm90_column_pair)
+            pair_possible = arch == archs.SM90.name and h_q == 64 and split and not tl and not extra_tl
+            for pair in ([False, True] if pair_possible else [False]):
+                out.append(("decode", mod.kernel_config(h_q=h_q, d_qk=d_qk, split=split, has_topk_length=tl,
+                                                        has_attn_sink=sink, column_pair=pair, has_extra=extra,
+                                                        has_extra_topk_length=extra_tl)))
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decode
 from cute_mla.archs import device_arch, device_num_sms
 from cute_mla.reference import sparse_decode_reference
-from cute_mla.testing import check_out_lse, held_workspace_bytes, make_inputs, transient_bytes
+from cute_mla.testing import check_out_lse, held_workspace_bytes, make_inputs, step_first_and_later_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -172,23 +172,10 @@ def test_schedule_first_uploaded_during_a_capture(seed):
     check(x, o1, l1)
 
 
-def _transient_bytes(x):
-    """(bytes a decode step's first call allocates beyond out and lse, bytes its next call (the
-    step's next layer) allocates, the step's metadata object)."""
-    kw = dict(softmax_scale=x.softmax_scale, is_fp8_kvcache=True, indices=x.indices, topk_length=x.topk_length)
-    o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, get_mla_metadata()[0], **kw)   # compile, plan
-    del o, l
-    sched, _ = get_mla_metadata()
-    _, first = transient_bytes(lambda: flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw))
-    _, later = transient_bytes(lambda: flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw))
-    return first, later, sched
-
-
-
 @pytest.mark.parametrize("b,s_q,h_q", [(1, 8192, 64), (1, 1024, 128), (128, 1, 64)])
 def test_no_split_allocates_nothing(seed, b, s_q, h_q):
     x = make_inputs(b, s_q, h_q, 2048, num_tokens=65536, unique=False, nan_unused=False, device="cuda")
-    transient, later, sched = _transient_bytes(x)
+    transient, later, sched = step_first_and_later_bytes(x)
     plan = sched.plan
     assert not plan.split and plan.workspace_bytes == 0 and held_workspace_bytes(sched) == 0
     print(f"b={b} s_q={s_q} h_q={h_q}: transient {transient / 2**20:.3f} MiB (FlashMLA: {plan.flashmla_workspace_bytes / 2**20:.1f} MiB)")
@@ -198,7 +185,7 @@ def test_no_split_allocates_nothing(seed, b, s_q, h_q):
 @pytest.mark.parametrize("b,s_q,h_q,tl", [(1, 1, 64, False), (1, 8, 128, False), (16, 2, 128, True)])
 def test_split_allocates_what_the_plan_says(seed, b, s_q, h_q, tl):
     x = make_inputs(b, s_q, h_q, 2048, num_tokens=16384, with_topk_length=tl, device="cuda")
-    transient, later, sched = _transient_bytes(x)
+    transient, later, sched = step_first_and_later_bytes(x)
     plan = sched.plan
     assert plan.split
     print(f"b={b} s_q={s_q} h_q={h_q} topk_length={tl}: transient {transient / 2**20:.3f} MiB then {later} B, plan "

@@ -67,8 +67,6 @@ def _sass_or_skip(cubin):
     return sass(cubin)
 
 
-# every bucket with fp32 partials (SM100's), with and without a sink; bf16 partials (SM90's) at both
-# ends of the bucket range
 # (warps per head 4) every bucket with fp32 partials (SM100's), with and without a sink; bf16
 # partials (SM90's) at both ends of the bucket range; (warps per head 1) both dtypes at both ends
 SPILL_CASES = [(ms, sink, "float32", 4) for ms in MAX_SPLITS_BUCKETS for sink in (False, True)] + [
@@ -86,14 +84,14 @@ def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, accum_dt
     the lse loads (SHFL, MUFU of the reduction) or ends the block (BRA), and the run ends its
     basic block, so ptxas cannot schedule the lse reduction ahead of it.
     """
-    rows_in_flight = VALUES_IN_FLIGHT // 4
-    assert ROWS_IN_FLIGHT == rows_in_flight
+    loads_per_batch = VALUES_IN_FLIGHT // 4
+    assert ROWS_IN_FLIGHT == loads_per_batch
     cfg = CombineConfig(h_q=64, has_attn_sink=has_attn_sink, max_splits=max_splits, arch=arch, accum_dtype=accum_dtype,
                         warps_per_head=warps_per_head)
     compile_combine(cfg, dump_dir=str(tmp_path))
     bf16 = accum_dtype == "bfloat16"
     ptx = read_ptx(str(tmp_path))
-    assert ptx.count("ld.global.v2.b32" if bf16 else "ld.global.v4") == rows_in_flight
+    assert ptx.count("ld.global.v2.b32" if bf16 else "ld.global.v4") == loads_per_batch
     assert "ld.global.v4" not in ptx or not bf16
     _, cubin = find_artifacts(str(tmp_path), arch)
     text = _sass_or_skip(cubin)
@@ -103,7 +101,7 @@ def test_rows_in_flight_without_spills(arch, max_splits, has_attn_sink, accum_dt
     assert local_memory_ops(text) == 0
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.64" if bf16 else "LDG.E.128")]
-    assert len(loads) == rows_in_flight, ops
+    assert len(loads) == loads_per_batch, ops
     between = ops[loads[0] : loads[-1]]
     assert not [op for op in between if op.startswith(("SHFL", "FFMA", "BRA", "MUFU"))], between
     after = ops[loads[-1] + 1 :]

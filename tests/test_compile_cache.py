@@ -7,8 +7,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Compiles the SM90 combine (the smallest kernel) and prints the cache entry it maps to. With
@@ -32,8 +30,8 @@ print("WARNINGS", sum("compile cache" in str(x.message) for x in w))
 """
 
 
-def run(cache, mode="compile"):
-    env = dict(os.environ, CUTE_MLA_CACHE_DIR=str(cache))
+def run(cache, mode="compile", **env_vars):
+    env = dict(os.environ, CUTE_MLA_CACHE_DIR=str(cache), **env_vars)
     r = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=600, env=env,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -62,8 +60,8 @@ def test_corrupt_entry_is_recompiled_with_one_warning(tmp_path):
 
 
 def test_off_writes_nothing(tmp_path):
-    env_dir = tmp_path / "cache"
-    out = run("off")
+    env_dir = tmp_path / "cache"   # where the default cache directory would be
+    out = run("off", XDG_CACHE_HOME=str(env_dir))
     assert out["ENTRY"] == "None"
     assert not env_dir.exists()
 

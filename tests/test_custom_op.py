@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cute_mla
 from cute_mla.interface import ops
 from cute_mla.plan import plan_sparse_decode
-from cute_mla.plan.schedule import make_schedule
+from cute_mla.plan.schedule import make_schedule, schedule_sizes, schedule_views
 
 
 @torch.compiler.assume_constant_result
@@ -163,7 +163,7 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
     d_qk = 512 if extra_topk else 576
     plan = plan_sparse_decode(b, s_q, h_q, d_qk, topk, arch="sm_90a", num_sms=132, has_topk_length=lengths,
                               extra_topk=extra_topk, has_extra_topk_length=bool(extra_topk))
-    p, n = ops.schedule_sizes(plan)
+    p, n = schedule_sizes(plan)
     q = torch.empty(b, s_q, h_q, d_qk, dtype=torch.bfloat16)
     fake = ops._schedule_fake(q, torch.empty(b, dtype=torch.int32) if lengths else None,
                               torch.empty(b, dtype=torch.int32) if extra_topk else None, topk, extra_topk, "sm_90a", 132)
@@ -171,7 +171,7 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
     if plan.host_schedule is not None:
         s = make_schedule(plan, torch.device("cpu"), None)
         packed = s.upload.dev
-        tile_md, num_splits, offsets = ops.schedule_views(plan, packed)
+        tile_md, num_splits, offsets = schedule_views(plan, packed)
         assert torch.equal(tile_md, s.tile_md) and torch.equal(num_splits, s.num_splits)
         assert torch.equal(offsets, s.accum_offsets) and packed.numel() == fake.numel()
     elif plan.schedule == "per_request":

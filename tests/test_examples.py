@@ -27,9 +27,14 @@ def docstring(path: pathlib.Path):
     return ast.get_docstring(ast.parse(path.read_text(), filename=str(path)))
 
 
+def needs_lines(path: pathlib.Path):
+    """The example's docstring lines that start with ``Needs:``."""
+    return [ln.strip() for ln in (docstring(path) or "").splitlines() if ln.strip().startswith("Needs:")]
+
+
 def needs(path: pathlib.Path):
     """The example's ``Needs:`` line, or None."""
-    lines = [ln.strip() for ln in (docstring(path) or "").splitlines() if ln.strip().startswith("Needs:")]
+    lines = needs_lines(path)
     return lines[0] if len(lines) == 1 else None
 
 
@@ -51,7 +56,7 @@ def test_there_are_examples():
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_has_docstring_and_needs_line(path):
     doc = docstring(path) or ""
-    lines = [ln.strip() for ln in doc.splitlines() if ln.strip().startswith("Needs:")]
+    lines = needs_lines(path)
     assert len(lines) == 1 and lines[0] in NEEDS, f"{path.name}: one line exactly {' or '.join(NEEDS)}, got {lines}"
     assert len([ln for ln in doc.splitlines() if ln.strip()]) > 1, \
         f"{path.name}: the docstring says what the example shows and how to run it, besides what it needs"

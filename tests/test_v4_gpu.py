@@ -19,8 +19,8 @@ import torch
 
 from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decode
 from cute_mla.archs import device_arch, device_num_sms
-from cute_mla.testing import (check_allclose, check_out_lse, held_workspace_bytes, make_inputs, transient_bytes,
-                              v4_sweep_inputs)
+from cute_mla.testing import (check_allclose, check_out_lse, held_workspace_bytes, make_inputs,
+                              step_first_and_later_bytes, v4_sweep_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -142,17 +142,6 @@ def test_v4_preallocated_out(seed, h_q, b, s_q, extra_topk):
     assert torch.isnan(big[..., 512:]).all()
 
 
-def _transient(x):
-    """(bytes a decode step's first call allocates beyond out and lse, bytes its next call
-    allocates, the step's metadata object)."""
-    o, l, _ = run_case(x, sched=get_mla_metadata()[0])     # compile, plan
-    del o, l
-    sched = get_mla_metadata()[0]
-    _, first = transient_bytes(lambda: run_case(x, sched=sched)[:2])
-    _, later = transient_bytes(lambda: run_case(x, sched=sched)[:2])
-    return first, later, sched
-
-
 @pytest.mark.parametrize("b,s_q,h_q,extra_topk,lengths", [
     (128, 1, 64, 512, False), (512, 1, 128, 1024, False), (4, 200, 64, 1024, False), (1, 300, 128, 512, False),
     (64, 2, 64, 512, True), (1, 1, 64, 1024, False), (2, 4, 128, 512, False), (32, 1, 128, 1024, True),
@@ -167,7 +156,7 @@ def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
     dev = torch.device("cuda")
     want = plan_sparse_decode(b, s_q, h_q, 512, 128, arch=device_arch(dev), num_sms=device_num_sms(dev),
                               has_topk_length=lengths, extra_topk=extra_topk, has_extra_topk_length=lengths)
-    transient, later, sched = _transient(x)
+    transient, later, sched = step_first_and_later_bytes(x)
     plan = sched.plan
     assert plan == want and held_workspace_bytes(sched) == plan.workspace_bytes
     if not plan.split:

@@ -18,8 +18,9 @@ LISTS = [(576, 2048, 0), (576, 64, 0), (512, 128, 0), (512, 128, 512), (512, 128
 @pytest.mark.parametrize("arch", archs.SUPPORTED_ARCHS)
 def test_every_plan_configuration_is_warmed(arch):
     spec = archs.get(arch)
-    warmed_decode = {cfg for kind, cfg in warmup.variants(arch) if kind == "decode"}
-    warmed_combine = {cfg.cache_key for kind, cfg in warmup.variants(arch) if kind == "combine"}
+    warmed = warmup.variants(arch)
+    warmed_decode = {cfg for kind, cfg in warmed if kind == "decode"}
+    warmed_combine = {cfg.cache_key for kind, cfg in warmed if kind == "combine"}
     checked = 0
     for (b, s_q), h_q, (d_qk, topk, extra), tl, xtl, sink in itertools.product(
             SHAPES, (64, 128), LISTS, (False, True), (False, True), (False, True)):

@@ -5,7 +5,7 @@ outputs' shapes and dtypes from the plan, so a traced graph holds them as opaque
 
 * ``cute_mla::sparse_decode_schedule(q, topk_length?, extra_topk_length?, topk, extra_topk, arch,
   num_sms) -> schedule``: the call's schedule, packed as one int32 tensor
-  ``[tile_md (partitions x 8) | num_splits (n) | accum_offsets (n)]`` (:func:`schedule_views`);
+  ``[tile_md (partitions x 8) | num_splits (n) | accum_offsets (n)]`` (``plan.schedule.schedule_views``);
 * ``cute_mla::sparse_decode(q, k_cache, indices, topk_length?, attn_sink?, extra_k_cache?,
   extra_indices?, extra_topk_length?, schedule, out!, softmax_scale, arch, num_sms) -> lse``:
   the decode kernel and, where the plan splits, the combine; ``out`` (b, s_q, h_q, 512) bf16 is
@@ -38,8 +38,7 @@ import torch
 
 from ..archs import device_arch, device_num_sms
 from ..plan import SparseDecodePlan, plan_sparse_decode
-from ..plan.schedule import make_schedule
-from ..scheduler import SCHED_ROW_INTS
+from ..plan.schedule import make_schedule, schedule_length, schedule_views
 from .launcher import cache_bytes, launcher_of, on_device_of
 from .validate import check_deferred
 
@@ -82,26 +81,6 @@ def call_plan(q: torch.Tensor, topk: int, extra_topk: int, topk_length: Optional
                               has_extra_topk_length=extra_topk_length is not None)
 
 
-def schedule_sizes(plan: SparseDecodePlan) -> Tuple[int, int]:
-    """(partitions, n): the packed schedule's tile_md rows and its num_splits / accum_offsets length."""
-    if plan.host_schedule is not None:
-        return len(plan.host_schedule.rows), len(plan.host_schedule.num_splits)
-    return (plan.b if plan.schedule == "per_request" else plan.num_sm_parts), plan.b + 1
-
-
-def schedule_length(plan: SparseDecodePlan) -> int:
-    """Ints in the packed schedule of ``plan``."""
-    p, n = schedule_sizes(plan)
-    return p * SCHED_ROW_INTS + 2 * n
-
-
-def schedule_views(plan: SparseDecodePlan, packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tile_md, num_splits, accum_offsets) views of a packed schedule."""
-    p, n = schedule_sizes(plan)
-    rows = p * SCHED_ROW_INTS
-    return packed[:rows].view(p, SCHED_ROW_INTS), packed[rows:rows + n], packed[rows + n:rows + 2 * n]
-
-
 # ------------------------------------------------------------------------------- the schedule op
 
 
@@ -109,8 +88,7 @@ def _schedule_impl(q, topk_length, extra_topk_length, topk, extra_topk, arch, nu
     plan = call_plan(q, topk, extra_topk, topk_length, extra_topk_length, arch, num_sms)
     with on_device_of(q):
         s = make_schedule(plan, q.device, topk_length, extra_topk_length)
-        if s.upload is not None:
-            s.ensure_ready()
+        if s.upload is not None:       # make_schedule already ensured the upload
             return s.upload.dev.clone()      # the op's output must not alias the cache's entry
         return torch.cat((s.tile_md.flatten(), s.num_splits, s.accum_offsets))
 

@@ -100,6 +100,10 @@ def rows_in_flight(warps_per_head: int) -> int:
     return VALUES_IN_FLIGHT // (COLS_PER_LANE * chunks_per_lane(warps_per_head))
 
 
+def heads_per_cta(warps_per_head: int) -> int:
+    return WARPS_PER_CTA // warps_per_head
+
+
 # Each divides 32: a batch of rows never straddles two lse register slots, so its weights come from one slot.
 assert all(WARP_THREADS % rows_in_flight(w) == 0 and chunks_per_lane(w) >= 1 for w in WARPS_PER_HEAD)
 
@@ -160,7 +164,7 @@ class CombineConfig:
 
     @property
     def heads_per_cta(self) -> int:
-        return WARPS_PER_CTA // self.warps_per_head
+        return heads_per_cta(self.warps_per_head)
 
     @property
     def accum_type(self):
@@ -208,7 +212,7 @@ def _combine_host(
     if cutlass.const_expr(tile_md is not None):
         grid_x = tile_md.shape[0] * out.shape[1]
     _combine_kernel(lse_accum, o_accum, accum_offsets, attn_sink, out, lse, tile_md, max_splits, warps_per_head).launch(
-        grid=(grid_x, out.shape[2] // (WARPS_PER_CTA // warps_per_head), 1),
+        grid=(grid_x, out.shape[2] // heads_per_cta(warps_per_head), 1),
         block=(THREADS_PER_CTA, 1, 1),
         stream=stream,
         # Programmatic dependent launch: the combine is launched while the decode kernel still
@@ -336,7 +340,7 @@ def _combine_kernel(
     bs, head_block, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
-    head = head_block * (WARPS_PER_CTA // warps_per_head) + warp // warps_per_head
+    head = head_block * heads_per_cta(warps_per_head) + warp // warps_per_head
     warp_in_head = warp % warps_per_head
     chunk0 = warp_in_head * WARP_THREADS + lane  # this lane's chunks: chunk0 + chunk_step * i
     s_q = Int32(out.shape[1])

@@ -194,7 +194,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     host_schedule, token_walk = None, False
     short_lists = (spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk
                    and b <= archs.MAX_GRID_Y)
-    if lengths and not short_lists and sm90_packed(arch, b, s_q, h_q, blocks, extra_topk, num_sms):
+    if lengths and sm90_packed(arch, b, s_q, h_q, blocks, extra_topk, num_sms):
         schedule, accum_rows = "packed", 0
     elif short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms)):
         schedule, parts, accum_rows = "per_request", b, 0

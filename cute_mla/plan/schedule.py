@@ -136,6 +136,26 @@ def _pinned(host: torch.Tensor) -> torch.Tensor:
             driver.cuThreadExchangeStreamCaptureMode(previous)
 
 
+def schedule_sizes(plan: "SparseDecodePlan") -> Tuple[int, int]:
+    """(partitions, n): the packed schedule's tile_md rows and its num_splits / accum_offsets length."""
+    if plan.host_schedule is not None:
+        return len(plan.host_schedule.rows), len(plan.host_schedule.num_splits)
+    return (plan.b if plan.schedule == "per_request" else plan.num_sm_parts), plan.b + 1
+
+
+def schedule_length(plan: "SparseDecodePlan") -> int:
+    """Ints in the packed schedule of ``plan``."""
+    p, n = schedule_sizes(plan)
+    return p * SCHED_ROW_INTS + 2 * n
+
+
+def schedule_views(plan: "SparseDecodePlan", packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tile_md, num_splits, accum_offsets) views of a packed schedule."""
+    p, n = schedule_sizes(plan)
+    rows = p * SCHED_ROW_INTS
+    return packed[:rows].view(p, SCHED_ROW_INTS), packed[rows:rows + n], packed[rows + n:rows + 2 * n]
+
+
 def uploaded_schedule(plan: "SparseDecodePlan", device: torch.device) -> UploadedSchedule:
     """The plan's host schedule on ``device``: ``.views`` = (tile_md, num_splits, accum_offsets).
 
@@ -155,11 +175,7 @@ def uploaded_schedule(plan: "SparseDecodePlan", device: torch.device) -> Uploade
             if device.type == "cuda":
                 host = _pinned(host)
             dev = torch.empty_like(host, device=device)
-            p, b = len(s.rows), len(s.num_splits) - 1
-            tile_md = dev[: p * SCHED_ROW_INTS].view(p, SCHED_ROW_INTS)
-            num_splits = dev[p * SCHED_ROW_INTS: p * SCHED_ROW_INTS + b + 1]
-            offsets = dev[p * SCHED_ROW_INTS + b + 1:]
-            entry = _host_schedules[key] = UploadedSchedule(host, dev, (tile_md, num_splits, offsets))
+            entry = _host_schedules[key] = UploadedSchedule(host, dev, schedule_views(plan, dev))
     entry.ensure_uploaded()
     return entry
 

@@ -272,13 +272,20 @@ def make_case(fmt, shape: Shape, extra_topk: int, g: torch.Generator, pools=None
     if not fmt.extra_pool:
         q, cache, idx = v32_inputs(shape.b, shape.s_q, shape.h_q, V32_MASKED, g)
         return SparseDecodeInputs(q=q, k_cache=cache, indices=idx, topk_length=None, attn_sink=None, softmax_scale=scale)
-    q = torch.randn(shape.b, shape.s_q, shape.h_q, fmt.d_qk, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
-    idx, length = index_list(shape.b, shape.s_q, V4_TOPK, 0.0, g)
-    extra_idx, extra_length = index_list(shape.b, shape.s_q, extra_topk, 0.0, g) if extra_topk else (None, None)
-    return SparseDecodeInputs(q=q, k_cache=pools[0], indices=idx, topk_length=length,
-                              attn_sink=torch.randn(shape.h_q, device="cuda", generator=g), softmax_scale=scale,
-                              extra_k_cache=pools[1] if extra_topk else None, extra_indices=extra_idx,
+    q, idx, length, extra_idx, extra_length, sink = v4_lists(shape.b, shape.s_q, shape.h_q, extra_topk, 0.0, g)
+    return SparseDecodeInputs(q=q, k_cache=pools[0], indices=idx, topk_length=length, attn_sink=sink,
+                              softmax_scale=scale, extra_k_cache=pools[1] if extra_topk else None, extra_indices=extra_idx,
                               extra_topk_length=extra_length)
+
+
+def v4_lists(b: int, s_q: int, h: int, extra_topk: int, masked: float, g: torch.Generator):
+    """A V4 call's tensors besides the caches, drawn from ``g`` in this order: q (b, s_q, h, 512),
+    the main list of V4_TOPK and its lengths, the extra list and its lengths (None, None without
+    one), the (h,) sinks."""
+    q = torch.randn(b, s_q, h, V4.d_qk, device="cuda", generator=g).clamp(-1, 1).to(torch.bfloat16)
+    idx, length = index_list(b, s_q, V4_TOPK, masked, g)
+    extra_idx, extra_length = index_list(b, s_q, extra_topk, masked, g) if extra_topk else (None, None)
+    return q, idx, length, extra_idx, extra_length, torch.randn(h, device="cuda", generator=g)
 
 
 def case_work(fmt, x) -> Tuple[float, float]:
