@@ -5,6 +5,9 @@ replay, on the latency rows; then the per-call replay time (a graph of ``--layer
 cute-mla's whole call, of its decode kernel alone (``Launcher.main``) and of its combine alone
 (``Launcher.combine`` on the decode kernel's workspace): the combine's share of the critical path.
 
+``--v4 ROWS``: the same per-kernel device times on V4 rows of ``bench_v4`` (``"b,h,extra;..."``):
+the scheduler, decode and combine kernels of each library's call.
+
 ``--ncu``: one public-API call of a row (warm-up outside), bracketed by cudaProfilerStart/Stop, for
 Nsight Compute (decode kernel and, where the plan splits, the combine)::
 
@@ -20,6 +23,7 @@ beside it, then a cProfile of the public call. Keep ``--calls`` x 2 launches bel
 queue's depth (~1000), or the host waits for the GPU.
 
     python -m benchmarks.profile_call [--rows "1,1,64;1,8,64"] [--layers 16]
+    python -m benchmarks.profile_call --v4 "128,128,1024;512,128,1024"
     python -m benchmarks.profile_call --ncu [--row 1,1024,128] [--variant NAME] [--topk 2048] [--masked 0.2]
     python -m benchmarks.profile_call --host [--row 1,1,64] [--calls 400]
 """
@@ -130,6 +134,28 @@ def per_kernel(rows, layers):
         per_call = {k: replay_median_us(capture_graph(fn, layers)[0], 50) / layers for k, fn in steps.items()}
         print(f"b={b} s_q={s_q} h={h} cute-mla ({p.launcher.plan.variant}) per call in a {layers}-call graph: "
               + ", ".join(f"{k} {v:.2f} us" for k, v in per_call.items()), flush=True)
+
+
+def per_kernel_v4(rows):
+    from benchmarks import bench_v4
+
+    fm = flashmla()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pools = (bench_v4.make_pool(g), bench_v4.make_pool(g))
+    for b, h, extra in rows:
+        row = bench_v4.make_row(b, h, extra, 0.0, g)
+        for name, mod in (("cute-mla", cute_mla), ("FlashMLA", fm)):
+            if mod is None:
+                continue
+            sched = mod.get_mla_metadata()[0]
+            bench_v4.call(mod, sched, row, *pools)
+            torch.cuda.synchronize()
+            t = kernel_times(capture_graph(lambda: bench_v4.call(mod, sched, row, *pools))[0])
+            total = sum(v[0] for v in t.values())
+            parts = ", ".join(f"{k} {v[0]:.1f} us x{v[1]}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
+            plan = getattr(sched, "plan", None)
+            label = f" ({plan.schedule}/{plan.variant})" if plan is not None else ""
+            print(f"V4 b={b} h={h} extra={extra} {name}{label}: kernels {total:.1f} us = {parts}", flush=True)
 
 
 def ncu_one_call(args):
@@ -259,7 +285,12 @@ def main():
     ap.add_argument("--topk", type=int, default=2048, help="--ncu")
     ap.add_argument("--variant", default="default", help="--ncu: a benchmarks.variants name")
     ap.add_argument("--calls", type=int, default=400, help="--host")
+    ap.add_argument("--v4", default=None, help="V4 rows b,h,extra;... (per-kernel device times)")
     args = ap.parse_args()
+    if args.v4:
+        from benchmarks.bench_v4 import parse_rows as v4_rows
+
+        return per_kernel_v4(v4_rows(args.v4))
     if args.ncu:
         return ncu_one_call(args)
     if args.host:

@@ -10,7 +10,14 @@ Per row it prints the phases' medians over the CTAs, then a least-squares line t
 request pays before its first tile and after its last. ``--v32`` adds V3.2 rows for comparison:
 one list of ``topk`` positions with ``topk_length`` uniform in [1, topk], sinks on, the same forced plan.
 
+``--spans``: the rows under the plan the call would take (split, packed, ...), where a CTA holds
+several requests or pieces: per CTA its span (kernel entry to its last store issued), its tiles
+and its pieces; a least-squares fit span = a + b x tiles + c x pieces; the spread of the spans;
+and the decode kernel's own graph-replay time, against which the longest span shows what the
+launch, the tail and the imbalance cost.
+
     python -m benchmarks.v4_timeline [--rows "b,h,extra;..."] [--v32 "b,h,topk;..."] [--replays 5]
+    python -m benchmarks.v4_timeline --spans [--rows "b,h,extra;..."]
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from cute_mla.plan import plan as plan_mod
 from cute_mla.plan.schedule import make_schedule
 from cute_mla.playground import bench
 from cute_mla.scheduler import SchedField
+from cute_mla.scheduler.partition import blocks_of_length, extra_blocks_of_length
 
 ROWS = "128,64,512;128,64,1024;128,128,512;128,128,1024;512,64,1024"
 PHASES = [Stamp.PROLOGUE, Stamp.METADATA, Stamp.SCAN, Stamp.Q_READY, Stamp.K_READY, Stamp.PV_DONE, Stamp.EPI_FINAL,
@@ -59,6 +67,70 @@ def per_request_plan(fmt, b, h, topk, extra):
     return plan
 
 
+def request_blocks(row, plan):
+    """Each request's scheduler blocks (its main list's, at least one, then its extra list's)."""
+    main = [blocks_of_length(int(v), plan.topk)[1] for v in row["topk_length"].tolist()]
+    if row["extra_topk_length"] is None:
+        return main
+    return [m + extra_blocks_of_length(int(v), plan.extra_topk)[1]
+            for m, v in zip(main, row["extra_topk_length"].tolist())]
+
+
+def partition_work(tile_md, blocks):
+    """(tiles, pieces) of each partition row: the blocks it walks and the requests it touches."""
+    work = []
+    for r in tile_md.cpu().tolist():
+        br, er, bb, eb = (r[int(f)] for f in (SchedField.BEGIN_REQ, SchedField.END_REQ, SchedField.BEGIN_BLOCK,
+                                              SchedField.END_BLOCK))
+        tiles = sum((eb if q == er else blocks[q]) - (bb if q == br else 0) for q in range(br, er + 1))
+        work.append((tiles, max(er - br + 1, 0)))
+    return work
+
+
+def fit2(xs, zs, ys):
+    """Least-squares (a, b, c) of y = a + b x + c z."""
+    n = len(ys)
+    mx, mz, my = sum(xs) / n, sum(zs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    szz = sum((z - mz) ** 2 for z in zs)
+    sxz = sum((x - mx) * (z - mz) for x, z in zip(xs, zs))
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    szy = sum((z - mz) * (y - my) for z, y in zip(zs, ys))
+    det = sxx * szz - sxz * sxz
+    if not det:
+        return my, 0.0, 0.0
+    b, c = (sxy * szz - szy * sxz) / det, (szy * sxx - sxy * sxz) / det
+    return my - b * mx - c * mz, b, c
+
+
+def spans(rows, replays, pools, g):
+    """``--spans``: each row under the plan its call would take (module docstring)."""
+    for b, h, extra in rows:
+        row = v4b.make_row(b, h, extra, 0.0, g)
+        plan = plan_mod.plan_sparse_decode(b, 1, h, V4.d_qk, v4b.TOPK, arch=SM90.name,
+                                           num_sms=device_num_sms(torch.device("cuda")), has_topk_length=True,
+                                           extra_topk=extra, has_extra_topk_length=extra > 0)
+        schedule = make_schedule(plan, row["q"].device, row["topk_length"], row["extra_topk_length"])
+        ext = (pools[1], row["extra_indices"], row["extra_topk_length"]) if extra else (None,) * 3
+        launch, stamps = stamped_kernel(plan, schedule, row["q"], pools[0], row["indices"],
+                                        topk_length=row["topk_length"], attn_sink=row["attn_sink"], extra=ext)
+        work = partition_work(schedule.tile_md, request_blocks(row, plan))
+        tiles, pieces, span = [], [], []
+        for part, r in working_rows(launch, stamps, replays):
+            tiles.append(work[part][0])
+            pieces.append(work[part][1])
+            span.append((int(r[Stamp.EPILOGUE]) - int(r[Stamp.ENTRY])) / GHZ / 1e3)
+        a, per_tile, per_piece = fit2(tiles, pieces, span)
+        kernel_us = v32b.replay_median_us(v32b.capture_graph(launch)[0], 50)
+        q = statistics.quantiles(span, n=10)
+        print(f"\nV4 b={b} h={h} extra={extra}: {plan.schedule}/{plan.variant}, {len(span) // replays} CTAs, "
+              f"tiles per CTA {min(tiles)}-{max(tiles)} (mean {sum(tiles) / len(tiles):.1f}), "
+              f"pieces {min(pieces)}-{max(pieces)} (mean {sum(pieces) / len(pieces):.2f})")
+        print(f"  CTA span us: median {statistics.median(span):.2f}, p10 {q[0]:.2f}, p90 {q[-1]:.2f}, "
+              f"max {max(span):.2f}; decode kernel alone (graph replay) {kernel_us:.2f} us")
+        print(f"  fit: span = {a:.2f} + {per_tile:.3f} x tiles + {per_piece:.3f} x pieces (us)", flush=True)
+
+
 def fit(xs, ys):
     """Least-squares (slope, intercept)."""
     n = len(xs)
@@ -73,6 +145,7 @@ def main():
     ap.add_argument("--rows", default=ROWS, help="V4 rows b,h,extra_topk;...")
     ap.add_argument("--v32", default="", help="V3.2 rows b,h,topk;... (topk a multiple of 64)")
     ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--spans", action="store_true", help="the rows under their own plans (module docstring)")
     args = ap.parse_args()
     arch = device_arch(torch.device("cuda"))
     if arch != SM90.name:
@@ -80,6 +153,8 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     v32b.warm_up(2.0)
     pools = (v4b.make_pool(g), v4b.make_pool(g))
+    if args.spans:
+        return spans(v4b.parse_rows(args.rows), args.replays, pools, g)
     print(f"{torch.cuda.get_device_name()}: one request per CTA; cycles since kernel entry, median over the "
           f"CTAs and {args.replays} graph replays; µs at {GHZ} GHz")
     cases = ([(V4, b, h, e) for b, h, e in v4b.parse_rows(args.rows)]
