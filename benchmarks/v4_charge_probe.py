@@ -1,12 +1,13 @@
 """Probe (V4 rows, SM90): the split schedule's charge per request piece.
 
-FlashMLA's scheduler charges every request piece ``FIXED_OVERHEAD`` (5) virtual blocks for its
-start and end, and cuts so that every partition holds the same blocks + charges. On the H200 a
-piece costs about one block's time at h = 128 and less at h = 64 (``v4_timeline --spans``): with a
-charge of 5 the partitions that hold more pieces get fewer blocks than they could take, and the
-trailing ones none. This probe times each row's call under its plan and under the split schedule
-with each charge of ``--charges``, end to end (scheduler, decode kernel, combine), interleaved,
-and checks the outputs against the plan's.
+The greedy scheduler charges every request piece some virtual blocks for its start and end
+(FlashMLA: 5; the plan's V4 device schedules: ``plan.V4_DEVICE_PIECE_CHARGE``), and cuts so that
+every partition holds the same blocks + charges. On the H200 a piece costs about one block's time
+at h = 128 and less at h = 64 (``v4_timeline --spans``): a larger charge gives the partitions that
+hold more pieces fewer blocks than they could take, and the trailing ones none. This probe times
+each row's call under its plan and under the split schedule with each charge of ``--charges``,
+end to end (scheduler, decode kernel, combine), interleaved, and checks the outputs against the
+plan's.
 
     python -m benchmarks.v4_charge_probe [--rows "b,h,extra;..."] [--charges 0,1,2,5] [--rounds 5]
 """
@@ -14,7 +15,6 @@ and checks the outputs against the plan's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import torch
 
@@ -22,27 +22,14 @@ import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
 from cute_mla.playground import bench
-from cute_mla.scheduler import partition
 
 ROWS = ("32,64,512;32,64,1024;32,128,512;32,128,1024;128,64,512;128,64,1024;128,128,512;128,128,1024;"
         "512,64,512;512,64,1024;512,128,512;512,128,1024")
 SPLIT = dict(PER_REQUEST_WAVES=(1e9, 1e9), PACKED_MIN_WAVES=float("inf"))   # the split schedule everywhere
 
 
-@contextlib.contextmanager
-def charge(value):
-    """Every plan made inside charges ``value`` blocks per piece (None: the scheduler's rule)."""
-    saved = partition.fixed_overhead_blocks
-    if value is not None:
-        partition.fixed_overhead_blocks = lambda arch, **_: value
-    try:
-        yield
-    finally:
-        partition.fixed_overhead_blocks = saved
-
-
-def capture(row, pools, constants, value):
-    with v4b.plan_constants(**constants), charge(value):
+def capture(row, pools, constants):
+    with v4b.plan_constants(**constants):
         sched, _ = cute_mla.get_mla_metadata()
         gr, (o, _) = v4b.capture_call(sched, row, pools)
         p = sched.plan
@@ -61,9 +48,9 @@ def main():
     charges = [int(v) for v in args.charges.split(",")]
     for b, h, e in v4b.parse_rows(args.rows):
         row = v4b.make_row(b, h, e, 0.0, g)
-        graphs = {"plan": capture(row, pools, {}, None)}
+        graphs = {"plan": capture(row, pools, {})}
         for c in charges:
-            graphs[f"split fo {c}"] = capture(row, pools, SPLIT, c)
+            graphs[f"split fo {c}"] = capture(row, pools, dict(SPLIT, V4_DEVICE_PIECE_CHARGE=c))
         med = bench.interleaved_median_us({k: v[0] for k, v in graphs.items()}, rounds=args.rounds)
         base = graphs["plan"]
         cells = " | ".join(f"{k} {med[k]:.1f} (x{med['plan'] / med[k]:.3f}, diff {(v[1] - base[1]).abs().max().item():.0e})"

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .. import archs
-from ..formats import KVCacheFormat, format_for_d_qk, supported_formats
+from ..formats import V4, KVCacheFormat, format_for_d_qk, supported_formats
 from ..scheduler import partition as sched
 
 SUPPORTED_H_Q = (64, 128)
@@ -63,6 +63,9 @@ PER_REQUEST_TINY_MAX_WAVES = 4
 PACKED_H_Q = 128
 PACKED_MIN_WAVES = 1.0
 PACKED_REQUEST_CHARGE = 1
+# SM90 split schedules made on the device for the V4 format charge a request piece
+# V4_DEVICE_PIECE_CHARGE blocks, not FlashMLA's 5 (sm90_device_charge).
+V4_DEVICE_PIECE_CHARGE = 1
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
             host_schedule = sched.HostSchedule(rows=sched.per_request_rows(nb), num_splits=tuple(range(b + 1)))
     elif lengths:
         schedule = "device"
+        overhead = sm90_device_charge(arch, fmt, overhead)
         accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts, b)
     elif uses_token_walk(arch, b, s_q, h_q, parts, num_sms):
         schedule, accum_rows, token_walk = "host", 0, True
@@ -268,6 +272,25 @@ def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> 
     if blocks <= PER_REQUEST_TINY_BLOCKS:
         return waves <= PER_REQUEST_TINY_MAX_WAVES
     return blocks <= PER_REQUEST_MAX_BLOCKS and PER_REQUEST_WAVES[0] <= waves <= PER_REQUEST_WAVES[1]
+
+
+def sm90_device_charge(arch: str, fmt: KVCacheFormat, overhead: int) -> int:
+    """The blocks a device split schedule charges per request piece: ``V4_DEVICE_PIECE_CHARGE``
+    for the V4 format on SM90, else ``overhead`` (``scheduler.partition.fixed_overhead_blocks``).
+
+    The greedy cut gives every partition the same blocks + charges, so a charge above what a
+    piece costs takes blocks from the partitions that hold more pieces and leaves the trailing
+    ones empty. On the H200 a V4 piece (its Q load, its first gathers not hidden by the piece
+    before, its store) costs about one block at h = 128 (~2.3 µs against 2.6 µs per block) and
+    less at h = 64 (``benchmarks/v4_timeline.py --spans``: under FlashMLA's 5 the CTAs of b = 128,
+    h = 128, extra 1024 held 16-26 blocks and 126 of 132 had work). Charging 1 instead, end to
+    end on the V4 rows with an extra list (``benchmarks/v4_charge_probe.py``): x1.06-1.22 at
+    b = 128 and 512 where the split schedule ran, x1.01-1.08 at b = 32 (which charged 0), and
+    x1.18 / x1.02 against whole-request packing at b = 128 / 512, h = 128, extra 512. V3.2's
+    device schedules keep FlashMLA's rule (not measured)."""
+    if arch == archs.SM90.name and fmt is V4:
+        return V4_DEVICE_PIECE_CHARGE
+    return overhead
 
 
 def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
