@@ -1,9 +1,10 @@
 """Probe (V4 rows, SM90): the plan's schedule against the other one for the same call (one
 partition per request <-> the split schedule), end to end, interleaved, with the default captured
-twice (the spread between two identical graphs). Only the plan's wave window
-(``plan.PER_REQUEST_WAVES``) differs: (0, inf) forces one partition per request where the lists
-are short enough, (inf, inf) forces the split schedule. Rows whose plan packs whole requests
-(``plan.sm90_packed``) have no other schedule through that window and are reported as such.
+twice (the spread between two identical graphs). Only the plan's window for one partition per
+request differs (``plan.PER_REQUEST_WAVES``, ``PER_REQUEST_HEADS``): opened, it forces one
+partition per request where the lists are short enough; shut, the split schedule. Rows whose plan
+packs whole requests (``plan.sm90_packed``) have no other schedule through that window and are
+reported as such.
 
     python -m benchmarks.v4_schedule_probe [--rows "b,h,extra;..."] [--rounds 5]
 """
@@ -17,16 +18,16 @@ import torch
 import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
-from cute_mla.plan import plan as plan_mod
 from cute_mla.playground import bench
 
 ROWS = ("1,64,0;1,128,0;32,64,0;32,128,0;1,128,512;128,64,1024;128,128,512;128,128,1024;512,64,512;"
         "512,64,1024")
-FORCE = {"per_request": (1e9, 1e9), "device": (0.0, 1e9), "host": (0.0, 1e9)}   # default schedule -> the other
+OPEN = dict(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_HEADS=(64, 128))
+FORCE = {"per_request": dict(PER_REQUEST_WAVES=(1e9, 1e9)), "device": OPEN, "host": OPEN}   # default -> the other
 
 
-def capture(row, pools, waves):
-    with v4b.plan_constants(PER_REQUEST_WAVES=waves):
+def capture(row, pools, constants):
+    with v4b.plan_constants(**constants):
         sched, _ = cute_mla.get_mla_metadata()
         gr, (o, _) = v4b.capture_call(sched, row, pools)
         p = sched.plan
@@ -44,8 +45,8 @@ def main():
     pools = (v4b.make_pool(g), v4b.make_pool(g))
     for b, h, e in v4b.parse_rows(args.rows):
         row = v4b.make_row(b, h, e, 0.0, g)
-        default = capture(row, pools, plan_mod.PER_REQUEST_WAVES)
-        again = capture(row, pools, plan_mod.PER_REQUEST_WAVES)
+        default = capture(row, pools, {})
+        again = capture(row, pools, {})
         if default[3] not in FORCE:   # a schedule the wave window does not choose (packed)
             print(f"V4 b={b} h={h} extra={e}: default ({default[2]}) has no other schedule through the wave window")
             continue

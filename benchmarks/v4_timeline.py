@@ -57,7 +57,7 @@ def v32_row(b, h, topk, g):
 def per_request_plan(fmt, b, h, topk, extra):
     """The row's plan with one partition per request (the wave window and the list-length limit
     opened, whole-request packing shut for this call)."""
-    with v4b.plan_constants(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_MAX_BLOCKS=1 << 30,
+    with v4b.plan_constants(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_MAX_BLOCKS=1 << 30, PER_REQUEST_HEADS=(64, 128),
                             PACKED_MIN_WAVES=float("inf")):
         plan = plan_mod.plan_sparse_decode(b, 1, h, fmt.d_qk, topk, arch=SM90.name,
                                            num_sms=device_num_sms(torch.device("cuda")), has_topk_length=True,

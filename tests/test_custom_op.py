@@ -154,7 +154,7 @@ def test_ops_declare_out_mutated():
     (1, 64, 64, 2048, False, 0),      # token walk
     (128, 1, 64, 128, True, 512),     # per request (device lengths)
     (32, 1, 128, 128, True, 512),     # device scheduler
-    (128, 1, 128, 128, True, 512),    # whole requests packed (device lengths, torch ops)
+    (512, 1, 128, 128, True, 512),    # whole requests packed (device lengths, torch ops)
     (3, 2, 64, 2048, True, 0),
 ])
 def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra_topk):

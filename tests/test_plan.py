@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from cute_mla import plan_sparse_decode
-from cute_mla.plan.plan import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES
+from cute_mla.plan.plan import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES, V4_DEVICE_PIECE_CHARGE
+from cute_mla.scheduler.partition import fixed_overhead_blocks
 from cute_mla.plan.schedule import packed_schedule_device
 from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
 
@@ -385,11 +386,11 @@ def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
 
 
 @pytest.mark.parametrize("b, h_q, extra, expect", [
-    (128, 64, 512, "per_request"), (128, 128, 512, "packed"),              # 10 blocks, 0.5 .. 2 waves of CTAs
+    (128, 64, 512, "per_request"), (128, 128, 512, "device"),              # 10 blocks, 0.5 .. 2 waves of CTAs
     (32, 64, 512, "device"), (32, 128, 512, "device"),                     # under half a wave
-    (512, 64, 512, "device"), (512, 128, 512, "packed"),                   # beyond 2 waves (h=128: packed)
-    (66, 128, 512, "packed"), (65, 128, 512, "per_request"),               # packed from one wave of h=128 CTAs
-    (128, 128, 448, "packed"),
+    (512, 64, 512, "device"), (512, 128, 512, "packed"),                   # beyond 6 waves (h=128: packed)
+    (396, 128, 512, "packed"), (395, 128, 512, "device"),                  # packed from 6 waves of h=128 CTAs
+    (512, 128, 448, "packed"),
     (128, 64, 1024, "device"), (128, 128, 1024, "device"), (512, 64, 1024, "device"),   # 18 blocks: split
     (1, 64, 0, "per_request"), (32, 128, 0, "per_request"), (512, 64, 0, "per_request"),   # 2 blocks: up to 4 waves
     (512, 128, 0, "device"),
@@ -407,7 +408,7 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
             "packed", 66, False, 0, ("sm90_sparse_decode",))
     else:
-        assert p.schedule == "device" and p.split
+        assert p.schedule == "device" and p.split and p.fixed_overhead == V4_DEVICE_PIECE_CHARGE
     # packed only where it was measured: s_q = 1 with an extra list
     if expect == "packed":
         assert plan_sparse_decode(b, 2, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
@@ -420,6 +421,25 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
     assert plan_sparse_decode(b, 1, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=True).schedule == "device"
     # without lengths the host schedules as before
     assert plan_sparse_decode(b, 1, h_q, 512, 128, arch="sm_90a", num_sms=132, extra_topk=extra).schedule == "host"
+
+
+@pytest.mark.parametrize("b, s_q, h_q", [(1, 1, 64), (32, 1, 128), (128, 2, 64), (512, 1, 128)])
+def test_device_piece_charge_is_v4_on_sm90_only(b, s_q, h_q):
+    """V4 device split schedules on SM90 charge a piece V4_DEVICE_PIECE_CHARGE blocks; V3.2's and
+    SM100's keep the scheduler's rule (FlashMLA's 5, or SM90's 0 for few requests); host
+    schedules are untouched."""
+    kw = dict(s_q=s_q, h_q=h_q, num_sms=132, has_topk_length=True)
+    v4 = plan_sparse_decode(b, s_q, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
+                            extra_topk=1024, has_extra_topk_length=True)
+    assert v4.schedule == "device" and v4.fixed_overhead == V4_DEVICE_PIECE_CHARGE
+    for arch, num_sms, d_qk, topk, extra in [("sm_90a", 132, 576, 2048, 0), ("sm_100a", 148, 512, 128, 1024)]:
+        kw = dict(arch=arch, num_sms=num_sms, has_topk_length=True, extra_topk=extra, has_extra_topk_length=extra > 0)
+        p = plan_sparse_decode(b, s_q, h_q, d_qk, topk, **kw)
+        assert p.schedule == "device"
+        assert p.fixed_overhead == fixed_overhead_blocks(arch, b=b, parts=p.num_sm_parts, blocks=(topk + extra) // 64)
+    host = plan_sparse_decode(b, s_q, h_q, 512, 128, arch="sm_90a", num_sms=132, extra_topk=1024)
+    assert host.schedule == "host"
+    assert host.fixed_overhead == fixed_overhead_blocks("sm_90a", b=b, parts=host.num_sm_parts, blocks=18)
 
 
 @pytest.mark.parametrize("charge", [0, 1, 3])

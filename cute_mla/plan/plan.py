@@ -15,8 +15,9 @@ launched **only when at least one request is split**.
   FlashMLA's ``b + num_sm_parts``.
 - SM100 with topk <= 640 (FlashMLA's rule): one partition per request, never split, 0 bytes.
 - SM90 with lengths and short lists (``sm90_per_request``): one partition per request as well;
-  V4 at h_q = 128 and s_q = 1 from a wave of CTAs up (``sm90_packed``): one wave of partitions of
-  whole requests, cut on the device, never split.
+  V4 at h_q = 128 and s_q = 1 from ``PACKED_MIN_WAVES`` waves of CTAs up (``sm90_packed``): one
+  wave of partitions of whole requests, cut on the device, never split. Other V4 device schedules
+  charge a request piece what it costs (``sm90_device_charge``).
 
 Token walk (SM90, b == 1, no topk_length, one partition, more CTAs than SMs: vLLM's mixed batch):
 FlashMLA's grid would start one CTA per token and head half, each paying its own start and end
@@ -50,9 +51,10 @@ FLASHMLA_ACCUM_BYTES_PER_HEAD = 512 * 4 + LSE_ACCUM_BYTES   # FlashMLA's fp32 o_
 # 32 pieces with work on the H200 (1x1x64 .. 2x1x64), slower beyond (sm90_column_pair).
 COLUMN_PAIR_MAX_BUSY_CTAS = 32
 # SM90 one partition per request (sm90_per_request): lists of at most PER_REQUEST_MAX_BLOCKS blocks
-# (V4's 128 + 512 positions) between half a wave and two waves of CTAs, or of at most
-# PER_REQUEST_TINY_BLOCKS (V4's 128 without an extra list) up to four waves.
+# (V4's 128 + 512 positions) at an h_q of PER_REQUEST_HEADS between half a wave and two waves of
+# CTAs, or of at most PER_REQUEST_TINY_BLOCKS (V4's 128 without an extra list) up to four waves.
 PER_REQUEST_MAX_BLOCKS = 10
+PER_REQUEST_HEADS = (64,)
 PER_REQUEST_WAVES = (0.5, 2)
 PER_REQUEST_TINY_BLOCKS = 2
 PER_REQUEST_TINY_MAX_WAVES = 4
@@ -61,7 +63,7 @@ PER_REQUEST_TINY_MAX_WAVES = 4
 # PACKED_MIN_WAVES waves of (request, head block) CTAs; the device cut charges
 # PACKED_REQUEST_CHARGE blocks per request.
 PACKED_H_Q = 128
-PACKED_MIN_WAVES = 1.0
+PACKED_MIN_WAVES = 6.0
 PACKED_REQUEST_CHARGE = 1
 # SM90 split schedules made on the device for the V4 format charge a request piece
 # V4_DEVICE_PIECE_CHARGE blocks, not FlashMLA's 5 (sm90_device_charge).
@@ -261,9 +263,12 @@ def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> 
     partition per request against the split schedule with the warp-per-head combine:
     - lists of <= 2 blocks win at any b up to four waves (b = 32: x1.06 at h = 64, x1.02 at
       h = 128; b = 1: even; b = 128, 512 at h = 64 already did);
-    - lists of <= 10 blocks (extra 512) win in half a wave to two waves (b = 128, h = 128: x1.02;
-      b = 128, h = 64: 38.5 against 53.8 µs with the older combine) and lose beyond (b = 512,
-      h = 64: x0.97), and below half a wave the GPU idles (b = 1, h = 128: x0.63);
+    - lists of <= 10 blocks (extra 512) at h = 64 win in half a wave to two waves (b = 128:
+      38.5 against 53.8 µs with the older combine; even, x1.00, against the split schedule once it
+      charged a piece what it costs, ``sm90_device_charge``) and lose beyond (b = 512: x0.97);
+      below half a wave the GPU idles (b = 1, h = 128: x0.63). At h = 128 they won x1.02 at
+      b = 128 against FlashMLA's charge of 5, and lost x0.85-0.90 against a charge of 1
+      (``benchmarks/v4_charge_probe.py``), hence ``PER_REQUEST_HEADS``;
     - lists of 18 blocks (extra 1024) lose: x0.85 at b = 128, h = 128, x0.90 at b = 128 and 512,
       h = 64 (the longest request, or a CTA that draws two long ones, sets the time)."""
     if arch != archs.SM90.name or b > archs.MAX_GRID_Y:
@@ -271,7 +276,8 @@ def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> 
     waves = b * (h_q // 64) / num_sms
     if blocks <= PER_REQUEST_TINY_BLOCKS:
         return waves <= PER_REQUEST_TINY_MAX_WAVES
-    return blocks <= PER_REQUEST_MAX_BLOCKS and PER_REQUEST_WAVES[0] <= waves <= PER_REQUEST_WAVES[1]
+    return (blocks <= PER_REQUEST_MAX_BLOCKS and h_q in PER_REQUEST_HEADS
+            and PER_REQUEST_WAVES[0] <= waves <= PER_REQUEST_WAVES[1])
 
 
 def sm90_device_charge(arch: str, fmt: KVCacheFormat, overhead: int) -> int:
@@ -295,20 +301,23 @@ def sm90_device_charge(arch: str, fmt: KVCacheFormat, overhead: int) -> int:
 
 def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
     """SM90 with per-request lengths, h_q = 128, s_q = 1 and short lists with an extra list (V4's
-    128 + 512), from a wave of CTAs up: the partitions of one wave (``num_sm_parts``) each take a
-    contiguous range of *whole* requests, each request in the partition its running cost's
+    128 + 512), from ``PACKED_MIN_WAVES`` waves of CTAs up: the partitions of one wave
+    (``num_sm_parts``) each take a contiguous range of *whole* requests, each request in the partition its running cost's
     midpoint falls in (``schedule.packed_schedule_device``, on the device). Nothing is split (no
     accumulators, no combine), and a CTA's later requests overlap their index scan and first
     gathers with the request before it, which one partition per request cannot: a request alone on
     a CTA spends ~6 µs before its first tile and 1.7 µs after its last
     (``benchmarks/v4_timeline.py``).
 
-    Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform). The probe, a greedy cut
-    made on the host (``benchmarks/v4_packing_probe.py``): x1.106-1.114 at b = 128 against one
-    partition per request, x1.055-1.113 at b = 512 against the split schedule; at h = 64
-    x1.00-1.04 (not taken); with extra 1024 (18 blocks) x0.94-0.96, as whole requests that long
-    cut too coarsely. This rule's own cut against FlashMLA: b = 128 1.16x (1.07x before), b = 512
-    1.29x (1.17x). Not measured, so not taken: s_q > 1 and lists without an extra list."""
+    Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform). Against the split
+    schedule as it charged FlashMLA's 5 blocks per piece, packing won (x1.06-1.11 at b = 128
+    and 512). Once the split schedule charged what a piece costs (``sm90_device_charge``), it
+    gave the same time from ~8 waves up (b = 512 and 1024: x1.00 either way, this cut with no
+    workspace and no combine) and won below (x1.05 at b = 256, x1.10 at b = 128: whole requests
+    of up to 10 blocks, ~2 per partition, cut too coarsely; ``benchmarks/v4_charge_probe.py``),
+    hence ``PACKED_MIN_WAVES``. h = 64 and extra 1024 (18 blocks) were slower packed (x0.94-1.04
+    against the older split schedule, ``benchmarks/v4_packing_probe.py``). Not measured, so not
+    taken: s_q > 1 and lists without an extra list."""
     if arch != archs.SM90.name or h_q != PACKED_H_Q or s_q != 1 or not extra_topk:
         return False
     waves = b * (h_q // 64) / num_sms
