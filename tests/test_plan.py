@@ -417,6 +417,13 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
                                   has_topk_length=True).schedule != "packed"
         assert plan_sparse_decode(b, 1, h_q, 576, 128 + extra, arch="sm_90a", num_sms=132,
                                   has_topk_length=True).schedule != "packed"
+    # V3.2 lists of the same length keep FlashMLA's piece charge, and with it one partition per
+    # request for 10-block lists at h = 128 as at h = 64
+    v32 = plan_sparse_decode(b, 1, h_q, 576, 128 + extra, arch="sm_90a", num_sms=132, has_topk_length=True)
+    if v32.schedule == "device":
+        assert v32.fixed_overhead == fixed_overhead_blocks("sm_90a", b=b, parts=v32.num_sm_parts, blocks=2 + extra // 64)
+    if extra == 512 and 0.5 <= b * h_q / 64 / 132 <= 2:
+        assert v32.schedule == "per_request"
     # long lists (V3.2's 2048) keep the balanced split schedule
     assert plan_sparse_decode(b, 1, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=True).schedule == "device"
     # without lengths the host schedules as before

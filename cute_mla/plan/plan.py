@@ -51,8 +51,9 @@ FLASHMLA_ACCUM_BYTES_PER_HEAD = 512 * 4 + LSE_ACCUM_BYTES   # FlashMLA's fp32 o_
 # 32 pieces with work on the H200 (1x1x64 .. 2x1x64), slower beyond (sm90_column_pair).
 COLUMN_PAIR_MAX_BUSY_CTAS = 32
 # SM90 one partition per request (sm90_per_request): lists of at most PER_REQUEST_MAX_BLOCKS blocks
-# (V4's 128 + 512 positions) at an h_q of PER_REQUEST_HEADS between half a wave and two waves of
-# CTAs, or of at most PER_REQUEST_TINY_BLOCKS (V4's 128 without an extra list) up to four waves.
+# (V4's 128 + 512 positions) between half a wave and two waves of CTAs (where pieces are charged
+# at cost, only at an h_q of PER_REQUEST_HEADS), or of at most PER_REQUEST_TINY_BLOCKS (V4's 128
+# without an extra list) up to four waves.
 PER_REQUEST_MAX_BLOCKS = 10
 PER_REQUEST_HEADS = (64,)
 PER_REQUEST_WAVES = (0.5, 2)
@@ -201,7 +202,8 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
                    and b <= archs.MAX_GRID_Y)
     if lengths and sm90_packed(arch, b, s_q, h_q, blocks, extra_topk, num_sms):
         schedule, accum_rows = "packed", 0
-    elif short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms)):
+    elif short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms,
+                                                      sm90_pieces_at_cost(arch, fmt))):
         schedule, parts, accum_rows = "per_request", b, 0
         if not lengths:
             nb = sched.blocks_per_request(topk, b=b, extra_topk=extra_topk)
@@ -253,7 +255,7 @@ def sm90_column_pair(arch: str, b: int, s_q: int, h_q: int, num_sms: int,
     return _busy_partitions(b, host_schedule) * s_q <= min(COLUMN_PAIR_MAX_BUSY_CTAS, num_sms // 4)
 
 
-def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> bool:
+def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int, pieces_at_cost: bool) -> bool:
     """SM90 with per-request lengths (a device schedule) and short lists: one partition per request,
     nothing split, no accumulators, no combine. The (request, head block) CTAs then start as SMs
     free up, and the call takes as long as its longest request or its waves of CTA starts; the
@@ -267,8 +269,10 @@ def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> 
       38.5 against 53.8 µs with the older combine; even, x1.00, against the split schedule once it
       charged a piece what it costs, ``sm90_device_charge``) and lose beyond (b = 512: x0.97);
       below half a wave the GPU idles (b = 1, h = 128: x0.63). At h = 128 they won x1.02 at
-      b = 128 against FlashMLA's charge of 5, and lost x0.85-0.90 against a charge of 1
-      (``benchmarks/v4_charge_probe.py``), hence ``PER_REQUEST_HEADS``;
+      b = 128 against FlashMLA's charge of 5, and lost x0.91 at b = 128 (x1.00 at b = 64)
+      against a charge of 1 (``benchmarks/v4_schedule_probe.py``): where the split schedule
+      charges pieces at cost (``pieces_at_cost``), only the h_q of ``PER_REQUEST_HEADS`` take
+      them;
     - lists of 18 blocks (extra 1024) lose: x0.85 at b = 128, h = 128, x0.90 at b = 128 and 512,
       h = 64 (the longest request, or a CTA that draws two long ones, sets the time)."""
     if arch != archs.SM90.name or b > archs.MAX_GRID_Y:
@@ -276,13 +280,20 @@ def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int) -> 
     waves = b * (h_q // 64) / num_sms
     if blocks <= PER_REQUEST_TINY_BLOCKS:
         return waves <= PER_REQUEST_TINY_MAX_WAVES
-    return (blocks <= PER_REQUEST_MAX_BLOCKS and h_q in PER_REQUEST_HEADS
+    return (blocks <= PER_REQUEST_MAX_BLOCKS and (h_q in PER_REQUEST_HEADS or not pieces_at_cost)
             and PER_REQUEST_WAVES[0] <= waves <= PER_REQUEST_WAVES[1])
+
+
+def sm90_pieces_at_cost(arch: str, fmt: KVCacheFormat) -> bool:
+    """Whether a device split schedule charges a request piece what it costs
+    (``V4_DEVICE_PIECE_CHARGE``, :func:`sm90_device_charge`): the V4 format on SM90, where it
+    was measured."""
+    return arch == archs.SM90.name and fmt is V4
 
 
 def sm90_device_charge(arch: str, fmt: KVCacheFormat, overhead: int) -> int:
     """The blocks a device split schedule charges per request piece: ``V4_DEVICE_PIECE_CHARGE``
-    for the V4 format on SM90, else ``overhead`` (``scheduler.partition.fixed_overhead_blocks``).
+    where :func:`sm90_pieces_at_cost`, else ``overhead`` (``scheduler.partition.fixed_overhead_blocks``).
 
     The greedy cut gives every partition the same blocks + charges, so a charge above what a
     piece costs takes blocks from the partitions that hold more pieces and leaves the trailing
@@ -292,21 +303,19 @@ def sm90_device_charge(arch: str, fmt: KVCacheFormat, overhead: int) -> int:
     h = 128, extra 1024 held 16-26 blocks and 126 of 132 had work). Charging 1 instead, end to
     end on the V4 rows with an extra list (``benchmarks/v4_charge_probe.py``): x1.06-1.22 at
     b = 128 and 512 where the split schedule ran, x1.01-1.08 at b = 32 (which charged 0), and
-    x1.18 / x1.02 against whole-request packing at b = 128 / 512, h = 128, extra 512. V3.2's
-    device schedules keep FlashMLA's rule (not measured)."""
-    if arch == archs.SM90.name and fmt is V4:
-        return V4_DEVICE_PIECE_CHARGE
-    return overhead
+    against whole-request packing at h = 128, extra 512: x1.10-1.18 at b = 128, x1.05 at 256,
+    x1.00-1.02 at 512 and 1024. V3.2's device schedules keep FlashMLA's rule (not measured)."""
+    return V4_DEVICE_PIECE_CHARGE if sm90_pieces_at_cost(arch, fmt) else overhead
 
 
 def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
     """SM90 with per-request lengths, h_q = 128, s_q = 1 and short lists with an extra list (V4's
     128 + 512), from ``PACKED_MIN_WAVES`` waves of CTAs up: the partitions of one wave
-    (``num_sm_parts``) each take a contiguous range of *whole* requests, each request in the partition its running cost's
-    midpoint falls in (``schedule.packed_schedule_device``, on the device). Nothing is split (no
-    accumulators, no combine), and a CTA's later requests overlap their index scan and first
-    gathers with the request before it, which one partition per request cannot: a request alone on
-    a CTA spends ~6 µs before its first tile and 1.7 µs after its last
+    (``num_sm_parts``) each take a contiguous range of *whole* requests, each request in the
+    partition its running cost's midpoint falls in (``schedule.packed_schedule_device``, on the
+    device). Nothing is split (no accumulators, no combine), and a CTA's later requests overlap
+    their index scan and first gathers with the request before it, which one partition per
+    request cannot: a request alone on a CTA spends ~6 µs before its first tile and 1.7 µs after its last
     (``benchmarks/v4_timeline.py``).
 
     Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform). Against the split
