@@ -21,7 +21,7 @@ from ..plan import SparseDecodePlan, check_problem, plan_sparse_decode
 from ..plan.schedule import Schedule, make_schedule
 from . import ops
 from .launcher import Launcher, allocate_workspace, cache_bytes, launcher_of, on_device_of
-from .validate import KV_CACHE_DTYPES, check_aligned_strides, check_cache_pointer, check_tensor
+from .validate import CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_pointer, check_tensor
 
 
 @dataclass
@@ -292,7 +292,8 @@ def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
     stride0 = k_cache.stride(0) * k_cache.element_size()   # bytes (the kernels read it as uint8)
     if stride0 % 16:
         raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got stride(0)={stride0}")
-    check_cache_pointer(name, k_cache)
+    if not torch.compiler.is_compiling():   # a trace has no data pointer: check_deferred checks it in the op
+        check_pointer(name, k_cache, what=CACHE_BASE)
     if stride0 >= 2**31:
         raise ValueError(f"{name}: stride(0) of {stride0} bytes, accepted: below 2^31 bytes per page block")
     if num_blocks > 1 and stride0 < page_block_size * bytes_per_token:

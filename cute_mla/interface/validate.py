@@ -58,10 +58,15 @@ def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16) -> 
         check_pointer(name, t, align_bytes)
 
 
-def check_pointer(name: str, t: Optional[torch.Tensor], align_bytes: int = 16) -> None:
-    """The base-pointer half of :func:`check_aligned_strides` (None passes)."""
+def check_pointer(name: str, t: Optional[torch.Tensor], align_bytes: int = 16, what: str = "the data pointer") -> None:
+    """The base-pointer half of :func:`check_aligned_strides`, and a paged cache's base (``what``:
+    "base pointer and stride(0)", its page blocks' alignment starts there); None passes."""
     if t is not None and t.data_ptr() % align_bytes:
-        raise ValueError(f"{name}: the data pointer must be {align_bytes}-byte aligned, got an offset of {t.data_ptr() % align_bytes} bytes")
+        raise ValueError(f"{name}: {what} must be {align_bytes}-byte aligned, got an offset of "
+                         f"{t.data_ptr() % align_bytes} bytes")
+
+
+CACHE_BASE = "base pointer and stride(0)"   # check_pointer's ``what`` for a paged cache
 
 
 def check_not_neg(name: str, t: torch.Tensor) -> None:
@@ -79,11 +84,4 @@ def check_deferred(tensors, caches) -> None:
     for name, t in tensors:
         check_pointer(name, t)
     for name, t in caches:
-        check_cache_pointer(name, t)
-
-
-def check_cache_pointer(name: str, t: Optional[torch.Tensor]) -> None:
-    """A paged cache's base (its page blocks' 16-byte alignment starts there); not in a trace
-    (:func:`check_deferred`); None passes."""
-    if t is not None and not torch.compiler.is_compiling() and t.data_ptr() % 16:
-        raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got offset {t.data_ptr() % 16}")
+        check_pointer(name, t, what=CACHE_BASE)

@@ -175,11 +175,7 @@ def uploaded_schedule(plan: "SparseDecodePlan", device: torch.device) -> Uploade
             if device.type == "cuda":
                 host = _pinned(host)
             dev = torch.empty_like(host, device=device)
-            p, b = len(s.rows), len(s.num_splits) - 1
-            tile_md = dev[: p * SCHED_ROW_INTS].view(p, SCHED_ROW_INTS)
-            num_splits = dev[p * SCHED_ROW_INTS: p * SCHED_ROW_INTS + b + 1]
-            offsets = dev[p * SCHED_ROW_INTS + b + 1:]
-            entry = _host_schedules[key] = UploadedSchedule(host, dev, (tile_md, num_splits, offsets))
+            entry = _host_schedules[key] = UploadedSchedule(host, dev, schedule_views(plan, dev))
     entry.ensure_uploaded()
     return entry
 
