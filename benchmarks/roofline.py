@@ -24,7 +24,7 @@ from cute_mla.playground.bench import (BF16_MMA_TFLOPS, CEILINGS_GPU, COPY_TBPS,
                                        row_format, row_label, row_work)
 
 HERE = pathlib.Path(__file__).resolve().parent
-RESULTS = [HERE / "results" / "h200-a666f26.json", HERE / "results" / "h200-23cc566-v4.json"]
+RESULTS = [HERE / "results" / "h200-a666f26.json", HERE / "results" / "h200-3f48b74-v4.json"]
 OUT = HERE.parent / "docs" / "roofline.png"
 LIBS = ("cute", "flashmla")
 MARKERS = {"V3.2": "o", "V4": "s"}
