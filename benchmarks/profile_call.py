@@ -5,6 +5,11 @@ replay, on the latency rows; then the per-call replay time (a graph of ``--layer
 cute-mla's whole call, of its decode kernel alone (``Launcher.main``) and of its combine alone
 (``Launcher.combine`` on the decode kernel's workspace): the combine's share of the critical path.
 
+``--launch``: the decode kernel's TVM-FFI launch taken apart on ``--row``: the launcher's call,
+the compiled function called directly with the same arguments, those arguments through TVM-FFI's
+no-op function (the argument conversion alone), and for scale a torch kernel launch
+(``Tensor.zero_`` of 4 bytes) and a CUDA event record.
+
 ``--v4 ROWS``: the same per-kernel device times on V4 rows of ``bench_v4`` (``"b,h,extra;..."``):
 the scheduler, decode and combine kernels of each library's call.
 
@@ -26,6 +31,7 @@ queue's depth (~1000), or the host waits for the GPU.
     python -m benchmarks.profile_call --v4 "128,128,1024;512,128,1024"
     python -m benchmarks.profile_call --ncu [--row 1,1024,128] [--variant NAME] [--topk 2048] [--masked 0.2]
     python -m benchmarks.profile_call --host [--row 1,1,64] [--calls 400]
+    python -m benchmarks.profile_call --launch [--row 1,1,64] [--calls 400]
 """
 
 from __future__ import annotations
@@ -134,6 +140,43 @@ def per_kernel(rows, layers):
         per_call = {k: replay_median_us(capture_graph(fn, layers)[0], 50) / layers for k, fn in steps.items()}
         print(f"b={b} s_q={s_q} h={h} cute-mla ({p.launcher.plan.variant}) per call in a {layers}-call graph: "
               + ", ".join(f"{k} {v:.2f} us" for k, v in per_call.items()), flush=True)
+
+
+def launch_parts(args):
+    import tvm_ffi
+
+    from cute_mla.kernels import DecodeTensors
+
+    b, s_q, h = parse_row(args.row or HOST_ROW)
+    q, cache, idx = make_inputs(b, s_q, h, 0.2, torch.Generator(device="cuda").manual_seed(0))
+    p = Parts(q, cache, idx)
+    launcher = p.launcher
+    if launcher.plan.token_walk:
+        raise SystemExit("--launch: a row without the token walk (small s_q)")
+    o_acc, l_acc = p.workspace
+    t = DecodeTensors(q, p.args[1], idx, None, None, p.sched.tile_scheduler_metadata, p.sched.accum_offsets, p.out,
+                      p.lse, o_acc, l_acc, None, None, None)
+    cfg = launcher.main_cfg
+    fn_args = (t.q, t.kv, t.indices, None, None, t.tile_md, t.accum_offsets, t.out, t.lse,
+               t.o_accum if cfg.split else None, t.lse_accum if cfg.split else None, None, None, None, None, SCALE)
+    nop = tvm_ffi.get_global_func("testing.nop")
+    tiny = torch.zeros(1, device="cuda")
+    event = torch.cuda.Event()
+    parts = {
+        "launcher.main_mod.launch_sparse_decode": lambda: launcher.main_mod.launch_sparse_decode(
+            launcher.main_compiled, cfg, t, SCALE),
+        "compiled fn, same arguments": lambda: launcher.main_compiled.fn(*fn_args),
+        "TVM-FFI no-op, same arguments": lambda: nop(*fn_args),
+        "TVM-FFI no-op, no arguments": lambda: nop(),
+        "torch launch (zero_ of 4 B)": tiny.zero_,
+        "CUDA event record": event.record,
+    }
+    if p.split:
+        parts["combine launch (Launcher.combine)"] = p.combine
+    print(f"{torch.cuda.get_device_name()} b={b} s_q={s_q} h={h} ({launcher.plan.variant}): host µs per call "
+          f"({args.calls} calls)")
+    for name, fn in parts.items():
+        print(f"  {name:40s} {host_us(fn, args.calls):7.2f}", flush=True)
 
 
 def per_kernel_v4(rows):
@@ -286,7 +329,10 @@ def main():
     ap.add_argument("--variant", default="default", help="--ncu: a benchmarks.variants name")
     ap.add_argument("--calls", type=int, default=400, help="--host")
     ap.add_argument("--v4", default=None, help="V4 rows b,h,extra;... (per-kernel device times)")
+    ap.add_argument("--launch", action="store_true", help="the decode launch taken apart (module docstring)")
     args = ap.parse_args()
+    if args.launch:
+        return launch_parts(args)
     if args.v4:
         from benchmarks.bench_v4 import parse_rows as v4_rows
 
