@@ -11,7 +11,9 @@ no-op function (the argument conversion alone), and for scale a torch kernel lau
 (``Tensor.zero_`` of 4 bytes) and a CUDA event record.
 
 ``--v4 ROWS``: the same per-kernel device times on V4 rows of ``bench_v4`` (``"b,h,extra;..."``):
-the scheduler, decode and combine kernels of each library's call.
+the decode and combine kernels of each library's call, as a decode step's later calls run them
+(the metadata object already holds the schedule). cute-mla's combine is launched with PDL, so its
+span covers the decode kernel's and the printed sum counts that overlap twice.
 
 ``--ncu``: one public-API call of a row (warm-up outside), bracketed by cudaProfilerStart/Stop, for
 Nsight Compute (decode kernel and, where the plan splits, the combine)::

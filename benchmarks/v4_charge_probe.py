@@ -25,7 +25,8 @@ from cute_mla.playground import bench
 
 ROWS = ("32,64,512;32,64,1024;32,128,512;32,128,1024;128,64,512;128,64,1024;128,128,512;128,128,1024;"
         "512,64,512;512,64,1024;512,128,512;512,128,1024")
-SPLIT = dict(PER_REQUEST_WAVES=(1e9, 1e9), PACKED_MIN_WAVES=float("inf"))   # the split schedule everywhere
+SPLIT = dict(PER_REQUEST_WAVES=(1e9, 1e9), PER_REQUEST_TINY_MAX_WAVES=-1,
+             PACKED_MIN_WAVES=float("inf"))   # the split schedule everywhere
 
 
 def capture(row, pools, constants):

@@ -1,8 +1,9 @@
 """Probe (V4 rows, SM90): the plan's schedule against the other one for the same call (one
 partition per request <-> the split schedule), end to end, interleaved, with the default captured
 twice (the spread between two identical graphs). Only the plan's window for one partition per
-request differs (``plan.PER_REQUEST_WAVES``, ``PER_REQUEST_HEADS``): opened, it forces one
-partition per request where the lists are short enough; shut, the split schedule. Rows whose plan
+request differs (``plan.PER_REQUEST_WAVES``, ``PER_REQUEST_HEADS``, ``PER_REQUEST_MAX_BLOCKS``,
+``PER_REQUEST_TINY_MAX_WAVES``): opened, it forces one partition per request; shut, the split
+schedule. Rows whose plan
 packs whole requests (``plan.sm90_packed``) have no other schedule through that window and are
 reported as such.
 
@@ -22,8 +23,9 @@ from cute_mla.playground import bench
 
 ROWS = ("1,64,0;1,128,0;32,64,0;32,128,0;1,128,512;128,64,1024;128,128,512;128,128,1024;512,64,512;"
         "512,64,1024")
-OPEN = dict(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_HEADS=(64, 128))
-FORCE = {"per_request": dict(PER_REQUEST_WAVES=(1e9, 1e9)), "device": OPEN, "host": OPEN}   # default -> the other
+OPEN = dict(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_HEADS=(64, 128), PER_REQUEST_MAX_BLOCKS=1 << 30)
+SHUT = dict(PER_REQUEST_WAVES=(1e9, 1e9), PER_REQUEST_TINY_MAX_WAVES=-1)
+FORCE = {"per_request": SHUT, "device": OPEN, "host": OPEN}   # default -> the other
 
 
 def capture(row, pools, constants):

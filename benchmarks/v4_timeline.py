@@ -11,8 +11,10 @@ request pays before its first tile and after its last. ``--v32`` adds V3.2 rows 
 one list of ``topk`` positions with ``topk_length`` uniform in [1, topk], sinks on, the same forced plan.
 
 ``--spans``: the rows under the plan the call would take (split, packed, ...), where a CTA holds
-several requests or pieces: per CTA its span (kernel entry to its last store issued), its tiles
-and its pieces; a least-squares fit span = a + b x tiles + c x pieces; the spread of the spans;
+several requests or pieces: per CTA its span (kernel entry to its last store issued), its
+scheduler blocks (``blocks_of_length`` then ``extra_blocks_of_length`` per request: the unit the
+scheduler's charge is counted in; the kernel's compacted tiles may be fewer) and its pieces; a
+least-squares fit span = a + b x blocks + c x pieces; the spread of the spans;
 and the decode kernel's own graph-replay time, against which the longest span shows what the
 launch, the tail and the imbalance cost.
 

@@ -149,20 +149,21 @@ def test_ops_declare_out_mutated():
     assert not any(a.alias_info for a in torch.ops.cute_mla.sparse_decode_schedule.default._schema.arguments)
 
 
-@pytest.mark.parametrize("b, s_q, h_q, topk, lengths, extra_topk", [
-    (2, 1, 64, 2048, False, 0),       # host schedule, split
-    (1, 64, 64, 2048, False, 0),      # token walk
-    (128, 1, 64, 128, True, 512),     # per request (device lengths)
-    (32, 1, 128, 128, True, 512),     # device scheduler
-    (512, 1, 128, 128, True, 512),    # whole requests packed (device lengths, torch ops)
-    (3, 2, 64, 2048, True, 0),
+@pytest.mark.parametrize("b, s_q, h_q, topk, lengths, extra_topk, schedule", [
+    (2, 1, 64, 2048, False, 0, "host"),             # host schedule, split
+    (1, 64, 64, 2048, False, 0, "host"),            # token walk
+    (128, 1, 64, 128, True, 512, "per_request"),    # per request (device lengths)
+    (32, 1, 128, 128, True, 512, "device"),         # device scheduler
+    (512, 1, 128, 128, True, 512, "packed"),        # whole requests packed (device lengths, torch ops)
+    (3, 2, 64, 2048, True, 0, "device"),
 ])
-def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra_topk):
+def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra_topk, schedule):
     """The fake schedule's length is what the real op returns (host schedules on the CPU; device
     ones by the torch-op scheduler where it runs on the CPU, else from the plan's fields)."""
     d_qk = 512 if extra_topk else 576
     plan = plan_sparse_decode(b, s_q, h_q, d_qk, topk, arch="sm_90a", num_sms=132, has_topk_length=lengths,
                               extra_topk=extra_topk, has_extra_topk_length=bool(extra_topk))
+    assert plan.schedule == schedule
     p, n = schedule_sizes(plan)
     q = torch.empty(b, s_q, h_q, d_qk, dtype=torch.bfloat16)
     fake = ops._schedule_fake(q, torch.empty(b, dtype=torch.int32) if lengths else None,

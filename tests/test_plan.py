@@ -388,7 +388,7 @@ def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
 @pytest.mark.parametrize("b, h_q, extra, expect", [
     (128, 64, 512, "per_request"), (128, 128, 512, "device"),              # 10 blocks, 0.5 .. 2 waves of CTAs
     (32, 64, 512, "device"), (32, 128, 512, "device"),                     # under half a wave
-    (512, 64, 512, "device"), (512, 128, 512, "packed"),                   # beyond 6 waves (h=128: packed)
+    (512, 64, 512, "device"), (512, 128, 512, "packed"),                   # beyond 2 waves (h=128: packed from 6)
     (396, 128, 512, "packed"), (395, 128, 512, "device"),                  # packed from 6 waves of h=128 CTAs
     (512, 128, 448, "packed"),
     (128, 64, 1024, "device"), (128, 128, 1024, "device"), (512, 64, 1024, "device"),   # 18 blocks: split
@@ -435,7 +435,6 @@ def test_device_piece_charge_is_v4_on_sm90_only(b, s_q, h_q):
     """V4 device split schedules on SM90 charge a piece V4_DEVICE_PIECE_CHARGE blocks; V3.2's and
     SM100's keep the scheduler's rule (FlashMLA's 5, or SM90's 0 for few requests); host
     schedules are untouched."""
-    kw = dict(s_q=s_q, h_q=h_q, num_sms=132, has_topk_length=True)
     v4 = plan_sparse_decode(b, s_q, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
                             extra_topk=1024, has_extra_topk_length=True)
     assert v4.schedule == "device" and v4.fixed_overhead == V4_DEVICE_PIECE_CHARGE

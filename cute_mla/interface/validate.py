@@ -60,7 +60,7 @@ def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16) -> 
 
 def check_pointer(name: str, t: Optional[torch.Tensor], align_bytes: int = 16, what: str = "the data pointer") -> None:
     """The base-pointer half of :func:`check_aligned_strides`, and a paged cache's base (``what``:
-    "base pointer and stride(0)", its page blocks' alignment starts there); None passes."""
+    :data:`CACHE_BASE`, as its page blocks' alignment starts there); None passes."""
     if t is not None and t.data_ptr() % align_bytes:
         raise ValueError(f"{name}: {what} must be {align_bytes}-byte aligned, got an offset of "
                          f"{t.data_ptr() % align_bytes} bytes")

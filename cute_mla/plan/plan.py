@@ -67,7 +67,7 @@ PACKED_H_Q = 128
 PACKED_MIN_WAVES = 6.0
 PACKED_REQUEST_CHARGE = 1
 # SM90 split schedules made on the device for the V4 format charge a request piece
-# V4_DEVICE_PIECE_CHARGE blocks, not FlashMLA's 5 (sm90_device_charge).
+# V4_DEVICE_PIECE_CHARGE blocks, not the scheduler's rule (sm90_device_charge).
 V4_DEVICE_PIECE_CHARGE = 1
 
 
@@ -266,13 +266,14 @@ def sm90_per_request(arch: str, b: int, h_q: int, blocks: int, num_sms: int, pie
     - lists of <= 2 blocks win at any b up to four waves (b = 32: x1.06 at h = 64, x1.02 at
       h = 128; b = 1: even; b = 128, 512 at h = 64 already did);
     - lists of <= 10 blocks (extra 512) at h = 64 win in half a wave to two waves (b = 128:
-      38.5 against 53.8 µs with the older combine; even, x1.00, against the split schedule once it
-      charged a piece what it costs, ``sm90_device_charge``) and lose beyond (b = 512: x0.97);
-      below half a wave the GPU idles (b = 1, h = 128: x0.63). At h = 128 they won x1.02 at
-      b = 128 against FlashMLA's charge of 5, and lost x0.91 at b = 128 (x1.00 at b = 64)
-      against a charge of 1 (``benchmarks/v4_schedule_probe.py``): where the split schedule
-      charges pieces at cost (``pieces_at_cost``), only the h_q of ``PER_REQUEST_HEADS`` take
-      them;
+      38.5 against 53.8 µs with the older combine; x0.99-1.03 in two runs against the split
+      schedule once it charged a piece about what it costs, ``sm90_device_charge``) and lose
+      beyond (b = 512: x0.97); below half a wave the GPU idles (b = 1, h = 128: x0.63). At
+      h = 128 they won x1.02 at b = 128 against FlashMLA's charge of 5, and lost x0.91 at
+      b = 128 (x1.00 at b = 64) against a charge of 1 (``benchmarks/v4_schedule_probe.py``):
+      where the split schedule charges pieces at cost (``pieces_at_cost``), only the h_q of
+      ``PER_REQUEST_HEADS`` take them (measured with 10-block lists at s_q = 1; shorter lists
+      of 3-9 blocks and s_q > 1 follow the same rule unmeasured);
     - lists of 18 blocks (extra 1024) lose: x0.85 at b = 128, h = 128, x0.90 at b = 128 and 512,
       h = 64 (the longest request, or a CTA that draws two long ones, sets the time)."""
     if arch != archs.SM90.name or b > archs.MAX_GRID_Y:
@@ -304,7 +305,10 @@ def sm90_device_charge(arch: str, fmt: KVCacheFormat, overhead: int) -> int:
     end on the V4 rows with an extra list (``benchmarks/v4_charge_probe.py``): x1.06-1.22 at
     b = 128 and 512 where the split schedule ran, x1.01-1.08 at b = 32 (which charged 0), and
     against whole-request packing at h = 128, extra 512: x1.10-1.18 at b = 128, x1.05 at 256,
-    x1.00-1.02 at 512 and 1024. V3.2's device schedules keep FlashMLA's rule (not measured)."""
+    x1.00-1.02 at 512 and 1024. Measured at s_q = 1 with extra lists of 512 and 1024 (and b =
+    512, h = 128 without one: even); the same charge serves V4's other device schedules (s_q > 1,
+    other list lengths, and few requests, where SM90's zero-charge rule applied before) without
+    a measurement of its own. V3.2's device schedules keep the scheduler's rule (not measured)."""
     return V4_DEVICE_PIECE_CHARGE if sm90_pieces_at_cost(arch, fmt) else overhead
 
 
@@ -318,13 +322,14 @@ def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: 
     request cannot: a request alone on a CTA spends ~6 µs before its first tile and 1.7 µs after its last
     (``benchmarks/v4_timeline.py``).
 
-    Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform). Against the split
-    schedule as it charged FlashMLA's 5 blocks per piece, packing won (x1.06-1.11 at b = 128
-    and 512). Once the split schedule charged what a piece costs (``sm90_device_charge``), it
-    gave the same time from ~8 waves up (b = 512 and 1024: x1.00 either way, this cut with no
-    workspace and no combine) and won below (x1.05 at b = 256, x1.10 at b = 128: whole requests
-    of up to 10 blocks, ~2 per partition, cut too coarsely; ``benchmarks/v4_charge_probe.py``),
-    hence ``PACKED_MIN_WAVES``. h = 64 and extra 1024 (18 blocks) were slower packed (x0.94-1.04
+    Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform). Against the plans it
+    replaced, packing won: x1.11 at b = 128 (one partition per request) and x1.06-1.11 at
+    b = 512 (the split schedule charging FlashMLA's 5 blocks per piece). Once the split schedule
+    charged about what a piece costs (``sm90_device_charge``), it gave the same time at ~8 and
+    ~16 waves (b = 512 and 1024: x1.00 either way, this cut with no workspace and no combine)
+    and won below (x1.05 at b = 256, ~4 waves; x1.10 at b = 128: whole requests of up to 10
+    blocks, ~2 per partition, cut too coarsely; ``benchmarks/v4_charge_probe.py``), hence
+    ``PACKED_MIN_WAVES``, set between the two (six waves were not measured). h = 64 and extra 1024 (18 blocks) were slower packed (x0.94-1.04
     against the older split schedule, ``benchmarks/v4_packing_probe.py``). Not measured, so not
     taken: s_q > 1 and lists without an extra list."""
     if arch != archs.SM90.name or h_q != PACKED_H_Q or s_q != 1 or not extra_topk:

@@ -58,6 +58,8 @@ def fixed_overhead_blocks(arch: str, *, b: int, parts: int, blocks: int) -> int:
     ones, 0.95x: each piece stores a partial that the combine reads back), hence the average
     floor; a charge that does not shorten the longest partition only adds pieces, hence the second
     condition. Individual pieces may still be one block long (the greedy cuts where budgets end).
+    The plan overrides this charge for SM90 V4 schedules made on the device
+    (``plan.sm90_device_charge``).
     """
     if archs.get(arch).zero_overhead_rule and b < parts and b * blocks >= MIN_PIECE_BLOCKS * parts:
         zero = plan_splits_host([blocks] * b, parts, 0)
