@@ -319,8 +319,8 @@ def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: 
     partition its running cost's midpoint falls in (``schedule.packed_schedule_device``, on the
     device). Nothing is split (no accumulators, no combine), and a CTA's later requests overlap
     their index scan and first gathers with the request before it, which one partition per
-    request cannot: a request alone on a CTA spends ~6 µs before its first tile and 1.7 µs after its last
-    (``benchmarks/v4_timeline.py``).
+    request cannot: a request alone on a CTA spends ~6 µs before its first tile and 1.7 µs after
+    its last (``benchmarks/v4_timeline.py``).
 
     Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform). Against the plans it
     replaced, packing won: x1.11 at b = 128 (one partition per request) and x1.06-1.11 at
@@ -329,9 +329,10 @@ def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: 
     ~16 waves (b = 512 and 1024: x1.00 either way, this cut with no workspace and no combine)
     and won below (x1.05 at b = 256, ~4 waves; x1.10 at b = 128: whole requests of up to 10
     blocks, ~2 per partition, cut too coarsely; ``benchmarks/v4_charge_probe.py``), hence
-    ``PACKED_MIN_WAVES``, set between the two (six waves were not measured). h = 64 and extra 1024 (18 blocks) were slower packed (x0.94-1.04
-    against the older split schedule, ``benchmarks/v4_packing_probe.py``). Not measured, so not
-    taken: s_q > 1 and lists without an extra list."""
+    ``PACKED_MIN_WAVES``, set between the two (six waves were not measured). h = 64 and extra
+    1024 (18 blocks) were slower packed (x0.94-1.04 against the older split schedule,
+    ``benchmarks/v4_packing_probe.py``). Not measured, so not taken: s_q > 1 and lists without
+    an extra list."""
     if arch != archs.SM90.name or h_q != PACKED_H_Q or s_q != 1 or not extra_topk:
         return False
     waves = b * (h_q // 64) / num_sms
