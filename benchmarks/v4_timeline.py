@@ -14,9 +14,10 @@ one list of ``topk`` positions with ``topk_length`` uniform in [1, topk], sinks 
 several requests or pieces: per CTA its span (kernel entry to its last store issued), its
 scheduler blocks (``blocks_of_length`` then ``extra_blocks_of_length`` per request: the unit the
 scheduler's charge is counted in; the kernel's compacted tiles may be fewer) and its pieces; a
-least-squares fit span = a + b x blocks + c x pieces; the spread of the spans;
-and the decode kernel's own graph-replay time, against which the longest span shows what the
-launch, the tail and the imbalance cost.
+least-squares fit span = a + b x blocks + c x pieces; the spread of the spans; the same on the
+global timer (``Stamp.NS_SLOTS``: the spread of the CTAs' entries, the longest CTA, first entry to
+last exit, which no per-SM clock rate skews); and the decode kernel's own graph-replay time,
+against which they show what the launch, the tail and the imbalance cost.
 
     python -m benchmarks.v4_timeline [--rows "b,h,extra;..."] [--v32 "b,h,topk;..."] [--replays 5]
     python -m benchmarks.v4_timeline --spans [--rows "b,h,extra;..."]
@@ -117,11 +118,12 @@ def spans(rows, replays, pools, g):
         launch, stamps = stamped_kernel(plan, schedule, row["q"], pools[0], row["indices"],
                                         topk_length=row["topk_length"], attn_sink=row["attn_sink"], extra=ext)
         work = partition_work(schedule.tile_md, request_blocks(row, plan))
-        tiles, pieces, span = [], [], []
+        tiles, pieces, span, ns = [], [], [], []
         for part, r in working_rows(launch, stamps, replays):
             tiles.append(work[part][0])
             pieces.append(work[part][1])
             span.append((int(r[Stamp.EPILOGUE]) - int(r[Stamp.ENTRY])) / GHZ / 1e3)
+            ns.append((int(r[Stamp.ENTRY_NS]), int(r[Stamp.EXIT_NS])))
         a, per_tile, per_piece = fit2(tiles, pieces, span)
         kernel_us = v32b.replay_median_us(v32b.capture_graph(launch)[0], 50)
         q = statistics.quantiles(span, n=10)
@@ -131,6 +133,24 @@ def spans(rows, replays, pools, g):
         print(f"  CTA span us: median {statistics.median(span):.2f}, p10 {q[0]:.2f}, p90 {q[-1]:.2f}, "
               f"max {max(span):.2f}; decode kernel alone (graph replay) {kernel_us:.2f} us")
         print(f"  fit: span = {a:.2f} + {per_tile:.3f} x tiles + {per_piece:.3f} x pieces (us)", flush=True)
+        print("  " + global_clock(ns, replays), flush=True)
+
+
+def global_clock(ns, replays):
+    """The CTAs' (entry, exit) ``%globaltimer`` stamps (``Stamp.NS_SLOTS``), replay after replay,
+    as one line: medians over the replays of the spread of the CTAs' entries, of the longest CTA
+    (entry to exit) and of the kernel's span (first entry to last exit), in µs on one clock."""
+    per = len(ns) // replays
+    entry, longest, kernel = [], [], []
+    for k in range(replays):
+        rows = ns[k * per:(k + 1) * per]
+        first = min(e for e, _ in rows)
+        entry.append((max(e for e, _ in rows) - first) / 1e3)
+        longest.append(max(x - e for e, x in rows) / 1e3)
+        kernel.append((max(x for _, x in rows) - first) / 1e3)
+    med = statistics.median
+    return (f"global timer: entries spread over {med(entry):.2f} us, longest CTA {med(longest):.2f} us, "
+            f"first entry to last exit {med(kernel):.2f} us")
 
 
 def fit(xs, ys):

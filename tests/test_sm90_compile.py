@@ -11,7 +11,7 @@ import pytest
 from cute_mla import archs, plan_sparse_decode
 from cute_mla.kernels import DecodeTensors
 from cute_mla.kernels.sm90 import DEFAULT_TUNING, RegisterBudget, Sm90SparseDecodeConfig, Sm90Tuning, kernel_config
-from cute_mla.kernels.sm90.config import Bar, Stamp
+from cute_mla.kernels.sm90.config import NS_SLOTS, Bar, Stamp
 from cute_mla.kernels.sm90.sparse_decode import compile_sparse_decode, launch_sparse_decode
 from cute_mla.playground import inspect as ki
 
@@ -297,15 +297,16 @@ def test_named_barriers_are_the_roles(artifacts):
 
 
 def test_timeline_is_instrumentation_only(artifacts, tmp_path):
-    """``Sm90Tuning.timeline`` (benchmarks/timeline.py) reads the SM clock once per Stamp slot (in
-    the no-split kernel: a split kernel stages o_accum at a second site per warp group); the default
-    kernels read it nowhere."""
+    """``Sm90Tuning.timeline`` (benchmarks/timeline.py) reads the SM clock once per Stamp slot and
+    the global timer once per ``NS_SLOTS`` slot (in the no-split kernel: a split kernel stages
+    o_accum at a second site per warp group); the default kernels read neither."""
     for name, (ptx, _) in artifacts.items():
-        assert "%clock64" not in ptx, f"{name}: a default kernel reads the clock"
+        assert "%clock64" not in ptx and "%globaltimer" not in ptx, f"{name}: a default kernel reads a clock"
     cfg = kernel_config(h_q=64, d_qk=576, split=False, has_topk_length=False, has_attn_sink=False,
                         tuning=Sm90Tuning(timeline=True))
     compile_sparse_decode(cfg, dump_dir=str(tmp_path))
     ptx, _ = ki.find_artifacts(str(tmp_path), ARCH)
     with open(ptx) as f:
         text = f.read()
-    assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS])
+    assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS and s not in NS_SLOTS])
+    assert text.count("%globaltimer") == len(NS_SLOTS)

@@ -148,7 +148,10 @@ class Bar(IntEnum):
 class Stamp(IntEnum):
     """``Sm90Tuning.timeline`` (instrumentation, never on in the library): slots of a CTA's row of
     64-bit ``clock64`` stamps, each written by thread 0 of the warp group named (the last write
-    wins, so a one-tile piece gives one pass through the chain; ``benchmarks/timeline.py``)."""
+    wins, so a one-tile piece gives one pass through the chain; ``benchmarks/timeline.py``). The
+    ``_NS`` slots hold ``%globaltimer`` instead (nanoseconds on one clock for every SM, where
+    ``clock64`` counts per SM at its own frequency): where the CTAs' spans lie within the
+    kernel's (``NS_SLOTS``)."""
 
     ENTRY = 0  # thread 0: kernel entry
     PROLOGUE = 1  # thread 0: barriers initialised, sync_threads passed
@@ -169,7 +172,12 @@ class Stamp(IntEnum):
     EPI_STAGED = 16  # WG0: bf16 block staged in sQ, the warp group's barrier passed (TMA store next)
     WG1_EPI_STAGED = 17  # WG1: the same
     HALF_A = 18  # producer: half A of the tile converted and stored (half B next)
-    SLOTS = 20
+    ENTRY_NS = 19  # thread 0: kernel entry, %globaltimer
+    EXIT_NS = 20  # WG0: its last store issued and its barriers balanced (the role's end), %globaltimer
+    SLOTS = 21
+
+
+NS_SLOTS = (Stamp.ENTRY_NS, Stamp.EXIT_NS)   # the Stamp slots that hold %globaltimer
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 
 from ...dsl import ptx
 from ...scheduler.partition import BLOCK_TOPK, SchedField, blocks_of_length, extra_blocks_of_length
-from .config import TILE, Sm90SparseDecodeConfig, Tile
+from .config import NS_SLOTS, TILE, Sm90SparseDecodeConfig, Tile
 
 assert TILE.tokens == BLOCK_TOPK, "a K tile covers one scheduler block of positions"
 
@@ -112,11 +112,15 @@ def pools(cfg: Sm90SparseDecodeConfig) -> int:
 
 @cute.jit
 def stamp(cta: Cta, slot: cutlass.Constexpr, leader):
-    """``Sm90Tuning.timeline``: ``leader`` writes clock64 into this CTA's slot ``slot`` (nothing otherwise)."""
+    """``Sm90Tuning.timeline``: ``leader`` writes clock64 (``%globaltimer`` for the ``NS_SLOTS``)
+    into this CTA's slot ``slot`` (nothing otherwise)."""
     if cutlass.const_expr(cta.stamps is not None):
         if leader:
             p = cute.make_ptr(Int64, cta.stamps + int(slot) * 8, cute.AddressSpace.gmem, assumed_align=8)
-            cute.arch.store(p, cute.arch.clock64())
+            if cutlass.const_expr(slot in NS_SLOTS):
+                cute.arch.store(p, cute.arch.globaltimer())
+            else:
+                cute.arch.store(p, cute.arch.clock64())
 
 
 @cute.jit

@@ -151,6 +151,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     # Balance the barriers WG1 arrived on once more than WG0 synced.
     cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
     cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+    stamp(cta, Stamp.EXIT_NS, wtid == 0)
 
 
 @cute.jit

@@ -202,6 +202,7 @@ class Sm90SparseDecode:
             stamps = mTimeline.iterator.toint() + Int64(bidx * mTimeline.shape[1] + part) * Int64(8 * Stamp.SLOTS)
         early = Cta(part, s_idx, hblk, None, None, stamps)
         stamp(early, Stamp.ENTRY, tidx == 0)
+        stamp(early, Stamp.ENTRY_NS, tidx == 0)
 
         smem = SmemAllocator()
         storage = smem.allocate(shared_storage(cfg.tile, pools(cfg)))
