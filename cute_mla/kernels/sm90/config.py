@@ -203,8 +203,9 @@ class Sm90Tuning:
     # 1x1x128 for the cluster, -2.3 % on 1x8x128.
     h128_cluster: bool = True
     registers: RegisterBudget = field(default_factory=RegisterBudget)
-    # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp) into a (grid x, grid y,
-    # Stamp.SLOTS) int64 tensor passed as the launch's ``timeline`` (benchmarks/timeline.py).
+    # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp; %globaltimer in
+    # NS_SLOTS) into a (grid x, grid y, Stamp.SLOTS) int64 tensor passed as the launch's
+    # ``timeline`` (benchmarks/timeline.py).
     timeline: bool = False
 
     def __post_init__(self):
