@@ -71,7 +71,7 @@ def time_one(mod, q, cache, idx, target_s=0.25):
     torch.cuda.synchronize()
     # a step's memory beyond its outputs: a fresh metadata object's first call
     del out
-    (o, l), transient = step_transient_bytes(lambda: mod.get_mla_metadata()[0], lambda s: call(mod, s, q, cache, idx))
+    _, transient = step_transient_bytes(lambda: mod.get_mla_metadata()[0], lambda s: call(mod, s, q, cache, idx))
     # eager
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(15)]
     for a, b_ in ev:

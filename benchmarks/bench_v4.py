@@ -76,6 +76,23 @@ def capture_call(sched, row, pools):
     return gr, (o.clone(), l.clone())
 
 
+def capture_forced(row, pools, constants=None, tuning=None):
+    """(graph, (out, lse) copies, the metadata object the graph reads: keep it) of one call on
+    ``row`` with a fresh metadata object of ``tuning``, its plan made under
+    ``plan_constants(**constants)`` where given (:func:`capture_call`)."""
+    with plan_constants(**constants) if constants is not None else contextlib.nullcontext():
+        sched = cute_mla.FlashMLASchedMeta(tuning=tuning)
+        gr, outs = capture_call(sched, row, pools)
+    return gr, outs, sched
+
+
+# plan_constants() values that force a schedule where the lists allow it (the probes'): one
+# partition per request (its window opened), the split schedule (it shut), no whole-request packing
+PER_REQUEST_OPEN = dict(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_HEADS=(64, 128), PER_REQUEST_MAX_BLOCKS=1 << 30)
+PER_REQUEST_SHUT = dict(PER_REQUEST_WAVES=(1e9, 1e9), PER_REQUEST_TINY_MAX_WAVES=-1)
+NO_PACKING = dict(PACKED_MIN_WAVES=float("inf"))
+
+
 @contextlib.contextmanager
 def plan_constants(**values):
     """The plan module's rule constants (``PER_REQUEST_WAVES``, ``PER_REQUEST_MAX_BLOCKS``,

@@ -21,7 +21,7 @@ import torch
 import cute_mla
 from cute_mla.archs import SM90, device_arch, device_num_sms
 from cute_mla.kernels.sm90 import DEFAULT_TUNING
-from cute_mla.interface.launcher import allocate_workspace, cache_bytes, kernel_module
+from cute_mla.interface.launcher import allocate_workspace, cache_bytes, kernel_module, launch_configs
 from cute_mla.kernels import DecodeTensors
 from cute_mla.kernels.sm90.config import Stamp
 from cute_mla.plan.schedule import make_schedule
@@ -59,10 +59,7 @@ def stamped_kernel(plan, schedule, q, cache, idx, tuning=None, topk_length=None,
     b, s_q, h, _ = q.shape
     extra_cache, extra_idx, extra_len = extra
     mod = kernel_module(plan.arch)
-    cfg = mod.kernel_config(h_q=h, d_qk=plan.d_qk, split=plan.split, has_topk_length=topk_length is not None,
-                            has_attn_sink=attn_sink is not None, column_pair=plan.column_pair,
-                            tuning=dataclasses.replace(tuning or DEFAULT_TUNING, timeline=True),
-                            has_extra=extra_cache is not None, has_extra_topk_length=extra_len is not None)
+    cfg, _ = launch_configs(plan, attn_sink is not None, dataclasses.replace(tuning or DEFAULT_TUNING, timeline=True))
     compiled = mod.compile_sparse_decode(cfg)
     o_accum, lse_accum = allocate_workspace(plan, dev)
     out = torch.empty(b, s_q, h, plan.d_v, dtype=torch.bfloat16, device=dev)
@@ -80,13 +77,17 @@ def stamped_kernel(plan, schedule, q, cache, idx, tuning=None, topk_length=None,
     return launch, stamps
 
 
-def working_rows(launch, stamps, replays):
-    """(partition, stamp row) of every CTA with work, over ``replays`` replays of one graph of
-    ``launch`` (after three warm-up launches); the stamps are zeroed before each replay."""
+def stamped_graph(launch):
+    """A CUDA graph of ``launch`` (a :func:`stamped_kernel` launch), after three warm-up launches."""
     for _ in range(3):
         launch()
     torch.cuda.synchronize()
-    graph, _ = capture_graph(launch)
+    return capture_graph(launch)[0]
+
+
+def working_rows(graph, stamps, replays):
+    """(partition, stamp row) of every CTA with work, over ``replays`` replays of ``graph``
+    (:func:`stamped_graph`); the stamps are zeroed before each replay."""
     for _ in range(replays):
         stamps.zero_()
         graph.replay()
@@ -130,7 +131,7 @@ def main():
             launch, stamps, plan = stamped_launch(q, cache, idx, tuning)
             rows = {s: [] for s in ORDER}
             worst = {s: 0 for s in ORDER}
-            for _, r in working_rows(launch, stamps, args.replays):
+            for _, r in working_rows(stamped_graph(launch), stamps, args.replays):
                 for s in ORDER:
                     if int(r[s]) != 0:
                         d = int(r[s]) - int(r[Stamp.ENTRY])

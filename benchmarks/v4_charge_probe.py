@@ -18,23 +18,19 @@ import argparse
 
 import torch
 
-import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
 from cute_mla.playground import bench
 
 ROWS = ("32,64,512;32,64,1024;32,128,512;32,128,1024;128,64,512;128,64,1024;128,128,512;128,128,1024;"
         "512,64,512;512,64,1024;512,128,512;512,128,1024")
-SPLIT = dict(PER_REQUEST_WAVES=(1e9, 1e9), PER_REQUEST_TINY_MAX_WAVES=-1,
-             PACKED_MIN_WAVES=float("inf"))   # the split schedule everywhere
+SPLIT = dict(v4b.PER_REQUEST_SHUT, **v4b.NO_PACKING)   # the split schedule everywhere
 
 
 def capture(row, pools, constants):
-    with v4b.plan_constants(**constants):
-        sched, _ = cute_mla.get_mla_metadata()
-        gr, (o, _) = v4b.capture_call(sched, row, pools)
-        p = sched.plan
-        return gr, o.float(), f"{p.schedule}/fo {p.fixed_overhead}", sched   # the graph reads sched's tensors
+    gr, (o, _), sched = v4b.capture_forced(row, pools, constants)
+    p = sched.plan
+    return gr, o.float(), f"{p.schedule}/fo {p.fixed_overhead}", sched   # the graph reads sched's tensors
 
 
 def main():

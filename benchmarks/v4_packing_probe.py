@@ -74,13 +74,16 @@ def main():
     ap.add_argument("--parts", type=int, default=0, help="partitions (0: one wave, num_sms / (h_q / 64))")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    rows = v4b.parse_rows(args.rows)
+    if any(e == 0 for _, _, e in rows):
+        raise SystemExit("--rows: the packed kernel is the extra pool's: every row needs an extra list (extra > 0)")
     g = torch.Generator(device="cuda").manual_seed(0)
     v32b.warm_up(2.0)
     pools = (v4b.make_pool(g), v4b.make_pool(g))
     sms = device_num_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}  V4 rows (s_q 1, top-k 128, lengths uniform, sinks on): one-call graph "
           f"replay µs, interleaved medians of {args.rounds} rounds; packed: whole requests, overhead {args.overhead}")
-    for b, h, e in v4b.parse_rows(args.rows):
+    for b, h, e in rows:
         row = v4b.make_row(b, h, e, 0.0, g)
         sched = cute_mla.get_mla_metadata()[0]
         g_default, (o_default, _) = v4b.capture_call(sched, row, pools)

@@ -16,25 +16,21 @@ import argparse
 
 import torch
 
-import cute_mla
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
 from cute_mla.playground import bench
 
 ROWS = ("1,64,0;1,128,0;32,64,0;32,128,0;1,128,512;128,64,1024;128,128,512;128,128,1024;512,64,512;"
         "512,64,1024")
-OPEN = dict(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_HEADS=(64, 128), PER_REQUEST_MAX_BLOCKS=1 << 30)
-SHUT = dict(PER_REQUEST_WAVES=(1e9, 1e9), PER_REQUEST_TINY_MAX_WAVES=-1)
-FORCE = {"per_request": SHUT, "device": OPEN, "host": OPEN}   # default -> the other
+FORCE = {"per_request": v4b.PER_REQUEST_SHUT, "device": v4b.PER_REQUEST_OPEN,
+         "host": v4b.PER_REQUEST_OPEN}   # default -> the other
 
 
 def capture(row, pools, constants):
-    with v4b.plan_constants(**constants):
-        sched, _ = cute_mla.get_mla_metadata()
-        gr, (o, _) = v4b.capture_call(sched, row, pools)
-        p = sched.plan
-        name = f"{p.schedule}/{p.variant}/ws {p.workspace_bytes / 2**20:.1f} MiB"
-        return gr, o.float(), name, p.schedule, sched   # the graph reads sched's tensors: keep it
+    gr, (o, _), sched = v4b.capture_forced(row, pools, constants)
+    p = sched.plan
+    name = f"{p.schedule}/{p.variant}/ws {p.workspace_bytes / 2**20:.1f} MiB"
+    return gr, o.float(), name, p.schedule, sched   # the graph reads sched's tensors: keep it
 
 
 def main():

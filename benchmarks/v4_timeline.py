@@ -32,7 +32,7 @@ import torch
 
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
-from benchmarks.timeline import GHZ, print_phases, stamped_kernel, working_rows
+from benchmarks.timeline import GHZ, print_phases, stamped_graph, stamped_kernel, working_rows
 from cute_mla.archs import SM90, device_arch, device_num_sms
 from cute_mla.formats import V4, V32
 from cute_mla.kernels.sm90.config import Stamp
@@ -60,8 +60,7 @@ def v32_row(b, h, topk, g):
 def per_request_plan(fmt, b, h, topk, extra):
     """The row's plan with one partition per request (the wave window and the list-length limit
     opened, whole-request packing shut for this call)."""
-    with v4b.plan_constants(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_MAX_BLOCKS=1 << 30, PER_REQUEST_HEADS=(64, 128),
-                            PACKED_MIN_WAVES=float("inf")):
+    with v4b.plan_constants(**v4b.PER_REQUEST_OPEN, **v4b.NO_PACKING):
         plan = plan_mod.plan_sparse_decode(b, 1, h, fmt.d_qk, topk, arch=SM90.name,
                                            num_sms=device_num_sms(torch.device("cuda")), has_topk_length=True,
                                            extra_topk=extra, has_extra_topk_length=extra > 0)
@@ -119,13 +118,14 @@ def spans(rows, replays, pools, g):
                                         topk_length=row["topk_length"], attn_sink=row["attn_sink"], extra=ext)
         work = partition_work(schedule.tile_md, request_blocks(row, plan))
         tiles, pieces, span, ns = [], [], [], []
-        for part, r in working_rows(launch, stamps, replays):
+        graph = stamped_graph(launch)
+        for part, r in working_rows(graph, stamps, replays):
             tiles.append(work[part][0])
             pieces.append(work[part][1])
             span.append((int(r[Stamp.EPILOGUE]) - int(r[Stamp.ENTRY])) / GHZ / 1e3)
             ns.append((int(r[Stamp.ENTRY_NS]), int(r[Stamp.EXIT_NS])))
         a, per_tile, per_piece = fit2(tiles, pieces, span)
-        kernel_us = v32b.replay_median_us(v32b.capture_graph(launch)[0], 50)
+        kernel_us = v32b.replay_median_us(graph, 50)
         q = statistics.quantiles(span, n=10)
         print(f"\nV4 b={b} h={h} extra={extra}: {plan.schedule}/{plan.variant}, {len(span) // replays} CTAs, "
               f"tiles per CTA {min(tiles)}-{max(tiles)} (mean {sum(tiles) / len(tiles):.1f}), "
@@ -197,7 +197,7 @@ def main():
         lengths = lengths.cpu().tolist()
         phases = {s: [] for s in PHASES}
         xs, ys, total, epi = [], [], [], []
-        for part, r in working_rows(launch, stamps, args.replays):
+        for part, r in working_rows(stamped_graph(launch), stamps, args.replays):
             entry = int(r[Stamp.ENTRY])
             for s in PHASES:
                 if int(r[s]):

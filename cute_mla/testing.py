@@ -399,7 +399,7 @@ def step_first_and_later_bytes(x: "SparseDecodeInputs"):
 
     call(get_mla_metadata()[0])      # compile, plan (its outputs freed before the measurement)
     sched = get_mla_metadata()[0]
-    _, first = step_transient_bytes(lambda: sched, call)
+    _, first = transient_bytes(lambda: call(sched))
     _, later = transient_bytes(lambda: call(sched))
     return first, later, sched
 

@@ -1,7 +1,6 @@
 """End-to-end GPU tests of the public API against the fp32 reference (FlashMLA's sweep and
 tolerances), CUDA graph replay, and the workspace rule measured with the allocator."""
 
-
 import pytest
 import torch
 

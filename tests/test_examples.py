@@ -40,7 +40,7 @@ def needs(path: pathlib.Path):
 
 def run(path: pathlib.Path, cwd: pathlib.Path, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               CUTE_MLA_CACHE_DIR=str(cwd / ".cute-mla-cache"), MPLBACKEND="Agg")
+               CUTE_MLA_CACHE_DIR=str(cwd / ".cute-mla-cache"))
     return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=env)
 
@@ -49,8 +49,11 @@ def by_need(need: str):
     return [p for p in EXAMPLES if needs(p) == need]
 
 
+CPU_EXAMPLES, GPU_EXAMPLES = by_need("Needs: CPU"), by_need("Needs: GPU")
+
+
 def test_there_are_examples():
-    assert EXAMPLES and by_need("Needs: CPU"), EXAMPLES
+    assert EXAMPLES and CPU_EXAMPLES, EXAMPLES
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -62,7 +65,7 @@ def test_example_has_docstring_and_needs_line(path):
         f"{path.name}: the docstring says what the example shows and how to run it, besides what it needs"
 
 
-@pytest.mark.parametrize("path", by_need("Needs: CPU"), ids=[p.name for p in by_need("Needs: CPU")])
+@pytest.mark.parametrize("path", CPU_EXAMPLES, ids=[p.name for p in CPU_EXAMPLES])
 def test_cpu_example_runs(path, tmp_path):
     t0 = time.time()
     try:
@@ -77,7 +80,7 @@ def test_cpu_example_runs(path, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
-@pytest.mark.parametrize("path", by_need("Needs: GPU"), ids=[p.name for p in by_need("Needs: GPU")])
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[p.name for p in GPU_EXAMPLES])
 def test_gpu_example_without_gpu_says_so(path, tmp_path):
     r = run(path, tmp_path, 300)
     lines = [ln for ln in r.stderr.splitlines() if "Warning" not in ln and ln.strip() and not ln.startswith("  ")]

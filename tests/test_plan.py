@@ -3,9 +3,8 @@ import torch
 
 from cute_mla import plan_sparse_decode
 from cute_mla.plan.plan import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES, V4_DEVICE_PIECE_CHARGE
-from cute_mla.scheduler.partition import fixed_overhead_blocks
 from cute_mla.plan.schedule import packed_schedule_device
-from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
+from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, fixed_overhead_blocks, longest_partition, plan_splits_host
 
 
 @pytest.mark.parametrize("s_q", [1, 8, 128, 1024, 8192, 32768])
@@ -401,25 +400,24 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
     partitions at h_q = 128); the split device schedule otherwise."""
     p = plan_sparse_decode(b, 1, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True, extra_topk=extra,
                            has_extra_topk_length=extra > 0)
+    # V3.2 lists of the same length
+    v32 = plan_sparse_decode(b, 1, h_q, 576, 128 + extra, arch="sm_90a", num_sms=132, has_topk_length=True)
     if expect == "per_request":
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
             "per_request", b, False, 0, ("sm90_sparse_decode",))
     elif expect == "packed":
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
             "packed", 66, False, 0, ("sm90_sparse_decode",))
-    else:
-        assert p.schedule == "device" and p.split and p.fixed_overhead == V4_DEVICE_PIECE_CHARGE
-    # packed only where it was measured: s_q = 1 with an extra list
-    if expect == "packed":
+        # packed only where it was measured: s_q = 1 with an extra list
         assert plan_sparse_decode(b, 2, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
                                   extra_topk=extra, has_extra_topk_length=True).schedule != "packed"
         assert plan_sparse_decode(b, 1, h_q, 512, 128 + extra, arch="sm_90a", num_sms=132,
                                   has_topk_length=True).schedule != "packed"
-        assert plan_sparse_decode(b, 1, h_q, 576, 128 + extra, arch="sm_90a", num_sms=132,
-                                  has_topk_length=True).schedule != "packed"
-    # V3.2 lists of the same length keep FlashMLA's piece charge, and with it one partition per
-    # request for 10-block lists at h = 128 as at h = 64
-    v32 = plan_sparse_decode(b, 1, h_q, 576, 128 + extra, arch="sm_90a", num_sms=132, has_topk_length=True)
+        assert v32.schedule != "packed"
+    else:
+        assert p.schedule == "device" and p.split and p.fixed_overhead == V4_DEVICE_PIECE_CHARGE
+    # V3.2 keeps FlashMLA's piece charge, and with it one partition per request for 10-block lists
+    # at h = 128 as at h = 64
     if v32.schedule == "device":
         assert v32.fixed_overhead == fixed_overhead_blocks("sm_90a", b=b, parts=v32.num_sm_parts, blocks=2 + extra // 64)
     if extra == 512 and 0.5 <= b * h_q / 64 / 132 <= 2:

@@ -15,9 +15,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..archs import UnsupportedDeviceError, device_arch, device_num_sms
+from ..archs import UnsupportedDeviceError
 from ..formats import detect_format
-from ..plan import SparseDecodePlan, check_problem, plan_sparse_decode
+from ..plan import SparseDecodePlan, check_problem
 from ..plan.schedule import Schedule, make_schedule
 from . import ops
 from .launcher import Launcher, allocate_workspace, cache_bytes, launcher_of, on_device_of
@@ -134,9 +134,7 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, dims: Tuple[int, ...], 
                 "get_mla_metadata() object per shape")
         sched.schedule.ensure_ready()
         return sched.launcher(has_attn_sink)
-    plan = plan_sparse_decode(b, s_q, h_q, q.shape[-1], topk, arch=device_arch(q.device), num_sms=device_num_sms(q.device),
-                              has_topk_length=topk_length is not None, extra_topk=extra_topk,
-                              has_extra_topk_length=extra_topk_length is not None)
+    plan = ops.call_plan(q, topk, extra_topk, topk_length, extra_topk_length, *ops.device_facts(q.device))
     schedule = make_schedule(plan, q.device, topk_length, extra_topk_length)
     sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = schedule.tile_md, schedule.num_splits, schedule.accum_offsets
     sched.workspace = allocate_workspace(plan, q.device)   # the step's accumulators, for all its calls
@@ -291,7 +289,7 @@ def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
         raise ValueError(f"{name}: {num_blocks}x{page_block_size} tokens do not fit int32 indices")
     stride0 = k_cache.stride(0) * k_cache.element_size()   # bytes (the kernels read it as uint8)
     if stride0 % 16:
-        raise ValueError(f"{name}: base pointer and stride(0) must be 16-byte aligned, got stride(0)={stride0}")
+        raise ValueError(f"{name}: {CACHE_BASE} must be 16-byte aligned, got stride(0)={stride0}")
     if not torch.compiler.is_compiling():   # a trace has no data pointer: check_deferred checks it in the op
         check_pointer(name, k_cache, what=CACHE_BASE)
     if stride0 >= 2**31:

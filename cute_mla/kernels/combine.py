@@ -84,7 +84,6 @@ ACCUM_DTYPES = ("float32", "bfloat16")
 # Partial values per lane loaded back to back before any is accumulated (memory-level parallelism):
 # 16 split rows of one chunk with 4 warps per head, 4 rows of four chunks with 1.
 VALUES_IN_FLIGHT = 64
-ROWS_IN_FLIGHT = VALUES_IN_FLIGHT // COLS_PER_LANE  # with 4 warps per head (the latency layout)
 # Many (token, head) pairs: above this many (the grid's rows, requests or partitions, x s_q x h_q)
 # a warp per head is used. It is about one wave of the 4-warps-per-head CTAs on the H200 (8 of them
 # per SM at <= 64 registers, 132 SMs), measured there (docs/performance.md, V4): 1x8x128 (1,024
@@ -102,6 +101,9 @@ def rows_in_flight(warps_per_head: int) -> int:
 
 def heads_per_cta(warps_per_head: int) -> int:
     return WARPS_PER_CTA // warps_per_head
+
+
+ROWS_IN_FLIGHT = rows_in_flight(WARPS_PER_HEAD[0])  # with 4 warps per head (the latency layout)
 
 
 # Each divides 32: a batch of rows never straddles two lse register slots, so its weights come from one slot.

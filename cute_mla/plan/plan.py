@@ -82,7 +82,7 @@ class SparseDecodePlan:
     topk: int
     has_topk_length: bool               # the call passes topk_length (per-request lengths on the device)
     num_sm_parts: int
-    fixed_overhead: int
+    fixed_overhead: int                 # blocks the cut charges per request piece (a packed cut: per request)
     kernel: str                         # the arch's kernel name (archs.ArchSpec.kernel)
     split: bool                         # the split variant (takes accumulators) runs
     schedule: str                       # "host" (computed here) | "device" (scheduler kernel) | "per_request" | "packed"
@@ -201,7 +201,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     short_lists = (spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk
                    and b <= archs.MAX_GRID_Y)
     if lengths and sm90_packed(arch, b, s_q, h_q, blocks, extra_topk, num_sms):
-        schedule, accum_rows = "packed", 0
+        schedule, accum_rows, overhead = "packed", 0, PACKED_REQUEST_CHARGE
     elif short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms,
                                                       sm90_pieces_at_cost(arch, fmt))):
         schedule, parts, accum_rows = "per_request", b, 0

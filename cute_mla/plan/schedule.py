@@ -24,7 +24,7 @@ import torch
 
 from ..scheduler import (BLOCK_TOPK, SCHED_ROW_INTS, SchedField, accum_offsets, accum_offsets_device,
                          blocks_of_length, extra_blocks_of_length, plan_splits)
-from .plan import PACKED_REQUEST_CHARGE, SparseDecodePlan
+from .plan import SparseDecodePlan
 
 _lock = threading.Lock()
 # (plan, device) -> UploadedSchedule. Never evicted: a captured CUDA graph keeps reading the
@@ -140,7 +140,7 @@ def schedule_sizes(plan: "SparseDecodePlan") -> Tuple[int, int]:
     """(partitions, n): the packed schedule's tile_md rows and its num_splits / accum_offsets length."""
     if plan.host_schedule is not None:
         return len(plan.host_schedule.rows), len(plan.host_schedule.num_splits)
-    return (plan.b if plan.schedule == "per_request" else plan.num_sm_parts), plan.b + 1
+    return plan.num_sm_parts, plan.b + 1   # per-request plans have b partitions
 
 
 def schedule_length(plan: "SparseDecodePlan") -> int:
@@ -273,7 +273,7 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
     if plan.schedule == "per_request":
         tile_md, num_splits = per_request_schedule_device(nb)
     elif plan.schedule == "packed":
-        tile_md, num_splits = packed_schedule_device(nb, plan.num_sm_parts, PACKED_REQUEST_CHARGE)
+        tile_md, num_splits = packed_schedule_device(nb, plan.num_sm_parts, plan.fixed_overhead)
     else:
         tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
     return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))
