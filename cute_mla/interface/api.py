@@ -200,20 +200,19 @@ def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, ex
     if type(head_dim_v) is not int:
         return None
     try:
-        return (head_dim_v, _signature(q), _signature(k_cache), _signature(indices),
-                None if attn_sink is None else _signature(attn_sink),
-                None if topk_length is None else _signature(topk_length),
-                None if out is None else _signature(out),
-                None if extra_k_cache is None else _signature(extra_k_cache),
-                None if extra_indices is None else _signature(extra_indices),
-                None if extra_topk_length is None else _signature(extra_topk_length))
+        return (head_dim_v, _signature(q), _signature(k_cache), _signature(indices), _signature(attn_sink),
+                _signature(topk_length), _signature(out), _signature(extra_k_cache), _signature(extra_indices),
+                _signature(extra_topk_length))
     except (AttributeError, RuntimeError, TypeError, NotImplementedError):
         return None
 
 
 def _signature(t):
     """What the checks read of one tensor: its type, dtype, shape, strides, device, base-pointer
-    alignment and neg bit (raises for what is not a strided tensor)."""
+    alignment and neg bit; None for None (an absent optional; raises for what is not a strided
+    tensor)."""
+    if t is None:
+        return None
     if t.layout is not torch.strided:
         raise TypeError
     return type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15, t.is_neg()
