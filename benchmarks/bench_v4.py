@@ -47,6 +47,14 @@ def parse_rows(text):
 make_pool = bench.v4_pool   # a V4 cache of POOL tokens (the playground's, ``cute-mla bench --format v4``)
 
 
+def probe_inputs():
+    """A V4 probe's start: the GPU warmed up, then the seeded generator and the two pools (main,
+    extra) drawn from it; the probe draws its rows from the same generator. Returns (g, pools)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    warm_up(2.0)
+    return g, (make_pool(g), make_pool(g))
+
+
 def make_row(b, h, extra_topk, masked, g):
     """One row's q, indices, lengths and sinks (s_q = 1); the extra list's are None without one."""
     q, indices, topk_length, extra_indices, extra_topk_length, sink = bench.v4_lists(b, 1, h, extra_topk, masked, g)

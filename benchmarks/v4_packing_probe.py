@@ -77,9 +77,7 @@ def main():
     rows = v4b.parse_rows(args.rows)
     if any(e == 0 for _, _, e in rows):
         raise SystemExit("--rows: the packed kernel is the extra pool's: every row needs an extra list (extra > 0)")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    v32b.warm_up(2.0)
-    pools = (v4b.make_pool(g), v4b.make_pool(g))
+    g, pools = v4b.probe_inputs()
     sms = device_num_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}  V4 rows (s_q 1, top-k 128, lengths uniform, sinks on): one-call graph "
           f"replay µs, interleaved medians of {args.rounds} rounds; packed: whole requests, overhead {args.overhead}")

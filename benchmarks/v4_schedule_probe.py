@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
 from cute_mla.playground import bench
 
@@ -38,9 +35,7 @@ def main():
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    v32b.warm_up(2.0)
-    pools = (v4b.make_pool(g), v4b.make_pool(g))
+    g, pools = v4b.probe_inputs()
     for b, h, e in v4b.parse_rows(args.rows):
         row = v4b.make_row(b, h, e, 0.0, g)
         default = capture(row, pools, {})

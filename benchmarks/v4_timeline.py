@@ -172,9 +172,7 @@ def main():
     arch = device_arch(torch.device("cuda"))
     if arch != SM90.name:
         raise SystemExit(f"the timeline is the SM90 kernel's: this GPU runs {arch}")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    v32b.warm_up(2.0)
-    pools = (v4b.make_pool(g), v4b.make_pool(g))
+    g, pools = v4b.probe_inputs()
     if args.spans:
         return spans(v4b.parse_rows(args.rows), args.replays, pools, g)
     print(f"{torch.cuda.get_device_name()}: one request per CTA; cycles since kernel entry, median over the "

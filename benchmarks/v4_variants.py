@@ -12,7 +12,6 @@ import argparse
 
 import torch
 
-from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
 from benchmarks.variants import same_bits, variant_of
 from cute_mla.playground import bench
@@ -39,9 +38,7 @@ def main():
         if tuning is None or nocomb:
             raise SystemExit(f"--variants: {n!r}: a kernel variant to time against the default (no default, no "
                              "+nocomb)")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    v32b.warm_up(2.0)
-    pools = (v4b.make_pool(g), v4b.make_pool(g))
+    g, pools = v4b.probe_inputs()
     print(f"{torch.cuda.get_device_name()}  V4 rows (s_q 1, top-k 128, lengths uniform, sinks on): µs per graph replay "
           f"of one call, interleaved medians of {args.rounds} rounds", flush=True)
     for b, h, e in v4b.parse_rows(args.rows):
