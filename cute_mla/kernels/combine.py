@@ -85,9 +85,10 @@ ACCUM_DTYPES = ("float32", "bfloat16")
 # 16 split rows of one chunk with 4 warps per head, 4 rows of four chunks with 1.
 VALUES_IN_FLIGHT = 64
 # Many (token, head) pairs: above this many (the grid's rows, requests or partitions, x s_q x h_q)
-# a warp per head is used. It is about one wave of the 4-warps-per-head CTAs on the H200 (8 of them
-# per SM at <= 64 registers, 132 SMs), measured there (docs/performance.md, V4): 1x8x128 (1,024
-# pairs) is x0.965 with a warp per head, 16x1x128 (2,048) x1.09, V4 b=32, h=128, extra 1024 x1.24.
+# a warp per head is used. It is about one wave of the 4-warps-per-head CTAs on the H200 (SM90's
+# bf16 build takes 58-70 registers: 7-8 of them per SM, 924-1,056 on 132 SMs), measured there
+# (docs/performance.md, V4): 1x8x128 (1,024 pairs) is x0.965 with a warp per head, 16x1x128
+# (2,048) x1.09, V4 b=32, h=128, extra 1024 x1.24.
 WARP_PER_HEAD_ABOVE_PAIRS = 1024
 
 
