@@ -4,6 +4,7 @@ All of these are raised on the host before any launch, so they run on a CPU-only
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,11 +46,18 @@ CASES = [
     (dict(k_cache=torch.zeros(8, 64, 1, 656, dtype=torch.float32)), TypeError, "k_cache: got dtype torch.float32"),
     (dict(k_cache=torch.zeros(8, 64, 2, 656, dtype=torch.uint8)), ValueError, "k_cache: h_k"),
     (dict(k_cache=torch.zeros(8, 64, 1, 672, dtype=torch.uint8)[..., :656]), ValueError, r"k_cache: rows inside a page block must be packed"),
+    # an empty cache: every request reads its list's first row (valid or not)
+    (dict(k_cache=torch.zeros(0, 64, 1, 656, dtype=torch.uint8)), ValueError, "k_cache: got 0 page blocks of 64 tokens, accepted"),
+    (dict(k_cache=torch.zeros(8, 0, 1, 656, dtype=torch.uint8)), ValueError, "k_cache: got 8 page blocks of 0 tokens, accepted"),
+    # one page block whose stride(0) (free for a size-1 dim) does not hold it
+    (dict(k_cache=torch.zeros(64, 1, 656, dtype=torch.uint8).transpose(0, 1).unsqueeze(2)), ValueError,
+     r"k_cache: stride\(0\) of 656 bytes does not hold a page block of 64 x 656 bytes"),
     (dict(causal=True), ValueError, "causal: must be False with indices"),
     (dict(is_fp8_kvcache=False), ValueError, "is_fp8_kvcache: must be True"),
     (dict(tile_scheduler_metadata=torch.zeros(132, 8, dtype=torch.int32)), TypeError, "tile_scheduler_metadata: expected the FlashMLASchedMeta"),
     (dict(num_splits=torch.zeros(3, dtype=torch.int32)), ValueError, "num_splits: must be None"),
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale: expected a finite float"),
+    (dict(softmax_scale=1e39), ValueError, r"softmax_scale: expected a finite float \(within float32's range"),
     (dict(attn_sink=torch.zeros(64, dtype=torch.bfloat16)), TypeError, "attn_sink: got dtype torch.bfloat16, accepted: torch.float32"),
     (dict(attn_sink=torch.zeros(128)), ValueError, r"attn_sink: expected shape \(h_q,\)"),
     (dict(topk_length=torch.zeros(2, dtype=torch.int64)), TypeError, "topk_length: got dtype torch.int64"),
@@ -57,6 +65,10 @@ CASES = [
     (dict(extra_k_cache=torch.zeros(8, 64, 1, 656, dtype=torch.uint8)), ValueError, "^extra_indices_in_kvcache:"),
     (dict(out=torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)), ValueError, r"out: expected shape \(b, s_q, h_q, 512\)"),
     (dict(out=torch.zeros(2, 1, 64, 512, dtype=torch.float32)), TypeError, "out: got dtype torch.float32"),
+    # out whose elements overlap: the requests (stride 0), or the heads (8 columns apart)
+    (dict(out=torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16).expand(2, 1, 64, 512)), ValueError, r"out: its elements overlap \(shape"),
+    (dict(out=torch.zeros(2 * 64 * 512, dtype=torch.bfloat16).as_strided((2, 1, 64, 512), (64 * 512, 64 * 512, 8, 1))),
+     ValueError, "out: its elements overlap"),
     # d_qk 512 (V4) with a 656-B (V3.2) cache
     (dict(q=torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)), ValueError, "^k_cache: unknown cache format for d_qk=512 with 656 bytes"),
     # the extra pool is V4's: with d_qk 576 it is refused (whatever the extra cache's format)
@@ -144,6 +156,9 @@ V4_CASES = [
     (dict(head_dim_v=448), ValueError, "^head_dim_v: got 448, accepted: 512"),
     (dict(indices=torch.zeros(2, 1, 100, dtype=torch.int32)), ValueError, "topk: got 100, accepted: a positive multiple of 64"),
     (dict(k_cache=torch.zeros(8, 53, 1, 584, dtype=torch.uint8)), ValueError, "^k_cache: base pointer and stride.0. must be 16-byte aligned"),
+    (dict(extra_k_cache=torch.zeros(0, 2, 1, 584, dtype=torch.uint8)), ValueError, "^extra_k_cache: got 0 page blocks of 2 tokens"),
+    (dict(k_cache=torch.zeros(64 * 584, dtype=torch.uint8).as_strided((1, 64, 1, 584), (4608, 584, 584, 1))), ValueError,
+     r"^k_cache: stride\(0\) of 4608 bytes does not hold a page block of 64 x 584 bytes"),
 ]
 
 
@@ -160,6 +175,9 @@ def test_v4_rejected_argument(over, exc, msg):
     dict(extra_k_cache=torch.zeros(16, 2, 1, 584, dtype=torch.int8)),
     dict(extra_k_cache=torch.zeros(4 * 31104, dtype=torch.uint8).as_strided((4, 53, 1, 584), (31104, 584, 584, 1))),
     dict(k_cache=torch.zeros(8, 64, 1, 584, dtype=torch.float8_e4m3fn), out=torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)),
+    # one page block, numpy scalars for the scale and head_dim_v, out sliced from a wider buffer
+    dict(k_cache=torch.zeros(1, 64, 1, 584, dtype=torch.uint8), softmax_scale=np.float32(0.04), head_dim_v=np.int64(512),
+         out=torch.zeros(2, 1, 64, 1024, dtype=torch.bfloat16)[..., :512]),
 ])
 def test_v4_valid_arguments_reach_the_device_check(over):
     """Well-formed V4 calls (with and without the extra pool and the lengths, FlashMLA's padded page
@@ -203,14 +221,18 @@ def test_valid_arguments_without_gpu_raise_clear_error():
 def test_sched_meta_reused_with_other_shapes():
     from cute_mla.interface.api import _schedule
 
-    sched = FlashMLASchedMeta(have_initialized=True, config=(4, 1, 64, 128, 0, False, False, torch.device("cpu")))
+    cpu = torch.device("cpu")
+    sched = FlashMLASchedMeta(have_initialized=True, config=(4, 1, 64, 576, 128, 0, False, False, cpu))
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
         _schedule(sched, torch.zeros(2, 1, 64, 576), (2, 1, 64, 128, 0), None)
-    # the same shapes with an extra pool (V4), or with its lengths, are other schedules
-    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 128, 0, False, False, torch.device("cpu")))
+    # the same shapes in the other format (d_qk), with an extra pool (V4), or with its lengths, are other schedules
+    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 576, 128, 0, False, False, cpu))
+    with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
+        _schedule(sched, torch.zeros(2, 1, 64, 512), (2, 1, 64, 128, 0), None)
+    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 512, 128, 0, False, False, cpu))
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
         _schedule(sched, torch.zeros(2, 1, 64, 512), (2, 1, 64, 128, 512), None)
-    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 128, 512, False, False, torch.device("cpu")))
+    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 512, 128, 512, False, False, cpu))
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
         _schedule(sched, torch.zeros(2, 1, 64, 512), (2, 1, 64, 128, 512), None,
                   extra_topk_length=torch.zeros(2, dtype=torch.int32))

@@ -101,6 +101,7 @@ def test_sm100_topk_length_short_topk_is_per_request():
     (dict(d_qk=600), ValueError, "d_qk: got 600"),
     (dict(arch="sm_80"), ValueError, "arch: got 'sm_80'"),
     (dict(b=0), ValueError, "b: must be a positive int"),
+    (dict(topk=2**30), ValueError, f"topk: got {2**30}, accepted: a positive multiple of 64 up to {2**30 - 64}"),
 ])
 def test_plan_rejects(kw, exc, msg):
     args = dict(b=1, s_q=1, h_q=64, d_qk=576, topk=2048, arch="sm_90a")
@@ -362,6 +363,7 @@ def test_v4_token_walk_counts_both_lists():
     (dict(has_extra_topk_length=True), ValueError, "extra_topk_length: given without an extra pool"),
     (dict(d_v=448), ValueError, "head_dim_v: got 448, accepted: 512"),
     (dict(topk=100, extra_topk=512), ValueError, "topk: got 100"),
+    (dict(extra_topk=2**30), ValueError, f"extra_topk: got {2**30}, accepted: .* up to {2**30 - 64}"),
 ])
 @pytest.mark.parametrize("arch,num_sms", V4_ARCHS)
 def test_v4_plan_rejects(arch, num_sms, kw, exc, msg):
@@ -468,3 +470,12 @@ def test_packed_schedule_cuts_whole_requests(charge):
             seen += range(begin, end + 1)
             assert sum(cost[begin:end + 1]) <= share + max(cost)
         assert seen == list(range(b))
+
+
+def test_list_lengths_fit_the_extra_offset():
+    """SM90 carries extra-list positions offset by EXTRA_BASE in int32: every main position lies
+    below it and every offset extra position below 2^31 (plan.MAX_TOPK bounds both lists)."""
+    from cute_mla.kernels.sm90.index_scan import EXTRA_BASE
+    from cute_mla.plan.plan import MAX_TOPK
+
+    assert MAX_TOPK <= EXTRA_BASE and EXTRA_BASE + MAX_TOPK <= 2**31 - 1

@@ -9,7 +9,7 @@ with FlashMLA). The metadata tensors live in the object, at stable addresses, fo
 
 from __future__ import annotations
 
-import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -21,7 +21,10 @@ from ..plan import SparseDecodePlan, check_problem
 from ..plan.schedule import Schedule, make_schedule
 from . import ops
 from .launcher import Launcher, allocate_workspace, cache_bytes, launcher_of, on_device_of
-from .validate import CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_pointer, check_tensor
+from .validate import (CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_distinct_elements, check_pointer,
+                       check_tensor)
+
+FP32_MAX = torch.finfo(torch.float32).max   # softmax_scale reaches the kernels as a float32
 
 
 @dataclass
@@ -99,10 +102,10 @@ def flash_mla_with_kvcache(
     _check_arguments(tile_scheduler_metadata, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
                      extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     extra = (extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
         b, s_q, h_q, topk, extra_topk = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
                                                           extra)
+        scale = _scale(softmax_scale, q)
         out, lse = ops.traced_call(q, k_cache, indices, topk_length, attn_sink, extra, out, scale, topk, extra_topk,
                                    head_dim_v)
         return out, lse.transpose(1, 2)
@@ -110,6 +113,7 @@ def flash_mla_with_kvcache(
     with on_device_of(q):
         (b, s_q, h_q, _, _), launcher = _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length,
                                                       out, extra)
+        scale = _scale(softmax_scale, q)
         if out is None:
             out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
@@ -120,16 +124,23 @@ def flash_mla_with_kvcache(
     return out, lse.transpose(1, 2)
 
 
+def _scale(softmax_scale, q: torch.Tensor) -> float:
+    """The call's softmax scale: the given one, or FlashMLA's default 1/sqrt(d_qk) (q checked)."""
+    return float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+
+
 def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, dims: Tuple[int, ...], topk_length: Optional[torch.Tensor],
               has_attn_sink: bool = False, extra_topk_length: Optional[torch.Tensor] = None) -> Launcher:
     """The call's launcher; the first call of a FlashMLASchedMeta also plans and makes the schedule.
     ``dims``: (b, s_q, h_q, topk, extra_topk)."""
     b, s_q, h_q, topk, extra_topk = dims
-    config = (b, s_q, h_q, topk, extra_topk, topk_length is not None, extra_topk_length is not None, q.device)
+    # d_qk names the cache format: a V3.2 and a V4 call of the same shapes are other plans and kernels
+    config = (b, s_q, h_q, q.shape[-1], topk, extra_topk, topk_length is not None, extra_topk_length is not None,
+              q.device)
     if sched.have_initialized:
         if sched.config != config:
             raise ValueError(
-                "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, topk, extra_topk, "
+                "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, d_qk, topk, extra_topk, "
                 f"has_topk_length, has_extra_topk_length, device)={sched.config}, got {config}; use a fresh "
                 "get_mla_metadata() object per shape")
         sched.schedule.ensure_ready()
@@ -162,8 +173,10 @@ def _check_arguments(sched, num_splits, softmax_scale, causal, is_fp8_kvcache, i
         raise ValueError("causal: must be False with indices (sparse decode has no causal mask; causality comes from the indices)")
     if not is_fp8_kvcache:
         raise ValueError("is_fp8_kvcache: must be True with indices (sparse decode reads the FP8 cache)")
-    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
+    if softmax_scale is not None and (not isinstance(softmax_scale, numbers.Real)
+                                      or not abs(float(softmax_scale)) <= FP32_MAX):
+        raise ValueError(f"softmax_scale: expected a finite float (within float32's range, the kernels' type) or None, "
+                         f"got {softmax_scale!r}")
 
 
 def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):
@@ -229,7 +242,7 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
     op, which sees the real tensors (``validate.check_deferred``)."""
     check_tensor("q", q, dtypes=(torch.bfloat16,), dim=4, shape_doc="(b, s_q, h_q, d_qk)")
     b, s_q, h_q, d_qk = q.shape
-    if not isinstance(head_dim_v, int) or head_dim_v != 512:
+    if not isinstance(head_dim_v, numbers.Integral) or head_dim_v != 512:
         raise ValueError(f"head_dim_v: got {head_dim_v!r}, accepted: 512")
     check_tensor("indices", indices, dtypes=(torch.int32,), dim=3, shape=(b, s_q, None), device=q.device,
                  shape_doc="(b, s_q, topk)")
@@ -266,6 +279,7 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
         check_tensor("out", out, dtypes=(torch.bfloat16,), dim=4, shape=(b, s_q, h_q, fmt.d_v), device=q.device,
                      shape_doc=f"(b, s_q, h_q, {fmt.d_v})")
         check_aligned_strides("out", out)
+        check_distinct_elements("out", out)
     _require_cuda(q)
     return b, s_q, h_q, topk, extra_topk
 
@@ -275,6 +289,9 @@ def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
     check_tensor(name, k_cache, dtypes=KV_CACHE_DTYPES, dim=4, device=device,
                  shape_doc="(num_blocks, page_block_size, 1, bytes_per_token)")
     num_blocks, page_block_size, h_k, bytes_per_token = k_cache.shape
+    if num_blocks < 1 or page_block_size < 1:
+        raise ValueError(f"{name}: got {num_blocks} page blocks of {page_block_size} tokens, accepted: at least one "
+                         "page block of at least one token (every request reads its list's first row, valid or not)")
     if h_k != 1:
         raise ValueError(f"{name}: h_k (dim 2) must be 1 (MLA has one latent KV head), got {h_k}")
     try:
@@ -293,7 +310,7 @@ def _check_cache(name: str, k_cache, d_qk: int, device: torch.device):
         check_pointer(name, k_cache, what=CACHE_BASE)
     if stride0 >= 2**31:
         raise ValueError(f"{name}: stride(0) of {stride0} bytes, accepted: below 2^31 bytes per page block")
-    if num_blocks > 1 and stride0 < page_block_size * bytes_per_token:
+    if stride0 < page_block_size * bytes_per_token:   # one block too: the kernels size their row tables by it
         raise ValueError(f"{name}: stride(0) of {stride0} bytes does not hold a page block of {page_block_size} x "
                          f"{bytes_per_token} bytes")
     return fmt

@@ -58,6 +58,17 @@ def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16) -> 
         check_pointer(name, t, align_bytes)
 
 
+def check_distinct_elements(name: str, t: torch.Tensor) -> None:
+    """An output's elements at distinct addresses (no stride 0, no overlapping dims): ordered by
+    stride, each dim longer than one steps past the span of the smaller ones."""
+    span = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < span:
+            raise ValueError(f"{name}: its elements overlap (shape {tuple(t.shape)}, strides {tuple(t.stride())}), "
+                             "accepted: a view whose elements are distinct, such as a slice of a contiguous tensor")
+        span += stride * (size - 1)
+
+
 def check_pointer(name: str, t: Optional[torch.Tensor], align_bytes: int = 16, what: str = "the data pointer") -> None:
     """The base-pointer half of :func:`check_aligned_strides`, and a paged cache's base (``what``:
     :data:`CACHE_BASE`, as its page blocks' alignment starts there); None passes."""

@@ -44,6 +44,9 @@ SUPPORTED_H_Q = (64, 128)
 MAX_QUERY_ROWS = 2**31 - 1   # b * s_q: the combine's grid x and int32 row indices
 MAX_REQUESTS = 2**20         # b: the host scheduler and the plan walk every request in Python
 BLOCK_TOPK = sched.BLOCK_TOPK
+# topk, extra_topk: list positions are int32, and the SM90 kernels carry the extra list's positions
+# offset by 2^30 (kernels/sm90/index_scan.EXTRA_BASE), so each list is shorter than that.
+MAX_TOPK = 2**30 - BLOCK_TOPK
 ACCUM_ITEM_BYTES = {"float32": 4, "bfloat16": 2}   # o_accum element sizes (SparseDecodePlan.accum_dtype)
 LSE_ACCUM_BYTES = 4                    # one fp32 lse_accum entry per (row, token, head)
 FLASHMLA_ACCUM_BYTES_PER_HEAD = 512 * 4 + LSE_ACCUM_BYTES   # FlashMLA's fp32 o_accum row of d_v=512 and its lse
@@ -167,10 +170,11 @@ def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int, extra_topk: 
         raise ValueError(f"b, s_q: got b={b}, s_q={s_q}, accepted: b <= {MAX_REQUESTS} and b * s_q <= {MAX_QUERY_ROWS} "
                          "(the combine's grid and the kernels' row indices are int32; the host scheduler walks "
                          "every request)")
-    if topk % BLOCK_TOPK:
-        raise ValueError(f"topk: got {topk}, accepted: a positive multiple of {BLOCK_TOPK}")
-    if not isinstance(extra_topk, int) or extra_topk < 0 or extra_topk % BLOCK_TOPK:
-        raise ValueError(f"extra_topk: got {extra_topk!r}, accepted: 0 (no extra pool) or a positive multiple of {BLOCK_TOPK}")
+    if topk % BLOCK_TOPK or topk > MAX_TOPK:
+        raise ValueError(f"topk: got {topk}, accepted: a positive multiple of {BLOCK_TOPK} up to {MAX_TOPK}")
+    if not isinstance(extra_topk, int) or extra_topk < 0 or extra_topk % BLOCK_TOPK or extra_topk > MAX_TOPK:
+        raise ValueError(f"extra_topk: got {extra_topk!r}, accepted: 0 (no extra pool) or a positive multiple of "
+                         f"{BLOCK_TOPK} up to {MAX_TOPK}")
     fmt = format_for_d_qk(d_qk)
     if extra_topk and not fmt.extra_pool:
         pools = ", ".join(f"{f.name} (d_qk={f.d_qk})" for f in supported_formats() if f.extra_pool)

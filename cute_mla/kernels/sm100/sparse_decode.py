@@ -1729,7 +1729,7 @@ def _check_cache(what: str, name: str, kv, tile: Tile) -> None:
     if kv.dim() != 3 or kv.stride(1) != row or kv.stride(2) != 1 or kv.stride(0) % pitch:
         raise ValueError(f"{what}: {name} must be (num_blocks, page_block_size, {row}) uint8 with stride(1) == {row} "
                          f"and stride(0) % {pitch} == 0 (a 2-D table of rows for the gather4 TMA), got strides {tuple(kv.stride())}")
-    if tile.scales_in_index and kv.shape[0] > 1 and kv.stride(0) < kv.shape[1] * row:
+    if tile.scales_in_index and kv.stride(0) < kv.shape[1] * row:
         raise ValueError(f"{what}: {name} stride(0) {kv.stride(0)} does not hold a page block "
                          f"({kv.shape[1]} x {row} bytes: data rows, then scale rows)")
     if kv.shape[0] * (kv.stride(0) // pitch) >= 2**31:
