@@ -11,13 +11,17 @@
 #   LOOP_ITERS=K  launches per case in step 5 (default 20 under memcheck; racecheck and synccheck run 2)
 # A hang ends the step: every GPU test waits for its kernel with a watchdog (the test file's
 # finish_or_exit: 60 s, SM100_HANG_TIMEOUT_S), and each step runs under `timeout`. A skipped test
-# fails its step too (on a B200 nothing in the file skips).
+# fails its step too (on a B200 nothing in the file skips), except in step 4's second half: the GPU
+# test files every arch shares (SHARED_GPU_TESTS) skip their SM90-only cases there.
 set -u -o pipefail
 OUT=${OUT:-artifacts/sm100-first-run}
 FROM=${FROM:-1}
 ONLY=${ONLY:-}
 mkdir -p "$OUT"
 GPU_TESTS=tests/test_sm100_gpu.py
+# the arch-generic GPU tests (the combine, the device scheduler, the V4 sweep, the public API, the
+# custom op): on a B200 they compile and run the sm_100a variants
+SHARED_GPU_TESTS="tests/test_combine_gpu.py tests/test_scheduler_gpu.py tests/test_v4_gpu.py tests/test_api_gpu.py tests/test_custom_op.py"
 
 fail() {  # step, what it points at
   echo
@@ -31,12 +35,14 @@ want() {  # whether step $1 runs
 }
 
 pytest_step() {  # step, timeout (s), -k expression ("" = every test); fails on a failure, a hang or a skip
+  # (ALLOW_SKIPS=1: not on a skip); the files: $GPU_TESTS
   local log="$OUT/step$1.log"
   echo "   pytest $GPU_TESTS ${3:+-k \"$3\"} (log: $log)"
-  timeout "$2" python3 -m pytest -x -q -rfs -p no:cacheprovider "$GPU_TESTS" ${3:+-k "$3"} >"$log" 2>&1
+  # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
+  timeout "$2" python3 -m pytest -x -q -rfs -p no:cacheprovider $GPU_TESTS ${3:+-k "$3"} >"$log" 2>&1
   local rc=$?
   grep -E "passed|failed|skipped|error|no tests ran" "$log" | tail -2
-  if [ $rc -ne 0 ] || grep -qE "[0-9]+ skipped" "$log"; then
+  if [ $rc -ne 0 ] || { [ "${ALLOW_SKIPS:-0}" != 1 ] && grep -qE "[0-9]+ skipped" "$log"; }; then
     grep -E "^(FAILED|ERROR|SKIPPED)|Error|assert|!!!" "$log" | head -12
     [ $rc -eq 124 ] && echo "   (timed out after $2 s)"
     return 1
@@ -49,12 +55,12 @@ python3 - >"$OUT/step0-gpu.log" 2>&1 <<'PY' || { echo "REFUSED: $(tail -1 "$OUT/
 import sys
 import torch
 if not torch.cuda.is_available():
-    sys.exit("no CUDA GPU visible: this script runs the SM100 kernel on a B200 (compute capability 10.x)")
+    sys.exit("no CUDA GPU visible: this script runs the SM100 kernel on a B200 (compute capability 10.0)")
 major, minor = torch.cuda.get_device_capability()
 name = torch.cuda.get_device_name()
 print(f"{name}: compute capability {major}.{minor}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
-if major != 10:
-    sys.exit(f"{name} is compute capability {major}.{minor}, not 10.x: the SM100 kernel (sm_100a) cannot run "
+if (major, minor) != (10, 0):
+    sys.exit(f"{name} is compute capability {major}.{minor}, not 10.0: the SM100 kernel (sm_100a) cannot run "
              "here (on an H200 use benchmarks/gpu_check.sh)")
 import cutlass  # noqa: F401
 import cute_mla
@@ -98,6 +104,10 @@ if want 4; then
   pytest_step 4 3000 "" || fail 4 \
     "The first failure above names the case; its diagnose() table lists the wrong requests, tokens and heads
    (split pieces marked). See docs/sm100.md for what each part of the kernel owns."
+  echo "== step 4, shared files: $SHARED_GPU_TESTS"
+  GPU_TESTS=$SHARED_GPU_TESTS ALLOW_SKIPS=1 pytest_step 4-shared 2400 "" || fail 4 \
+    "A shared GPU test on SM100: the combine (fp32 partials there), the device scheduler's sm_100a build, the V4
+   sweep or the public API's paths (plans, schedules, CUDA graphs, the custom op) with the SM100 kernel."
 fi
 
 # ---- step 5: many launches under compute-sanitizer

@@ -27,8 +27,8 @@ class ArchSpec:
 
     name: str                    # the compile target (``--gpu-arch``)
     family: str
-    major: int                   # compute capability of the GPUs that run it
-    minor: Optional[int]         # None: any minor (sm_90a needs exactly 9.0)
+    major: int                   # compute capability of the GPUs that run it, exactly: an 'a' target's
+    minor: int                   # features exist only there (sm_90a on 9.0, sm_100a on 10.0, not 10.3)
     kernel: str                  # the sparse decode kernel's name in plans and reports
     kernel_module: str           # where its config / compile / launch live
     default_num_sms: int         # planning without a device (``cute-mla plan``): H100/H200, B200
@@ -57,7 +57,7 @@ SM90 = ArchSpec(
     tensor_maps_no_split=("q", "out"), tensor_maps_split=("q", "out", "o_accum"),
 )
 SM100 = ArchSpec(
-    name="sm_100a", family="Blackwell", major=10, minor=None, kernel="sm100_sparse_decode",
+    name="sm_100a", family="Blackwell", major=10, minor=0, kernel="sm100_sparse_decode",
     kernel_module="cute_mla.kernels.sm100.sparse_decode", default_num_sms=148,
     accum_dtype="float32", no_split_max_topk=640, parts_per_head_block=False, zero_overhead_rule=False,
     tensor_maps_no_split=("q", "kv_nope", "kv_rope", "out"),
@@ -105,9 +105,9 @@ def device_spec(device: torch.device) -> ArchSpec:
         raise UnsupportedDeviceError(f"cute-mla kernels need a CUDA device; got tensors on {device}")
     props = _props(device)
     for spec in ARCHS.values():
-        if props.major == spec.major and spec.minor in (None, props.minor):
+        if (props.major, props.minor) == (spec.major, spec.minor):
             return spec
-    supported = " and ".join(f"{a.family} ({a.major}.{a.minor if a.minor is not None else 'x'})" for a in ARCHS.values())
+    supported = " and ".join(f"{a.family} ({a.major}.{a.minor})" for a in ARCHS.values())
     raise UnsupportedDeviceError(
         f"cute-mla supports {supported}; {props.name} is compute capability {props.major}.{props.minor}")
 

@@ -8,21 +8,23 @@ import pytest
 import torch
 
 
-def _gpu_major():
+def _gpu_capability():
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_capability()[0]
+    return torch.cuda.get_device_capability()
 
 
 def pytest_collection_modifyitems(config, items):
-    major = _gpu_major()
+    from cute_mla.archs import SM90, SM100
+
+    cc = _gpu_capability()
     for item in items:
-        if "gpu" in item.keywords and major is None:
+        if "gpu" in item.keywords and cc is None:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        elif "sm90" in item.keywords and major != 9:
-            item.add_marker(pytest.mark.skip(reason="needs an SM90 (Hopper) GPU"))
-        elif "sm100" in item.keywords and major != 10:
-            item.add_marker(pytest.mark.skip(reason="needs an SM100 (Blackwell) GPU"))
+        elif "sm90" in item.keywords and cc != (SM90.major, SM90.minor):
+            item.add_marker(pytest.mark.skip(reason="needs an SM90 (Hopper, 9.0) GPU"))
+        elif "sm100" in item.keywords and cc != (SM100.major, SM100.minor):
+            item.add_marker(pytest.mark.skip(reason="needs an SM100 (Blackwell, 10.0) GPU"))
 
 
 @pytest.fixture

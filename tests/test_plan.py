@@ -479,3 +479,22 @@ def test_list_lengths_fit_the_extra_offset():
     from cute_mla.plan.plan import MAX_TOPK
 
     assert MAX_TOPK <= EXTRA_BASE and EXTRA_BASE + MAX_TOPK <= 2**31 - 1
+
+
+@pytest.mark.parametrize("cc,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), None), ((9, 1), None),
+                                     ((12, 0), None), ((8, 0), None)])
+def test_device_arch_is_exact(monkeypatch, cc, arch):
+    """An 'a' target's features exist only on its own compute capability: sm_90a on 9.0 and
+    sm_100a on 10.0; a B300 (10.3) or an RTX Blackwell (12.0) gets a clear refusal, not kernels
+    that do not load."""
+    from types import SimpleNamespace
+
+    from cute_mla import archs
+
+    monkeypatch.setattr(archs, "_props", lambda device: SimpleNamespace(major=cc[0], minor=cc[1], name="a GPU"))
+    if arch is not None:
+        assert archs.device_spec(torch.device("cuda", 0)).name == arch
+    else:
+        with pytest.raises(archs.UnsupportedDeviceError, match=rf"Hopper \(9\.0\) and Blackwell \(10\.0\); "
+                                                                rf"a GPU is compute capability {cc[0]}\.{cc[1]}"):
+            archs.device_spec(torch.device("cuda", 0))

@@ -1,7 +1,7 @@
 """GPU (SM100 / B200): the sparse decode main kernel against the fp32 torch reference.
 
 NOT RUN YET: no Blackwell GPU was available when this was written. It is meant to run as-is on a
-compute-capability 10.x GPU (it skips elsewhere) and is the first thing to run there (see
+compute-capability 10.0 GPU (it skips elsewhere) and is the first thing to run there (see
 docs/sm100.md, "what to check first on real hardware").
 
 FlashMLA's sparse-decode sweep and tolerances: h_q 64/128; (s_k, topk, page_block_size) in
@@ -218,7 +218,7 @@ def test_public_api_dispatches_here(seed):
                                       is_fp8_kvcache=True, indices=x.indices, attn_sink=x.attn_sink)
         assert sched.plan.kernel == "sm100_sparse_decode"
         ro, rl = sparse_decode_reference(x.q, x.k_cache, x.indices, x.softmax_scale, x.attn_sink)
-        torch.cuda.synchronize()
+        finish_or_exit(f"public API b={b} topk={topk}")
         check_out_lse(o, l, ro, rl)
 
 
@@ -409,7 +409,7 @@ def test_v4_public_api_dispatches_here(seed):
         o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **x.call_kwargs())
         assert sched.plan.kernel == "sm100_sparse_decode"
         ro, rl = x.reference()
-        torch.cuda.synchronize()
+        finish_or_exit(f"public API V4 b={b} topk={topk} extra={extra}")
         check_out_lse(o, l, ro, rl)
 
 
