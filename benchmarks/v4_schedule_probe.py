@@ -3,9 +3,8 @@ partition per request <-> the split schedule), end to end, interleaved, with the
 twice (the spread between two identical graphs). Only the plan's window for one partition per
 request differs (``plan.PER_REQUEST_WAVES``, ``PER_REQUEST_HEADS``, ``PER_REQUEST_MAX_BLOCKS``,
 ``PER_REQUEST_TINY_MAX_WAVES``): opened, it forces one partition per request; shut, the split
-schedule. Rows whose plan
-packs whole requests (``plan.sm90_packed``) have no other schedule through that window and are
-reported as such.
+schedule. Rows whose plan packs whole requests (``plan.sm90_packed``) have no other schedule
+through that window and are reported as such.
 
     python -m benchmarks.v4_schedule_probe [--rows "b,h,extra;..."] [--rounds 5]
 """

@@ -57,16 +57,31 @@ def v32_row(b, h, topk, g):
     return row, (cache, None)
 
 
+def row_plan(fmt, b, h, topk, extra):
+    """The plan of a row's call (s_q = 1, lengths given) on this GPU."""
+    return plan_mod.plan_sparse_decode(b, 1, h, fmt.d_qk, topk, arch=SM90.name,
+                                       num_sms=device_num_sms(torch.device("cuda")), has_topk_length=True,
+                                       extra_topk=extra, has_extra_topk_length=extra > 0)
+
+
 def per_request_plan(fmt, b, h, topk, extra):
     """The row's plan with one partition per request (the wave window and the list-length limit
     opened, whole-request packing shut for this call)."""
     with v4b.plan_constants(**v4b.PER_REQUEST_OPEN, **v4b.NO_PACKING):
-        plan = plan_mod.plan_sparse_decode(b, 1, h, fmt.d_qk, topk, arch=SM90.name,
-                                           num_sms=device_num_sms(torch.device("cuda")), has_topk_length=True,
-                                           extra_topk=extra, has_extra_topk_length=extra > 0)
+        plan = row_plan(fmt, b, h, topk, extra)
     if plan.schedule != "per_request":
         raise SystemExit(f"b={b} h={h}: the plan could not be forced to one partition per request ({plan.schedule})")
     return plan
+
+
+def row_kernel(plan, row, pools):
+    """(launch, stamps, schedule) of the row's decode kernel with the timeline, on the schedule
+    its plan makes (``pools``: the main and extra caches)."""
+    schedule = make_schedule(plan, row["q"].device, row["topk_length"], row["extra_topk_length"])
+    extra = (pools[1], row["extra_indices"], row["extra_topk_length"]) if plan.extra_topk else (None,) * 3
+    launch, stamps = stamped_kernel(plan, schedule, row["q"], pools[0], row["indices"], topk_length=row["topk_length"],
+                                    attn_sink=row["attn_sink"], extra=extra)
+    return launch, stamps, schedule
 
 
 def request_blocks(row, plan):
@@ -109,13 +124,8 @@ def spans(rows, replays, pools, g):
     """``--spans``: each row under the plan its call would take (module docstring)."""
     for b, h, extra in rows:
         row = v4b.make_row(b, h, extra, 0.0, g)
-        plan = plan_mod.plan_sparse_decode(b, 1, h, V4.d_qk, v4b.TOPK, arch=SM90.name,
-                                           num_sms=device_num_sms(torch.device("cuda")), has_topk_length=True,
-                                           extra_topk=extra, has_extra_topk_length=extra > 0)
-        schedule = make_schedule(plan, row["q"].device, row["topk_length"], row["extra_topk_length"])
-        ext = (pools[1], row["extra_indices"], row["extra_topk_length"]) if extra else (None,) * 3
-        launch, stamps = stamped_kernel(plan, schedule, row["q"], pools[0], row["indices"],
-                                        topk_length=row["topk_length"], attn_sink=row["attn_sink"], extra=ext)
+        plan = row_plan(V4, b, h, v4b.TOPK, extra)
+        launch, stamps, schedule = row_kernel(plan, row, pools)
         work = partition_work(schedule.tile_md, request_blocks(row, plan))
         tiles, pieces, span, ns = [], [], [], []
         graph = stamped_graph(launch)
@@ -186,10 +196,7 @@ def main():
         else:
             (row, row_pools), plan = v32_row(b, h, n, g), per_request_plan(V32, b, h, n, 0)
             label = f"V3.2 b={b} h={h} topk={n}"
-        schedule = make_schedule(plan, row["q"].device, row["topk_length"], row["extra_topk_length"])
-        extra = (row_pools[1], row["extra_indices"], row["extra_topk_length"]) if plan.extra_topk else (None,) * 3
-        launch, stamps = stamped_kernel(plan, schedule, row["q"], row_pools[0], row["indices"],
-                                        topk_length=row["topk_length"], attn_sink=row["attn_sink"], extra=extra)
+        launch, stamps, schedule = row_kernel(plan, row, row_pools)
         req_of_part = schedule.tile_md[:, int(SchedField.BEGIN_REQ)].cpu().tolist()
         lengths = row["topk_length"] if row["extra_topk_length"] is None else row["topk_length"] + row["extra_topk_length"]
         lengths = lengths.cpu().tolist()
