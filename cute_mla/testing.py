@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -65,6 +65,12 @@ class InputOptions:
     extra_num_tokens: Optional[int] = None        # tokens of the extra pool (None: num_tokens)
     extra_page_block_size: Optional[int] = None   # its page block size (None: page_block_size)
     with_extra_topk_length: bool = False
+    # Given lengths instead of random ones (b values each; they imply with_topk_length /
+    # with_extra_topk_length). A test that needs particular lengths passes them here rather than
+    # setting them after the call: the NaN bytes go to the slots these lengths leave unread, so a
+    # later, longer length would make valid tokens NaN and the reference NaN with them.
+    topk_lengths: Optional[Tuple[int, ...]] = None
+    extra_topk_lengths: Optional[Tuple[int, ...]] = None
 
 
 def make_inputs(b: int, s_q: int, h_q: int, topk: int, **options) -> SparseDecodeInputs:
@@ -101,12 +107,16 @@ def _make_inputs(b: int, s_q: int, h_q: int, topk: int, o: InputOptions) -> Spar
     fmt = format_for_d_qk(o.d_qk)
     if o.extra_topk and not fmt.extra_pool:
         raise ValueError(f"make_inputs: extra_topk needs the V4 format (d_qk={V4.d_qk}), got d_qk={o.d_qk}")
+    if o.extra_topk_lengths is not None and not o.extra_topk:
+        raise ValueError("make_inputs: extra_topk_lengths needs an extra pool (extra_topk > 0)")
     g = o.generator
     q = (torch.randn(b, s_q, h_q, fmt.d_qk, generator=g).clamp(-1, 1)).to(torch.bfloat16)
     cache, num_tokens = _random_cache(fmt, o.num_tokens, o.page_block_size, o)
     idx, empty_rows = _random_indices(b, s_q, topk, num_tokens, o)
     topk_length = None
-    if o.with_topk_length:
+    if o.topk_lengths is not None:
+        topk_length = _given_lengths("topk_lengths", o.topk_lengths, b)
+    elif o.with_topk_length:
         topk_length = torch.randint(0, topk + 1, (b,), generator=g, dtype=torch.int32)
         topk_length[0] = 0 if b > 1 else topk_length[0]
     if o.nan_unused:
@@ -157,11 +167,19 @@ def _random_extra_pool(fmt: KVCacheFormat, b: int, s_q: int, empty_rows, o: Inpu
     for row in empty_rows:
         flat[row] = -1
     length = None
-    if o.with_extra_topk_length:
+    if o.extra_topk_lengths is not None:
+        length = _given_lengths("extra_topk_lengths", o.extra_topk_lengths, b)
+    elif o.with_extra_topk_length:
         length = torch.randint(0, o.extra_topk + 1, (b,), generator=g, dtype=torch.int32)
     if o.nan_unused:
         _poison_unused_rows(cache, fmt, idx, length, num_tokens)
     return cache, idx, length
+
+
+def _given_lengths(name: str, lengths: Sequence[int], b: int) -> torch.Tensor:
+    if len(lengths) != b:
+        raise ValueError(f"make_inputs: {name} needs one length per request ({b}), got {len(lengths)}")
+    return torch.tensor([int(n) for n in lengths], dtype=torch.int32)
 
 
 def _to_device(cache: Optional[torch.Tensor], dev: torch.device) -> Optional[torch.Tensor]:
@@ -251,7 +269,16 @@ def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_out_lse(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> None:
-    """The sparse decode tolerances of FlashMLA's test suite."""
+    """The sparse decode tolerances of FlashMLA's test suite.
+
+    A NaN in the reference is refused first: well-formed inputs never give one (an all-invalid row
+    is out 0, lse +inf), and check_allclose passes NaN positions that match, so a reference that
+    reads a NaN-filled slot would check nothing there against an output left NaN."""
+    for name, ref in (("out", ref_out), ("lse", ref_lse)):
+        nan = torch.isnan(ref)
+        assert not nan.any(), (f"reference {name} has {int(nan.sum())} NaN elements, first at "
+                               f"{nan.nonzero()[0].tolist()}: the inputs let a valid token read a NaN-filled "
+                               "cache slot (lengths set after make_inputs poisoned the unread ones?)")
     check_allclose("out", out.float(), ref_out, abs_tol=1e-3, rel_tol=2.01 / 128, cos_diff_tol=5e-6)
     check_allclose("lse", lse.float(), ref_lse, abs_tol=1e-6, rel_tol=8.01 / 65536)
 

@@ -49,11 +49,10 @@ def test_topk_length_and_odd_scales(seed, h_q, b, s_q, topk):
     check(x, o, l)
 
 
-@pytest.mark.parametrize("h_q", [64, 128])
-@pytest.mark.parametrize("s_q", [1, 128, 1024, 8192])
+# s_q 8192 at h_q 64 only, to keep the GPU run short (h_q 128 reaches 1024 here; the SM90 tests run
+# its token walk at 150 tokens and the benchmarks at 8192).
+@pytest.mark.parametrize("s_q,h_q", [(1, 64), (128, 64), (1024, 64), (8192, 64), (1, 128), (128, 128), (1024, 128)])
 def test_mixed_batch(seed, h_q, s_q):
-    if h_q == 128 and s_q == 8192:
-        pytest.skip("covered by the 64-head case; keeps the GPU run short")
     x = make_inputs(1, s_q, h_q, 2048, num_tokens=65536, page_block_size=64, with_sink=(s_q < 1024),
                     unique=False, nan_unused=(s_q <= 128), device="cuda")
     o, l, _ = run_case(x)

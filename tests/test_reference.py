@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from cute_mla.formats import dequantize_v32
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import make_inputs
 
@@ -21,9 +20,28 @@ def assert_matches_float64(out, lse, rout, rlse):
     assert (out.double() - rout).abs().max() < 1e-5
     assert not torch.isnan(out).any()
 
+def decode_v32_float64(k_cache):
+    """A V3.2 cache decoded byte by byte from its address formula, independent of the format module:
+    token ``t`` of a ``page``-token block has its 656-B row at ``(t // page) * stride(0) + (t % page)
+    * 656``: 512 e4m3 NoPE (group g = dims [128g, 128g + 128)), 4 fp32 scales, 64 bf16 RoPE. Each
+    NoPE key is float32(e4m3) * scale rounded to bf16 once, as the format defines it. Returns
+    (num_tokens, 576) float64."""
+    nb, page = k_cache.shape[0], k_cache.shape[1]
+    flat = torch.empty(0, dtype=torch.uint8).set_(k_cache.untyped_storage())
+    base0, stride0 = k_cache.storage_offset() * k_cache.element_size(), k_cache.stride(0) * k_cache.element_size()
+    keys = []
+    for t in range(nb * page):
+        row = flat[base0 + (t // page) * stride0 + (t % page) * 656:][:656]
+        nope = row[:512].view(torch.float8_e4m3fn).float()
+        scales = row[512:528].view(torch.float32).repeat_interleave(128)
+        rope = row[528:656].view(torch.bfloat16).double()
+        keys.append(torch.cat([(nope * scales).to(torch.bfloat16).double(), rope]))
+    return torch.stack(keys)
+
+
 def direct_float64(q, k_cache, indices, scale, sink, topk_length):
     b, s_q, h_q, _ = q.shape
-    kv = dequantize_v32(k_cache.reshape(-1, 656)).to(torch.bfloat16).double()
+    kv = decode_v32_float64(k_cache)
     n_tok = kv.shape[0]
     out = torch.zeros(b, s_q, h_q, 512, dtype=torch.float64)
     lse = torch.zeros(b, h_q, s_q, dtype=torch.float64)
@@ -219,6 +237,9 @@ def test_v4_lengths_out_of_range_and_invalid_indices(seed):
     d = sparse_decode_reference(x.q, x.k_cache, idx, x.softmax_scale, extra_k_cache=x.extra_k_cache,
                                 extra_indices=torch.where(torch.arange(128) < 3, -1, eidx))
     assert torch.equal(c[0], d[0]) and torch.equal(c[1], d[1])
+    e = sparse_decode_reference(x.q, x.k_cache, torch.where(torch.arange(64) < 1, -1, idx), x.softmax_scale,
+                                extra_k_cache=x.extra_k_cache, extra_indices=eidx)
+    assert not torch.equal(c[1], e[1])      # ... while in the main pool (256 tokens) index 200 counts
 
 
 def test_v4_empty_rows_and_sinks(seed):

@@ -56,12 +56,20 @@ def _kernel(h_q, split, has_topk_length, has_attn_sink, d_qk=576, has_extra=Fals
 
 
 def _schedule(topk, topk_length, b, split, s_q, h_q, device, extra_topk=0, extra_topk_length=None):
-    """The host schedule of a request's main blocks, then its extra blocks (the scheduler's rule)."""
+    """The host schedule of a request's main blocks, then its extra blocks (the scheduler's rule).
+    A split schedule is the one for this GPU's partition count; where that cuts no request but a
+    request has more than one block, the partition count doubles until one is cut, so every
+    ``split`` case whose requests can be cut writes and merges partials (one-block requests cannot
+    be: those cases run the split variant's whole-request path)."""
     lengths = lambda t: None if t is None else t.tolist()  # noqa: E731
     nb = blocks_per_request(topk, lengths(topk_length), b, extra_topk=extra_topk,
                             extra_topk_length=lengths(extra_topk_length))
     if split:
-        s = plan_splits_host(nb, num_sm_parts("sm_100a", _num_sms(), s_q, h_q))
+        parts = num_sm_parts("sm_100a", _num_sms(), s_q, h_q)
+        s = plan_splits_host(nb, parts)
+        while not s.any_split and max(nb) > 1:
+            parts *= 2
+            s = plan_splits_host(nb, parts)
     else:
         s = HostSchedule(rows=per_request_rows(nb), num_splits=tuple(range(b + 1)))
     tile_md = torch.tensor(s.rows, dtype=torch.int32, device=device).reshape(len(s.rows), 8)
@@ -231,8 +239,7 @@ def test_all_invalid_rows_and_zero_lengths(seed):
     g = torch.Generator().manual_seed(seed)
     for h_q in (64, 128):
         inp = make_inputs(4, 2, h_q, 128, num_tokens=1024, page_block_size=64, all_invalid_rows=2,
-                          with_topk_length=True, nan_unused=True, device="cuda", generator=g)
-        inp.topk_length = torch.tensor([0, 128, 0, 77], dtype=torch.int32, device="cuda")
+                          topk_lengths=(0, 128, 0, 77), nan_unused=True, device="cuda", generator=g)
         for split in (False, True):
             out, lse, _ = run_kernel(inp, split)
             assert (out[0] == 0).all() and (out[2] == 0).all() and (lse[[0, 2]] == float("inf")).all()
@@ -256,9 +263,8 @@ def test_empty_range_writes_an_empty_request(seed, h_q):
     Partition 1: request 2 from block 5 (its topk_length 64 gives it 1 block: empty, the CTA's
     first request), request 3 blocks [0, 4) (its topk_length 256: all of it)."""
     g = torch.Generator().manual_seed(seed)
-    inp = make_inputs(4, 2, h_q, 512, num_tokens=2048, page_block_size=64, with_topk_length=True,
+    inp = make_inputs(4, 2, h_q, 512, num_tokens=2048, page_block_size=64, topk_lengths=(512, 300, 64, 256),
                       out_of_range_frac=0.05, device="cuda", generator=g)
-    inp.topk_length = torch.tensor([512, 300, 64, 256], dtype=torch.int32, device="cuda")
     rows = ((0, 1, 0, 0, 0, 0, 0, 0), (2, 3, 5, 4, 0, 0, 0, 0))
     out, lse, _ = run_kernel(inp, split=False, schedule=_uploaded(HostSchedule(rows, tuple(range(5)))))
     ref_out, ref_lse = inp.reference()
@@ -276,11 +282,10 @@ def test_stale_split_schedule_after_a_shorter_topk_length(seed, h_q):
     o_accum 0 and lse_accum -inf), partition 1 still covers its valid tokens. The merged result is
     the reference of the new lengths, and nothing hangs."""
     g = torch.Generator().manual_seed(seed)
-    inp = make_inputs(3, 1, h_q, 2048, num_tokens=8192, page_block_size=64, with_topk_length=True,
+    inp = make_inputs(3, 1, h_q, 2048, num_tokens=8192, page_block_size=64, topk_lengths=(2048, 100, 2048),
                       with_sink=True, out_of_range_frac=0.05, device="cuda", generator=g)
     old = plan_splits_host(blocks_per_request(2048, [2048] * 3), 4)
     assert old.rows[2][:4] == (1, 2, 19, 10), old.rows      # request 1 starts partition 2 at block 19
-    inp.topk_length = torch.tensor([2048, 100, 2048], dtype=torch.int32, device="cuda")
     _check(inp, split=True, schedule=_uploaded(old))
 
 
@@ -291,8 +296,8 @@ def test_public_api_reused_schedule_with_changed_topk_length(seed):
     from cute_mla import flash_mla_with_kvcache, get_mla_metadata
 
     g = torch.Generator().manual_seed(seed)
-    x = make_inputs(3, 1, 64, 2048, num_tokens=8192, page_block_size=64, with_topk_length=True, device="cuda",
-                    generator=g)
+    x = make_inputs(3, 1, 64, 2048, num_tokens=8192, page_block_size=64, topk_lengths=(2048, 2048, 2048),
+                    device="cuda", generator=g)
     sched, _ = get_mla_metadata()
     for lengths in ([2048, 2048, 2048], [2048, 100, 2048]):
         x.topk_length = torch.tensor(lengths, dtype=torch.int32, device="cuda")
@@ -358,26 +363,28 @@ def test_v4_sweep(seed, h_q, case, split):
     _check(inp, split)
 
 
+@pytest.mark.parametrize("parts", [13, 74, 148])
 @pytest.mark.parametrize("h_q", [64, 128])
-def test_v4_split_pieces_cross_into_the_extra_list(seed, h_q):
+def test_v4_split_pieces_cross_into_the_extra_list(seed, h_q, parts):
     """Greedy pieces that start inside the extra list and pieces that span main and extra blocks:
-    the kernel's per-block pool choice (main blocks first, then extra) against the scheduler's."""
+    the kernel's per-block pool choice (main blocks first, then extra) against the scheduler's.
+    The schedule is the host planner's for a fixed partition count (74 and 148 are a B200's at h_q
+    128 and 64), so the pieces cross whatever this GPU's SM count is."""
     inp = v4_sweep_inputs(seed, 8, 1, h_q, 2048, num_tokens=8192, page_block_size=64, extra_topk=1024,
                      extra_num_tokens=4096, extra_page_block_size=53, all_invalid_rows=1)
-    sched = _check(inp, split=True)
+    sched = plan_splits_host(blocks_per_request(2048, None, 8, extra_topk=1024), parts)
     n_main = 2048 // 64
     assert sched.any_split
     assert any(r[0] == r[1] and r[2] < n_main < r[3] for r in sched.rows), "no piece spans main and extra blocks"
     assert any(r[2] > n_main for r in sched.rows), "no piece starts inside the extra list"
+    _check(inp, split=True, schedule=_uploaded(sched))
 
 
 def test_v4_lengths_zero_and_empty_lists(seed):
     """topk_length 0 (one masked main block), extra_topk_length 0 (no extra block), both at once."""
     inp = v4_sweep_inputs(seed, 3, 2, 64, 128, num_tokens=1024, page_block_size=53, extra_topk=128,
-                     extra_num_tokens=512, extra_page_block_size=2, with_topk_length=True,
-                     with_extra_topk_length=True)
-    inp.topk_length = torch.tensor([0, 0, 77], dtype=torch.int32, device="cuda")
-    inp.extra_topk_length = torch.tensor([0, 65, 0], dtype=torch.int32, device="cuda")
+                     extra_num_tokens=512, extra_page_block_size=2, topk_lengths=(0, 0, 77),
+                     extra_topk_lengths=(0, 65, 0))
     _check(inp, split=False)
     _check(inp, split=True)
 
@@ -391,10 +398,9 @@ def test_v4_stale_schedule_with_the_extra_pool(seed, h_q):
     a list's length); partition 1 starts request 0 at block 14 of its 9 (an empty piece). Every
     valid block is still in exactly one piece: the reference of the new lengths, and nothing hangs."""
     inp = v4_sweep_inputs(seed, 2, 1, h_q, 512, num_tokens=2048, page_block_size=64, extra_topk=512,
-                     extra_num_tokens=1024, extra_page_block_size=2, with_topk_length=True)
+                     extra_num_tokens=1024, extra_page_block_size=2, topk_lengths=(64, 64))
     old = plan_splits_host(blocks_per_request(512, [512, 512], extra_topk=512), 3)
     assert old.rows[0][:4] == (0, 0, 0, 14) and old.rows[1][:4] == (0, 1, 14, 7), old.rows
-    inp.topk_length = torch.tensor([64, 64], dtype=torch.int32, device="cuda")
     _check(inp, split=True, schedule=_uploaded(old))
 
 

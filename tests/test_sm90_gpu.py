@@ -76,8 +76,9 @@ def test_sparse_decode_matches_reference(name, seed):
         raise
 
 
-def _mask_pattern(idx, pattern, g):
-    """Overwrite entries of ``idx`` (b, s_q, topk) with -1 in a layout the index compaction must survive."""
+def _mask_pattern(idx, pattern, g, num_tokens, topk_length=None):
+    """Overwrite entries of ``idx`` (b, s_q, topk) with -1 in a layout the index compaction must survive
+    (``num_tokens`` and ``topk_length`` say which entries are valid, for ``one_valid``)."""
     flat = idx.view(-1, idx.shape[-1])
     topk = flat.shape[1]
     pos = torch.arange(topk)
@@ -95,11 +96,16 @@ def _mask_pattern(idx, pattern, g):
                 if torch.rand(1, generator=g) < 0.5:
                     flat[row, p : p + n] = -1
                 p += n
-    elif pattern == "one_valid":  # a single valid token per list, at a random position
-        keep = torch.randint(0, topk, (flat.shape[0],), generator=g)
-        kept = flat[torch.arange(flat.shape[0]), keep].clone()
-        flat[:] = -1
-        flat[torch.arange(flat.shape[0]), keep] = kept
+    elif pattern == "one_valid":  # one valid token per list, at a random one of its valid positions
+        s_q = idx.shape[1]
+        for row in range(flat.shape[0]):
+            length = topk if topk_length is None else int(topk_length[row // s_q])
+            ok = ((flat[row] >= 0) & (flat[row] < num_tokens) & (pos < length)).nonzero().flatten()
+            keep = int(ok[torch.randint(0, len(ok), (1,), generator=g)]) if len(ok) else None
+            kept = int(flat[row, keep]) if keep is not None else -1
+            flat[row] = -1
+            if keep is not None:    # (a list with no valid entry, e.g. topk_length 0, stays empty)
+                flat[row, keep] = kept
     elif pattern != "none":
         raise ValueError(pattern)
 
@@ -109,7 +115,7 @@ def _patterned_inputs(b, s_q, h_q, topk, tl, invalid_frac, pattern, seed):
     g = torch.Generator().manual_seed(seed)
     inp = make_inputs(b, s_q, h_q, topk, num_tokens=2 * topk, page_block_size=64, invalid_frac=invalid_frac,
                       out_of_range_frac=0.05, with_topk_length=tl, with_sink=True, device="cpu", generator=g)
-    _mask_pattern(inp.indices, pattern, g)
+    _mask_pattern(inp.indices, pattern, g, 2 * topk, inp.topk_length)
     return type(inp)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(inp).items()})
 
 

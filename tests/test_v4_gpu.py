@@ -95,16 +95,27 @@ def test_v4_sweep(seed, h_q, case):
 def test_v4_rows_without_valid_tokens(seed, h_q, b, s_q, extra_topk):
     """Rows with no valid token in either list (all -1, out of range, or lengths of 0) give out 0
     and lse +inf, sinks or not; rows whose main list is empty but not their extra list (and the
-    reverse) attend the other list only."""
+    reverse) attend the other list only.
+
+    With an extra list, the lengths are given (the NaN bytes go where they leave slots unread):
+    request 0 has no main list (so token 0, its extra list made invalid below, has nothing valid),
+    the last request no main list and a non-empty extra one, request 1 a main list and no extra one."""
+    lengths = {}
+    if extra_topk:
+        g = torch.Generator().manual_seed(seed)
+        main = torch.randint(1, 129, (b,), generator=g).tolist()
+        extra = torch.randint(1, extra_topk + 1, (b,), generator=g).tolist()
+        main[0] = main[-1] = 0
+        extra[1] = 0
+        lengths = dict(topk_lengths=tuple(main), extra_topk_lengths=tuple(extra))
+    else:
+        lengths = dict(with_topk_length=True)
     x = v4_sweep_inputs(seed, b, s_q, h_q, 128, num_tokens=1024, page_block_size=53, extra_topk=extra_topk,
-               extra_num_tokens=1024, extra_page_block_size=2, with_topk_length=True,
-               with_extra_topk_length=bool(extra_topk), all_invalid_rows=1)
+                        extra_num_tokens=1024, extra_page_block_size=2, all_invalid_rows=1, **lengths)
     x.indices[0, 0] = -1                                         # request 0, token 0: nothing valid ...
     if extra_topk:
         x.extra_indices[0, 0, ::2] = -1
         x.extra_indices[0, 0, 1::2] = 2**31 - 1                  # ... out of range in the extra pool
-        x.topk_length[-1] = 0                                    # the last request: main list empty,
-        x.extra_topk_length[-1] = min(int(x.extra_topk_length[-1]), extra_topk // 2)   # extra list not (shortened)
     o, l, _ = run_case(x)
     check(x, o, l)
     torch.cuda.synchronize()
