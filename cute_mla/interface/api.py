@@ -93,8 +93,29 @@ def flash_mla_with_kvcache(
     out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode, FlashMLA's signature. Returns ``out`` (b, s_q, h_q, 512) bf16 and ``lse``
-    (b, h_q, s_q) fp32 natural log (a transposed view, as FlashMLA's). ``block_table`` and
-    ``cache_seqlens`` are ignored in sparse mode (the indices already address the cache).
+    (b, h_q, s_q) fp32 natural log (a transposed view, as FlashMLA's); a row with no valid token
+    gets out 0 and lse +inf. ``block_table`` and ``cache_seqlens`` are ignored in sparse mode (the
+    indices already address the cache).
+
+    Accepted (every argument is checked before any launch; a bad one raises ``ValueError``,
+    ``TypeError`` or ``NotImplementedError`` naming it, what was given and what is accepted):
+
+    - ``q``: (b, s_q, h_q, d_qk) bf16 on a CUDA device, h_q 64 or 128, d_qk 576 (V3.2) or 512 (V4).
+    - ``k_cache``: (num_blocks, page_block_size, 1, row bytes of the format: ``formats.V32`` or
+      ``formats.V4``), a uint8, int8 or float8_e4m3fn view of the FP8 cache; any ``stride(0)``
+      that holds a page block (SM100 V4: a multiple of its 576-B data row).
+    - ``head_dim_v`` 512; ``tile_scheduler_metadata`` from :func:`get_mla_metadata` (one per
+      decode step, shared by its layers); ``num_splits`` None; ``causal`` False;
+      ``is_fp8_kvcache`` True; ``softmax_scale`` a finite float (default ``d_qk ** -0.5``).
+    - ``indices``: (b, s_q, topk) int32, topk a multiple of 64; -1, any other negative value or
+      an index past the pool is an invalid entry.
+    - ``attn_sink``: None or (h_q,) fp32 (+-inf allowed): out scaled by 1 / (1 + exp(sink - lse)),
+      lse unchanged. ``topk_length``: None or (b,) int32, request i uses its first
+      ``topk_length[i]`` indices.
+    - V4 only: ``extra_k_cache`` (a second V4 cache, its own page block size),
+      ``extra_indices_in_kvcache`` (b, s_q, extra_topk) int32 with extra_topk a multiple of 64,
+      ``extra_topk_length`` None or (b,) int32; the softmax is taken over both lists jointly.
+    - ``out``: None or a preallocated (b, s_q, h_q, 512) bf16 tensor whose elements do not overlap.
 
     Under ``torch.compile`` the call traces as the ``cute_mla::sparse_decode_schedule`` and
     ``cute_mla::sparse_decode`` ops (:mod:`.ops`), with the same checks; ``tile_scheduler_metadata``

@@ -11,9 +11,9 @@ launched **only when at least one request is split**.
   accumulators have exactly the real split rows (only split requests own rows, see
   :func:`cute_mla.scheduler.accum_offsets`).
 - topk_length given (device values the host must not read): the schedule is made on the device and
-  the accumulators are sized for the worst case, ``2 * (num_sm_parts - 1)`` rows, still below
-  FlashMLA's ``b + num_sm_parts``.
-- SM100 with topk <= 640 (FlashMLA's rule): one partition per request, never split, 0 bytes.
+  the accumulators are sized for the worst case, ``min(2 * (num_sm_parts - 1), b + num_sm_parts - 1)``
+  rows (:func:`cute_mla.scheduler.partition.max_accum_rows`), still below FlashMLA's ``b + num_sm_parts``.
+- SM100 with topk + extra_topk <= 640 (FlashMLA's rule): one partition per request, never split, 0 bytes.
 - SM90 with lengths and short lists (``sm90_per_request``): one partition per request as well;
   V4 at h_q = 128 and s_q = 1 from ``PACKED_MIN_WAVES`` waves of CTAs up (``sm90_packed``): one
   wave of partitions of whole requests, cut on the device, never split. Other V4 device schedules
@@ -76,6 +76,10 @@ V4_DEVICE_PIECE_CHARGE = 1
 
 @dataclass(frozen=True)
 class SparseDecodePlan:
+    """What one call will do, decided before it runs (:func:`plan_sparse_decode`): the kernel and
+    its variant, the schedule's source and partitions, and the accumulator rows the workspace
+    holds (0 when nothing is split). ``cute-mla plan`` prints it."""
+
     arch: str
     b: int
     s_q: int
@@ -188,9 +192,13 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
                        has_extra_topk_length: bool = False) -> SparseDecodePlan:
     """Plan one sparse decode call (cached: a plan depends only on its arguments).
 
-    ``extra_topk``: the extra pool's list length (V4), 0 without one. ``has_topk_length`` /
-    ``has_extra_topk_length``: the call passes that list's per-request lengths (device values:
-    the schedule is then made on the device)."""
+    Accepted (:func:`check_problem`; anything else raises ``ValueError`` naming the argument):
+    ``b``, ``s_q`` positive (``b <= MAX_REQUESTS``, ``b * s_q <= MAX_QUERY_ROWS``); ``h_q`` 64 or
+    128; ``d_qk`` 576 (V3.2) or 512 (V4), and ``d_v`` 512; ``topk`` a positive multiple of 64 up to
+    ``MAX_TOPK``; ``arch`` ``"sm_90a"`` or ``"sm_100a"`` with the device's ``num_sms``.
+    ``extra_topk``: the extra pool's list length (V4 only; a multiple of 64), 0 without one.
+    ``has_topk_length`` / ``has_extra_topk_length``: the call passes that list's per-request
+    lengths (device values: the schedule is then made on the device)."""
     fmt = check_problem(b, s_q, h_q, d_qk, topk, extra_topk)
     if has_extra_topk_length and not extra_topk:
         raise ValueError("extra_topk_length: given without an extra pool (extra_topk=0)")

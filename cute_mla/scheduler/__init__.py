@@ -33,8 +33,8 @@ from .partition import (  # noqa: F401
 def plan_splits(num_blocks: torch.Tensor, num_sm_parts: int, fixed_overhead: int = FIXED_OVERHEAD) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's scheduler on tensors: ``num_blocks`` (b,) int32 -> (tile_scheduler_metadata (P, 8), num_splits (b+1,)).
 
-    On the CPU the host algorithm runs directly. On a GPU a one-thread CuTe DSL kernel runs the same
-    loop on the device, with no host synchronization (it is capturable in a CUDA graph).
+    On the CPU the host algorithm runs directly. On a GPU a one-warp CuTe DSL kernel (its lane 0 walks the
+    greedy loop) runs it on the device, with no host synchronization (it is capturable in a CUDA graph).
     """
     if not isinstance(num_blocks, torch.Tensor) or num_blocks.dim() != 1 or num_blocks.dtype != torch.int32:
         got = f"{num_blocks.dtype} {tuple(num_blocks.shape)}" if isinstance(num_blocks, torch.Tensor) else type(num_blocks).__name__
