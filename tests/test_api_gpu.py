@@ -95,6 +95,20 @@ def test_preallocated_out(seed):
     check(x, o, l)
 
 
+def test_out_inside_q_is_refused(seed):
+    """An out that shares q's bytes is refused before the launch, also for a signature already
+    seen; q is left as it was."""
+    x = make_inputs(4, 2, 64, 256, num_tokens=1000, device="cuda")
+    sched = get_mla_metadata()[0]
+    q0 = x.q.clone()
+    run_case(x, out=torch.empty(4, 2, 64, 512, dtype=torch.bfloat16, device="cuda"), sched=sched)
+    inside = x.q.view(-1)[:4 * 2 * 64 * 512].view(4, 2, 64, 512)
+    with pytest.raises(ValueError, match="^out: its memory .* overlaps q's"):
+        run_case(x, out=inside, sched=sched)
+    torch.cuda.synchronize()
+    assert torch.equal(x.q, q0)
+
+
 @pytest.mark.parametrize("b,s_q,h_q,topk_length", [(1, 1, 64, False), (4, 2, 128, False), (128, 1, 64, False), (8, 1, 64, True),
                                                    (1, 200, 128, False)])  # the last: token walk
 def test_cuda_graph_replay_with_new_inputs(seed, b, s_q, h_q, topk_length):

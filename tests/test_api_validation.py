@@ -287,3 +287,35 @@ def test_sparse_and_negated_views_are_named(over, msg, monkeypatch):
     flash_mla_with_kvcache(**dict(kw, attn_sink=torch.zeros(64)))
     with pytest.raises(ValueError, match=msg):
         flash_mla_with_kvcache(**dict(kw, **over))
+
+
+def test_out_sharing_bytes_with_q_is_refused_on_every_call(monkeypatch):
+    """An out inside q's buffer (other CTAs still read q while one writes out) is refused, the first
+    time a signature is seen and when it comes back with the same signature; an out beside q in
+    one buffer passes."""
+    from cute_mla.interface import api
+
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(api, "_schedule", _no_schedule)
+    kw = good()
+    buf = torch.zeros(2 * 64 * 576 + 2 * 64 * 512, dtype=torch.bfloat16)
+    q, beside = buf[:2 * 64 * 576].view(2, 1, 64, 576), buf[2 * 64 * 576:].view(2, 1, 64, 512)
+    inside = buf[64:64 + 2 * 64 * 512].view(2, 1, 64, 512)      # 128 bytes in: same alignment as beside
+    flash_mla_with_kvcache(**dict(kw, q=q, out=beside))
+    with pytest.raises(ValueError, match=r"^out: its memory \[0x[0-9a-f]+, 0x[0-9a-f]+\) overlaps q's"):
+        flash_mla_with_kvcache(**dict(kw, q=q, out=inside))      # a known signature
+    sched = get_mla_metadata()[0]
+    with pytest.raises(ValueError, match="^out: its memory"):
+        flash_mla_with_kvcache(**dict(kw, q=q, out=inside, tile_scheduler_metadata=sched))   # a new one
+
+
+def test_check_apart_compares_byte_spans():
+    from cute_mla.interface.validate import check_apart, span_bytes
+
+    buf = torch.zeros(64, 8, dtype=torch.bfloat16)
+    check_apart("out", buf[:32], "q", buf[32:])                  # adjacent halves
+    check_apart("out", buf[:0], "q", buf)                        # empty
+    check_apart("out", None, "q", buf)                           # named by the other checks
+    with pytest.raises(ValueError, match="out: its memory"):
+        check_apart("out", buf[:, :4], "q", buf[:, 4:])          # interleaved: spans overlap
+    assert span_bytes(buf[:, :4]) == (63 * 8 + 3 + 1) * 2 and span_bytes(buf[:0]) == 0

@@ -21,8 +21,8 @@ from ..plan import SparseDecodePlan, check_problem
 from ..plan.schedule import Schedule, make_schedule
 from . import ops
 from .launcher import Launcher, allocate_workspace, cache_bytes, launcher_of, on_device_of
-from .validate import (CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_distinct_elements, check_pointer,
-                       check_tensor)
+from .validate import (CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_apart, check_distinct_elements,
+                       check_pointer, check_tensor, span_bytes)
 
 FP32_MAX = torch.finfo(torch.float32).max   # softmax_scale reaches the kernels as a float32
 
@@ -212,15 +212,32 @@ def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length
     key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, *extra)
     known = sched._validated.get(key) if key is not None else None
     if known is not None:
+        dims, launcher, spans = known
+        if spans is not None:
+            _check_out_apart_from_q(out, q, spans)
         sched.schedule.ensure_ready()
-        return known
+        return dims, launcher
     dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra)
+    # out's and q's byte spans follow from the signature; their addresses are compared on every call
+    spans = None if out is None else (span_bytes(out), span_bytes(q))
+    if spans is not None:
+        _check_out_apart_from_q(out, q, spans)
     launcher = _schedule(sched, q, dims, topk_length, attn_sink is not None, extra[2])
     if key is not None:
         if len(sched._validated) >= _MAX_VALIDATED:
             sched._validated.clear()
-        sched._validated[key] = dims, launcher
+        sched._validated[key] = dims, launcher, spans
     return dims, launcher
+
+
+def _check_out_apart_from_q(out, q, spans) -> None:
+    """A given out must not share bytes with q, which CTAs still read while others write out (an
+    engine saving memory might put out inside q's buffer). The address test is cheap; check_apart
+    says what overlaps."""
+    out_bytes, q_bytes = spans
+    lo, qlo = out.data_ptr(), q.data_ptr()
+    if lo < qlo + q_bytes and qlo < lo + out_bytes:
+        check_apart("out", out, "q", q)
 
 
 _MAX_VALIDATED = 16

@@ -40,7 +40,7 @@ from ..archs import device_arch, device_num_sms
 from ..plan import SparseDecodePlan, plan_sparse_decode
 from ..plan.schedule import make_schedule, schedule_length, schedule_views
 from .launcher import cache_bytes, launcher_of, on_device_of
-from .validate import check_deferred
+from .validate import check_apart, check_deferred
 
 NAMESPACE = "cute_mla"
 
@@ -107,6 +107,7 @@ def _decode_impl(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     check_deferred((("q", q), ("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink),
                     ("out", out), ("extra_indices_in_kvcache", extra_indices), ("extra_topk_length", extra_topk_length)),
                    (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)))
+    check_apart("out", out, "q", q)
     plan = call_plan(q, indices.shape[-1], 0 if extra_indices is None else extra_indices.shape[-1], topk_length,
                      extra_topk_length, arch, num_sms)
     length = schedule_length(plan)

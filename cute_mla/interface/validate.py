@@ -7,7 +7,7 @@ given and what is accepted. Nothing here reads device memory.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -67,6 +67,34 @@ def check_distinct_elements(name: str, t: torch.Tensor) -> None:
             raise ValueError(f"{name}: its elements overlap (shape {tuple(t.shape)}, strides {tuple(t.stride())}), "
                              "accepted: a view whose elements are distinct, such as a slice of a contiguous tensor")
         span += stride * (size - 1)
+
+
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a strided tensor's first element to the end of its last (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _byte_span(t: torch.Tensor) -> Tuple[int, int]:
+    """[first, last + 1) byte addresses a strided tensor's elements lie in."""
+    return t.data_ptr(), t.data_ptr() + span_bytes(t)
+
+
+def check_apart(name: str, t, other_name: str, other) -> None:
+    """An output whose bytes lie apart from an input's: the kernels read ``other`` while other CTAs
+    already write ``t``, so shared bytes would give silent garbage. Spans are compared, so two
+    interleaved views of one buffer are refused too. Checked on every call (addresses change
+    between calls); what is not a strided tensor passes here and is named by the other checks."""
+    if not (isinstance(t, torch.Tensor) and isinstance(other, torch.Tensor)
+            and t.layout is torch.strided and other.layout is torch.strided):
+        return
+    lo, hi = _byte_span(t)
+    olo, ohi = _byte_span(other)
+    if lo < ohi and olo < hi:
+        raise ValueError(f"{name}: its memory [{lo:#x}, {hi:#x}) overlaps {other_name}'s [{olo:#x}, {ohi:#x}); "
+                         f"accepted: an {name} that shares no bytes with the inputs (the kernels read {other_name} "
+                         f"while they write {name})")
 
 
 def check_pointer(name: str, t: Optional[torch.Tensor], align_bytes: int = 16, what: str = "the data pointer") -> None:
