@@ -58,8 +58,8 @@ class FlashMLASchedMeta:
     schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
     workspace: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
     # tensor signatures (_tensor_key) that passed _validate_tensors and _schedule -> ((b, s_q, h_q, topk,
-    # extra_topk), launcher, out's and q's byte spans or None): every layer of a decode step calls with the same signatures, so only the
-    # first pays the checks and the plan
+    # extra_topk), launcher, out's and q's byte spans or None): every layer of a decode step calls with
+    # the same signatures, so only the first pays the checks and the plan
     _validated: dict = field(default_factory=dict, repr=False, compare=False)
 
     def launcher(self, has_attn_sink: bool) -> Launcher:
