@@ -289,10 +289,10 @@ def test_sparse_and_negated_views_are_named(over, msg, monkeypatch):
         flash_mla_with_kvcache(**dict(kw, **over))
 
 
-def test_out_sharing_bytes_with_q_is_refused_on_every_call(monkeypatch):
+def test_out_sharing_bytes_with_an_input_is_refused_on_every_call(monkeypatch):
     """An out inside q's buffer (other CTAs still read q while one writes out) is refused, the first
     time a signature is seen and when it comes back with the same signature; an out beside q in
-    one buffer passes."""
+    one buffer passes; so does one inside another input (the cache, the indices)."""
     from cute_mla.interface import api
 
     monkeypatch.setattr(api, "_require_cuda", lambda q: None)
@@ -307,6 +307,13 @@ def test_out_sharing_bytes_with_q_is_refused_on_every_call(monkeypatch):
     sched = get_mla_metadata()[0]
     with pytest.raises(ValueError, match="^out: its memory"):
         flash_mla_with_kvcache(**dict(kw, q=q, out=inside, tile_scheduler_metadata=sched))   # a new one
+    in_cache = kw["k_cache"].view(-1)[:2 * 64 * 512 * 2].view(torch.bfloat16).view(2, 1, 64, 512)
+    with pytest.raises(ValueError, match="^out: its memory .* overlaps k_cache's"):
+        flash_mla_with_kvcache(**dict(kw, q=q, out=in_cache))
+    idx = torch.zeros(2 * 64 * 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^out: its memory .* overlaps indices'"):
+        flash_mla_with_kvcache(**dict(kw, q=q, out=idx.view(2, 1, 64, 512), indices=idx[:256].view(torch.int32)
+                                      .view(2, 1, 64)))
 
 
 def test_check_apart_compares_byte_spans():

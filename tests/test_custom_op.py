@@ -181,9 +181,13 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
         assert (p, n) == (plan.num_sm_parts, b + 1)
 
 
-def test_the_op_checks_what_a_trace_cannot():
-    """Base pointers, neg bits and the schedule's size are checked by the op on the real tensors,
-    before any launch."""
+def test_the_op_checks_what_a_trace_cannot(monkeypatch):
+    """Base pointers, neg bits, out apart from the inputs and the schedule's size are checked by the
+    op on the real tensors, before any launch; a direct call of the op also gets the API's tensor
+    checks (a cache whose stride(0) does not hold its page block)."""
+    from cute_mla.interface import api
+
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)    # CPU tensors reach the later checks
     q = torch.zeros(2 * 64 * 576 + 8, dtype=torch.bfloat16)[8:].view(2, 1, 64, 576)   # 16-byte aligned
     cache = torch.zeros(10, 64, 1, 656, dtype=torch.uint8)
     idx, out = torch.zeros(2, 1, 128, dtype=torch.int32), torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)
@@ -197,8 +201,15 @@ def test_the_op_checks_what_a_trace_cannot():
         decode(cache=torch.zeros(10 * 64 * 656 + 1, dtype=torch.uint8)[1:].view(10, 64, 1, 656))
     with pytest.raises(ValueError, match="^out: a lazily negated view"):
         decode(out=torch._neg_view(out))
+    short = torch.zeros(10 * 64 * 656, dtype=torch.uint8).as_strided((10, 64, 1, 656), (64 * 600, 656, 656, 1))
+    with pytest.raises(ValueError, match=r"^k_cache: stride\(0\) of 38400 bytes does not hold a page block"):
+        decode(cache=short)
+    with pytest.raises(ValueError, match="^out: its memory .* overlaps k_cache's"):
+        decode(out=cache.view(-1)[:2 * 64 * 512 * 2].view(torch.bfloat16).view(2, 1, 64, 512))
     with pytest.raises(ValueError, match=r"^schedule: expected this call's packed schedule, \(\d+,\) int32"):
         decode()   # 8 ints: not this plan's
+    with pytest.raises(ValueError, match="^out: its memory .* overlaps q's"):   # a signature seen just before
+        decode(out=q.reshape(-1)[:2 * 64 * 512].view(2, 1, 64, 512))
 
 
 # ------------------------------------------------------------------------------------------- GPU

@@ -21,8 +21,8 @@ from ..plan import SparseDecodePlan, check_problem
 from ..plan.schedule import Schedule, make_schedule
 from . import ops
 from .launcher import Launcher, allocate_workspace, cache_bytes, launcher_of, on_device_of
-from .validate import (CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_apart, check_distinct_elements,
-                       check_pointer, check_tensor, span_bytes)
+from .validate import (CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_distinct_elements,
+                       check_out_apart, check_pointer, check_tensor, span_bytes)
 
 FP32_MAX = torch.finfo(torch.float32).max   # softmax_scale reaches the kernels as a float32
 
@@ -58,8 +58,8 @@ class FlashMLASchedMeta:
     schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
     workspace: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
     # tensor signatures (_tensor_key) that passed _validate_tensors and _schedule -> ((b, s_q, h_q, topk,
-    # extra_topk), launcher, out's and q's byte spans or None): every layer of a decode step calls with
-    # the same signatures, so only the first pays the checks and the plan
+    # extra_topk), launcher, the byte spans of out and the inputs or None): every layer of a decode
+    # step calls with the same signatures, so only the first pays the checks and the plan
     _validated: dict = field(default_factory=dict, repr=False, compare=False)
 
     def launcher(self, has_attn_sink: bool) -> Launcher:
@@ -115,7 +115,8 @@ def flash_mla_with_kvcache(
     - V4 only: ``extra_k_cache`` (a second V4 cache, its own page block size),
       ``extra_indices_in_kvcache`` (b, s_q, extra_topk) int32 with extra_topk a multiple of 64,
       ``extra_topk_length`` None or (b,) int32; the softmax is taken over both lists jointly.
-    - ``out``: None or a preallocated (b, s_q, h_q, 512) bf16 tensor whose elements do not overlap.
+    - ``out``: None or a preallocated (b, s_q, h_q, 512) bf16 tensor whose elements do not overlap
+      and whose bytes lie apart from every input's.
 
     Under ``torch.compile`` the call traces as the ``cute_mla::sparse_decode_schedule`` and
     ``cute_mla::sparse_decode`` ops (:mod:`.ops`), with the same checks; ``tile_scheduler_metadata``
@@ -214,14 +215,11 @@ def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length
     if known is not None:
         dims, launcher, spans = known
         if spans is not None:
-            _check_out_apart_from_q(out, q, spans)
+            check_out_apart(out, _inputs(q, k_cache, indices, attn_sink, topk_length, extra), spans)
         sched.schedule.ensure_ready()
         return dims, launcher
     dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra)
-    # out's and q's byte spans follow from the signature; their addresses are compared on every call
-    spans = None if out is None else (span_bytes(out), span_bytes(q))
-    if spans is not None:
-        _check_out_apart_from_q(out, q, spans)
+    spans = _out_spans(out, q, k_cache, indices, attn_sink, topk_length, extra)
     launcher = _schedule(sched, q, dims, topk_length, attn_sink is not None, extra[2])
     if key is not None:
         if len(sched._validated) >= _MAX_VALIDATED:
@@ -230,14 +228,23 @@ def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length
     return dims, launcher
 
 
-def _check_out_apart_from_q(out, q, spans) -> None:
-    """A given out must not share bytes with q, which CTAs still read while others write out (an
-    engine saving memory might put out inside q's buffer). The address test is cheap; check_apart
-    says what overlaps."""
-    out_bytes, q_bytes = spans
-    lo, qlo = out.data_ptr(), q.data_ptr()
-    if lo < qlo + q_bytes and qlo < lo + out_bytes:
-        check_apart("out", out, "q", q)
+def _inputs(q, k_cache, indices, attn_sink, topk_length, extra):
+    """(name, tensor or None) of everything a call reads, in one order."""
+    return (("q", q), ("k_cache", k_cache), ("indices", indices), ("attn_sink", attn_sink),
+            ("topk_length", topk_length), ("extra_k_cache", extra[0]), ("extra_indices_in_kvcache", extra[1]),
+            ("extra_topk_length", extra[2]))
+
+
+def _out_spans(out, q, k_cache, indices, attn_sink, topk_length, extra):
+    """None without out; else the byte spans of out and of the inputs (they follow from the
+    signature, so a known signature only compares addresses), this call's out checked apart from
+    the inputs."""
+    if out is None:
+        return None
+    inputs = _inputs(q, k_cache, indices, attn_sink, topk_length, extra)
+    spans = span_bytes(out), tuple(None if t is None else span_bytes(t) for _, t in inputs)
+    check_out_apart(out, inputs, spans)
+    return spans
 
 
 _MAX_VALIDATED = 16

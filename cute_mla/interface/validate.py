@@ -82,8 +82,8 @@ def _byte_span(t: torch.Tensor) -> Tuple[int, int]:
 
 
 def check_apart(name: str, t, other_name: str, other) -> None:
-    """An output whose bytes lie apart from an input's: the kernels read ``other`` while other CTAs
-    already write ``t``, so shared bytes would give silent garbage. Spans are compared, so two
+    """An output whose bytes lie apart from an input's: the kernels may still read ``other`` while
+    CTAs write ``t``, so shared bytes would give silent garbage. Spans are compared, so two
     interleaved views of one buffer are refused too. Checked on every call (addresses change
     between calls); what is not a strided tensor passes here and is named by the other checks."""
     if not (isinstance(t, torch.Tensor) and isinstance(other, torch.Tensor)
@@ -95,6 +95,20 @@ def check_apart(name: str, t, other_name: str, other) -> None:
         raise ValueError(f"{name}: its memory [{lo:#x}, {hi:#x}) overlaps {other_name}'s [{olo:#x}, {ohi:#x}); "
                          f"accepted: an {name} that shares no bytes with the inputs (the kernels read {other_name} "
                          f"while they write {name})")
+
+
+def check_out_apart(out: torch.Tensor, inputs, spans) -> None:
+    """:func:`check_apart` of ``out`` and each of ``inputs`` ((name, tensor or None) pairs), given
+    their byte spans (``(out's, (each input's or None, ...))``, cached per signature): a call pays
+    the address comparisons, and check_apart names an overlap."""
+    out_bytes, in_bytes = spans
+    lo = out.data_ptr()
+    hi = lo + out_bytes
+    for (name, t), n in zip(inputs, in_bytes):
+        if t is not None:
+            tlo = t.data_ptr()
+            if lo < tlo + n and tlo < hi:
+                check_apart("out", out, name, t)
 
 
 def check_pointer(name: str, t: Optional[torch.Tensor], align_bytes: int = 16, what: str = "the data pointer") -> None:
