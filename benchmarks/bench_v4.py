@@ -5,13 +5,20 @@ main cache and the extra cache), s_q = 1, main top-k 128 with ``topk_length`` un
 an extra list of ``extra_topk`` in {0, 512, 1024} with ``extra_topk_length`` uniform in [1,
 extra_topk], ``attn_sink`` given; b in {1, 32, 128, 512}, h_q in {64, 128}.
 
-Each row: cute-mla's output is first checked against the fp32 reference on a sample of requests
-(FlashMLA's tolerances; FlashMLA's output too, for information), then each library's transient
-memory (peak allocation during a decode step's first call beyond out and lse:
-``testing.step_transient_bytes``) and its time: CUDA graph replay of one
-call, median of per-replay events. ratio = FlashMLA µs / cute-mla µs (above 1: cute-mla faster).
+A row is a shape; its lengths and indices are random, and its time depends on the draw (at b=128,
+h=128, extra 1024 one draw measured 1.19x and three others 1.23-1.24x). So each row is measured
+on ``--draws`` draws of its inputs, each from a generator seeded by (b, h, extra_topk, draw), the
+same whatever else the run measures (a ``--rows`` rerun reproduces a grid row). Per draw:
+cute-mla's output is checked against the fp32 reference on a sample of requests (FlashMLA's
+tolerances; FlashMLA's output too, for information), then both libraries' CUDA graphs of one
+call are replayed in turn, round by round (``bench.interleaved_median_us``: an order effect or a
+clock drift falls on both), each library's time the median of per-replay events; ratio =
+FlashMLA µs / cute-mla µs (above 1: cute-mla faster). The row reports the median over its draws
+of each library's time and of the per-draw ratio, and the lowest and highest per-draw ratio.
+Each library's transient memory (peak allocation during a decode step's first call beyond out
+and lse: ``testing.step_transient_bytes``) is measured on the row's first draw.
 
-    python -m benchmarks.bench_v4 [--rows all|quick|b,h,extra_topk;...] [--out PATH.json] [--sample 32]
+    python -m benchmarks.bench_v4 [--rows all|quick|b,h,extra_topk;...] [--draws 5] [--out PATH.json]
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ import argparse
 import contextlib
 import datetime
 import json
+import statistics
 import sys
 
 import torch
 
 import cute_mla
-from benchmarks.bench_sparse_decode import capture_graph, commit_id, flashmla, replay_median_us, warm_up
+from benchmarks.bench_sparse_decode import capture_graph, commit_id, flashmla, warm_up
 from cute_mla.formats import V4
 from cute_mla.plan import plan as plan_mod
 from cute_mla.playground import bench
@@ -136,55 +144,103 @@ def check_sample(out, lse, row, k_cache, extra_k_cache, sample, g):
     return None
 
 
-def time_one(mod, row, k_cache, extra_k_cache, check):
-    """(results, out): the call checked (``check(out, lse)``, cute-mla's gate), its transient
-    memory, and its graph-replay time."""
+def row_seed(b, h, extra_topk, draw):
+    """The seed of one draw of a row's inputs: the row and the draw only (b < 10^6, extra_topk <
+    10^4, draw < 100 give distinct seeds)."""
+    return ((b * 1000 + h) * 10000 + extra_topk) * 100 + draw
+
+
+def row_generator(b, h, extra_topk, draw):
+    return torch.Generator(device="cuda").manual_seed(row_seed(b, h, extra_topk, draw))
+
+
+def prepare(mod, row, k_cache, extra_k_cache, check):
+    """(graph of one call on ``row``, the out its replays write, the metadata object it reads: keep
+    it, the check's result and the plan's fields): an eager call first (compile, plan, schedule),
+    checked (``check(out, lse)``, cute-mla's gate)."""
     sched, _ = mod.get_mla_metadata()
-    out, lse = call(mod, sched, row, k_cache, extra_k_cache)       # warm-up: compile, schedule
+    out, lse = call(mod, sched, row, k_cache, extra_k_cache)
     torch.cuda.synchronize()
     res = dict(check=check(out, lse) or "ok")
     del out, lse
-    _, transient = step_transient_bytes(lambda: mod.get_mla_metadata()[0], lambda s: call(mod, s, row, k_cache, extra_k_cache))
     gr, (go, _) = capture_graph(lambda: call(mod, sched, row, k_cache, extra_k_cache))
-    res.update(us=replay_median_us(gr, 100), transient_mib=transient / 2**20)
     plan = getattr(sched, "plan", None)
     if plan is not None:
         res.update(variant=plan.variant, schedule=plan.schedule, workspace_mib=plan.workspace_bytes / 2**20)
-    return res, go
+    return gr, go, sched, res
 
 
-def run_row(b, h, extra_topk, pools, fm, args, g):
-    row = make_row(b, h, extra_topk, args.masked, g)
+def transient_mib(mod, row, k_cache, extra_k_cache):
+    _, transient = step_transient_bytes(lambda: mod.get_mla_metadata()[0], lambda s: call(mod, s, row, k_cache, extra_k_cache))
+    return transient / 2**20
+
+
+def run_draw(b, h, extra_topk, draw, pools, libs, args):
+    """One draw of a row: {lib: {check, us, ...}} and the largest |out difference| between them."""
+    row = make_row(b, h, extra_topk, args.masked, row_generator(b, h, extra_topk, draw))
     k_cache, extra_k_cache = pools
 
     def check(out, lse):   # the same sample of requests for both libraries
         sample_gen = torch.Generator(device="cuda").manual_seed(b * 1000 + h + extra_topk)
         return check_sample(out, lse, row, k_cache, extra_k_cache, args.sample, sample_gen)
 
-    r = dict(b=b, s_q=1, h_q=h, topk=TOPK, extra_topk=extra_topk)
-    try:
-        ours, oo = time_one(cute_mla, row, k_cache, extra_k_cache, check)
-        r.update({f"cute_{k}": v for k, v in ours.items()})
-    except Exception as e:  # noqa: BLE001
-        r["cute_error"] = f"{type(e).__name__}: {e}"[:300]
-        oo = None
-    if fm is not None:
+    res, graphs, outs, keep = {}, {}, {}, []
+    for name, mod in libs.items():
         try:
-            theirs, fo = time_one(fm, row, k_cache, extra_k_cache, check)
-            r.update({f"flashmla_{k}": v for k, v in theirs.items()})
-            if "cute_us" in r:
-                r["ratio"] = r["flashmla_us"] / r["cute_us"]
-                r["max_abs_diff_vs_flashmla"] = (oo.float() - fo.float()).abs().max().item()
+            graphs[name], outs[name], sched, res[name] = prepare(mod, row, k_cache, extra_k_cache, check)
+            keep.append(sched)
+            if draw == 0:
+                res[name]["transient_mib"] = transient_mib(mod, row, k_cache, extra_k_cache)
         except Exception as e:  # noqa: BLE001
-            r["flashmla_error"] = f"{type(e).__name__}: {e}"[:300]
+            res[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
+    for name, us in (bench.interleaved_median_us(graphs) if graphs else {}).items():
+        res[name]["us"] = us
+    torch.cuda.synchronize()   # (the outs: the graphs' last replays)
+    diff = (outs["cute"].float() - outs["flashmla"].float()).abs().max().item() if len(outs) == 2 else None
+    return res, diff
+
+
+def run_row(b, h, extra_topk, pools, fm, args):
+    """A row over ``args.draws`` draws: the medians of each library's time and of the ratio, the
+    ratio's range, the first failing check (or ok), the first draw's memory, and every draw."""
+    libs = dict(cute=cute_mla) if fm is None else dict(cute=cute_mla, flashmla=fm)
+    r = dict(b=b, s_q=1, h_q=h, topk=TOPK, extra_topk=extra_topk, draws=[])
+    for d in range(args.draws):
+        res, diff = run_draw(b, h, extra_topk, d, pools, libs, args)
+        per = {f"{lib}_{k}": v for lib, kv in res.items() for k, v in kv.items()}
+        if "cute_us" in per and "flashmla_us" in per:
+            per["ratio"] = per["flashmla_us"] / per["cute_us"]
+        if diff is not None:
+            per["max_abs_diff_vs_flashmla"] = diff
+        r["draws"].append(per)
+    first, draws = r["draws"][0], r["draws"]
+    for lib in libs:
+        if f"{lib}_error" in first:
+            r[f"{lib}_error"] = first[f"{lib}_error"]
+            continue
+        checks = [x.get(f"{lib}_check", "missing") for x in draws]
+        r[f"{lib}_check"] = next((c for c in checks if c != "ok"), "ok")
+        times = [x[f"{lib}_us"] for x in draws if f"{lib}_us" in x]
+        if times:
+            r[f"{lib}_us"] = statistics.median(times)
+        for k in ("transient_mib", "variant", "schedule", "workspace_mib"):
+            if f"{lib}_{k}" in first:
+                r[f"{lib}_{k}"] = first[f"{lib}_{k}"]
+    ratios = [x["ratio"] for x in draws if "ratio" in x]
+    if ratios:
+        r.update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                 max_abs_diff_vs_flashmla=max(x["max_abs_diff_vs_flashmla"] for x in draws
+                                              if "max_abs_diff_vs_flashmla" in x))
     return r
 
 
 def print_table(results, meta):
     print(f"\n{meta['gpu']}  commit {meta['commit']}  V4 cache, pools of {POOL} tokens, page block {PAGE}, "
           f"s_q 1, top-k {TOPK}, lengths uniform, sinks on")
+    print(f"(µs and ratio: medians over each row's {meta['draws']} draws of its inputs; range: the lowest and "
+          "highest per-draw ratio)")
     print(f"{'b':>4} {'h':>4} {'extra':>6} | {'cute us':>8} {'MiB':>7} {'check':>6} | {'FlashMLA us':>11} {'MiB':>7} "
-          f"{'check':>6} | {'ratio':>6} {'maxdiff':>8}")
+          f"{'check':>6} | {'ratio':>6} {'range':>11} {'maxdiff':>8}")
     for r in results:
         head = f"{r['b']:>4} {r['h_q']:>4} {r['extra_topk']:>6} | "
         if "cute_error" in r:
@@ -195,7 +251,8 @@ def print_table(results, meta):
             theirs = f"{r['flashmla_us']:>11.1f} {r['flashmla_transient_mib']:>7.2f} {_ok(r['flashmla_check']):>6}"
         else:
             theirs = f"{'-':>11} {'-':>7} {'-':>6}" if "flashmla_error" not in r else f"ERROR {r['flashmla_error'][:40]}"
-        tail = (f"{r['ratio']:>6.2f} {r['max_abs_diff_vs_flashmla']:>8.1e}" if "ratio" in r else f"{'-':>6} {'-':>8}")
+        tail = (f"{r['ratio']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['max_abs_diff_vs_flashmla']:>8.1e}"
+                if "ratio" in r else f"{'-':>6} {'-':>11} {'-':>8}")
         print(head + ours + " | " + theirs + " | " + tail)
     failed = [r for r in results if r.get("cute_check", "ok") != "ok"]
     for r in failed:
@@ -210,7 +267,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="all", help="all | quick | b,h,extra_topk;b,h,extra_topk;...")
     ap.add_argument("--out", default=None, help="write every row (and the run's metadata) to this JSON file")
-    ap.add_argument("--sample", type=int, default=32, help="requests of each row checked against the reference")
+    ap.add_argument("--draws", type=int, default=5, help="draws of each row's inputs (the row: their medians)")
+    ap.add_argument("--sample", type=int, default=32, help="requests of each draw checked against the reference")
     ap.add_argument("--masked", type=float, default=0.0, help="fraction of the indices set to -1")
     ap.add_argument("--warmup-s", type=float, default=2.0, help="seconds of bf16 matmuls first (clocks up)")
     args = ap.parse_args()
@@ -219,19 +277,21 @@ def main():
     for b, h, e in rows:
         if h not in HEADS or e % 64 or b < 1:
             raise SystemExit(f"--rows: bad row b={b} h={h} extra_topk={e} (h 64 or 128, extra_topk a multiple of 64)")
+    if not 1 <= args.draws < 100:
+        raise SystemExit(f"--draws: got {args.draws}, accepted: 1 to 99")
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
     pools = (make_pool(g), make_pool(g))
     warm_up(args.warmup_s)
     results = []
     for b, h, e in rows:
-        r = run_row(b, h, e, pools, fm, args, g)
+        r = run_row(b, h, e, pools, fm, args)
         results.append(r)
         print(json.dumps(r), flush=True)
         torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), commit=commit_id(), torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                pool=POOL, page_block_size=PAGE, topk=TOPK, masked=args.masked, sample=args.sample,
+                pool=POOL, page_block_size=PAGE, topk=TOPK, masked=args.masked, sample=args.sample, draws=args.draws,
                 flashmla=fm is not None, command="python -m benchmarks.bench_v4 " + " ".join(sys.argv[1:]))
     if args.out:
         with open(args.out, "w") as f:
