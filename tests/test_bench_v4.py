@@ -49,3 +49,13 @@ def test_every_draw_of_every_row_has_its_own_seed():
     keys = [(b, h, e, d) for b in (*bench_v4.BATCHES, 1000, 4096) for h in bench_v4.HEADS
             for e in (*bench_v4.EXTRA_TOPKS, 2048) for d in range(99)]
     assert len({bench_v4.row_seed(*k) for k in keys}) == len(keys)
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_the_table_prints_medians_and_ranges(monkeypatch, capsys, cold):
+    monkeypatch.setattr(bench_v4, "run_draw", _draws([80.0, 84.0, 79.0], [96.0, 101.0, 98.0]))
+    r = bench_v4.run_row(128, 128, 1024, None, object(), SimpleNamespace(draws=3))
+    bench_v4.print_table([r], dict(gpu="GPU", commit="abc", draws=3, cold_l2=cold))
+    out = capsys.readouterr().out
+    assert " 128  128   1024 |     80.0   16.00     ok |        98.0   48.00     ok |   1.20  1.20-1.24   3.0e-04" in out
+    assert ("L2 flushed" in out) == cold

@@ -47,6 +47,7 @@ SAMPLE_TOKENS = 16               # query tokens checked against the fp32 referen
 ROUNDS = 7                       # interleaved timing rounds
 TIMED_S = 0.25                   # replay seconds per library and shape, over all rounds
 WARMUP_S = 2.0                   # seconds of bf16 matmuls before the first shape (warm_up)
+L2_FLUSH_MIB = 256               # bytes read between cold-L2 replays (l2_flusher): ~5x the H200's L2
 
 # JSON key prefixes of a row (the benchmarks' convention: cute_us, flashmla_us, ...) and their labels
 LIBRARIES = {"cute": "cute-mla", "variant": "variant", "flashmla": "FlashMLA"}
@@ -365,15 +366,28 @@ def capture_graph(fn, n=1):
     return gr, res
 
 
-def replay_times_us(gr, n: int) -> List[float]:
-    """µs of each of ``n`` replays of ``gr``, each between two events."""
+def replay_times_us(gr, n: int, before: Optional[Callable[[], None]] = None) -> List[float]:
+    """µs of each of ``n`` replays of ``gr``, each between two events (``before()`` queued ahead of
+    each, outside them: e.g. :func:`l2_flusher`'s)."""
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for a, e in ev:
+        if before is not None:
+            before()
         a.record()
         gr.replay()
         e.record()
     torch.cuda.synchronize()
     return [a.elapsed_time(e) * 1e3 for a, e in ev]
+
+
+def l2_flusher(mib: int = L2_FLUSH_MIB) -> Callable[[], None]:
+    """A callable that queues a read of a ``mib`` MiB buffer (several times the H200's 50 MB L2), so
+    the next kernel finds none of its inputs in L2, as a layer of an engine's decode step finds its
+    own KV rows. A read, not a write: the lines it leaves are clean, so no write-back lands in the
+    timed kernel."""
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    return lambda: torch.sum(buf, dim=0, out=sink)
 
 
 def replay_median_us(gr, n: int) -> float:
@@ -384,14 +398,16 @@ def replay_median_us(gr, n: int) -> float:
     return statistics.median(replay_times_us(gr, n))
 
 
-def interleaved_median_us(graphs: Dict[str, object], rounds: int = ROUNDS, seconds: float = TIMED_S) -> Dict[str, float]:
+def interleaved_median_us(graphs: Dict[str, object], rounds: int = ROUNDS, seconds: float = TIMED_S,
+                          before: Optional[Callable[[], None]] = None) -> Dict[str, float]:
     """Median µs per replay of each graph, replayed round by round in turn (a clock drift or a
-    neighbour's load then falls on every graph alike); ~``seconds`` of replays per graph."""
+    neighbour's load then falls on every graph alike); ~``seconds`` of replays per graph;
+    ``before()`` ahead of every timed replay (:func:`replay_times_us`)."""
     reps = {k: max(3, min(50, int(seconds / rounds / (replay_median_us(gr, 3) * 1e-6)))) for k, gr in graphs.items()}
     times = {k: [] for k in graphs}
     for _ in range(rounds):
         for k, gr in graphs.items():
-            times[k] += replay_times_us(gr, reps[k])
+            times[k] += replay_times_us(gr, reps[k], before)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
