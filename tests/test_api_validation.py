@@ -36,6 +36,13 @@ CASES = [
     (dict(q=torch.zeros(2, 1, 32, 576, dtype=torch.bfloat16)), ValueError, "h_q: got 32, accepted: 64 or 128"),
     (dict(q=torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)[..., ::2].repeat(1, 1, 1, 2)[..., :576].transpose(0, 0)
           .as_strided((2, 1, 64, 576), (576 * 64, 576 * 64, 1, 64))), ValueError, "q: the last dim must be contiguous"),
+    # q and out are addressed through TMA tensor maps: every stride counts, size-1 dims too; no broadcast
+    (dict(q=torch.zeros(2 * 64 * 576 + 8, dtype=torch.bfloat16).as_strided((2, 1, 64, 576), (64 * 576, 3, 576, 1))),
+     ValueError, r"q: stride 1 is 3 elements \(6 bytes\) on a dim of size 1"),
+    (dict(q=torch.zeros(576, dtype=torch.bfloat16).expand(2, 1, 64, 576)), ValueError,
+     r"q: stride 0 is 0 on a dim of size 2 \(a broadcast view\)"),
+    (dict(out=torch.zeros(2 * 64 * 512 + 8, dtype=torch.bfloat16).as_strided((2, 1, 64, 512), (64 * 512, 5, 512, 1))),
+     ValueError, r"out: stride 1 is 5 elements \(10 bytes\) on a dim of size 1"),
     (dict(indices=torch.zeros(2, 1, 100, dtype=torch.int32)), ValueError, "topk: got 100, accepted: a positive multiple of 64"),
     (dict(indices=torch.zeros(2, 1, 128, dtype=torch.int64)), TypeError, "indices: got dtype torch.int64, accepted: torch.int32"),
     (dict(indices=torch.zeros(3, 1, 128, dtype=torch.int32)), ValueError, r"indices: expected shape \(b, s_q, topk\), got \(3, 1, 128\)"),

@@ -303,7 +303,7 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
                              "multiple of 64 (pass no extra pool instead of an empty one)")
         check_aligned_strides("extra_indices_in_kvcache", extra_indices)
     check_problem(b, s_q, h_q, d_qk, topk, extra_topk)
-    check_aligned_strides("q", q)
+    check_aligned_strides("q", q, tma=True)
     check_aligned_strides("indices", indices)
     fmt = _check_cache("k_cache", k_cache, d_qk, q.device)
     if extra_k_cache is not None:
@@ -323,8 +323,8 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
     if out is not None:
         check_tensor("out", out, dtypes=(torch.bfloat16,), dim=4, shape=(b, s_q, h_q, fmt.d_v), device=q.device,
                      shape_doc=f"(b, s_q, h_q, {fmt.d_v})")
-        check_aligned_strides("out", out)
         check_distinct_elements("out", out)
+        check_aligned_strides("out", out, tma=True)
     _require_cuda(q)
     return b, s_q, h_q, topk, extra_topk
 

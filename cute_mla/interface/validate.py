@@ -46,14 +46,21 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], dim: Optional[i
     return t
 
 
-def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16) -> None:
+def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16, tma: bool = False) -> None:
     """TMA and 16-byte vector accesses need every outer stride (in bytes) and the base 16-byte aligned
     (the base: not in a trace, which has no data pointer; :func:`check_deferred` checks it on the
-    real tensor)."""
+    real tensor). Vector loads never step along a dim of size 1, so its stride is free, except for
+    a tensor the kernels address through a TMA tensor map (``tma``: q and out), whose compiled
+    signature takes every stride, size 1 or not, and which must not broadcast (stride 0)."""
     es = t.element_size()
     for i, s in enumerate(t.stride()[:-1]):
-        if t.shape[i] > 1 and (s * es) % align_bytes:
-            raise ValueError(f"{name}: stride {i} is {s} elements ({s * es} bytes), accepted: a multiple of {align_bytes} bytes")
+        if (t.shape[i] > 1 or tma) and (s * es) % align_bytes:
+            size_one = " on a dim of size 1 (a TMA tensor map takes every dim's stride)" if t.shape[i] == 1 else ""
+            raise ValueError(f"{name}: stride {i} is {s} elements ({s * es} bytes){size_one}, accepted: a multiple of "
+                             f"{align_bytes} bytes (.contiguous() gives one)")
+        if tma and s == 0 and t.shape[i] > 1:
+            raise ValueError(f"{name}: stride {i} is 0 on a dim of size {t.shape[i]} (a broadcast view), accepted: "
+                             "distinct rows (.contiguous() gives them)")
     if not torch.compiler.is_compiling():
         check_pointer(name, t, align_bytes)
 
