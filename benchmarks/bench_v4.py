@@ -198,8 +198,13 @@ def run_draw(b, h, extra_topk, draw, pools, libs, args):
                 res[name]["transient_mib"] = transient_mib(mod, row, k_cache, extra_k_cache)
         except Exception as e:  # noqa: BLE001
             res[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
-    for name, us in (bench.interleaved_median_us(graphs, before=args.flush) if graphs else {}).items():
-        res[name]["us"] = us
+    try:
+        for name, us in (bench.interleaved_median_us(graphs, before=args.flush) if graphs else {}).items():
+            res[name]["us"] = us
+    except Exception as e:  # noqa: BLE001
+        for name in graphs:
+            res[name] = dict(error=f"timing: {type(e).__name__}: {e}"[:300])
+        outs = {}
     torch.cuda.synchronize()   # (the outs: the graphs' last replays)
     diff = (outs["cute"].float() - outs["flashmla"].float()).abs().max().item() if len(outs) == 2 else None
     return res, diff
@@ -220,18 +225,17 @@ def run_row(b, h, extra_topk, pools, fm, args):
         r["draws"].append(per)
     first, draws = r["draws"][0], r["draws"]
     for lib in libs:
-        if f"{lib}_error" in first:
-            r[f"{lib}_error"] = first[f"{lib}_error"]
+        errors = [f"draw {d}: {x[f'{lib}_error']}" for d, x in enumerate(draws) if f"{lib}_error" in x]
+        if errors:   # a row with a failed draw has no time: its medians would be over other draws
+            r[f"{lib}_error"] = errors[0]
             continue
-        checks = [x.get(f"{lib}_check", "missing") for x in draws]
+        checks = [x[f"{lib}_check"] for x in draws]
         r[f"{lib}_check"] = next((c for c in checks if c != "ok"), "ok")
-        times = [x[f"{lib}_us"] for x in draws if f"{lib}_us" in x]
-        if times:
-            r[f"{lib}_us"] = statistics.median(times)
+        r[f"{lib}_us"] = statistics.median(x[f"{lib}_us"] for x in draws)
         for k in ("transient_mib", "variant", "schedule", "workspace_mib"):
             if f"{lib}_{k}" in first:
                 r[f"{lib}_{k}"] = first[f"{lib}_{k}"]
-    ratios = [x["ratio"] for x in draws if "ratio" in x]
+    ratios = [x["ratio"] for x in draws if "ratio" in x] if not any(f"{lib}_error" in r for lib in libs) else []
     if ratios:
         r.update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
                  max_abs_diff_vs_flashmla=max(x["max_abs_diff_vs_flashmla"] for x in draws

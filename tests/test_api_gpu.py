@@ -12,8 +12,8 @@ from cute_mla.testing import check_out_lse, held_workspace_bytes, make_inputs, s
 pytestmark = pytest.mark.gpu
 
 
-def run_case(x, out=None):
-    sched, _ = get_mla_metadata()
+def run_case(x, out=None, sched=None):
+    sched = get_mla_metadata()[0] if sched is None else sched
     o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, softmax_scale=x.softmax_scale,
                                   is_fp8_kvcache=True, indices=x.indices, attn_sink=x.attn_sink,
                                   topk_length=x.topk_length, out=out)

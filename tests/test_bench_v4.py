@@ -59,3 +59,17 @@ def test_the_table_prints_medians_and_ranges(monkeypatch, capsys, cold):
     out = capsys.readouterr().out
     assert " 128  128   1024 |     80.0   16.00     ok |        98.0   48.00     ok |   1.20  1.20-1.24   3.0e-04" in out
     assert ("L2 flushed" in out) == cold
+
+
+def test_a_draw_that_raised_makes_the_row_an_error(monkeypatch):
+    ok = _draws([80.0, 84.0, 79.0], [96.0, 101.0, 98.0])
+
+    def run_draw(b, h, extra_topk, draw, pools, libs, args):
+        res, diff = ok(b, h, extra_topk, draw, pools, libs, args)
+        if draw == 2:
+            res["cute"] = dict(error="RuntimeError: boom")
+        return res, diff
+    monkeypatch.setattr(bench_v4, "run_draw", run_draw)
+    r = bench_v4.run_row(128, 128, 1024, None, object(), SimpleNamespace(draws=3))
+    assert r["cute_error"] == "draw 2: RuntimeError: boom" and "cute_us" not in r and "ratio" not in r
+    assert r["flashmla_us"] == 98.0

@@ -55,19 +55,20 @@ def _kernel(h_q, split, has_topk_length, has_attn_sink, d_qk=576, has_extra=Fals
     return cfg, compile_sparse_decode(cfg)
 
 
-def _schedule(topk, topk_length, b, split, s_q, h_q, device, extra_topk=0, extra_topk_length=None):
+def _schedule(topk, topk_length, b, split, s_q, h_q, device, extra_topk=0, extra_topk_length=None, cut=True):
     """The host schedule of a request's main blocks, then its extra blocks (the scheduler's rule).
     A split schedule is the one for this GPU's partition count; where that cuts no request but a
-    request has more than one block, the partition count doubles until one is cut, so every
-    ``split`` case whose requests can be cut writes and merges partials (one-block requests cannot
-    be: those cases run the split variant's whole-request path)."""
+    request has more than one block, the partition count doubles until one is cut (``cut``: the
+    tests', not the timing's), so every ``split`` case whose requests can be cut writes and merges
+    partials (one-block requests cannot be: those cases run the split variant's whole-request
+    path)."""
     lengths = lambda t: None if t is None else t.tolist()  # noqa: E731
     nb = blocks_per_request(topk, lengths(topk_length), b, extra_topk=extra_topk,
                             extra_topk_length=lengths(extra_topk_length))
     if split:
         parts = num_sm_parts("sm_100a", _num_sms(), s_q, h_q)
         s = plan_splits_host(nb, parts)
-        while not s.any_split and max(nb) > 1:
+        while cut and not s.any_split and max(nb) > 1:
             parts *= 2
             s = plan_splits_host(nb, parts)
     else:
@@ -434,7 +435,7 @@ def bench(b, s_q, h_q, topk, num_tokens, iters=20):
     kv.copy_(quantize_v32((torch.randn(num_tokens, 576, device=dev) / 10).clamp(-1, 1)).view(blocks, page, 656))
     idx = torch.randint(0, num_tokens, (b, s_q, topk), dtype=torch.int32, device=dev)
     split = topk > 640
-    sched, tile_md, offsets = _schedule(topk, None, b, split, s_q, h_q, dev)
+    sched, tile_md, offsets = _schedule(topk, None, b, split, s_q, h_q, dev, cut=False)
     split = split and sched.any_split
     if not split:
         sched, tile_md, offsets = _schedule(topk, None, b, False, s_q, h_q, dev)

@@ -57,12 +57,17 @@ def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16, tma
         if (t.shape[i] > 1 or tma) and (s * es) % align_bytes:
             size_one = " on a dim of size 1 (a TMA tensor map takes every dim's stride)" if t.shape[i] == 1 else ""
             raise ValueError(f"{name}: stride {i} is {s} elements ({s * es} bytes){size_one}, accepted: a multiple of "
-                             f"{align_bytes} bytes (.contiguous() gives one)")
+                             f"{align_bytes} bytes ({FRESH_STRIDES} gives one)")
         if tma and s == 0 and t.shape[i] > 1:
             raise ValueError(f"{name}: stride {i} is 0 on a dim of size {t.shape[i]} (a broadcast view), accepted: "
-                             "distinct rows (.contiguous() gives them)")
+                             f"distinct rows ({FRESH_STRIDES} gives them)")
     if not torch.compiler.is_compiling():
         check_pointer(name, t, align_bytes)
+
+
+# a copy with strides made from its sizes: .contiguous() keeps the strides of a tensor torch already
+# calls contiguous, whose size-1 dims may have any stride
+FRESH_STRIDES = ".clone(memory_format=torch.contiguous_format)"
 
 
 def check_distinct_elements(name: str, t: torch.Tensor) -> None:
