@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -58,8 +58,8 @@ class FlashMLASchedMeta:
     schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
     workspace: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
     # tensor signatures (_tensor_key) that passed _validate_tensors and _schedule -> ((b, s_q, h_q, topk,
-    # extra_topk), launcher, the byte spans of out and the inputs or None): every layer of a decode
-    # step calls with the same signatures, so only the first pays the checks and the plan
+    # extra_topk), the byte spans of out and the inputs or None, launcher) (checked_once): every layer
+    # of a decode step calls with the same signatures, so only the first pays the checks and the plan
     _validated: dict = field(default_factory=dict, repr=False, compare=False)
 
     def launcher(self, has_attn_sink: bool) -> Launcher:
@@ -210,22 +210,33 @@ def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length
     once for this FlashMLASchedMeta (the other layers of the decode step) costs the key, a dict
     lookup and the schedule's ready flag.
     """
-    key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, *extra)
-    known = sched._validated.get(key) if key is not None else None
-    if known is not None:
-        dims, launcher, spans = known
-        if spans is not None:
-            check_out_apart(out, _inputs(q, k_cache, indices, attn_sink, topk_length, extra), spans)
+    (dims, _, launcher), fresh = checked_once(
+        sched._validated, _MAX_VALIDATED, (q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra),
+        lambda dims: _schedule(sched, q, dims, topk_length, attn_sink is not None, extra[2]))
+    if not fresh:
         sched.schedule.ensure_ready()
-        return dims, launcher
-    dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra)
-    spans = _out_spans(out, q, k_cache, indices, attn_sink, topk_length, extra)
-    launcher = _schedule(sched, q, dims, topk_length, attn_sink is not None, extra[2])
-    if key is not None:
-        if len(sched._validated) >= _MAX_VALIDATED:
-            sched._validated.clear()
-        sched._validated[key] = dims, launcher, spans
     return dims, launcher
+
+
+def checked_once(cache: dict, limit: int, args, then: Callable):
+    """((dims, spans, then(dims)), fresh) of a call's tensors ``args`` (q, k_cache, head_dim_v,
+    indices, attn_sink, topk_length, out, extra): the checks run once per tensor signature
+    (_tensor_key), their result kept in ``cache`` (cleared past ``limit`` entries); a given out is
+    checked apart from the inputs on every call, by address against the signature's byte spans."""
+    q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra = args
+    key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, *extra)
+    known = cache.get(key) if key is not None else None
+    if known is not None:
+        if known[1] is not None:
+            check_out_apart(out, _inputs(q, k_cache, indices, attn_sink, topk_length, extra), known[1])
+        return known, False
+    dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra)
+    known = dims, _out_spans(out, q, k_cache, indices, attn_sink, topk_length, extra), then(dims)
+    if key is not None:
+        if len(cache) >= limit:
+            cache.clear()
+        cache[key] = known
+    return known, True
 
 
 def _inputs(q, k_cache, indices, attn_sink, topk_length, extra):

@@ -41,7 +41,7 @@ from ..archs import device_arch, device_num_sms
 from ..plan import SparseDecodePlan, plan_sparse_decode
 from ..plan.schedule import make_schedule, schedule_length, schedule_views
 from .launcher import cache_bytes, launcher_of, on_device_of
-from .validate import check_deferred, check_out_apart
+from .validate import check_deferred
 
 NAMESPACE = "cute_mla"
 
@@ -102,27 +102,8 @@ def _schedule_fake(q, topk_length, extra_topk_length, topk, extra_topk, arch, nu
 # --------------------------------------------------------------------------------- the decode op
 
 
-_SIGNATURES: dict = {}   # tensor signatures (api._tensor_key) the op has checked -> the byte spans
+_SIGNATURES: dict = {}   # tensor signatures the op has checked (api.checked_once)
 _MAX_SIGNATURES = 64
-
-
-def _check_once_per_signature(q, k_cache, indices, topk_length, attn_sink, extra, out) -> None:
-    """The API's tensor checks, for a direct call of the op (its traced calls passed them at trace
-    time): once per signature, as the API keeps them per FlashMLASchedMeta; out apart from the
-    inputs on every call."""
-    from . import api   # (api imports this module)
-
-    key = api._tensor_key(q, k_cache, indices, attn_sink, topk_length, out, out.shape[-1], *extra)
-    spans = _SIGNATURES.get(key) if key is not None else None
-    if spans is not None:
-        check_out_apart(out, api._inputs(q, k_cache, indices, attn_sink, topk_length, extra), spans)
-        return
-    api._validate_tensors(q, k_cache, out.shape[-1], indices, attn_sink, topk_length, out, extra)
-    spans = api._out_spans(out, q, k_cache, indices, attn_sink, topk_length, extra)
-    if key is not None:
-        if len(_SIGNATURES) >= _MAX_SIGNATURES:
-            _SIGNATURES.clear()
-        _SIGNATURES[key] = spans
 
 
 def _decode_impl(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
@@ -131,8 +112,10 @@ def _decode_impl(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     check_deferred((("q", q), ("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink),
                     ("out", out), ("extra_indices_in_kvcache", extra_indices), ("extra_topk_length", extra_topk_length)),
                    (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)))
-    _check_once_per_signature(q, k_cache, indices, topk_length, attn_sink, (extra_k_cache, extra_indices,
-                                                                            extra_topk_length), out)
+    # the API's tensor checks too, once per signature: a direct call of the op would skip them
+    from .api import checked_once   # (api imports this module)
+    checked_once(_SIGNATURES, _MAX_SIGNATURES, (q, k_cache, out.shape[-1], indices, attn_sink, topk_length, out,
+                                                (extra_k_cache, extra_indices, extra_topk_length)), lambda dims: None)
     plan = call_plan(q, indices.shape[-1], 0 if extra_indices is None else extra_indices.shape[-1], topk_length,
                      extra_topk_length, arch, num_sms)
     length = schedule_length(plan)
