@@ -7,14 +7,11 @@
 # they fit one call. The whole GPU suite took 344 s in one process.
 set -u
 OUT=${OUT:-artifacts}; mkdir -p "$OUT"
-# The GPU tests spend most of their time compiling kernels on the CPU: with pytest-xdist (bundled
-# into .gpu/ by gpu-bundle ... pytest-xdist execnet) they run in WORKERS processes (default 8 of
-# the machine's 16 cores) that share the GPU; without it, in one.
-xdist_args() { python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}"; }
+source "$(dirname "$0")/xdist.sh"
 T=${1:-330}; shift || true
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "== GPU tests (timeout ${T}s; $(xdist_args || true))"
-timeout "$T" python3 -m pytest -q -rf -p no:cacheprovider --durations=8 $(xdist_args) -m gpu ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR|slowest|s call" | tail -40
+echo "== GPU tests (timeout ${T}s; ${XDIST:-one process})"
+timeout "$T" python3 -m pytest -q -rf -p no:cacheprovider --durations=8 $XDIST -m gpu ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR|slowest|s call" | tail -40
 if [ "${SKIP_BENCH:-0}" = 1 ]; then exit 0; fi
 echo "== demo"
 timeout 120 python3 -m cute_mla.cli demo 2>&1 | tee "$OUT/demo.log" | tail -14
