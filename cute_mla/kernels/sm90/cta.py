@@ -68,12 +68,13 @@ class Smem(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def shared_storage(tile: Tile = TILE, pools: int = 1):
+def shared_storage(tile: Tile = TILE, pools: int = 1, with_peer_got: bool = False):
     """The CTA's shared memory, one struct (its size is what the launch requests): 231,424 B of
     232,448 with the V3.2 tile's Q buffer, two K tiles and P (V4's 512-dim tiles: 206,848 B). The
     output staging (2 x 32 KiB) aliases the Q buffer, which is free between a request's last QK
     and the next request's Q load. ``pools``: 2 with the extra pool, whose kernels keep both
-    pools' geometry in a small table (the producer's ``row_address``)."""
+    pools' geometry in a small table (the producer's ``row_address``). ``with_peer_got``: the cluster
+    kernels' per-buffer "the peer received my half" mbarriers (``Sm90SparseDecodeConfig.peer_got``)."""
     assert 2 * tile.stage_bytes <= 2 * tile.q_elems, "the output staging must fit in the Q buffer"
 
     @cute.struct
@@ -82,6 +83,8 @@ def shared_storage(tile: Tile = TILE, pools: int = 1):
         k_full: cute.struct.MemRange[Int64, TILE.k_bufs]
         k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
         peer_free: cute.struct.MemRange[Int64, TILE.k_bufs]  # cluster kernels: the peer may write buffer b
+        if with_peer_got:
+            peer_got: cute.struct.MemRange[Int64, TILE.k_bufs]  # the peer received this CTA's half of buffer b
         # Per K buffer: 64-bit token mask + last-tile-of-request flag (producer -> consumers).
         tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
         scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
@@ -102,12 +105,17 @@ def dyn_storage(cfg: Sm90SparseDecodeConfig):
     offset 0, 1024-aligned). The allocator's own base pointer is a warp shuffle, which ptxas can
     neither rematerialize nor keep in the producer's 128 registers, so it spilled it; the symbol
     address is a constant it can re-create anywhere."""
-    return shared_storage(cfg.tile, pools(cfg))(cute.arch.get_dyn_smem(Uint8, alignment=1024))
+    return storage_of(cfg)(cute.arch.get_dyn_smem(Uint8, alignment=1024))
 
 
 def pools(cfg: Sm90SparseDecodeConfig) -> int:
     """KV pools the kernel reads: the main one, and the extra one (V4)."""
     return 2 if cfg.has_extra else 1
+
+
+def storage_of(cfg: Sm90SparseDecodeConfig):
+    """The shared-storage struct of a config's kernel."""
+    return shared_storage(cfg.tile, pools(cfg), cfg.peer_got)
 
 
 @cute.jit

@@ -18,7 +18,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ...dsl import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
 from .cta import Cta, Gmem, Smem, request_range, split_piece, split_rows_of_partition, stamp
-from .epilogue import BlockStore, finalize_row, store_block, store_lse_rows
+from .epilogue import (BlockStore, finalize_row, k_staging, q_staging, stages_in_k, store_block, store_chunked,
+                       store_lse_rows, wait_peer_got)
 from .mma import Ops, c_layout_to_a_layout, column_block, issue_qk, k_tensors_for_pv, scale_rows
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
@@ -63,15 +64,20 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     split_rows = split_rows_of_partition(cfg, g, cta)
     n = Int32(0)
     rq = Int32(0)
+    q_issued = cutlass.Boolean(False)   # this request's Q load was issued during the previous one's last tile
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
         start, stop, _, _, _ = request_range(cfg, g, cta, req)
-        if rq > 0:
-            # WG1's output store of the previous request no longer reads the staging (= sQ).
-            cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-        if warp == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * cfg.tile.d_qk * 2)
-            cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full)
+        in_k = stages_in_k(cfg, start, stop, req, end_req, split_piece(cfg, cta, req, split_rows)[0])
+        if cutlass.const_expr(cfg.tuning.stage_in_k):
+            if not q_issued:
+                if rq > 0:
+                    cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+                load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req)
+        else:
+            if rq > 0:
+                # WG1's output store of the previous request no longer reads the staging (= sQ).
+                cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+            load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req)
         m0 = Float32(-1e30)
         m1 = Float32(-1e30)
         l0 = Float32(0.0)
@@ -106,13 +112,18 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
                 stamp(cta, Stamp.P_READY, wtid == 0)
+                if cutlass.const_expr(cfg.tuning.stage_in_k):
+                    if last & in_k:
+                        # The request's last QK has read Q and its O will not be staged there:
+                        # the next request's Q loads while this tile's P V runs.
+                        load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req + 1)
 
                 # ---- O_left = O_left * sc + P V[:, left], then the next tile's QK behind it
                 scale_rows(acc_o, sc0, sc1)
                 warpgroup.fence()
                 cute.gemm(ops.pv_rs, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
                 warpgroup.commit_group()
-                next_qk_behind_pv(cfg, ops, acc_s, tSrQ, tSrK, k_full, k_free, n, last)
+                next_qk_behind_pv(cfg, ops, acc_s, tSrQ, tSrK, k_full, k_free, n, last, in_k)
                 n += 1
                 active = last_word == 0
 
@@ -138,20 +149,61 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         # x0.981-0.997 on the latency rows).
         if is_split:
             if cutlass.const_expr(cfg.split):
-                store_block(cfg, cta, acc_o, thr_pv, BlockStore(g.tma_oacc, g.mOAcc, ops.chunk_layout), smem.sQ, col,
-                            warp, acc_row, Bar.EPI_SOFTMAX, False)
+                store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_oacc, g.mOAcc, ops.chunk_layout), col, warp,
+                        acc_row, False, in_k, k_free, n)
                 store_lse_rows(cfg, g.mLseAcc, acc_row, cta.s_idx, head0, lse0, lse1, quad)
         else:
-            store_block(cfg, cta, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), smem.sQ, col, warp, req,
-                        Bar.EPI_SOFTMAX, cfg.out_from_registers)
+            store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), col, warp, req,
+                    cfg.out_from_registers, in_k, k_free, n)
             store_lse_rows(cfg, g.mLse, req, cta.s_idx, head0, lse0, lse1, quad)
         stamp(cta, Stamp.EPILOGUE, wtid == 0)
+        q_issued = in_k
         rq += 1
 
-    # Balance the barriers WG1 arrived on once more than WG0 synced.
+    # Balance the barriers WG1 arrived on once more than WG0 synced (the partition's last request
+    # is always staged in Q).
     cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
     cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
     stamp(cta, Stamp.EXIT_NS, wtid == 0)
+
+
+@cute.jit
+def load_q(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, q_full, tQgQ, tQsQ, warp, req: Int32):
+    """Request ``req``'s Q (64 heads x d_qk) into the Q buffer by TMA, completing on ``q_full``."""
+    if warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * cfg.tile.d_qk * 2)
+        cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full)
+
+
+@cute.jit
+def store_o(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to: BlockStore, col, warp, row,
+            direct: cutlass.Constexpr, in_k, k_free, n: Int32):
+    """WG0's O block: staged in its half of the Q buffer and stored (:func:`~.epilogue.store_block`),
+    from registers where ``direct``, or, where ``in_k``, staged in the last tile's K buffer for WG1
+    to store (:func:`stage_for_wg1`)."""
+    if cutlass.const_expr(cfg.tuning.stage_in_k and not direct):
+        if in_k:
+            stage_for_wg1(cfg, cta, smem, acc_o, to, k_staging(cfg, smem.sK, (n - 1) % TILE.k_bufs, col), col, warp,
+                          row, k_free, n)
+        else:
+            store_block(cfg, cta, acc_o, thr_pv, to, q_staging(cfg, smem.sQ, col), col, warp, row, Bar.EPI_SOFTMAX,
+                        False)
+    else:
+        store_block(cfg, cta, acc_o, thr_pv, to, q_staging(cfg, smem.sQ, col), col, warp, row, Bar.EPI_SOFTMAX, direct)
+
+
+@cute.jit
+def stage_for_wg1(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, to: BlockStore, stage, col, warp, row,
+                  k_free, n: Int32):
+    """``Sm90Tuning.stage_in_k``: WG0's O block staged in the K buffer of the request's last tile
+    (tile n - 1), handed to WG1 (``Bar.O_STAGED``), which issues its stores, and WG0's ``k_free``
+    arrival for that buffer, held back at its last P V, given: the producer also waits for WG1's,
+    which comes only once the stores have read the staging."""
+    wait_peer_got(cfg, smem.storage, n - 1)
+    store_chunked(cfg, cta, acc_o, to, stage, col, warp, row, Bar.EPI_SOFTMAX, False, False)
+    cute.arch.barrier_arrive(barrier_id=Bar.O_STAGED, number_of_threads=PAIR_THREADS)
+    cute.arch.mbarrier_arrive(k_free + (n - 1) % TILE.k_bufs)
 
 
 @cute.jit
@@ -197,14 +249,19 @@ def online_softmax(acc_s, info, quad, scale_log2: Float32, m0: Float32, m1: Floa
 
 
 @cute.jit
-def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last):
+def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last, hold):
     """After tile ``n``'s PV is committed: issue tile n+1's QK behind it (unless ``n`` is the
-    request's last tile), then release tile n's K buffer once its PV has retired. P (registers)
-    and S (acc_s) are distinct registers, so both chains can be in flight."""
+    request's last tile), then release tile n's K buffer once its PV has retired; a last tile's
+    buffer is kept where ``hold`` (the request's O is staged in it: :func:`stage_for_wg1` releases
+    it). P (registers) and S (acc_s) are distinct registers, so both chains can be in flight."""
     buf = n % TILE.k_bufs
     if last:
         warpgroup.wait_group(0)
-        cute.arch.mbarrier_arrive(k_free + buf)
+        if cutlass.const_expr(cfg.tuning.stage_in_k):
+            if not hold:
+                cute.arch.mbarrier_arrive(k_free + buf)
+        else:
+            cute.arch.mbarrier_arrive(k_free + buf)
     else:
         nbuf = (n + 1) % TILE.k_bufs
         cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)

@@ -47,7 +47,7 @@ from . import ptx
 from .config import (DEFAULT_TUNING, TILE, Role, Sm90SparseDecodeConfig, Sm90Tuning, Stamp,  # noqa: F401
                      kernel_config)
 from .crossover import producer_crossover
-from .cta import Cta, Gmem, Smem, pools, shared_storage, stamp
+from .cta import Cta, Gmem, Smem, stamp, storage_of
 from .epilogue import LOG2E, bf16_block_layout
 from .mma import Ops
 from .producer import producer
@@ -205,7 +205,7 @@ class Sm90SparseDecode:
         stamp(early, Stamp.ENTRY_NS, tidx == 0)
 
         smem = SmemAllocator()
-        storage = smem.allocate(shared_storage(cfg.tile, pools(cfg)))
+        storage = smem.allocate(storage_of(cfg))
         md = self.prologue(storage, mTileMd, part, (tma_q, tma_out, tma_oacc))
         stamp(early, Stamp.PROLOGUE, tidx == 0)
 
@@ -266,6 +266,8 @@ class Sm90SparseDecode:
                 cute.arch.mbarrier_init(k_free + i, 2 * TILE.threads_per_wg)
                 if cutlass.const_expr(cfg.cluster):
                     cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
+                if cutlass.const_expr(cfg.peer_got):
+                    cute.arch.mbarrier_init(storage.peer_got.data_ptr() + i, 1)
         cute.arch.mbarrier_init_fence()
         # Words 0-3 (SchedField BEGIN_REQ .. END_BLOCK) of the partition's row in one 16-B load (rows are 32 B, 16-B aligned), issued
         # before the prologue's barriers so its L2 round trip overlaps them (in a cluster the
@@ -344,7 +346,7 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig):
 def smem_bytes(cfg: Sm90SparseDecodeConfig) -> int:
     """Dynamic shared memory of one CTA: the kernel's shared-storage struct for the config's format
     (and pools)."""
-    return shared_storage(cfg.tile, pools(cfg)).size_in_bytes()
+    return storage_of(cfg).size_in_bytes()
 
 
 def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
