@@ -39,6 +39,7 @@ import torch
 
 import cute_mla
 from benchmarks.bench_sparse_decode import capture_graph, commit_id, flashmla, warm_up
+from benchmarks.variants import variant_of
 from cute_mla.formats import V4
 from cute_mla.plan import plan as plan_mod
 from cute_mla.playground import bench
@@ -159,6 +160,18 @@ def row_generator(b, h, extra_topk, draw):
     return torch.Generator(device="cuda").manual_seed(row_seed(b, h, extra_topk, draw))
 
 
+class VariantLibrary:
+    """cute_mla's two calls with every metadata object made for one kernel variant (``tuning``,
+    the public seam ``FlashMLASchedMeta(tuning=...)``): ``--variant``."""
+
+    def __init__(self, tuning):
+        self.tuning = tuning
+        self.flash_mla_with_kvcache = cute_mla.flash_mla_with_kvcache
+
+    def get_mla_metadata(self, *args, **kwargs):
+        return cute_mla.FlashMLASchedMeta(tuning=self.tuning), None
+
+
 def prepare(mod, row, k_cache, extra_k_cache, check):
     """(graph of one call on ``row``, the out its replays write, the metadata object it reads: keep
     it, the check's result and the plan's fields): an eager call first (compile, plan, schedule),
@@ -210,10 +223,11 @@ def run_draw(b, h, extra_topk, draw, pools, libs, args):
     return res, diff
 
 
-def run_row(b, h, extra_topk, pools, fm, args):
+def run_row(b, h, extra_topk, pools, cute, fm, args):
     """A row over ``args.draws`` draws: the medians of each library's time and of the ratio, the
-    ratio's range, the first failing check (or ok), the first draw's memory, and every draw."""
-    libs = dict(cute=cute_mla) if fm is None else dict(cute=cute_mla, flashmla=fm)
+    ratio's range, the first failing check (or ok), the first draw's memory, and every draw
+    (``cute``: cute_mla, or a :class:`VariantLibrary`)."""
+    libs = dict(cute=cute) if fm is None else dict(cute=cute, flashmla=fm)
     r = dict(b=b, s_q=1, h_q=h, topk=TOPK, extra_topk=extra_topk, draws=[])
     for d in range(args.draws):
         res, diff = run_draw(b, h, extra_topk, d, pools, libs, args)
@@ -244,7 +258,8 @@ def run_row(b, h, extra_topk, pools, fm, args):
 
 
 def print_table(results, meta):
-    print(f"\n{meta['gpu']}  commit {meta['commit']}  V4 cache, pools of {POOL} tokens, page block {PAGE}, "
+    variant = "" if meta.get("variant", "default") == "default" else f"  cute-mla variant {meta['variant']}"
+    print(f"\n{meta['gpu']}  commit {meta['commit']}{variant}  V4 cache, pools of {POOL} tokens, page block {PAGE}, "
           f"s_q 1, top-k {TOPK}, lengths uniform, sinks on")
     print(f"(µs and ratio: medians over each row's {meta['draws']} draws of its inputs; range: the lowest and "
           "highest per-draw ratio" + ("; L2 flushed before every timed replay)" if meta["cold_l2"] else ")"))
@@ -282,6 +297,8 @@ def main():
     ap.add_argument("--sample", type=int, default=32, help="requests of each draw checked against the reference")
     ap.add_argument("--masked", type=float, default=0.0, help="fraction of the indices set to -1")
     ap.add_argument("--warmup-s", type=float, default=2.0, help="seconds of bf16 matmuls first (clocks up)")
+    ap.add_argument("--variant", default="default",
+                    help="cute-mla's kernel variant (a benchmarks.variants name, through FlashMLASchedMeta(tuning=...))")
     args = ap.parse_args()
     named = {"all": GRID, "quick": QUICK}
     rows = named[args.rows] if args.rows in named else parse_rows(args.rows)
@@ -290,6 +307,7 @@ def main():
             raise SystemExit(f"--rows: bad row b={b} h={h} extra_topk={e} (h 64 or 128, extra_topk a multiple of 64)")
     if not 1 <= args.draws < 100:
         raise SystemExit(f"--draws: got {args.draws}, accepted: 1 to 99")
+    cute = cute_mla if args.variant == "default" else VariantLibrary(variant_of(args.variant)[0])
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
     pools = (make_pool(g), make_pool(g))
@@ -297,14 +315,14 @@ def main():
     warm_up(args.warmup_s)
     results = []
     for b, h, e in rows:
-        r = run_row(b, h, e, pools, fm, args)
+        r = run_row(b, h, e, pools, cute, fm, args)
         results.append(r)
         print(json.dumps(r), flush=True)
         torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), commit=commit_id(), torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 pool=POOL, page_block_size=PAGE, topk=TOPK, masked=args.masked, sample=args.sample, draws=args.draws,
-                cold_l2=args.cold_l2,
+                cold_l2=args.cold_l2, variant=args.variant,
                 flashmla=fm is not None, command="python -m benchmarks.bench_v4 " + " ".join(sys.argv[1:]))
     if args.out:
         with open(args.out, "w") as f:

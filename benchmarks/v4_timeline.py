@@ -20,7 +20,7 @@ last exit, which no per-SM clock rate skews); and the decode kernel's own graph-
 against which they show what the launch, the tail and the imbalance cost.
 
     python -m benchmarks.v4_timeline [--rows "b,h,extra;..."] [--v32 "b,h,topk;..."] [--replays 5]
-    python -m benchmarks.v4_timeline --spans [--rows "b,h,extra;..."]
+    python -m benchmarks.v4_timeline --spans [--rows "b,h,extra;..."] [--variants default,stage_in_k]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from benchmarks import bench_sparse_decode as v32b
 from benchmarks import bench_v4 as v4b
 from benchmarks.timeline import GHZ, print_phases, stamped_graph, stamped_kernel, working_rows
+from benchmarks.variants import variant_of
 from cute_mla.archs import SM90, device_arch, device_num_sms
 from cute_mla.formats import V4, V32
 from cute_mla.kernels.sm90.config import Stamp
@@ -74,13 +75,13 @@ def per_request_plan(fmt, b, h, topk, extra):
     return plan
 
 
-def row_kernel(plan, row, pools):
-    """(launch, stamps, schedule) of the row's decode kernel with the timeline, on the schedule
-    its plan makes (``pools``: the main and extra caches)."""
+def row_kernel(plan, row, pools, tuning=None):
+    """(launch, stamps, schedule) of the row's decode kernel (``tuning``: a kernel variant) with the
+    timeline, on the schedule its plan makes (``pools``: the main and extra caches)."""
     schedule = make_schedule(plan, row["q"].device, row["topk_length"], row["extra_topk_length"])
     extra = (pools[1], row["extra_indices"], row["extra_topk_length"]) if plan.extra_topk else (None,) * 3
-    launch, stamps = stamped_kernel(plan, schedule, row["q"], pools[0], row["indices"], topk_length=row["topk_length"],
-                                    attn_sink=row["attn_sink"], extra=extra)
+    launch, stamps = stamped_kernel(plan, schedule, row["q"], pools[0], row["indices"], tuning=tuning,
+                                    topk_length=row["topk_length"], attn_sink=row["attn_sink"], extra=extra)
     return launch, stamps, schedule
 
 
@@ -120,30 +121,33 @@ def fit2(xs, zs, ys):
     return my - b * mx - c * mz, b, c
 
 
-def spans(rows, replays, pools, g):
-    """``--spans``: each row under the plan its call would take (module docstring)."""
+def spans(rows, replays, pools, g, variants=("default",)):
+    """``--spans``: each row under the plan its call would take (module docstring), once per kernel
+    variant (``benchmarks.variants.VARIANTS`` names) on the same inputs."""
     for b, h, extra in rows:
         row = v4b.make_row(b, h, extra, 0.0, g)
         plan = row_plan(V4, b, h, v4b.TOPK, extra)
-        launch, stamps, schedule = row_kernel(plan, row, pools)
-        work = partition_work(schedule.tile_md, request_blocks(row, plan))
-        tiles, pieces, span, ns = [], [], [], []
-        graph = stamped_graph(launch)
-        for part, r in working_rows(graph, stamps, replays):
-            tiles.append(work[part][0])
-            pieces.append(work[part][1])
-            span.append((int(r[Stamp.EPILOGUE]) - int(r[Stamp.ENTRY])) / GHZ / 1e3)
-            ns.append((int(r[Stamp.ENTRY_NS]), int(r[Stamp.EXIT_NS])))
-        a, per_tile, per_piece = fit2(tiles, pieces, span)
-        kernel_us = v32b.replay_median_us(graph, 50)
-        q = statistics.quantiles(span, n=10)
-        print(f"\nV4 b={b} h={h} extra={extra}: {plan.schedule}/{plan.variant}, {len(span) // replays} CTAs, "
-              f"tiles per CTA {min(tiles)}-{max(tiles)} (mean {sum(tiles) / len(tiles):.1f}), "
-              f"pieces {min(pieces)}-{max(pieces)} (mean {sum(pieces) / len(pieces):.2f})")
-        print(f"  CTA span us: median {statistics.median(span):.2f}, p10 {q[0]:.2f}, p90 {q[-1]:.2f}, "
-              f"max {max(span):.2f}; decode kernel alone (graph replay) {kernel_us:.2f} us")
-        print(f"  fit: span = {a:.2f} + {per_tile:.3f} x tiles + {per_piece:.3f} x pieces (us)", flush=True)
-        print("  " + global_clock(ns, replays), flush=True)
+        for name in variants:
+            tuning, _ = variant_of(name)
+            launch, stamps, schedule = row_kernel(plan, row, pools, tuning)
+            work = partition_work(schedule.tile_md, request_blocks(row, plan))
+            tiles, pieces, span, ns = [], [], [], []
+            graph = stamped_graph(launch)
+            for part, r in working_rows(graph, stamps, replays):
+                tiles.append(work[part][0])
+                pieces.append(work[part][1])
+                span.append((int(r[Stamp.EPILOGUE]) - int(r[Stamp.ENTRY])) / GHZ / 1e3)
+                ns.append((int(r[Stamp.ENTRY_NS]), int(r[Stamp.EXIT_NS])))
+            a, per_tile, per_piece = fit2(tiles, pieces, span)
+            kernel_us = v32b.replay_median_us(graph, 50)
+            q = statistics.quantiles(span, n=10)
+            print(f"\nV4 b={b} h={h} extra={extra} [{name}]: {plan.schedule}/{plan.variant}, {len(span) // replays} CTAs, "
+                  f"tiles per CTA {min(tiles)}-{max(tiles)} (mean {sum(tiles) / len(tiles):.1f}), "
+                  f"pieces {min(pieces)}-{max(pieces)} (mean {sum(pieces) / len(pieces):.2f})")
+            print(f"  CTA span us: median {statistics.median(span):.2f}, p10 {q[0]:.2f}, p90 {q[-1]:.2f}, "
+                  f"max {max(span):.2f}; decode kernel alone (graph replay) {kernel_us:.2f} us")
+            print(f"  fit: span = {a:.2f} + {per_tile:.3f} x tiles + {per_piece:.3f} x pieces (us)", flush=True)
+            print("  " + global_clock(ns, replays), flush=True)
 
 
 def global_clock(ns, replays):
@@ -178,13 +182,15 @@ def main():
     ap.add_argument("--v32", default="", help="V3.2 rows b,h,topk;... (topk a multiple of 64)")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--spans", action="store_true", help="the rows under their own plans (module docstring)")
+    ap.add_argument("--variants", default="default",
+                    help="--spans: kernel variants (benchmarks.variants names) fitted on the same inputs")
     args = ap.parse_args()
     arch = device_arch(torch.device("cuda"))
     if arch != SM90.name:
         raise SystemExit(f"the timeline is the SM90 kernel's: this GPU runs {arch}")
     g, pools = v4b.probe_inputs()
     if args.spans:
-        return spans(v4b.parse_rows(args.rows), args.replays, pools, g)
+        return spans(v4b.parse_rows(args.rows), args.replays, pools, g, [n for n in args.variants.split(",") if n])
     print(f"{torch.cuda.get_device_name()}: one request per CTA; cycles since kernel entry, median over the "
           f"CTAs and {args.replays} graph replays; µs at {GHZ} GHz")
     cases = ([(V4, b, h, e) for b, h, e in v4b.parse_rows(args.rows)]

@@ -12,6 +12,7 @@ from . import archs
 from .formats import V4, V32, KVCacheFormat, format_for_d_qk
 from .reference import sparse_decode_reference, valid_positions
 from .scheduler import FIXED_OVERHEAD, accum_offsets, blocks_per_request, plan_splits_host
+from .scheduler.partition import HostSchedule
 
 
 @dataclass
@@ -324,10 +325,12 @@ def host_schedule(topk: int, topk_length, b: int, parts: int, device, overhead: 
     return s, tile_md, torch.tensor(accum_offsets(s.num_splits), dtype=torch.int32, device=device)
 
 
-def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_OVERHEAD):
+def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_OVERHEAD,
+               schedule: Optional[HostSchedule] = None):
     """Launch one arch's sparse decode kernel (its config ``cfg``, any variant) directly on ``inp``
-    (its extra pool too, when it has one) over the host schedule of ``parts`` partitions; for the
-    split variant merge the partials in torch (fp64). Outputs start as NaN, so anything the kernel leaves unwritten shows.
+    (its extra pool too, when it has one) over the host schedule of ``parts`` partitions (or over
+    ``schedule``'s rows as given: partitions no scheduler makes); for the split variant merge the
+    partials in torch (fp64). Outputs start as NaN, so anything the kernel leaves unwritten shows.
 
     Returns (out (b, s_q, h, d_v) fp32, lse (b, h, s_q) fp32, the HostSchedule)."""
     from .interface.launcher import kernel_module
@@ -337,8 +340,13 @@ def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_O
     q, dev = inp.q, inp.q.device
     b, s_q, h_q, _ = q.shape
     extra_topk = 0 if inp.extra_indices is None else inp.extra_indices.shape[-1]
-    sched, tile_md, offsets = host_schedule(inp.indices.shape[-1], inp.topk_length, b, parts, dev, overhead,
-                                            extra_topk, inp.extra_topk_length)
+    if schedule is None:
+        sched, tile_md, offsets = host_schedule(inp.indices.shape[-1], inp.topk_length, b, parts, dev, overhead,
+                                                extra_topk, inp.extra_topk_length)
+    else:
+        sched = schedule
+        tile_md = torch.tensor(sched.rows, dtype=torch.int32, device=dev).reshape(len(sched.rows), -1)
+        offsets = torch.tensor(accum_offsets(sched.num_splits), dtype=torch.int32, device=dev)
     if not cfg.split:
         assert not sched.any_split, "the no-split variant only runs on schedules without split pieces"
     out = torch.full((b, s_q, h_q, V32.d_v), float("nan"), dtype=torch.bfloat16, device=dev)

@@ -22,7 +22,7 @@ def _draws(cute_us, flash_us, checks=None):
 
 def test_a_row_is_the_median_of_its_draws(monkeypatch):
     monkeypatch.setattr(bench_v4, "run_draw", _draws([80.0, 84.0, 79.0], [96.0, 101.0, 98.0]))
-    r = bench_v4.run_row(128, 128, 1024, None, object(), SimpleNamespace(draws=3))
+    r = bench_v4.run_row(128, 128, 1024, None, bench_v4.cute_mla, object(), SimpleNamespace(draws=3))
     assert (r["cute_us"], r["flashmla_us"]) == (80.0, 98.0)
     ratios = sorted([96 / 80, 101 / 84, 98 / 79])
     assert r["ratio"] == ratios[1] and (r["ratio_min"], r["ratio_max"]) == (ratios[0], ratios[2])
@@ -32,7 +32,7 @@ def test_a_row_is_the_median_of_its_draws(monkeypatch):
 
 def test_a_failing_draw_fails_the_row(monkeypatch):
     monkeypatch.setattr(bench_v4, "run_draw", _draws([80.0, 84.0], [96.0, 101.0], ["ok", "out: 3 of 9 elements"]))
-    r = bench_v4.run_row(128, 128, 1024, None, object(), SimpleNamespace(draws=2))
+    r = bench_v4.run_row(128, 128, 1024, None, bench_v4.cute_mla, object(), SimpleNamespace(draws=2))
     assert r["cute_check"] == "out: 3 of 9 elements"
 
 
@@ -41,7 +41,7 @@ def test_without_flashmla_a_row_has_no_ratio(monkeypatch):
         assert list(libs) == ["cute"]
         return dict(cute=dict(check="ok", us=50.0 + draw)), None
     monkeypatch.setattr(bench_v4, "run_draw", run_draw)
-    r = bench_v4.run_row(32, 64, 512, None, None, SimpleNamespace(draws=3))
+    r = bench_v4.run_row(32, 64, 512, None, bench_v4.cute_mla, None, SimpleNamespace(draws=3))
     assert r["cute_us"] == 51.0 and "ratio" not in r
 
 
@@ -54,7 +54,7 @@ def test_every_draw_of_every_row_has_its_own_seed():
 @pytest.mark.parametrize("cold", [False, True])
 def test_the_table_prints_medians_and_ranges(monkeypatch, capsys, cold):
     monkeypatch.setattr(bench_v4, "run_draw", _draws([80.0, 84.0, 79.0], [96.0, 101.0, 98.0]))
-    r = bench_v4.run_row(128, 128, 1024, None, object(), SimpleNamespace(draws=3))
+    r = bench_v4.run_row(128, 128, 1024, None, bench_v4.cute_mla, object(), SimpleNamespace(draws=3))
     bench_v4.print_table([r], dict(gpu="GPU", commit="abc", draws=3, cold_l2=cold))
     out = capsys.readouterr().out
     assert " 128  128   1024 |     80.0   16.00     ok |        98.0   48.00     ok |   1.20  1.20-1.24   3.0e-04" in out
@@ -70,6 +70,6 @@ def test_a_draw_that_raised_makes_the_row_an_error(monkeypatch):
             res["cute"] = dict(error="RuntimeError: boom")
         return res, diff
     monkeypatch.setattr(bench_v4, "run_draw", run_draw)
-    r = bench_v4.run_row(128, 128, 1024, None, object(), SimpleNamespace(draws=3))
+    r = bench_v4.run_row(128, 128, 1024, None, bench_v4.cute_mla, object(), SimpleNamespace(draws=3))
     assert r["cute_error"] == "draw 2: RuntimeError: boom" and "cute_us" not in r and "ratio" not in r
     assert r["flashmla_us"] == 98.0

@@ -205,6 +205,88 @@ def test_column_pair_matches(pattern, shape, seed):
     _check_variant(inp, True, parts, (None, True), (None, False), "column pair", overhead)
 
 
+STAGE_IN_K = Sm90Tuning(stage_in_k=True)
+# (b, s_q, h_q, topk, split, topk_length, column pair, extra_topk): multi-request partitions in every
+# kernel shape (one CTA, the h=128 cluster, the column pair, V4 with its extra pool), split pieces
+# first and last in a partition, whole requests between them.
+STAGE_IN_K_SHAPES = [(74, 2, 64, 2048, True, True, False, 0), (74, 1, 64, 576, False, True, False, 0),
+                     (33, 3, 128, 576, False, True, False, 0), (74, 2, 128, 2048, True, True, False, 0),
+                     (4, 16, 128, 2048, False, False, False, 0), (9, 2, 64, 1024, True, True, True, 0),
+                     (128, 1, 128, 128, True, True, False, 1024), (74, 1, 64, 128, True, True, False, 512),
+                     (96, 1, 128, 128, False, True, False, 512)]
+
+
+def _stage_in_k_inputs(shape, pattern, seed):
+    b, s_q, h_q, topk, split, tl, pair, extra = shape
+    if not extra:
+        return _patterned_inputs(b, s_q, h_q, topk, tl, 0.15, pattern, seed)
+    g = torch.Generator().manual_seed(seed)
+    return make_inputs(b, s_q, h_q, topk, d_qk=512, num_tokens=2046, page_block_size=64, invalid_frac=0.15,
+                       with_topk_length=tl, with_sink=True, extra_topk=extra, extra_num_tokens=2046,
+                       extra_page_block_size=53, with_extra_topk_length=tl, all_invalid_rows=2 if pattern == "none" else 0,
+                       device="cuda", generator=g)
+
+
+def _stage_in_k_cfg(inp, split, pair, tuning):
+    return kernel_config(h_q=inp.q.shape[2], d_qk=inp.q.shape[3], split=split, has_topk_length=inp.topk_length is not None,
+                         has_attn_sink=inp.attn_sink is not None, column_pair=pair, tuning=tuning,
+                         has_extra=inp.extra_indices is not None, has_extra_topk_length=inp.extra_topk_length is not None)
+
+
+@pytest.mark.parametrize("pattern", ["none", "sparse", "one_valid"])
+@pytest.mark.parametrize("shape", range(len(STAGE_IN_K_SHAPES)))
+def test_stage_in_k_matches(pattern, shape, seed):
+    """``Sm90Tuning.stage_in_k`` (a request's O staged in its last tile's K buffer where another
+    request follows): the fp32 reference's answer and the default kernel's bits, twice in a row
+    (the held ``k_free`` arrivals and the cluster's ``peer_got`` phases must come out even)."""
+    b, s_q, h_q, topk, split, tl, pair, extra = STAGE_IN_K_SHAPES[shape]
+    inp = _stage_in_k_inputs(STAGE_IN_K_SHAPES[shape], pattern, seed)
+    parts = num_sm_parts(ARCH, NUM_SMS, s_q, h_q) if split else 16
+    overhead = fixed_overhead_blocks(ARCH, b=b, parts=parts, blocks=topk // 64) if pair else None
+    kw = {} if overhead is None else dict(overhead=overhead)
+    out0, lse0, _ = run_kernel(inp, _stage_in_k_cfg(inp, split, pair, DEFAULT_TUNING), parts, **kw)
+    ref_out, ref_lse = inp.reference()
+    for _ in range(2):
+        out, lse, sched = run_kernel(inp, _stage_in_k_cfg(inp, split, pair, STAGE_IN_K), parts, **kw)
+        try:
+            check_out_lse(out, lse, ref_out, ref_lse)
+        except AssertionError:
+            diagnose(out, lse, ref_out, ref_lse, sched)
+            raise
+        assert torch.equal(out, out0), "stage_in_k: out differs from the default kernel's"
+        assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), "stage_in_k: lse differs"
+
+
+def _rows(*parts):
+    return tuple(tuple(r) + (0, 0, 0, 0) for r in parts)
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_stage_in_k_pieces_without_tiles(h_q, seed):
+    """Partitions no scheduler makes, on the no-split kernel: a partition whose last piece has no
+    tile after pieces staged in K (the held arrival is given in that piece's epilogue), one that
+    is a single piece without tiles, and ordinary ones. ``stage_in_k`` gives the default's bits
+    (no hang), and the requests with tiles give the reference's answer."""
+    from cute_mla.scheduler.partition import HostSchedule
+
+    g = torch.Generator().manual_seed(seed)
+    b = 8
+    inp = make_inputs(b, 2, h_q, 256, num_tokens=1024, invalid_frac=0.1, with_topk_length=False, with_sink=True,
+                      device="cuda", generator=g)
+    nb = 4   # blocks per request
+    # [begin_req, end_req, begin_block, end_block]: requests 0-1 whole, then request 2's piece
+    # [0, 0) (no tile); request 3 alone in a piece [nb, nb); requests 4-7 whole in two partitions.
+    rows = _rows((0, 2, 0, 0), (3, 3, nb, nb), (4, 5, 0, nb), (6, 7, 0, nb))
+    sched = HostSchedule(rows, tuple(range(b + 1)))
+    outs = [run_kernel(inp, _cfg(inp, False, t), len(rows), schedule=sched)[:2] for t in (DEFAULT_TUNING, STAGE_IN_K)]
+    (out0, lse0), (out, lse) = outs
+    assert torch.equal(out.nan_to_num(7.0), out0.nan_to_num(7.0)), "stage_in_k: out differs from the default kernel's"
+    assert torch.equal(lse.nan_to_num(7.0), lse0.nan_to_num(7.0)), "stage_in_k: lse differs"
+    ref_out, ref_lse = _reference(inp)
+    whole = [0, 1, 4, 5, 6, 7]
+    check_out_lse(out[whole], lse[whole], ref_out[whole], ref_lse[whole])
+
+
 def test_negative_topk_length_means_empty(seed):
     """A negative topk_length is an empty list (as 0): no valid token, like the reference."""
     g = torch.Generator().manual_seed(seed)
