@@ -321,9 +321,8 @@ def test_timeline_is_instrumentation_only(artifacts, tmp_path):
 @pytest.mark.parametrize("name", STAGE_IN_K)
 def test_stage_in_k_is_its_variant_only(artifacts, name):
     """``Sm90Tuning.stage_in_k``: WG0 hands its staged block to WG1 on ``Bar.O_STAGED`` (arrive /
-    sync), WG1 stores both blocks from the K buffer and waits for their reads a tile later (two
-    more ``wait_group.read`` sites: the next request's first tile, or its epilogue when it has no
-    tile); the cluster kernels add the per-tile ``peer_got`` arrive on the peer and its wait before
+    sync), WG1 stores both blocks from the K buffer and waits for their reads at the next request's
+    start (one more ``wait_group.read`` site); the cluster kernels add the per-tile ``peer_got`` arrive on the peer and its wait before
     either warp group stages. The default kernels have none of it."""
     import re
 
@@ -336,7 +335,7 @@ def test_stage_in_k_is_its_variant_only(artifacts, name):
             assert not re.search(rf"bar\.(?:sync|arrive)\s+{o_staged},", text), other
     reads = "cp.async.bulk.wait_group.read"
     if base is not None:
-        assert ptx.count(reads) == base.count(reads) + 2
+        assert ptx.count(reads) == base.count(reads) + 1
         remote = "mbarrier.arrive.release.cluster.shared::cluster"
         assert ptx.count(remote) == base.count(remote) + (1 if _config(name).cluster else 0)
     assert _config(name).peer_got == _config(name).cluster

@@ -9,7 +9,8 @@ as it is staged; the column pair's ``out`` blocks (64 x 128, no tensor map) go o
 With ``Sm90Tuning.stage_in_k`` (experimental) a request followed by another in the partition
 stages in the K buffer of its last tile instead (:func:`stages_in_k`): WG0 stages its chunks and
 signals ``Bar.O_STAGED``; WG1 stages its own, issues every chunk's store and holds its ``k_free``
-arrival for that buffer until the next request's first tile (:func:`release_stored_buffer`).
+arrival for that buffer until the stores have read it, at the next request's start
+(:func:`release_stored_buffer`).
 """
 
 from __future__ import annotations
@@ -231,10 +232,11 @@ def release_stored_buffer(k_free, buf, warp, pending):
 def wait_peer_got(cfg: Sm90SparseDecodeConfig, smem_storage, t: Int32):
     """Cluster kernels: before a warp group stages O in the K buffer of tile ``t``, the peer has
     received this CTA's half of that tile (its bulk copies have read their source). Parity
-    ``(t // 2) & 1`` names tile t's phase of ``peer_got[t % 2]``: the peer received tile t - 2
-    before this CTA could consume t (its producer frees the buffer for t only after its
-    consumers took t - 2), and it cannot receive t + 2 before this CTA's consumers release the
-    buffer, which the staging holds."""
+    ``(t // 2) & 1`` names tile t's phase of ``peer_got[t % 2]``: the peer signalled tile t - 2
+    before this CTA could consume t (the peer's producer signals ``peer_free`` for t only after
+    its ``k_free`` for t - 2, which its WG1 thread 0 arrives on only after that signal), and it cannot receive t + 2 before this CTA's consumers release the
+    buffer, which the staging holds. Both hold because the two CTAs walk the same tiles (both
+    producers scan the same lists) and a request with blocks here yields at least one tile."""
     if cutlass.const_expr(cfg.peer_got):
         buf = t % TILE.k_bufs
         ptx.mbarrier_wait_acquire_cluster(smem_storage.peer_got.data_ptr().toint() + buf * TILE.mbar_bytes,

@@ -52,6 +52,11 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
         start, stop, _, _, _ = request_range(cfg, g, cta, req)
         in_k = stages_in_k(cfg, start, stop, req, end_req, split_piece(cfg, cta, req, split_rows)[0])
+        if cutlass.const_expr(cfg.tuning.stage_in_k):
+            # The previous request's O was staged in its last tile's buffer: its k_free arrival
+            # is given as soon as the stores have read it (WG1 has nothing to do before WG0's
+            # first P of this request), so the producer refills it for tile n + 1 without a wait.
+            release_stored_buffer(k_free, (n - 1) % TILE.k_bufs, warp, pending)
         acc_o.fill(0.0)
         # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
         active = start < stop
@@ -75,9 +80,7 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
                 stamp(cta, Stamp.WG1_PV_DONE, wtid == 0)
                 cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
                 if cutlass.const_expr(cfg.tuning.stage_in_k):
-                    # The previous request's stores have had this tile to read the staging.
-                    release_stored_buffer(k_free, (n - 1) % TILE.k_bufs, warp, pending)
-                    pending = cutlass.Boolean(False)
+                    # A last tile's buffer is held where the request's O is staged in it.
                     if not ((last_word != 0) & in_k):
                         cute.arch.mbarrier_arrive(k_free + buf)
                 else:
@@ -90,11 +93,8 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
         o_scale1 = s_row_scale[row0 + 8]
         cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
         scale_rows(acc_o, o_scale0, o_scale1)
-        if cutlass.const_expr(cfg.tuning.stage_in_k):
-            # A request without tiles here after one staged in K: its buffer is released now
-            # (the partition's last request is always staged in Q, so no hold outlives the loop).
-            release_stored_buffer(k_free, (n - 1) % TILE.k_bufs, warp, pending)
-            pending = in_k
+        # The partition's last request is always staged in Q, so no held arrival outlives the loop.
+        pending = in_k
         is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         if is_split:
             if cutlass.const_expr(cfg.split):
@@ -104,7 +104,8 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
             store_o_right(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), col, warp,
                           req, cfg.out_from_registers, in_k, n)
         stamp(cta, Stamp.WG1_EPILOGUE, wtid == 0)
-        # The staging (aliasing sQ) is no longer read: WG0 may load the next Q.
+        # The staging in sQ (not where the O went to the K buffer) is no longer read: WG0 may
+        # load the next Q.
         if cutlass.const_expr(cfg.tuning.stage_in_k):
             if not in_k:
                 cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
@@ -118,7 +119,7 @@ def store_o_right(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_
     """WG1's O block, staged in its half of the Q buffer and stored (the caller then signals
     ``Q_FREE``: WG0 may load the next Q); or, where ``in_k`` (``Sm90Tuning.stage_in_k``), staged in the K buffer of the
     request's last tile (n - 1) and stored from there, with WG0's block, which WG0 staged beside
-    it (``Bar.O_STAGED``); the stores' reads are waited for a tile later
+    it (``Bar.O_STAGED``); the stores' reads are waited for at the next request's start
     (:func:`~.epilogue.release_stored_buffer`)."""
     if cutlass.const_expr(cfg.tuning.stage_in_k and not direct):
         if in_k:
