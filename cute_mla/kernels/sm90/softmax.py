@@ -136,13 +136,27 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, is_split, cta.hblk * TILE.heads + row0)
         o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, is_split, cta.hblk * TILE.heads + row0 + 8)
+        if cutlass.const_expr(cfg.tuning.stage_in_k):
+            if in_k:
+                # The factors are WG0's own: its half is staged while WG1's last P V still runs.
+                scale_rows(acc_o, o_scale0, o_scale1)
+                stage_in_k_buffer(cfg, cta, smem, acc_o, col, warp, n)
         cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
         if quad == 0:
             s_row_scale[row0] = o_scale0
             s_row_scale[row0 + 8] = o_scale1
         cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
         stamp(cta, Stamp.EPI_FINAL, wtid == 0)
-        scale_rows(acc_o, o_scale0, o_scale1)
+        if cutlass.const_expr(cfg.tuning.stage_in_k):
+            if in_k:
+                # WG1 stores the block; the producer also waits for WG1's k_free arrival, which
+                # comes once the stores have read the staging.
+                cute.arch.barrier_arrive(barrier_id=Bar.O_STAGED, number_of_threads=PAIR_THREADS)
+                cute.arch.mbarrier_arrive(k_free + (n - 1) % TILE.k_bufs)
+            else:
+                scale_rows(acc_o, o_scale0, o_scale1)
+        else:
+            scale_rows(acc_o, o_scale0, o_scale1)
         head0 = cta.hblk * TILE.heads + row0
         # The lse stores go after the O block's: the block's staging fences the generic proxy,
         # which may wait for this thread's global stores still in flight (lse first measured
@@ -150,11 +164,11 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         if is_split:
             if cutlass.const_expr(cfg.split):
                 store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_oacc, g.mOAcc, ops.chunk_layout), col, warp,
-                        acc_row, False, in_k, k_free, n)
+                        acc_row, False, in_k)
                 store_lse_rows(cfg, g.mLseAcc, acc_row, cta.s_idx, head0, lse0, lse1, quad)
         else:
             store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), col, warp, req,
-                    cfg.out_from_registers, in_k, k_free, n)
+                    cfg.out_from_registers, in_k)
             store_lse_rows(cfg, g.mLse, req, cta.s_idx, head0, lse0, lse1, quad)
         stamp(cta, Stamp.EPILOGUE, wtid == 0)
         q_issued = in_k
@@ -178,15 +192,12 @@ def load_q(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, q_full, tQgQ, tQsQ, w
 
 @cute.jit
 def store_o(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to: BlockStore, col, warp, row,
-            direct: cutlass.Constexpr, in_k, k_free, n: Int32):
+            direct: cutlass.Constexpr, in_k):
     """WG0's O block: staged in its half of the Q buffer and stored (:func:`~.epilogue.store_block`),
-    from registers where ``direct``, or, where ``in_k``, staged in the last tile's K buffer for WG1
-    to store (:func:`stage_for_wg1`)."""
+    or from registers where ``direct``; nothing where ``in_k`` (``Sm90Tuning.stage_in_k``: already
+    staged in the last tile's K buffer, :func:`stage_in_k_buffer`, for WG1 to store)."""
     if cutlass.const_expr(cfg.tuning.stage_in_k and not direct):
-        if in_k:
-            stage_for_wg1(cfg, cta, smem, acc_o, to, k_staging(cfg, smem.sK, (n - 1) % TILE.k_bufs, col), col, warp,
-                          row, k_free, n)
-        else:
+        if not in_k:
             store_block(cfg, cta, acc_o, thr_pv, to, q_staging(cfg, smem.sQ, col), col, warp, row, Bar.EPI_SOFTMAX,
                         False)
     else:
@@ -194,16 +205,13 @@ def store_o(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to
 
 
 @cute.jit
-def stage_for_wg1(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, to: BlockStore, stage, col, warp, row,
-                  k_free, n: Int32):
-    """``Sm90Tuning.stage_in_k``: WG0's O block staged in the K buffer of the request's last tile
-    (tile n - 1), handed to WG1 (``Bar.O_STAGED``), which issues its stores, and WG0's ``k_free``
-    arrival for that buffer, held back at its last P V, given: the producer also waits for WG1's,
-    which comes only once the stores have read the staging."""
+def stage_in_k_buffer(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, col, warp, n: Int32):
+    """``Sm90Tuning.stage_in_k``: WG0's scaled O block as bf16 into the chunks of the request's
+    last tile's K buffer (tile n - 1) that its own P V read (fenced for WG1's TMA stores; in
+    cluster kernels once the peer has received this CTA's half of that tile)."""
     wait_peer_got(cfg, smem.storage, n - 1)
-    store_chunked(cfg, cta, acc_o, to, stage, col, warp, row, Bar.EPI_SOFTMAX, False, False)
-    cute.arch.barrier_arrive(barrier_id=Bar.O_STAGED, number_of_threads=PAIR_THREADS)
-    cute.arch.mbarrier_arrive(k_free + (n - 1) % TILE.k_bufs)
+    store_chunked(cfg, cta, acc_o, None, k_staging(cfg, smem.sK, (n - 1) % TILE.k_bufs, col), col, warp, None,
+                  Bar.EPI_SOFTMAX, False, False)
 
 
 @cute.jit
