@@ -132,14 +132,28 @@ def stamp(cta: Cta, slot: cutlass.Constexpr, leader):
 
 
 @cute.jit
-def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32):
+def request_lengths(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32):
+    """Request ``req``'s ``topk_length`` and ``extra_topk_length`` words as loaded (0 for a list
+    the kernel has no lengths of): :func:`request_range`'s inputs, to load a request ahead."""
+    length = Int32(0)
+    extra_length = Int32(0)
+    if cutlass.const_expr(cfg.has_topk_length):
+        length = g.mTopkLen[req]
+    if cutlass.const_expr(cfg.has_extra_topk_length):
+        extra_length = g.mExtraLen[req]
+    return length, extra_length
+
+
+@cute.jit
+def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32, lengths=None):
     """(64-token blocks, blocks of the main list, effective main length, effective extra length)
     of request ``req``: the main list's blocks come first, then the extra list's (none without
-    the extra pool)."""
+    the extra pool). ``lengths``: its :func:`request_lengths`, already loaded (else loaded here)."""
     n_main = topk // BLOCK_TOPK
     length = topk
     if cutlass.const_expr(cfg.has_topk_length):
-        length, n_main = blocks_of_length(g.mTopkLen[req], topk, cutlass.min, cutlass.max)
+        raw = g.mTopkLen[req] if lengths is None else lengths[0]
+        length, n_main = blocks_of_length(raw, topk, cutlass.min, cutlass.max)
     n_blocks = n_main
     extra_length = Int32(0)
     if cutlass.const_expr(cfg.has_extra):
@@ -147,17 +161,19 @@ def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32
         extra_length = extra_topk
         n_extra = extra_topk // BLOCK_TOPK
         if cutlass.const_expr(cfg.has_extra_topk_length):
-            extra_length, n_extra = extra_blocks_of_length(g.mExtraLen[req], extra_topk, cutlass.min, cutlass.max)
+            raw_extra = g.mExtraLen[req] if lengths is None else lengths[1]
+            extra_length, n_extra = extra_blocks_of_length(raw_extra, extra_topk, cutlass.min, cutlass.max)
         n_blocks = n_main + n_extra
     return n_blocks, n_main, length, extra_length
 
 
 @cute.jit
-def request_range(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32):
+def request_range(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32, lengths=None):
     """[start, stop) blocks of ``req`` in this partition, its main list's blocks and the two
-    lists' effective lengths (:func:`request_blocks`)."""
+    lists' effective lengths (:func:`request_blocks`; ``lengths``: its :func:`request_lengths`,
+    loaded ahead)."""
     begin_req, end_req, begin_block, end_block = cta.sched
-    n_blocks, n_main, length, extra_length = request_blocks(cfg, g, req, cta.topk)
+    n_blocks, n_main, length, extra_length = request_blocks(cfg, g, req, cta.topk, lengths)
     start = Int32(0)
     stop = n_blocks
     if req == begin_req:
