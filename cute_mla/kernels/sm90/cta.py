@@ -184,6 +184,22 @@ def request_range(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32, le
 
 
 @cute.jit
+def request_span(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32, ahead):
+    """The MMA warp groups' [start, stop) of ``req`` and the lengths to carry to the next request.
+    With ``Sm90Tuning.stage_in_k`` the next Q is loaded during a request's last tile, so the
+    lengths' L2 round trip would be what a request boundary waits for: ``ahead`` holds ``req``'s
+    (:func:`request_lengths`, loaded a request earlier) and the next request's are loaded now.
+    Otherwise ``ahead`` is passed through unread and the lengths are loaded here."""
+    if cutlass.const_expr(cfg.tuning.stage_in_k):
+        lengths = ahead
+        ahead = request_lengths(cfg, g, cutlass.min(req + 1, cta.sched[1]))
+        start, stop, _, _, _ = request_range(cfg, g, cta, req, lengths)
+    else:
+        start, stop, _, _, _ = request_range(cfg, g, cta, req)
+    return start, stop, ahead
+
+
+@cute.jit
 def split_rows_of_partition(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta):
     """(first, last) = the o_accum rows of the partition's first and last request where that
     request is a split piece here, -1 where it is not (always -1 in the no-split variant). Only

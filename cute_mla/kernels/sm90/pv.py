@@ -15,7 +15,7 @@ from cutlass.cute.nvgpu import warpgroup
 from ...dsl import ptx
 from . import ptx as sm90_ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
-from .cta import Cta, Gmem, Smem, request_lengths, request_range, split_piece, split_rows_of_partition, stamp
+from .cta import Cta, Gmem, Smem, request_lengths, request_span, split_piece, split_rows_of_partition, stamp
 from .epilogue import (BlockStore, issue_chunk_stores, k_staging, q_staging, release_stored_buffer, stages_in_k,
                        store_block, store_chunked, wait_peer_got)
 from .mma import Ops, column_block, k_tensors_for_pv, scale_rows
@@ -49,16 +49,9 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
     cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
     n = Int32(0)
     pending = cutlass.Boolean(False)   # the previous request's O was staged in K buffer (n - 1) % 2: its k_free is held
-    ahead = request_lengths(cfg, g, begin_req)   # stage_in_k: the next request's lengths, loaded a request ahead
+    ahead = request_lengths(cfg, g, begin_req)   # the lengths request_span reads (stage_in_k)
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
-        if cutlass.const_expr(cfg.tuning.stage_in_k):
-            # With the next Q loaded during this request's last tile, the lengths' L2 round trip
-            # would be what a request boundary waits for: they are loaded a request ahead.
-            lengths = ahead
-            ahead = request_lengths(cfg, g, cutlass.min(req + 1, end_req))
-            start, stop, _, _, _ = request_range(cfg, g, cta, req, lengths)
-        else:
-            start, stop, _, _, _ = request_range(cfg, g, cta, req)
+        start, stop, ahead = request_span(cfg, g, cta, req, ahead)
         in_k = stages_in_k(cfg, start, stop, req, end_req, split_piece(cfg, cta, req, split_rows)[0])
         if cutlass.const_expr(cfg.tuning.stage_in_k):
             # The previous request's O was staged in its last tile's buffer: its k_free arrival

@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...dsl import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
-from .cta import Cta, Gmem, Smem, request_lengths, request_range, split_piece, split_rows_of_partition, stamp
+from .cta import Cta, Gmem, Smem, request_lengths, request_span, split_piece, split_rows_of_partition, stamp
 from .epilogue import (BlockStore, finalize_row, k_staging, q_staging, stages_in_k, store_block, store_chunked,
                        store_lse_rows, wait_peer_got)
 from .mma import Ops, c_layout_to_a_layout, column_block, issue_qk, k_tensors_for_pv, scale_rows
@@ -65,16 +65,9 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     n = Int32(0)
     rq = Int32(0)
     q_issued = cutlass.Boolean(False)   # this request's Q load was issued during the previous one's last tile
-    ahead = request_lengths(cfg, g, begin_req)   # stage_in_k: the next request's lengths, loaded a request ahead
+    ahead = request_lengths(cfg, g, begin_req)   # the lengths request_span reads (stage_in_k)
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
-        if cutlass.const_expr(cfg.tuning.stage_in_k):
-            # With the next Q loaded during this request's last tile, the lengths' L2 round trip
-            # would be what a request boundary waits for: they are loaded a request ahead.
-            lengths = ahead
-            ahead = request_lengths(cfg, g, cutlass.min(req + 1, end_req))
-            start, stop, _, _, _ = request_range(cfg, g, cta, req, lengths)
-        else:
-            start, stop, _, _, _ = request_range(cfg, g, cta, req)
+        start, stop, ahead = request_span(cfg, g, cta, req, ahead)
         in_k = stages_in_k(cfg, start, stop, req, end_req, split_piece(cfg, cta, req, split_rows)[0])
         if cutlass.const_expr(cfg.tuning.stage_in_k):
             if not q_issued:
