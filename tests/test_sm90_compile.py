@@ -46,6 +46,7 @@ CONFIGS = {
     "split_h128_stage_in_k": (128, True, False, True, False, Sm90Tuning(stage_in_k=True)),
     "split_pair_stage_in_k": (64, True, True, True, True, Sm90Tuning(stage_in_k=True)),
     "v4_split_h128_extra_stage_in_k": (128, True, False, True, False, Sm90Tuning(stage_in_k=True), 512, True, False),
+    "v4_split_extra_tl_stage_in_k": (64, True, True, True, False, Sm90Tuning(stage_in_k=True), 512, True, True),
 }
 V4_CONFIGS = [n for n in CONFIGS if n.startswith("v4_")]
 STAGE_IN_K = [n for n in CONFIGS if n.endswith("_stage_in_k")]

@@ -263,9 +263,10 @@ def _rows(*parts):
 
 @pytest.mark.parametrize("h_q", [64, 128])
 def test_stage_in_k_pieces_without_tiles(h_q, seed):
-    """Partitions no scheduler makes, on the no-split kernel: a partition whose last piece has no
-    tile after pieces staged in K (the held arrival is given in that piece's epilogue), one that
-    is a single piece without tiles, and ordinary ones. ``stage_in_k`` gives the default's bits
+    """Partitions no scheduler makes, on the no-split kernel (one CTA at h=64, the cluster at
+    h=128): a partition whose last piece has no tile after pieces staged in K (WG1 gives its held
+    arrival at that piece's start, WG0 loaded its Q during the previous piece's last tile), one
+    that is a single piece without tiles, and ordinary ones. ``stage_in_k`` gives the default's bits
     (no hang), and the requests with tiles give the reference's answer."""
     from cute_mla.scheduler.partition import HostSchedule
 

@@ -261,8 +261,8 @@ def online_softmax(acc_s, info, quad, scale_log2: Float32, m0: Float32, m1: Floa
 def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last, hold):
     """After tile ``n``'s PV is committed: issue tile n+1's QK behind it (unless ``n`` is the
     request's last tile), then release tile n's K buffer once its PV has retired; a last tile's
-    buffer is kept where ``hold`` (the request's O is staged in it: :func:`stage_for_wg1` releases
-    it). P (registers) and S (acc_s) are distinct registers, so both chains can be in flight."""
+    buffer is kept where ``hold`` (the request's O is staged in it: :func:`softmax_wg`'s epilogue
+    releases it). P (registers) and S (acc_s) are distinct registers, so both chains can be in flight."""
     buf = n % TILE.k_bufs
     if last:
         warpgroup.wait_group(0)
