@@ -118,10 +118,10 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
 def store_o_right(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to: BlockStore, col, warp, row,
                   direct: cutlass.Constexpr, in_k, n: Int32):
     """WG1's O block, staged in its half of the Q buffer and stored (the caller then signals
-    ``Q_FREE``: WG0 may load the next Q); or, where ``in_k`` (``Sm90Tuning.stage_in_k``), staged in the K buffer of the
-    request's last tile (n - 1) and stored from there, with WG0's block, which WG0 staged beside
-    it (``Bar.O_STAGED``); the stores' reads are waited for at the next request's start
-    (:func:`~.epilogue.release_stored_buffer`)."""
+    ``Q_FREE``: WG0 may load the next Q); or, where ``in_k`` (``Sm90Tuning.stage_in_k``), staged
+    in the K buffer of the request's last tile (n - 1) and stored from there, with WG0's block,
+    which WG0 staged beside it (``Bar.O_STAGED``); the stores' reads are waited for at the next
+    request's start (:func:`~.epilogue.release_stored_buffer`)."""
     if cutlass.const_expr(cfg.tuning.stage_in_k and not direct):
         if in_k:
             buf = (n - 1) % TILE.k_bufs

@@ -70,6 +70,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         start, stop, ahead = request_span(cfg, g, cta, req, ahead)
         in_k = stages_in_k(cfg, start, stop, req, end_req, split_piece(cfg, cta, req, split_rows)[0])
         if cutlass.const_expr(cfg.tuning.stage_in_k):
+            # After a request staged in K its Q was loaded during that request's last tile.
             if not q_issued:
                 if rq > 0:
                     cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
