@@ -102,6 +102,12 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 info = ptx.ld_shared_v4(info_base + buf * (TILE.info_words * 4))
                 last_word = ptx.vec_elem(info, 2)
                 last = last_word != 0
+                if cutlass.const_expr(cfg.tuning.stage_in_k):
+                    if last & in_k:
+                        # The request's last QK has read Q (S is in registers) and its O will not
+                        # be staged there: the next request's Q loads during this tile's softmax,
+                        # P V and the epilogue.
+                        load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req + 1)
                 m0, m1, l0, l1, sc0, sc1 = online_softmax(acc_s, info, quad, scale_log2, m0, m1, l0, l1)
                 tOrP_as_c.store(acc_s.load().to(BFloat16))
 
@@ -114,11 +120,6 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
                 stamp(cta, Stamp.P_READY, wtid == 0)
-                if cutlass.const_expr(cfg.tuning.stage_in_k):
-                    if last & in_k:
-                        # The request's last QK has read Q and its O will not be staged there:
-                        # the next request's Q loads while this tile's P V runs.
-                        load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req + 1)
 
                 # ---- O_left = O_left * sc + P V[:, left], then the next tile's QK behind it
                 scale_rows(acc_o, sc0, sc1)
