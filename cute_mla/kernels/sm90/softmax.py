@@ -102,12 +102,6 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 info = ptx.ld_shared_v4(info_base + buf * (TILE.info_words * 4))
                 last_word = ptx.vec_elem(info, 2)
                 last = last_word != 0
-                if cutlass.const_expr(cfg.tuning.stage_in_k):
-                    if last & in_k:
-                        # The request's last QK has read Q (S is in registers) and its O will not
-                        # be staged there: the next request's Q loads during this tile's softmax,
-                        # P V and the epilogue.
-                        load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req + 1)
                 m0, m1, l0, l1, sc0, sc1 = online_softmax(acc_s, info, quad, scale_log2, m0, m1, l0, l1)
                 tOrP_as_c.store(acc_s.load().to(BFloat16))
 
@@ -120,6 +114,14 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
                 stamp(cta, Stamp.P_READY, wtid == 0)
+                if cutlass.const_expr(cfg.tuning.stage_in_k):
+                    if last & in_k:
+                        # The request's O will not be staged in the Q buffer, and every WG0 warp's
+                        # QK of this last tile has read it: each warp passed P_FREE after its own
+                        # QK wait (a warp's wgmma wait covers only its own 16 rows of Q, so warp
+                        # 0 alone may not load over it at the tile's start). The next request's Q
+                        # loads during this tile's P V and the epilogue.
+                        load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req + 1)
 
                 # ---- O_left = O_left * sc + P V[:, left], then the next tile's QK behind it
                 scale_rows(acc_o, sc0, sc1)
@@ -211,7 +213,13 @@ def store_o(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to
 def stage_in_k_buffer(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, col, warp, n: Int32):
     """``Sm90Tuning.stage_in_k``: WG0's scaled O block as bf16 into the chunks of the request's
     last tile's K buffer (tile n - 1) that its own P V read (fenced for WG1's TMA stores; in
-    cluster kernels once the peer has received this CTA's half of that tile)."""
+    cluster kernels once the peer has received this CTA's half of that tile).
+
+    Every WG0 warp's P V read all 64 token rows of those chunks, and a warp's wgmma wait covers
+    only its own: the warp group meets first, so no warp writes rows another's P V still reads
+    (WG1's P V reads other chunks; the epilogue's P_FREE, which would order this too, comes after
+    the staging here)."""
+    cute.arch.barrier(barrier_id=Bar.EPI_SOFTMAX, number_of_threads=TILE.threads_per_wg)
     wait_peer_got(cfg, smem.storage, n - 1)
     store_chunked(cfg, cta, acc_o, None, k_staging(cfg, smem.sK, (n - 1) % TILE.k_bufs, col), col, warp, None,
                   Bar.EPI_SOFTMAX, False, False)
