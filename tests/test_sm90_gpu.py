@@ -241,7 +241,7 @@ def test_stage_in_k_matches(pattern, shape, seed):
     (the held ``k_free`` arrivals and the cluster's ``peer_got`` phases must come out even)."""
     b, s_q, h_q, topk, split, tl, pair, extra = STAGE_IN_K_SHAPES[shape]
     inp = _stage_in_k_inputs(STAGE_IN_K_SHAPES[shape], pattern, seed)
-    parts = num_sm_parts(ARCH, NUM_SMS, s_q, h_q) if split else 16
+    parts = num_sm_parts(ARCH, NUM_SMS, s_q, h_q) if split else 1   # one partition: whole requests only
     overhead = fixed_overhead_blocks(ARCH, b=b, parts=parts, blocks=topk // 64) if pair else None
     kw = {} if overhead is None else dict(overhead=overhead)
     out0, lse0, _ = run_kernel(inp, _stage_in_k_cfg(inp, split, pair, DEFAULT_TUNING), parts, **kw)
