@@ -155,4 +155,7 @@ def signal_peer_got(cfg: Sm90SparseDecodeConfig, peer_got, buf, wtid):
     overwritten (:func:`~.epilogue.wait_peer_got`)."""
     if cutlass.const_expr(cfg.peer_got):
         if wtid == 0:
-            sm90_ptx.mbarrier_arrive_remote(peer_got + buf * TILE.mbar_bytes)
+            # Relaxed: it reports this CTA's k_full phase (the peer's copies have landed, so they
+            # have read their source) and orders no memory operation of this thread; the release
+            # form put a MEMBAR.ALL.GPU in front of WG1's P V on every tile.
+            sm90_ptx.mbarrier_arrive_remote(peer_got + buf * TILE.mbar_bytes, relaxed=True)
