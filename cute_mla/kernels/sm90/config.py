@@ -204,10 +204,10 @@ class Sm90Tuning:
     # 1x1x128 for the cluster, -2.3 % on 1x8x128.
     h128_cluster: bool = True
     registers: RegisterBudget = field(default_factory=RegisterBudget)
-    # Experimental, not yet measured on a GPU (docs/performance.md, section 5): where another
-    # request of the partition follows, a request's O block is staged in the K buffer of its last
-    # tile instead of the Q buffer (epilogue.py), so the next request's Q loads during that tile
-    # and only the producer, two tiles later, waits for the output store to read the staging.
+    # Experimental (docs/performance.md, section 5, with its measurements): where another request
+    # of the partition follows, a request's O block is staged in the K buffer of its last tile
+    # instead of the Q buffer (epilogue.py), so the next request's Q loads during that tile and
+    # only the producer, two tiles later, waits for the output store to read the staging.
     stage_in_k: bool = False
     # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp; %globaltimer in
     # NS_SLOTS) into a (grid x, grid y, Stamp.SLOTS) int64 tensor passed as the launch's
