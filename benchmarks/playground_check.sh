@@ -6,14 +6,7 @@
 set -u
 OUT=${OUT:-artifacts}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-step() {   # step NAME TIMEOUT CMD...: run, keep the log, print its tail and the wall time
-  local name=$1 t=$2; shift 2
-  local t0=$SECONDS
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc, $((SECONDS - t0)) s ($*)"
-  grep -v -e DEBUG -e Warning "$OUT/$name.log" | tail -${TAIL:-14}
-}
+source "$(dirname "$0")/step.sh"
 step 06_a_first_kernel 120 python3 examples/06_a_first_kernel.py
 step 04_try_a_variant 150 python3 examples/04_try_a_variant.py
 step 02_drop_in 240 python3 examples/02_drop_in.py

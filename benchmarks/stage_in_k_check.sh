@@ -11,25 +11,16 @@ source "$(dirname "$0")/xdist.sh"
 BUDGET=${BUDGET:-585}
 GRID_MIN_S=${GRID_MIN_S:-200}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"
-step() {   # step NAME TIMEOUT CMD...: run (never past the budget), keep the log, print its tail and the wall time
-  local name=$1 t=$2; shift 2
-  local left=$((BUDGET - SECONDS))
-  [ "$t" -gt "$left" ] && t=$left
-  if [ "$t" -lt 20 ]; then echo "== $name: skipped, ${left} s left"; return 1; fi
-  local t0=$SECONDS
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc, $((SECONDS - t0)) s (timeout $t s; $*)"
-  grep -v -e DEBUG -e "Warning:" -e "^\s*for v in" -e "^\s*$" "$OUT/$name.log" | tail -"${TAIL:-16}"
-  return $rc
-}
+source "$(dirname "$0")/step.sh"
+# the issue's 1.2x V4 rows (b >= 128, extra >= 512)
+V4_TARGET="128,64,512;128,64,1024;512,64,512;512,64,1024;128,128,512;128,128,1024;512,128,512;512,128,1024"
 # 1. correctness: bit-identical to the default, the reference's answer, no hang (29 tests)
-if ! step tests 200 python3 -m pytest -q -rf -p no:cacheprovider $XDIST -m gpu tests/test_sm90_gpu.py -k stage_in_k; then
+if ! TAIL=16 step tests 200 python3 -m pytest -q -rf -p no:cacheprovider $XDIST -m gpu tests/test_sm90_gpu.py -k stage_in_k; then
   echo "== the variant's tests did not pass: nothing is timed"; exit 1
 fi
-# 2. A/B on the V4 rows the issue's 1.2x target covers (b >= 128, extra >= 512) and b=32 h=128
+# 2. A/B on the V4 target rows and b=32 h=128
 TAIL=12 step v4-ab 150 python3 -m benchmarks.v4_variants --variants stage_in_k --rounds 5 \
-  --rows "128,64,512;128,64,1024;512,64,512;512,64,1024;128,128,512;128,128,1024;512,128,512;512,128,1024;32,128,1024"
+  --rows "$V4_TARGET;32,128,1024"
 # 3. V3.2: the edge cases' bits, then the throughput rows, then the latency rows per call in a 16-call graph
 TAIL=12 step v32-ab 100 python3 -m benchmarks.variants --variants default,stage_in_k --rows "1,1024,64;128,2,128;1,1024,128;64,2,64"
 TAIL=8 step v32-latency 60 python3 -m benchmarks.variants --variants default,stage_in_k --skip-edge --layers 16 \
@@ -37,11 +28,10 @@ TAIL=8 step v32-latency 60 python3 -m benchmarks.variants --variants default,sta
 # 4. where the time goes: the CTA spans' per-tile and per-piece fit under each kernel
 TAIL=20 step spans 90 python3 -m benchmarks.v4_timeline --spans --rows "512,128,1024;128,128,1024" \
   --variants default,stage_in_k --replays 3
-# 5. the issue's 1.2x rows (b >= 128, extra >= 512) against FlashMLA with the variant, if the call has time left
+# 5. the V4 target rows against FlashMLA with the variant, if the call has time left
 if [ $((BUDGET - SECONDS)) -ge "$GRID_MIN_S" ]; then
   TAIL=16 step v4-grid $((BUDGET - SECONDS)) python3 -m benchmarks.bench_v4 --variant stage_in_k --draws 5 \
-    --rows "128,64,512;128,64,1024;512,64,512;512,64,1024;128,128,512;128,128,1024;512,128,512;512,128,1024" \
-    --out "$OUT/v4-stage-in-k.json"
+    --rows "$V4_TARGET" --out "$OUT/v4-stage-in-k.json"
 else
   echo "== v4-grid: skipped, $((BUDGET - SECONDS)) s left (GRID_MIN_S=$GRID_MIN_S)"
 fi

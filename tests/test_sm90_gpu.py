@@ -30,7 +30,9 @@ ARCH = archs.SM90.name
 
 def _cfg(inp, split, tuning=None, column_pair=False):
     return kernel_config(h_q=inp.q.shape[2], d_qk=inp.q.shape[3], split=split, has_topk_length=inp.topk_length is not None,
-                         has_attn_sink=inp.attn_sink is not None, column_pair=column_pair, tuning=tuning)
+                         has_attn_sink=inp.attn_sink is not None, column_pair=column_pair, tuning=tuning,
+                         has_extra=inp.extra_indices is not None,
+                         has_extra_topk_length=inp.extra_topk_length is not None)
 
 
 def _run(inp, split, parts, tuning=None, column_pair=False, overhead=None):
@@ -227,12 +229,6 @@ def _stage_in_k_inputs(shape, pattern, seed):
                        device="cuda", generator=g)
 
 
-def _stage_in_k_cfg(inp, split, pair, tuning):
-    return kernel_config(h_q=inp.q.shape[2], d_qk=inp.q.shape[3], split=split, has_topk_length=inp.topk_length is not None,
-                         has_attn_sink=inp.attn_sink is not None, column_pair=pair, tuning=tuning,
-                         has_extra=inp.extra_indices is not None, has_extra_topk_length=inp.extra_topk_length is not None)
-
-
 @pytest.mark.parametrize("pattern", ["none", "sparse", "one_valid"])
 @pytest.mark.parametrize("shape", range(len(STAGE_IN_K_SHAPES)))
 def test_stage_in_k_matches(pattern, shape, seed):
@@ -244,10 +240,10 @@ def test_stage_in_k_matches(pattern, shape, seed):
     parts = num_sm_parts(ARCH, NUM_SMS, s_q, h_q) if split else 1   # one partition: whole requests only
     overhead = fixed_overhead_blocks(ARCH, b=b, parts=parts, blocks=topk // 64) if pair else None
     kw = {} if overhead is None else dict(overhead=overhead)
-    out0, lse0, _ = run_kernel(inp, _stage_in_k_cfg(inp, split, pair, DEFAULT_TUNING), parts, **kw)
+    out0, lse0, _ = run_kernel(inp, _cfg(inp, split, DEFAULT_TUNING, pair), parts, **kw)
     ref_out, ref_lse = inp.reference()
     for _ in range(2):
-        out, lse, sched = run_kernel(inp, _stage_in_k_cfg(inp, split, pair, STAGE_IN_K), parts, **kw)
+        out, lse, sched = run_kernel(inp, _cfg(inp, split, STAGE_IN_K, pair), parts, **kw)
         try:
             check_out_lse(out, lse, ref_out, ref_lse)
         except AssertionError:

@@ -235,8 +235,9 @@ def wait_peer_got(cfg: Sm90SparseDecodeConfig, smem_storage, t: Int32):
     ``(t // 2) & 1`` names tile t's phase of ``peer_got[t % 2]``: the peer signalled tile t - 2
     before this CTA could consume t (the peer's producer signals ``peer_free`` for t only after
     its ``k_free`` for t - 2, which its WG1 thread 0 arrives on only after that signal), and it
-    cannot receive t + 2 before this CTA's consumers release the buffer, which the staging holds. Both hold because the two CTAs walk the same tiles (both
-    producers scan the same lists) and a request with blocks here yields at least one tile."""
+    cannot receive t + 2 before this CTA's consumers release the buffer, which the staging holds.
+    Both hold because the two CTAs walk the same tiles (both producers scan the same lists) and a
+    request with blocks here yields at least one tile."""
     if cutlass.const_expr(cfg.peer_got):
         buf = t % TILE.k_bufs
         ptx.mbarrier_wait_acquire_cluster(smem_storage.peer_got.data_ptr().toint() + buf * TILE.mbar_bytes,

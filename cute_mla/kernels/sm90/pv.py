@@ -80,11 +80,8 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
                 warpgroup.wait_group(0)
                 stamp(cta, Stamp.WG1_PV_DONE, wtid == 0)
                 cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-                if cutlass.const_expr(cfg.tuning.stage_in_k):
-                    # A last tile's buffer is held where the request's O is staged in it.
-                    if not ((last_word != 0) & in_k):
-                        cute.arch.mbarrier_arrive(k_free + buf)
-                else:
+                # A last tile's buffer is held where the request's O is staged in it.
+                if not ((last_word != 0) & in_k):
                     cute.arch.mbarrier_arrive(k_free + buf)
                 n += 1
                 active = last_word == 0
@@ -107,10 +104,7 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
         stamp(cta, Stamp.WG1_EPILOGUE, wtid == 0)
         # The staging in sQ (not where the O went to the K buffer) is no longer read: WG0 may
         # load the next Q.
-        if cutlass.const_expr(cfg.tuning.stage_in_k):
-            if not in_k:
-                cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-        else:
+        if not in_k:
             cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
 
 
@@ -122,21 +116,19 @@ def store_o_right(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_
     in the K buffer of the request's last tile (n - 1) and stored from there, with WG0's block,
     which WG0 staged beside it (``Bar.O_STAGED``); the stores' reads are waited for at the next
     request's start (:func:`~.epilogue.release_stored_buffer`)."""
-    if cutlass.const_expr(cfg.tuning.stage_in_k and not direct):
-        if in_k:
-            buf = (n - 1) % TILE.k_bufs
-            wait_peer_got(cfg, smem.storage, n - 1)
-            store_chunked(cfg, cta, acc_o, to, k_staging(cfg, smem.sK, buf, col), col, warp, row, Bar.EPI_PV_RIGHT,
-                          True, False)
-            cute.arch.barrier(barrier_id=Bar.O_STAGED, number_of_threads=PAIR_THREADS)
-            left = column_block(cfg, 0)
-            issue_chunk_stores(cfg, cta, to, k_staging(cfg, smem.sK, buf, left), left, warp, row)
-        else:
-            store_block(cfg, cta, acc_o, thr_pv, to, q_staging(cfg, smem.sQ, col), col, warp, row, Bar.EPI_PV_RIGHT,
-                        False)
+    if cutlass.const_expr(direct):   # no tensor map to store from a staging (never in_k: stages_in_k)
+        store_block(cfg, cta, acc_o, thr_pv, to, None, col, warp, row, Bar.EPI_PV_RIGHT, True)
+    elif in_k:
+        buf = (n - 1) % TILE.k_bufs
+        wait_peer_got(cfg, smem.storage, n - 1)
+        store_chunked(cfg, cta, acc_o, to, k_staging(cfg, smem.sK, buf, col), col, warp, row, Bar.EPI_PV_RIGHT,
+                      True, False)
+        cute.arch.barrier(barrier_id=Bar.O_STAGED, number_of_threads=PAIR_THREADS)
+        left = column_block(cfg, 0)
+        issue_chunk_stores(cfg, cta, to, k_staging(cfg, smem.sK, buf, left), left, warp, row)
     else:
         store_block(cfg, cta, acc_o, thr_pv, to, q_staging(cfg, smem.sQ, col), col, warp, row, Bar.EPI_PV_RIGHT,
-                    direct)
+                    False)
 
 
 def peer_got_of_peer(cfg: Sm90SparseDecodeConfig, smem: Smem):

@@ -69,13 +69,8 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
         start, stop, ahead = request_span(cfg, g, cta, req, ahead)
         in_k = stages_in_k(cfg, start, stop, req, end_req, split_piece(cfg, cta, req, split_rows)[0])
-        if cutlass.const_expr(cfg.tuning.stage_in_k):
-            # After a request staged in K its Q was loaded during that request's last tile.
-            if not q_issued:
-                if rq > 0:
-                    cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-                load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req)
-        else:
+        # After a request staged in K this Q was loaded during that request's last tile.
+        if not q_issued:
             if rq > 0:
                 # WG1's output store of the previous request no longer reads the staging (= sQ).
                 cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
@@ -114,14 +109,13 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
                 stamp(cta, Stamp.P_READY, wtid == 0)
-                if cutlass.const_expr(cfg.tuning.stage_in_k):
-                    if last & in_k:
-                        # The request's O will not be staged in the Q buffer, and every WG0 warp's
-                        # QK of this last tile has read it: each warp passed P_FREE after its own
-                        # QK wait (a warp's wgmma wait covers only its own 16 rows of Q, so warp
-                        # 0 alone may not load over it at the tile's start). The next request's Q
-                        # loads during this tile's P V and the epilogue.
-                        load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req + 1)
+                if last & in_k:
+                    # The request's O will not be staged in the Q buffer, and every WG0 warp's QK
+                    # of this last tile has read it: each warp passed P_FREE after its own QK wait
+                    # (a warp's wgmma wait covers only its own 16 rows of Q, so warp 0 alone may
+                    # not load over it at the tile's start). The next request's Q loads during
+                    # this tile's P V and the epilogue.
+                    load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req + 1)
 
                 # ---- O_left = O_left * sc + P V[:, left], then the next tile's QK behind it
                 scale_rows(acc_o, sc0, sc1)
@@ -141,25 +135,21 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, is_split, cta.hblk * TILE.heads + row0)
         o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, is_split, cta.hblk * TILE.heads + row0 + 8)
-        if cutlass.const_expr(cfg.tuning.stage_in_k):
-            if in_k:
-                # The factors are WG0's own: its half is staged while WG1's last P V still runs.
-                scale_rows(acc_o, o_scale0, o_scale1)
-                stage_in_k_buffer(cfg, cta, smem, acc_o, col, warp, n)
+        if in_k:
+            # The factors are WG0's own: its half is staged while WG1's last P V still runs.
+            scale_rows(acc_o, o_scale0, o_scale1)
+            stage_in_k_buffer(cfg, cta, smem, acc_o, col, warp, n)
         cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
         if quad == 0:
             s_row_scale[row0] = o_scale0
             s_row_scale[row0 + 8] = o_scale1
         cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
         stamp(cta, Stamp.EPI_FINAL, wtid == 0)
-        if cutlass.const_expr(cfg.tuning.stage_in_k):
-            if in_k:
-                # WG1 stores the block; the producer also waits for WG1's k_free arrival, which
-                # comes once the stores have read the staging.
-                cute.arch.barrier_arrive(barrier_id=Bar.O_STAGED, number_of_threads=PAIR_THREADS)
-                cute.arch.mbarrier_arrive(k_free + (n - 1) % TILE.k_bufs)
-            else:
-                scale_rows(acc_o, o_scale0, o_scale1)
+        if in_k:
+            # WG1 stores the block; the producer also waits for WG1's k_free arrival, which comes
+            # once the stores have read the staging.
+            cute.arch.barrier_arrive(barrier_id=Bar.O_STAGED, number_of_threads=PAIR_THREADS)
+            cute.arch.mbarrier_arrive(k_free + (n - 1) % TILE.k_bufs)
         else:
             scale_rows(acc_o, o_scale0, o_scale1)
         head0 = cta.hblk * TILE.heads + row0
@@ -201,12 +191,9 @@ def store_o(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to
     """WG0's O block: staged in its half of the Q buffer and stored (:func:`~.epilogue.store_block`),
     or from registers where ``direct``; nothing where ``in_k`` (``Sm90Tuning.stage_in_k``: already
     staged in the last tile's K buffer, :func:`stage_in_k_buffer`, for WG1 to store)."""
-    if cutlass.const_expr(cfg.tuning.stage_in_k and not direct):
-        if not in_k:
-            store_block(cfg, cta, acc_o, thr_pv, to, q_staging(cfg, smem.sQ, col), col, warp, row, Bar.EPI_SOFTMAX,
-                        False)
-    else:
-        store_block(cfg, cta, acc_o, thr_pv, to, q_staging(cfg, smem.sQ, col), col, warp, row, Bar.EPI_SOFTMAX, direct)
+    if not in_k:
+        store_block(cfg, cta, acc_o, thr_pv, to, None if direct else q_staging(cfg, smem.sQ, col), col, warp, row,
+                    Bar.EPI_SOFTMAX, direct)
 
 
 @cute.jit
@@ -276,10 +263,7 @@ def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, 
     buf = n % TILE.k_bufs
     if last:
         warpgroup.wait_group(0)
-        if cutlass.const_expr(cfg.tuning.stage_in_k):
-            if not hold:
-                cute.arch.mbarrier_arrive(k_free + buf)
-        else:
+        if not hold:
             cute.arch.mbarrier_arrive(k_free + buf)
     else:
         nbuf = (n + 1) % TILE.k_bufs

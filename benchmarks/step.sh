@@ -1,0 +1,18 @@
+# Sourced by the one-call device check scripts. step NAME TIMEOUT CMD...: run CMD under TIMEOUT
+# seconds (capped at what is left of BUDGET seconds of the script, when BUDGET is set; skipped
+# under 20 s), its output in $OUT/NAME.log; print its exit status, wall time and the log's last
+# TAIL lines (default 14) without warnings; return its exit status.
+step() {
+  local name=$1 t=$2; shift 2
+  if [ -n "${BUDGET:-}" ]; then
+    local left=$((BUDGET - SECONDS))
+    [ "$t" -gt "$left" ] && t=$left
+    if [ "$t" -lt 20 ]; then echo "== $name: skipped, ${left} s left"; return 1; fi
+  fi
+  local t0=$SECONDS
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc, $((SECONDS - t0)) s (timeout $t s; $*)"
+  grep -v -e DEBUG -e Warning -e "^\s*for v in" -e "^\s*$" "$OUT/$name.log" | tail -"${TAIL:-14}"
+  return $rc
+}
