@@ -68,7 +68,7 @@ def stamped_kernel(plan, schedule, q, cache, idx, tuning=None, topk_length=None,
     stamps = torch.zeros(grid_x, schedule.tile_md.shape[0], int(Stamp.SLOTS), dtype=torch.int64, device=dev)
     t = DecodeTensors(q, cache_bytes(cache), idx, topk_length, attn_sink, schedule.tile_md, schedule.accum_offsets,
                       out, lse, o_accum, lse_accum, None if extra_cache is None else cache_bytes(extra_cache),
-                      extra_idx, extra_len)
+                      extra_idx, extra_len, schedule.request_order)
 
     def launch():
         schedule.ensure_ready()

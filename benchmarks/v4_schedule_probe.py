@@ -1,10 +1,13 @@
-"""Probe (V4 rows, SM90): the plan's schedule against the other one for the same call (one
-partition per request <-> the split schedule), end to end, interleaved, with the default captured
-twice (the spread between two identical graphs). Only the plan's window for one partition per
-request differs (``plan.PER_REQUEST_WAVES``, ``PER_REQUEST_HEADS``, ``PER_REQUEST_MAX_BLOCKS``,
-``PER_REQUEST_TINY_MAX_WAVES``): opened, it forces one partition per request; shut, the split
-schedule. Rows whose plan packs whole requests (``plan.sm90_packed``) have no other schedule
-through that window and are reported as such.
+"""Probe (V4 rows, SM90): the plan's schedule against the others for the same call, end to end,
+interleaved, with the default captured twice (the spread between two identical graphs).
+
+* One partition per request <-> the split schedule: only the plan's window for one partition per
+  request differs (``plan.PER_REQUEST_WAVES``, ``PER_REQUEST_HEADS``, ``PER_REQUEST_MAX_BLOCKS``,
+  ``PER_REQUEST_TINY_MAX_WAVES``): opened, it forces one partition per request; shut, the split
+  schedule.
+* Rows whose plan packs whole requests (``plan.sm90_packed``): the plan's cut against the other
+  cut (``plan.PACKED_CUT``: "balanced" <-> "packed", contiguous ranges) and against the split
+  schedule (``PACKED_MIN_WAVES`` out of reach).
 
     python -m benchmarks.v4_schedule_probe [--rows "b,h,extra;..."] [--rounds 5]
 """
@@ -20,6 +23,8 @@ ROWS = ("1,64,0;1,128,0;32,64,0;32,128,0;1,128,512;128,64,1024;128,128,512;128,1
         "512,64,1024")
 FORCE = {"per_request": v4b.PER_REQUEST_SHUT, "device": v4b.PER_REQUEST_OPEN,
          "host": v4b.PER_REQUEST_OPEN}   # default -> the other
+WHOLE = {"balanced": {"other cut": dict(PACKED_CUT="packed"), "split": v4b.NO_PACKING},
+         "packed": {"other cut": dict(PACKED_CUT="balanced"), "split": v4b.NO_PACKING}}
 
 
 def capture(row, pools, constants):
@@ -39,16 +44,15 @@ def main():
         row = v4b.make_row(b, h, e, 0.0, g)
         default = capture(row, pools, {})
         again = capture(row, pools, {})
-        if default[3] not in FORCE:   # a schedule the wave window does not choose (packed)
-            print(f"V4 b={b} h={h} extra={e}: default ({default[2]}) has no other schedule through the wave window")
-            continue
-        other = capture(row, pools, FORCE[default[3]])
-        graphs = {"default": default, "again": again, "other": other}
+        forced = WHOLE.get(default[3], {"other": FORCE.get(default[3])})
+        graphs = {"default": default, "again": again}
+        graphs.update({k: capture(row, pools, c) for k, c in forced.items() if c is not None})
         med = bench.interleaved_median_us({k: c[0] for k, c in graphs.items()}, rounds=args.rounds)
-        diff = (default[1] - other[1]).abs().max().item()
+        others = " | ".join(f"{k} ({graphs[k][2]}) {med[k]:.2f} us x{med['default'] / med[k]:.3f}"
+                            f" max|diff| {(default[1] - graphs[k][1]).abs().max().item():.1e}"
+                            for k in graphs if k not in ("default", "again"))
         print(f"V4 b={b} h={h} extra={e}: default ({default[2]}) {med['default']:.2f} / again {med['again']:.2f} us"
-              f" | other ({other[2]}) {med['other']:.2f} us | other x{med['default'] / med['other']:.3f}"
-              f" | max|diff| {diff:.1e}", flush=True)
+              f" | {others}", flush=True)
 
 
 if __name__ == "__main__":

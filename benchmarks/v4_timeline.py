@@ -94,8 +94,11 @@ def request_blocks(row, plan):
             for m, v in zip(main, row["extra_topk_length"].tolist())]
 
 
-def partition_work(tile_md, blocks):
-    """(tiles, pieces) of each partition row: the blocks it walks and the requests it touches."""
+def partition_work(tile_md, blocks, order=None):
+    """(tiles, pieces) of each partition row: the blocks it walks and the requests it touches
+    (``order``: the schedule's request order, whose positions the rows index, where it has one)."""
+    if order is not None:
+        blocks = [blocks[r] for r in order.cpu().tolist()]
     work = []
     for r in tile_md.cpu().tolist():
         br, er, bb, eb = (r[int(f)] for f in (SchedField.BEGIN_REQ, SchedField.END_REQ, SchedField.BEGIN_BLOCK,
@@ -130,7 +133,7 @@ def spans(rows, replays, pools, g, variants=("default",)):
         for name in variants:
             tuning, _ = variant_of(name)
             launch, stamps, schedule = row_kernel(plan, row, pools, tuning)
-            work = partition_work(schedule.tile_md, request_blocks(row, plan))
+            work = partition_work(schedule.tile_md, request_blocks(row, plan), schedule.request_order)
             tiles, pieces, span, ns = [], [], [], []
             graph = stamped_graph(launch)
             for part, r in working_rows(graph, stamps, replays):

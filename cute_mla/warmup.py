@@ -3,7 +3,8 @@
 GPU: an image or a wheel build can run it and ship the cache directory (``CUTE_MLA_CACHE_DIR``).
 
 The variants are the launcher's configs for every plan: the sparse decode kernel for each head
-count, format, split / no-split, topk_length, sink, extra pool (V4) and, on SM90, the column pair;
+count, format, split / no-split, topk_length, sink, extra pool (V4) and, on SM90, the column pair
+and the request order of the balanced cut;
 the combine for each head count, sink, split-count bucket and grid walk; the device scheduler.
 """
 
@@ -17,7 +18,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 from . import archs
 from .formats import format_for_d_qk, supported_formats
-from .plan.plan import SUPPORTED_H_Q
+from .plan.plan import PACKED_H_Q, SUPPORTED_H_Q
 from .scheduler import partition as sched
 
 KINDS = ("decode", "combine", "scheduler")
@@ -39,6 +40,11 @@ def decode_variants(arch: str, h_qs: Iterable[int], d_qks: Iterable[int]) -> Lis
                 out.append(("decode", mod.kernel_config(h_q=h_q, d_qk=d_qk, split=split, has_topk_length=tl,
                                                         has_attn_sink=sink, column_pair=pair, has_extra=extra,
                                                         has_extra_topk_length=extra_tl)))
+            # the balanced cut of whole requests: SM90 V4 with an extra list and lengths (sm90_packed)
+            if arch == archs.SM90.name and h_q == PACKED_H_Q and extra and not split and (tl or extra_tl):
+                out.append(("decode", mod.kernel_config(h_q=h_q, d_qk=d_qk, split=False, has_topk_length=tl,
+                                                        has_attn_sink=sink, has_extra=True,
+                                                        has_extra_topk_length=extra_tl, request_order=True)))
     return out
 
 

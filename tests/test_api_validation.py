@@ -97,7 +97,7 @@ def test_rejected_argument(over, exc, msg):
 
 def _no_schedule(sched, *args, **kwargs):
     """Stands in for the API's ``_schedule`` on the CPU: a ready schedule and a launcher that launches nothing."""
-    sched.schedule = SimpleNamespace(ensure_ready=lambda: None)
+    sched.schedule = SimpleNamespace(ensure_ready=lambda: None, request_order=None)
     return lambda *a, **k: None
 
 

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cute_mla
 from cute_mla.interface import ops
 from cute_mla.plan import plan_sparse_decode
-from cute_mla.plan.schedule import make_schedule, schedule_sizes, schedule_views
+from cute_mla.plan.schedule import make_schedule, order_view, schedule_sizes, schedule_views
 
 
 @torch.compiler.assume_constant_result
@@ -154,7 +154,7 @@ def test_ops_declare_out_mutated():
     (1, 64, 64, 2048, False, 0, "host"),            # token walk
     (128, 1, 64, 128, True, 512, "per_request"),    # per request (device lengths)
     (32, 1, 128, 128, True, 512, "device"),         # device scheduler
-    (512, 1, 128, 128, True, 512, "packed"),        # whole requests packed (device lengths, torch ops)
+    (512, 1, 128, 128, True, 512, "balanced"),      # whole requests dealt (device lengths, torch ops, an order)
     (3, 2, 64, 2048, True, 0, "device"),
 ])
 def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra_topk, schedule):
@@ -168,7 +168,7 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
     q = torch.empty(b, s_q, h_q, d_qk, dtype=torch.bfloat16)
     fake = ops._schedule_fake(q, torch.empty(b, dtype=torch.int32) if lengths else None,
                               torch.empty(b, dtype=torch.int32) if extra_topk else None, topk, extra_topk, "sm_90a", 132)
-    assert fake.shape == (p * 8 + 2 * n,) and fake.dtype == torch.int32
+    assert fake.shape == (p * 8 + 2 * n + (b if plan.orders_requests else 0),) and fake.dtype == torch.int32
     if plan.host_schedule is not None:
         s = make_schedule(plan, torch.device("cpu"), None)
         packed = s.upload.dev
@@ -179,6 +179,16 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
         assert (p, n) == (b, b + 1)
     else:
         assert (p, n) == (plan.num_sm_parts, b + 1)
+    if plan.schedule in ("per_request", "packed", "balanced"):
+        # the torch-op schedulers run on the CPU: the real op's schedule has the fake's length
+        lens = torch.randint(1, topk + 1, (b,), dtype=torch.int32)
+        extra_lens = torch.randint(1, extra_topk + 1, (b,), dtype=torch.int32) if extra_topk else None
+        real = ops._schedule_impl(q, lens, extra_lens, topk, extra_topk, "sm_90a", 132)
+        assert real.shape == fake.shape and real.dtype == torch.int32
+        order = order_view(plan, real)
+        assert (order is None) == (not plan.orders_requests)
+        if order is not None:
+            assert sorted(order.tolist()) == list(range(b))
 
 
 def test_the_op_checks_what_a_trace_cannot(monkeypatch):
@@ -234,7 +244,8 @@ def _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths, nan_unused=True):
 
 
 GPU_CASES = [(1, 1, 64, 2048, 576, 0, False), (4, 2, 128, 2048, 576, 0, True), (1, 64, 64, 2048, 576, 0, False),
-             (32, 1, 128, 128, 512, 512, True), (128, 1, 64, 128, 512, 1024, True)]
+             (32, 1, 128, 128, 512, 512, True), (128, 1, 64, 128, 512, 1024, True),
+             (400, 1, 128, 128, 512, 1024, True)]   # the last: the balanced cut (a request order in the schedule)
 
 
 @pytest.mark.gpu
@@ -252,7 +263,7 @@ def test_compiled_equals_eager(seed, b, s_q, h_q, topk, d_qk, extra_topk, length
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b, s_q, h_q, topk, d_qk, extra_topk, lengths", [GPU_CASES[1], GPU_CASES[3]])
+@pytest.mark.parametrize("b, s_q, h_q, topk, d_qk, extra_topk, lengths", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[5]])
 def test_compiled_under_cuda_graphs_follows_new_lengths(seed, b, s_q, h_q, topk, d_qk, extra_topk, lengths):
     """``mode="reduce-overhead"`` replays a CUDA graph: the schedule made in the graph reads the
     lengths of each replay (the metadata object is not what a graph reads)."""

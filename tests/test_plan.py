@@ -3,7 +3,7 @@ import torch
 
 from cute_mla import plan_sparse_decode
 from cute_mla.plan.plan import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES, V4_DEVICE_PIECE_CHARGE
-from cute_mla.plan.schedule import packed_schedule_device
+from cute_mla.plan.schedule import balanced_schedule_device, packed_schedule_device
 from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, fixed_overhead_blocks, longest_partition, plan_splits_host
 
 
@@ -389,9 +389,10 @@ def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
 @pytest.mark.parametrize("b, h_q, extra, expect", [
     (128, 64, 512, "per_request"), (128, 128, 512, "device"),              # 10 blocks, 0.5 .. 2 waves of CTAs
     (32, 64, 512, "device"), (32, 128, 512, "device"),                     # under half a wave
-    (512, 64, 512, "device"), (512, 128, 512, "packed"),                   # beyond 2 waves (h=128: packed from 6)
-    (396, 128, 512, "packed"), (395, 128, 512, "device"),                  # packed from 6 waves of h=128 CTAs
-    (512, 128, 448, "packed"),
+    (512, 64, 512, "device"), (512, 128, 512, "balanced"),                 # beyond 2 waves (h=128: packed from 6)
+    (396, 128, 512, "balanced"), (395, 128, 512, "device"),                # packed from 6 waves of h=128 CTAs
+    (512, 128, 448, "balanced"), (512, 128, 1024, "balanced"), (396, 128, 1024, "balanced"),
+    (395, 128, 1024, "device"), (512, 128, 1088, "device"),                # up to 18 blocks
     (128, 64, 1024, "device"), (128, 128, 1024, "device"), (512, 64, 1024, "device"),   # 18 blocks: split
     (1, 64, 0, "per_request"), (32, 128, 0, "per_request"), (512, 64, 0, "per_request"),   # 2 blocks: up to 4 waves
     (512, 128, 0, "device"),
@@ -407,15 +408,16 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
     if expect == "per_request":
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
             "per_request", b, False, 0, ("sm90_sparse_decode",))
-    elif expect == "packed":
+    elif expect == "balanced":
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
-            "packed", 66, False, 0, ("sm90_sparse_decode",))
+            "balanced", 66, False, 0, ("sm90_sparse_decode",))
+        assert p.orders_requests
         # packed only where it was measured: s_q = 1 with an extra list
         assert plan_sparse_decode(b, 2, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
-                                  extra_topk=extra, has_extra_topk_length=True).schedule != "packed"
+                                  extra_topk=extra, has_extra_topk_length=True).schedule != "balanced"
         assert plan_sparse_decode(b, 1, h_q, 512, 128 + extra, arch="sm_90a", num_sms=132,
-                                  has_topk_length=True).schedule != "packed"
-        assert v32.schedule != "packed"
+                                  has_topk_length=True).schedule != "balanced"
+        assert v32.schedule != "balanced"
     else:
         assert p.schedule == "device" and p.split and p.fixed_overhead == V4_DEVICE_PIECE_CHARGE
     # V3.2 keeps FlashMLA's piece charge, and with it one partition per request for 10-block lists
@@ -430,7 +432,7 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
     assert plan_sparse_decode(b, 1, h_q, 512, 128, arch="sm_90a", num_sms=132, extra_topk=extra).schedule == "host"
 
 
-@pytest.mark.parametrize("b, s_q, h_q", [(1, 1, 64), (32, 1, 128), (128, 2, 64), (512, 1, 128)])
+@pytest.mark.parametrize("b, s_q, h_q", [(1, 1, 64), (32, 1, 128), (128, 2, 64), (256, 1, 128), (512, 2, 128)])
 def test_device_piece_charge_is_v4_on_sm90_only(b, s_q, h_q):
     """V4 device split schedules on SM90 charge a piece V4_DEVICE_PIECE_CHARGE blocks; V3.2's and
     SM100's keep the scheduler's rule (FlashMLA's 5, or SM90's 0 for few requests); host
@@ -470,6 +472,35 @@ def test_packed_schedule_cuts_whole_requests(charge):
             seen += range(begin, end + 1)
             assert sum(cost[begin:end + 1]) <= share + max(cost)
         assert seen == list(range(b))
+
+
+@pytest.mark.parametrize("charge", [0, 1, 3])
+def test_balanced_schedule_deals_whole_requests(charge):
+    """The balanced device schedule (torch ops, here on the CPU): its order names every request
+    once; each partition holds a contiguous range of positions, whole (block range 0 .. the
+    blocks of the request at its last position); a partition without a request has FlashMLA's
+    empty row; the costliest partition costs at most the cheapest plus one request; nothing split."""
+    g = torch.Generator().manual_seed(charge)
+    for b, parts in [(1, 66), (5, 66), (66, 66), (67, 66), (128, 66), (321, 66), (512, 66), (512, 132), (600, 33),
+                     (7, 1)]:
+        nb = torch.randint(1, 19, (b,), generator=g, dtype=torch.int32)
+        tile_md, num_splits, order = balanced_schedule_device(nb, parts, charge)
+        assert tile_md.shape == (parts, 8) and tile_md.dtype == order.dtype == torch.int32
+        assert torch.equal(num_splits, torch.arange(b + 1, dtype=torch.int32))
+        assert sorted(order.tolist()) == list(range(b))
+        cost = (nb + charge).tolist()
+        seen, loads = [], []
+        for begin, end, b0, b1, *rest in tile_md.tolist():
+            assert rest == [0, 0, 0, 0] and b0 == 0
+            if begin == b:
+                assert (end, b1) == (b - 1, 0)
+                loads.append(0)
+                continue
+            assert begin <= end and b1 == nb[order[end]]
+            seen += range(begin, end + 1)
+            loads.append(sum(cost[r] for r in order[begin:end + 1].tolist()))
+        assert seen == list(range(b))
+        assert max(loads) <= min(loads) + max(cost)
 
 
 def test_list_lengths_fit_the_extra_offset():

@@ -26,7 +26,8 @@ def n_wgmma(d_qk: int) -> int:
     return 2 * (d_qk // 16) + 8
 
 
-# name: (h_q, split, has_topk_length, has_attn_sink, column_pair, tuning[, d_qk, has_extra, has_extra_topk_length])
+# name: (h_q, split, has_topk_length, has_attn_sink, column_pair, tuning[, d_qk, has_extra, has_extra_topk_length[,
+# request_order]])
 CONFIGS = {
     "nosplit": (64, False, False, False, False, None),
     "nosplit_tl_sink": (64, False, True, True, False, None),
@@ -41,6 +42,8 @@ CONFIGS = {
     "v4_split_h128_extra": (128, True, False, True, False, None, 512, True, False),
     "v4_nosplit_h128_extra_tl": (128, False, True, True, False, None, 512, True, True),
     "v4_split_pair_extra": (64, True, True, True, True, None, 512, True, True),
+    # the balanced cut's kernel: partitions walk positions of a request order
+    "v4_nosplit_h128_extra_tl_order": (128, False, True, True, False, None, 512, True, True, True),
     # the experimental O staging in the K buffer (Sm90Tuning.stage_in_k): one CTA, both cluster kernels, V4
     "nosplit_tl_sink_stage_in_k": (64, False, True, True, False, Sm90Tuning(stage_in_k=True)),
     "split_h128_stage_in_k": (128, True, False, True, False, Sm90Tuning(stage_in_k=True)),
@@ -54,9 +57,9 @@ STAGE_IN_K = [n for n in CONFIGS if n.endswith("_stage_in_k")]
 
 def _config(name) -> Sm90SparseDecodeConfig:
     h_q, split, tl, sink, pair, tuning, *fmt = CONFIGS[name]
-    d_qk, extra, extra_tl = fmt or (576, False, False)
+    d_qk, extra, extra_tl, *order = fmt or (576, False, False)
     return kernel_config(h_q=h_q, d_qk=d_qk, split=split, has_topk_length=tl, has_attn_sink=sink, column_pair=pair,
-                         tuning=tuning, has_extra=extra, has_extra_topk_length=extra_tl)
+                         tuning=tuning, has_extra=extra, has_extra_topk_length=extra_tl, request_order=bool(order))
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +188,8 @@ def test_config_validation():
             Sm90SparseDecodeConfig(**dict(base, **bad), column_pair=True)
     with pytest.raises(ValueError, match="tuning"):
         Sm90SparseDecodeConfig(**base, tuning=dict(prefetch_rows=False))
+    with pytest.raises(ValueError, match="request_order"):
+        Sm90SparseDecodeConfig(**dict(base, split=True), request_order=True)
     with pytest.raises(ValueError, match="RegisterBudget"):
         RegisterBudget(softmax=240, pv_right=160, producer=112 + 8)
     with pytest.raises(ValueError, match="gather_l1"):
@@ -202,11 +207,16 @@ def test_launch_passes_none_for_absent_optionals():
     t = DecodeTensors("q", "kv", "idx", "tl", "sink", "md", "off", "out", "lse", "oa", "la", "xkv", "xidx", "xtl")
     launch_sparse_decode(Fake(), cfg, t, 0.5)
     assert seen["args"] == ("q", "kv", "idx", None, None, "md", "off", "out", "lse", None, None, None, None, None, None,
-                            0.5)
-    cfg = kernel_config(h_q=64, d_qk=512, split=True, has_topk_length=True, has_attn_sink=False, has_extra=True)
-    launch_sparse_decode(Fake(), cfg, t, 0.5)
-    assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", "oa", "la", None, "xkv", "xidx",
                             None, 0.5)
+    cfg = kernel_config(h_q=64, d_qk=512, split=True, has_topk_length=True, has_attn_sink=False, has_extra=True)
+    launch_sparse_decode(Fake(), cfg, t._replace(request_order="order"), 0.5)
+    assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", "oa", "la", None, "xkv", "xidx",
+                            None, None, 0.5)
+    cfg = kernel_config(h_q=128, d_qk=512, split=False, has_topk_length=True, has_attn_sink=False, has_extra=True,
+                        request_order=True)
+    launch_sparse_decode(Fake(), cfg, t._replace(request_order="order"), 0.5)
+    assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", None, None, None, "xkv", "xidx",
+                            None, "order", 0.5)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

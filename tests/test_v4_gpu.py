@@ -179,17 +179,21 @@ def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
         assert plan.workspace_bytes < plan.flashmla_workspace_bytes
 
 
-@pytest.mark.parametrize("b", [396, 600])
-def test_v4_packed_whole_requests(seed, b):
-    """h_q = 128, an extra list of 512 and lengths from six waves of CTAs up: the packed plan (whole
-    requests in one wave of partitions, cut on the device) gives the reference's answer, eagerly
-    and with the schedule made inside a CUDA-graph capture."""
+@pytest.mark.parametrize("b, extra_topk", [(396, 512), (600, 512), (400, 1024)])
+def test_v4_packed_whole_requests(seed, b, extra_topk):
+    """h_q = 128, an extra list of 512 or 1024 and lengths from six waves of CTAs up: the balanced
+    plan (whole requests dealt by cost into one wave of partitions on the device, walked through
+    a request order) gives the reference's answer, eagerly and with the schedule made inside a
+    CUDA-graph capture."""
     x = v4_sweep_inputs(seed, b, 1, 128, 128, num_tokens=2046, page_block_size=64, with_topk_length=True,
-                        extra_topk=512, extra_num_tokens=1024, extra_page_block_size=53, with_extra_topk_length=True,
-                        all_invalid_rows=2)
+                        extra_topk=extra_topk, extra_num_tokens=1024, extra_page_block_size=53,
+                        with_extra_topk_length=True, all_invalid_rows=2)
     o, l, sched = run_case(x)
     if device_arch(torch.device("cuda")) == "sm_90a":
-        assert sched.plan.schedule == "packed" and not sched.plan.split
+        assert sched.plan.schedule == "balanced" and not sched.plan.split
+        order = sched.schedule.request_order
+        # the order is not the identity (the test would not tell a kernel that ignores it)
+        assert sorted(order.tolist()) == list(range(b)) and order.tolist() != list(range(b))
     check(x, o, l)
     # a fresh metadata object's first call captured: the schedule's torch ops replay with the graph
     graph = torch.cuda.CUDAGraph()

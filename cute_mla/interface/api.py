@@ -142,7 +142,7 @@ def flash_mla_with_kvcache(
         launcher(q, cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata,
                  sched.accum_offsets, out, lse, scale,
                  (None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices_in_kvcache,
-                  extra_topk_length), sched.workspace)
+                  extra_topk_length), sched.workspace, sched.schedule.request_order)
     return out, lse.transpose(1, 2)
 
 

@@ -47,10 +47,12 @@ def kernel_module(arch: str):
 def launch_configs(plan: SparseDecodePlan, has_attn_sink: bool, tuning=None):
     """(decode kernel config, combine config or None): what a plan's calls compile (``cute-mla
     warmup`` precompiles the same set)."""
+    # request_order only where the plan orders requests: an SM90 plan rule (SM100's kernel_config has no such field)
+    ordered = dict(request_order=True) if plan.orders_requests else {}
     main_cfg = kernel_module(plan.arch).kernel_config(
         h_q=plan.h_q, d_qk=plan.d_qk, split=plan.split, has_topk_length=plan.has_topk_length,
         has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
-        has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length)
+        has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length, **ordered)
     combine_cfg = None
     if plan.split:
         from ..kernels import combine
@@ -88,20 +90,26 @@ class Launcher:
             self.combine_compiled = combine.compile_combine(self.combine_cfg)
 
     def __call__(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
-                 softmax_scale: float, extra: Extra = NO_EXTRA, workspace: Optional[Workspace] = None) -> None:
+                 softmax_scale: float, extra: Extra = NO_EXTRA, workspace: Optional[Workspace] = None,
+                 request_order: Optional[torch.Tensor] = None) -> None:
         """Launch what the plan says: the main kernel, then the combine only for the split variant."""
         workspace = self.main(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, softmax_scale,
-                              extra, workspace)
+                              extra, workspace, request_order)
         self.combine(workspace, accum_offsets, attn_sink, out, lse, tile_md)
 
     def main(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
-             softmax_scale: float, extra: Extra = NO_EXTRA, workspace: Optional[Workspace] = None) -> Workspace:
+             softmax_scale: float, extra: Extra = NO_EXTRA, workspace: Optional[Workspace] = None,
+             request_order: Optional[torch.Tensor] = None) -> Workspace:
         """The decode kernel alone; returns the workspace it wrote ((None, None) when unsplit).
         Without :meth:`combine` a split call's outputs stay unwritten: benchmarks time that as
         the call's bound without the combine. ``extra``: the extra pool's (cache, indices,
         lengths) where the plan has one. ``workspace``: the accumulators to write (the API passes
         the ones its metadata object keeps for the step, :func:`allocate_workspace` of this plan);
-        None allocates them for this call."""
+        None allocates them for this call. ``request_order``: the schedule's (``Schedule.request_order``),
+        required where the plan orders requests, whose rows index positions in it."""
+        if self.plan.orders_requests and request_order is None:
+            raise ValueError(f"request_order: the plan's schedule ({self.plan.schedule}) indexes positions in a request "
+                             "order; pass the schedule's request_order, got None")
         extra_kv, extra_indices, extra_topk_length = extra
         if self.plan.token_walk:
             # b == 1: the s_q tokens become s_q one-token requests (views, no copy; plan docstring)
@@ -112,7 +120,7 @@ class Launcher:
         self.main_mod.launch_sparse_decode(
             self.main_compiled, self.main_cfg,
             DecodeTensors(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum,
-                          extra_kv, extra_indices, extra_topk_length),
+                          extra_kv, extra_indices, extra_topk_length, request_order),
             softmax_scale)
         return o_accum, lse_accum
 

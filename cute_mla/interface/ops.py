@@ -5,7 +5,8 @@ outputs' shapes and dtypes from the plan, so a traced graph holds them as opaque
 
 * ``cute_mla::sparse_decode_schedule(q, topk_length?, extra_topk_length?, topk, extra_topk, arch,
   num_sms) -> schedule``: the call's schedule, packed as one int32 tensor
-  ``[tile_md (partitions x 8) | num_splits (n) | accum_offsets (n)]`` (``plan.schedule.schedule_views``);
+  ``[tile_md (partitions x 8) | num_splits (n) | accum_offsets (n) (| request order (b))]``
+  (``plan.schedule.schedule_views``, ``order_view`` where the plan orders requests);
 * ``cute_mla::sparse_decode(q, k_cache, indices, topk_length?, attn_sink?, extra_k_cache?,
   extra_indices?, extra_topk_length?, schedule, out!, softmax_scale, arch, num_sms) -> lse``:
   the decode kernel and, where the plan splits, the combine; ``out`` (b, s_q, h_q, 512) bf16 is
@@ -39,7 +40,7 @@ import torch
 
 from ..archs import device_arch, device_num_sms
 from ..plan import SparseDecodePlan, plan_sparse_decode
-from ..plan.schedule import make_schedule, schedule_length, schedule_views
+from ..plan.schedule import make_schedule, order_view, schedule_length, schedule_views
 from .launcher import cache_bytes, launcher_of, on_device_of
 from .validate import check_deferred
 
@@ -91,7 +92,8 @@ def _schedule_impl(q, topk_length, extra_topk_length, topk, extra_topk, arch, nu
         s = make_schedule(plan, q.device, topk_length, extra_topk_length)
         if s.upload is not None:       # make_schedule already ensured the upload
             return s.upload.dev.clone()      # the op's output must not alias the cache's entry
-        return torch.cat((s.tile_md.flatten(), s.num_splits, s.accum_offsets))
+        parts = (s.tile_md.flatten(), s.num_splits, s.accum_offsets)
+        return torch.cat(parts if s.request_order is None else parts + (s.request_order,))
 
 
 def _schedule_fake(q, topk_length, extra_topk_length, topk, extra_topk, arch, num_sms):
@@ -125,12 +127,14 @@ def _decode_impl(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
                          f"{q.device} (cute_mla::sparse_decode_schedule), got {schedule.dtype} {tuple(schedule.shape)} "
                          f"on {schedule.device}")
     tile_md, _, accum_offsets = schedule_views(plan, schedule)
+    request_order = order_view(plan, schedule)
     b, s_q, h_q, _ = q.shape
     with on_device_of(q):
         lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
         launcher_of(plan, attn_sink is not None)(
             q, cache_bytes(k_cache), indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, softmax_scale,
-            (None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices, extra_topk_length))
+            (None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices, extra_topk_length),
+            None, request_order)
     return lse
 
 

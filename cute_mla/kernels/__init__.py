@@ -36,3 +36,6 @@ class DecodeTensors(NamedTuple):
     extra_kv: Optional[torch.Tensor] = None
     extra_indices: Optional[torch.Tensor] = None
     extra_topk_length: Optional[torch.Tensor] = None
+    # A schedule that orders whole requests (SM90 ``request_order`` kernels): (b,) int32, the
+    # request at each position of the partitions' walk; None where partitions walk requests in order.
+    request_order: Optional[torch.Tensor] = None

@@ -63,12 +63,15 @@ PER_REQUEST_WAVES = (0.5, 2)
 PER_REQUEST_TINY_BLOCKS = 2
 PER_REQUEST_TINY_MAX_WAVES = 4
 # SM90 whole requests packed into one wave of partitions (sm90_packed): h_q = 128, s_q = 1, an
-# extra list, (PER_REQUEST_TINY_BLOCKS, PER_REQUEST_MAX_BLOCKS] blocks per request, at least
+# extra list, (PER_REQUEST_TINY_BLOCKS, PACKED_MAX_BLOCKS] blocks per request, at least
 # PACKED_MIN_WAVES waves of (request, head block) CTAs; the device cut charges
-# PACKED_REQUEST_CHARGE blocks per request.
+# PACKED_REQUEST_CHARGE blocks per request. PACKED_CUT names the cut: "balanced" (requests dealt
+# by cost, walked through a request order) or "packed" (contiguous ranges).
 PACKED_H_Q = 128
 PACKED_MIN_WAVES = 6.0
+PACKED_MAX_BLOCKS = 18
 PACKED_REQUEST_CHARGE = 1
+PACKED_CUT = "balanced"
 # SM90 split schedules made on the device for the V4 format charge a request piece
 # V4_DEVICE_PIECE_CHARGE blocks, not the scheduler's rule (sm90_device_charge).
 V4_DEVICE_PIECE_CHARGE = 1
@@ -92,7 +95,7 @@ class SparseDecodePlan:
     fixed_overhead: int                 # blocks the cut charges per request piece (a packed cut: per request)
     kernel: str                         # the arch's kernel name (archs.ArchSpec.kernel)
     split: bool                         # the split variant (takes accumulators) runs
-    schedule: str                       # "host" (computed here) | "device" (scheduler kernel) | "per_request" | "packed"
+    schedule: str                       # "host" (computed here) | "device" (scheduler kernel) | "per_request" | "packed" | "balanced"
     accum_rows: int                     # rows of o_accum / lse_accum (0 when nothing is split)
     host_schedule: Optional[sched.HostSchedule]
     token_walk: bool = False            # the s_q tokens run as s_q one-token requests (module docstring)
@@ -111,6 +114,12 @@ class SparseDecodePlan:
         """64-token blocks of a request without lengths (an upper bound with them): its main list's,
         then its extra list's."""
         return (self.topk + self.extra_topk) // BLOCK_TOPK
+
+    @property
+    def orders_requests(self) -> bool:
+        """The schedule's rows index positions in a request order (the balanced cut of whole
+        requests, ``schedule.balanced_schedule_device``), not requests."""
+        return self.schedule == "balanced"
 
     @property
     def variant(self) -> str:
@@ -213,7 +222,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     short_lists = (spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk
                    and b <= archs.MAX_GRID_Y)
     if lengths and sm90_packed(arch, b, s_q, h_q, blocks, extra_topk, num_sms):
-        schedule, accum_rows, overhead = "packed", 0, PACKED_REQUEST_CHARGE
+        schedule, accum_rows, overhead = PACKED_CUT, 0, PACKED_REQUEST_CHARGE
     elif short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms,
                                                       sm90_pieces_at_cost(arch, fmt))):
         schedule, parts, accum_rows = "per_request", b, 0
@@ -348,7 +357,7 @@ def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: 
     if arch != archs.SM90.name or h_q != PACKED_H_Q or s_q != 1 or not extra_topk:
         return False
     waves = b * (h_q // 64) / num_sms
-    return PER_REQUEST_TINY_BLOCKS < blocks <= PER_REQUEST_MAX_BLOCKS and waves >= PACKED_MIN_WAVES
+    return PER_REQUEST_TINY_BLOCKS < blocks <= PACKED_MAX_BLOCKS and waves >= PACKED_MIN_WAVES
 
 
 def uses_token_walk(arch: str, b: int, s_q: int, h_q: int, parts: int, num_sms: int) -> bool:

@@ -144,9 +144,10 @@ def schedule_sizes(plan: "SparseDecodePlan") -> Tuple[int, int]:
 
 
 def schedule_length(plan: "SparseDecodePlan") -> int:
-    """Ints in the packed schedule of ``plan``."""
+    """Ints in the packed schedule of ``plan``: its rows, num_splits, accum_offsets, and the
+    request order where the plan orders requests (:func:`order_view`)."""
     p, n = schedule_sizes(plan)
-    return p * SCHED_ROW_INTS + 2 * n
+    return p * SCHED_ROW_INTS + 2 * n + (plan.b if plan.orders_requests else 0)
 
 
 def schedule_views(plan: "SparseDecodePlan", packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,6 +155,15 @@ def schedule_views(plan: "SparseDecodePlan", packed: torch.Tensor) -> Tuple[torc
     p, n = schedule_sizes(plan)
     rows = p * SCHED_ROW_INTS
     return packed[:rows].view(p, SCHED_ROW_INTS), packed[rows:rows + n], packed[rows + n:rows + 2 * n]
+
+
+def order_view(plan: "SparseDecodePlan", packed: torch.Tensor) -> Optional[torch.Tensor]:
+    """The request order (b,) of a packed schedule that has one (``plan.orders_requests``), else None."""
+    if not plan.orders_requests:
+        return None
+    p, n = schedule_sizes(plan)
+    start = p * SCHED_ROW_INTS + 2 * n
+    return packed[start:start + plan.b]
 
 
 def uploaded_schedule(plan: "SparseDecodePlan", device: torch.device) -> UploadedSchedule:
@@ -188,6 +198,8 @@ class Schedule:
     num_splits: torch.Tensor
     accum_offsets: torch.Tensor
     upload: Optional[UploadedSchedule] = None      # host schedules: the cached upload
+    # (b,) int32: the request at each position the rows index (plans that order requests), else None
+    request_order: Optional[torch.Tensor] = None
     keepalive: Tuple[torch.Tensor, ...] = field(default=(), repr=False)
 
     def ensure_ready(self) -> None:
@@ -262,6 +274,48 @@ def packed_schedule_device(num_blocks: torch.Tensor, parts: int, charge: int) ->
     return tile_md, num_splits
 
 
+def balanced_schedule_device(num_blocks: torch.Tensor, parts: int,
+                             charge: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``parts`` partitions of whole requests of about equal cost, nothing split, with torch ops on
+    the device (no sync): (tile_md (parts, 8), num_splits (b+1,), order (b,)). The rows hold
+    positions in ``order``, which names the request at each position (the kernel's
+    ``request_order``); a partition's requests are contiguous there.
+
+    Request r costs ``num_blocks[r] + charge``. The requests are dealt in rounds of ``parts`` by
+    decreasing cost, back and forth across the partitions (round 0 left to right, round 1 right
+    to left, ...), except the last round, the cheapest requests, whose k-th goes to the k-th least
+    loaded partition: a greedy of longest-first quality (the partitions' costs within about one
+    small request of each other) at a fixed number of ops. Within a partition the costliest
+    request comes first. A partition without requests (b < parts) gets the empty row of
+    ``scheduler.whole_request_rows`` (begin_req = b), which the kernel skips."""
+    b, dev = num_blocks.shape[0], num_blocks.device
+    cost = num_blocks.to(torch.int64) + charge
+    by_cost = torch.sort(cost, descending=True, stable=True).indices
+    rank = torch.arange(b, dtype=torch.int64, device=dev)
+    rnd, col = rank // parts, rank % parts
+    part_of_rank = torch.where(rnd % 2 == 0, col, parts - 1 - col)
+    dealt = ((b - 1) // parts) * parts          # the ranks before the last round
+    if dealt:
+        load = torch.zeros(parts, dtype=torch.int64, device=dev)
+        load.scatter_add_(0, part_of_rank[:dealt], cost[by_cost[:dealt]])
+        least_loaded = torch.sort(load, stable=True).indices
+        part_of_rank[dealt:] = least_loaded[:b - dealt]
+    # positions grouped by partition, ranks (decreasing cost) kept within each
+    by_part = torch.sort(part_of_rank, stable=True).indices
+    order = by_cost[by_part]
+    count = torch.bincount(part_of_rank, minlength=parts)
+    end = torch.cumsum(count, 0) - 1
+    begin = end - count + 1
+    empty = count == 0
+    last_req = order[end.clamp(min=0)]
+    tile_md = torch.zeros(parts, SCHED_ROW_INTS, dtype=torch.int32, device=dev)
+    tile_md[:, SchedField.BEGIN_REQ] = torch.where(empty, b, begin).to(torch.int32)
+    tile_md[:, SchedField.END_REQ] = torch.where(empty, b - 1, end).to(torch.int32)
+    tile_md[:, SchedField.END_BLOCK] = torch.where(empty, 0, num_blocks[last_req]).to(torch.int32)
+    num_splits = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    return tile_md, num_splits, order.to(torch.int32)
+
+
 def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Optional[torch.Tensor],
                   extra_topk_length: Optional[torch.Tensor] = None) -> Schedule:
     """The schedule of ``plan`` on ``device``: the host's, uploaded (cached), or built on the device
@@ -274,6 +328,9 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
         tile_md, num_splits = per_request_schedule_device(nb)
     elif plan.schedule == "packed":
         tile_md, num_splits = packed_schedule_device(nb, plan.num_sm_parts, plan.fixed_overhead)
+    elif plan.schedule == "balanced":
+        tile_md, num_splits, order = balanced_schedule_device(nb, plan.num_sm_parts, plan.fixed_overhead)
+        return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), request_order=order, keepalive=(nb,))
     else:
         tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
     return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))

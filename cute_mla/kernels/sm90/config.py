@@ -248,10 +248,17 @@ class Sm90SparseDecodeConfig:
     # each request's main positions first (the schedule's blocks: main, then extra).
     has_extra: bool = False
     has_extra_topk_length: bool = False
+    # The schedule orders whole requests (the plan's balanced cut): a partition's row holds
+    # positions in the launch's ``request_order``, which names the request at each position.
+    # No-split kernels only: a split piece's accumulator rows are found by request position.
+    request_order: bool = False
 
     def __post_init__(self):
         if self.h_q not in (64, 128):
             raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
+        if self.request_order and (self.split or self.column_pair):
+            raise ValueError(f"request_order: only the no-split variant walks ordered requests (got split={self.split}, "
+                             f"column_pair={self.column_pair})")
         if self.column_pair and not (self.split and self.h_q == 64):
             raise ValueError(f"column_pair: only the h_q=64 split variant runs column pairs (got h_q={self.h_q}, "
                              f"split={self.split})")
@@ -307,9 +314,10 @@ class Sm90SparseDecodeConfig:
 
 def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
                   column_pair: bool = False, tuning=None, has_extra: bool = False,
-                  has_extra_topk_length: bool = False) -> Sm90SparseDecodeConfig:
+                  has_extra_topk_length: bool = False, request_order: bool = False) -> Sm90SparseDecodeConfig:
     """The config of the kernel a plan names (the launcher's call); ``tuning`` None is the default."""
     return Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
                                   column_pair=column_pair, d_qk=d_qk,
                                   tuning=DEFAULT_TUNING if tuning is None else tuning,
-                                  has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
+                                  has_extra=has_extra, has_extra_topk_length=has_extra_topk_length,
+                                  request_order=request_order)

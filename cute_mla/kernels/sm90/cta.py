@@ -44,6 +44,7 @@ class Gmem(NamedTuple):
     mExtraKV: Optional[cute.Tensor]      # the extra pool (V4): its cache,
     mExtraIdx: Optional[cute.Tensor]     # its (b, s_q, extra_topk) indices
     mExtraLen: Optional[cute.Tensor]     # and their (b,) lengths
+    mOrder: Optional[cute.Tensor]        # (b,): the request at each walk position (cfg.request_order)
 
 
 class Cta(NamedTuple):
@@ -132,27 +133,39 @@ def stamp(cta: Cta, slot: cutlass.Constexpr, leader):
 
 
 @cute.jit
+def request_id(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32):
+    """The request (batch row of q, the lists, out and lse) at walk position ``req``: the
+    partition rows and the roles' loops count positions, which name requests through the
+    schedule's order where it has one (``cfg.request_order``), else are the requests."""
+    rid = req
+    if cutlass.const_expr(cfg.request_order):
+        rid = g.mOrder[req]
+    return rid
+
+
+@cute.jit
 def request_lengths(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32):
     """Request ``req``'s ``topk_length`` and ``extra_topk_length`` words as loaded (0 for a list
     the kernel has no lengths of): :func:`request_range`'s inputs, to load a request ahead."""
     length = Int32(0)
     extra_length = Int32(0)
+    rid = request_id(cfg, g, req)
     if cutlass.const_expr(cfg.has_topk_length):
-        length = g.mTopkLen[req]
+        length = g.mTopkLen[rid]
     if cutlass.const_expr(cfg.has_extra_topk_length):
-        extra_length = g.mExtraLen[req]
+        extra_length = g.mExtraLen[rid]
     return length, extra_length
 
 
 @cute.jit
 def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32, lengths=None):
     """(64-token blocks, blocks of the main list, effective main length, effective extra length)
-    of request ``req``: the main list's blocks come first, then the extra list's (none without
+    of the request at position ``req``: the main list's blocks come first, then the extra list's (none without
     the extra pool). ``lengths``: its :func:`request_lengths`, already loaded (else loaded here)."""
     n_main = topk // BLOCK_TOPK
     length = topk
     if cutlass.const_expr(cfg.has_topk_length):
-        raw = g.mTopkLen[req] if lengths is None else lengths[0]
+        raw = g.mTopkLen[request_id(cfg, g, req)] if lengths is None else lengths[0]
         length, n_main = blocks_of_length(raw, topk, cutlass.min, cutlass.max)
     n_blocks = n_main
     extra_length = Int32(0)
@@ -161,7 +174,7 @@ def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32
         extra_length = extra_topk
         n_extra = extra_topk // BLOCK_TOPK
         if cutlass.const_expr(cfg.has_extra_topk_length):
-            raw_extra = g.mExtraLen[req] if lengths is None else lengths[1]
+            raw_extra = g.mExtraLen[request_id(cfg, g, req)] if lengths is None else lengths[1]
             extra_length, n_extra = extra_blocks_of_length(raw_extra, extra_topk, cutlass.min, cutlass.max)
         n_blocks = n_main + n_extra
     return n_blocks, n_main, length, extra_length

@@ -56,7 +56,7 @@ from cutlass import Int32, Int64, Uint32
 
 from ...dsl import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig
-from .cta import Cta, Gmem, request_range
+from .cta import Cta, Gmem, request_id, request_range
 
 RING_MASK = TILE.ring_entries - 1
 EXTRA_BASE = 1 << 30   # extra-segment positions are carried as EXTRA_BASE + position (module docstring)
@@ -116,17 +116,19 @@ def extra_segment(start: Int32, stop: Int32, n_main: Int32, extra_length: Int32)
 @cute.jit
 def scan_fetch(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32, pos: Int32, end: Int32, ptid: Int32,
                scanning):
-    """This thread's raw index of the chunk at ``pos`` (-1 past ``end`` or once the scan is over).
+    """This thread's raw index of the chunk at ``pos`` of the request at position ``req`` (-1 past
+    ``end`` or once the scan is over).
     The load is only issued here; the next :func:`scan_step` consumes it."""
     raw = Int32(-1)
     if scanning & (pos + ptid < end):
+        rid = request_id(cfg, g, req)
         if cutlass.const_expr(cfg.has_extra):
             if pos >= EXTRA_BASE:
-                raw = g.mExtraIdx[req, cta.s_idx, pos - EXTRA_BASE + ptid]
+                raw = g.mExtraIdx[rid, cta.s_idx, pos - EXTRA_BASE + ptid]
             else:
-                raw = g.mIdx[req, cta.s_idx, pos + ptid]
+                raw = g.mIdx[rid, cta.s_idx, pos + ptid]
         else:
-            raw = g.mIdx[req, cta.s_idx, pos + ptid]
+            raw = g.mIdx[rid, cta.s_idx, pos + ptid]
     return raw
 
 

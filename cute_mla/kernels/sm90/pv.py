@@ -15,7 +15,7 @@ from cutlass.cute.nvgpu import warpgroup
 from ...dsl import ptx
 from . import ptx as sm90_ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
-from .cta import Cta, Gmem, Smem, request_lengths, request_span, split_piece, split_rows_of_partition, stamp
+from .cta import Cta, Gmem, Smem, request_id, request_lengths, request_span, split_piece, split_rows_of_partition, stamp
 from .epilogue import (BlockStore, issue_chunk_stores, k_staging, q_staging, release_stored_buffer, stages_in_k,
                        store_block, store_chunked, wait_peer_got)
 from .mma import Ops, column_block, k_tensors_for_pv, scale_rows
@@ -100,7 +100,7 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
                               warp, acc_row, False, in_k, n)
         else:
             store_o_right(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), col, warp,
-                          req, cfg.out_from_registers, in_k, n)
+                          request_id(cfg, g, req), cfg.out_from_registers, in_k, n)
         stamp(cta, Stamp.WG1_EPILOGUE, wtid == 0)
         # The staging in sQ (not where the O went to the K buffer) is no longer read: WG0 may
         # load the next Q.

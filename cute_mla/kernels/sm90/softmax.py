@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...dsl import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
-from .cta import Cta, Gmem, Smem, request_lengths, request_span, split_piece, split_rows_of_partition, stamp
+from .cta import Cta, Gmem, Smem, request_id, request_lengths, request_span, split_piece, split_rows_of_partition, stamp
 from .epilogue import (BlockStore, finalize_row, k_staging, q_staging, stages_in_k, store_block, store_chunked,
                        store_lse_rows, wait_peer_got)
 from .mma import Ops, c_layout_to_a_layout, column_block, issue_qk, k_tensors_for_pv, scale_rows
@@ -74,7 +74,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
             if rq > 0:
                 # WG1's output store of the previous request no longer reads the staging (= sQ).
                 cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-            load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req)
+            load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, request_id(cfg, g, req))
         m0 = Float32(-1e30)
         m1 = Float32(-1e30)
         l0 = Float32(0.0)
@@ -115,7 +115,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                     # (a warp's wgmma wait covers only its own 16 rows of Q, so warp 0 alone may
                     # not load over it at the tile's start). The next request's Q loads during
                     # this tile's P V and the epilogue.
-                    load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, req + 1)
+                    load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, request_id(cfg, g, req + 1))
 
                 # ---- O_left = O_left * sc + P V[:, left], then the next tile's QK behind it
                 scale_rows(acc_o, sc0, sc1)
@@ -162,9 +162,10 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                         acc_row, False, in_k)
                 store_lse_rows(cfg, g.mLseAcc, acc_row, cta.s_idx, head0, lse0, lse1, quad)
         else:
-            store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), col, warp, req,
+            rid = request_id(cfg, g, req)
+            store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), col, warp, rid,
                     cfg.out_from_registers, in_k)
-            store_lse_rows(cfg, g.mLse, req, cta.s_idx, head0, lse0, lse1, quad)
+            store_lse_rows(cfg, g.mLse, rid, cta.s_idx, head0, lse0, lse1, quad)
         stamp(cta, Stamp.EPILOGUE, wtid == 0)
         q_issued = in_k
         rq += 1

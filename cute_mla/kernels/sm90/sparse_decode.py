@@ -96,6 +96,7 @@ class Sm90SparseDecode:
         extra_kv: Optional[cute.Tensor],  # the extra pool (V4): (num_blocks', page', row bytes) uint8
         extra_indices: Optional[cute.Tensor],  # (b, s_q, extra_topk) int32
         extra_topk_length: Optional[cute.Tensor],  # (b,) int32
+        request_order: Optional[cute.Tensor],  # (b,) int32, cfg.request_order only
         softmax_scale: Float32,
         stream,
     ):
@@ -153,7 +154,7 @@ class Sm90SparseDecode:
             qk_mma, pv_rs_mma, pv_ss_mma,
             tma_q, q_tma, tma_out, out_tma, tma_oacc, oacc_tma,
             kv, indices, topk_length, attn_sink, tile_md, accum_offsets, lse, lse_accum, timeline,
-            extra_kv, extra_indices, extra_topk_length,
+            extra_kv, extra_indices, extra_topk_length, request_order,
             scale_log2,
             q_layout, k_layout, p_layout, chunk_layout,
         ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1,
@@ -184,6 +185,7 @@ class Sm90SparseDecode:
         mExtraKV: Optional[cute.Tensor],
         mExtraIdx: Optional[cute.Tensor],
         mExtraLen: Optional[cute.Tensor],
+        mOrder: Optional[cute.Tensor],
         scale_log2: Float32,
         q_layout: cute.ComposedLayout,
         k_layout: cute.ComposedLayout,
@@ -227,7 +229,7 @@ class Sm90SparseDecode:
             # begin_block: of begin_req; end_block: of end_req, exclusive; end_req: inclusive
             cta = Cta(part, s_idx, hblk, (begin_req, end_req, begin_block, end_block), topk, stamps)
             g = Gmem(tma_q, mQ, tma_out, mOut, tma_oacc, mOAcc, mKV, mIdx, mTopkLen, mSink, mTileMd, mAccumOffsets,
-                     mLse, mLseAcc, mExtraKV, mExtraIdx, mExtraLen)
+                     mLse, mLseAcc, mExtraKV, mExtraIdx, mExtraLen, mOrder)
             regs = cfg.tuning.registers
             if wg == Role.PRODUCER:
                 setmaxregister_decrease(regs.producer)
@@ -338,9 +340,10 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig):
                                             assumed_align=4)
         if cfg.has_extra_topk_length:
             extra_topk_length = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4)
+    request_order = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4) if cfg.request_order else None
     stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
     return (q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum, timeline,
-            extra_kv, extra_indices, extra_topk_length, Float32(1.0), stream)
+            extra_kv, extra_indices, extra_topk_length, request_order, Float32(1.0), stream)
 
 
 def smem_bytes(cfg: Sm90SparseDecodeConfig) -> int:
@@ -380,5 +383,6 @@ def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm90SparseDecodeConfig, 
         t.extra_kv if cfg.has_extra else None,
         t.extra_indices if cfg.has_extra else None,
         t.extra_topk_length if cfg.has_extra_topk_length else None,
+        t.request_order if cfg.request_order else None,
         float(softmax_scale),
     )
