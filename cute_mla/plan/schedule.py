@@ -303,7 +303,8 @@ def balanced_schedule_device(num_blocks: torch.Tensor, parts: int,
     # positions grouped by partition, ranks (decreasing cost) kept within each
     by_part = torch.sort(part_of_rank, stable=True).indices
     order = by_cost[by_part]
-    count = torch.bincount(part_of_rank, minlength=parts)
+    # (torch.bincount reads its input's maximum on the host: not in a CUDA-graph capture)
+    count = torch.zeros(parts, dtype=torch.int64, device=dev).scatter_add_(0, part_of_rank, torch.ones_like(part_of_rank))
     end = torch.cumsum(count, 0) - 1
     begin = end - count + 1
     empty = count == 0
