@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The balanced cut of whole requests (plan.PACKED_CUT "balanced", schedule.balanced_schedule_device)
-# measured in one device call of at most ~585 s: its GPU tests first (a cut that fails there is
-# not timed), then the cut against the contiguous one and the split schedule on the h=128 rows it
+# The balanced cut of whole requests (schedule.balanced_schedule_device) measured in one device
+# call of at most ~585 s: its GPU tests first (a cut that fails there is not timed), then the cut
+# against the split schedule (and, when it ran, the contiguous cut it replaced) on the h=128 rows it
 # takes, the issue's 1.2x V4 rows against FlashMLA, the K-buffer staging variant on the balanced
 # rows, and the CTA spans' spread under the cut, each if the call has time left. Logs land in $OUT
 # (or ./artifacts).
@@ -18,7 +18,7 @@ if ! TAIL=16 step tests 240 python3 -m pytest -q -rf -p no:cacheprovider $XDIST 
     tests/test_custom_op.py -k "packed_whole or 400-1-128"; then
   echo "== the cut's tests did not pass: nothing is timed"; exit 1
 fi
-# 2. the cut against the contiguous cut and the split schedule, end to end, interleaved
+# 2. the cut against the split schedule, end to end, interleaved
 TAIL=8 step cuts 150 python3 -m benchmarks.v4_schedule_probe --rounds 7 \
   --rows "512,128,1024;512,128,512;400,128,1024;1024,128,1024"
 # 3. the issue's 1.2x rows against FlashMLA

@@ -5,9 +5,8 @@ interleaved, with the default captured twice (the spread between two identical g
   request differs (``plan.PER_REQUEST_WAVES``, ``PER_REQUEST_HEADS``, ``PER_REQUEST_MAX_BLOCKS``,
   ``PER_REQUEST_TINY_MAX_WAVES``): opened, it forces one partition per request; shut, the split
   schedule.
-* Rows whose plan packs whole requests (``plan.sm90_packed``): the plan's cut against the other
-  cut (``plan.PACKED_CUT``: "balanced" <-> "packed", contiguous ranges) and against the split
-  schedule (``PACKED_MIN_WAVES`` out of reach).
+* Rows whose plan deals whole requests (``plan.sm90_packed``, the balanced schedule): against the
+  split schedule (``PACKED_MIN_WAVES`` out of reach).
 
     python -m benchmarks.v4_schedule_probe [--rows "b,h,extra;..."] [--rounds 5]
 """
@@ -23,8 +22,7 @@ ROWS = ("1,64,0;1,128,0;32,64,0;32,128,0;1,128,512;128,64,1024;128,128,512;128,1
         "512,64,1024")
 FORCE = {"per_request": v4b.PER_REQUEST_SHUT, "device": v4b.PER_REQUEST_OPEN,
          "host": v4b.PER_REQUEST_OPEN}   # default -> the other
-WHOLE = {"balanced": {"other cut": dict(PACKED_CUT="packed"), "split": v4b.NO_PACKING},
-         "packed": {"other cut": dict(PACKED_CUT="balanced"), "split": v4b.NO_PACKING}}
+WHOLE = {"balanced": {"split": v4b.NO_PACKING}}
 
 
 def capture(row, pools, constants):

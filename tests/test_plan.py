@@ -3,7 +3,7 @@ import torch
 
 from cute_mla import plan_sparse_decode
 from cute_mla.plan.plan import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES, V4_DEVICE_PIECE_CHARGE
-from cute_mla.plan.schedule import balanced_schedule_device, packed_schedule_device
+from cute_mla.plan.schedule import balanced_schedule_device
 from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, fixed_overhead_blocks, longest_partition, plan_splits_host
 
 
@@ -448,30 +448,6 @@ def test_device_piece_charge_is_v4_on_sm90_only(b, s_q, h_q):
     host = plan_sparse_decode(b, s_q, h_q, 512, 128, arch="sm_90a", num_sms=132, extra_topk=1024)
     assert host.schedule == "host"
     assert host.fixed_overhead == fixed_overhead_blocks("sm_90a", b=b, parts=host.num_sm_parts, blocks=18)
-
-
-@pytest.mark.parametrize("charge", [0, 1, 3])
-def test_packed_schedule_cuts_whole_requests(charge):
-    """The packed device schedule (torch ops, here on the CPU): every request in exactly one
-    partition, in order, whole (block range 0 .. its blocks); a partition without a request has
-    FlashMLA's empty row; none costs more than its share plus one request; nothing split."""
-    g = torch.Generator().manual_seed(charge)
-    for b, parts in [(1, 66), (5, 66), (66, 66), (128, 66), (321, 66), (512, 132), (600, 33), (7, 1)]:
-        nb = torch.randint(1, 19, (b,), generator=g, dtype=torch.int32)
-        tile_md, num_splits = packed_schedule_device(nb, parts, charge)
-        assert tile_md.shape == (parts, 8) and tile_md.dtype == torch.int32
-        assert torch.equal(num_splits, torch.arange(b + 1, dtype=torch.int32))
-        cost = (nb + charge).tolist()
-        share, seen = sum(cost) / parts, []
-        for begin, end, b0, b1, *rest in tile_md.tolist():
-            assert rest == [0, 0, 0, 0] and b0 == 0
-            if begin == b:
-                assert (end, b1) == (b - 1, 0)
-                continue
-            assert begin <= end and b1 == nb[end]
-            seen += range(begin, end + 1)
-            assert sum(cost[begin:end + 1]) <= share + max(cost)
-        assert seen == list(range(b))
 
 
 @pytest.mark.parametrize("charge", [0, 1, 3])

@@ -16,7 +16,8 @@ launched **only when at least one request is split**.
 - SM100 with topk + extra_topk <= 640 (FlashMLA's rule): one partition per request, never split, 0 bytes.
 - SM90 with lengths and short lists (``sm90_per_request``): one partition per request as well;
   V4 at h_q = 128 and s_q = 1 from ``PACKED_MIN_WAVES`` waves of CTAs up (``sm90_packed``): one
-  wave of partitions of whole requests, cut on the device, never split. Other V4 device schedules
+  wave of partitions of whole requests dealt by cost on the device (the "balanced" schedule, whose
+  rows index a request order), never split. Other V4 device schedules
   charge a request piece what it costs (``sm90_device_charge``).
 
 Token walk (SM90, b == 1, no topk_length, one partition, more CTAs than SMs: vLLM's mixed batch):
@@ -62,16 +63,14 @@ PER_REQUEST_HEADS = (64,)
 PER_REQUEST_WAVES = (0.5, 2)
 PER_REQUEST_TINY_BLOCKS = 2
 PER_REQUEST_TINY_MAX_WAVES = 4
-# SM90 whole requests packed into one wave of partitions (sm90_packed): h_q = 128, s_q = 1, an
+# SM90 whole requests dealt into one wave of partitions (sm90_packed): h_q = 128, s_q = 1, an
 # extra list, (PER_REQUEST_TINY_BLOCKS, PACKED_MAX_BLOCKS] blocks per request, at least
 # PACKED_MIN_WAVES waves of (request, head block) CTAs; the device cut charges
-# PACKED_REQUEST_CHARGE blocks per request. PACKED_CUT names the cut: "balanced" (requests dealt
-# by cost, walked through a request order) or "packed" (contiguous ranges).
+# PACKED_REQUEST_CHARGE blocks per request.
 PACKED_H_Q = 128
 PACKED_MIN_WAVES = 6.0
 PACKED_MAX_BLOCKS = 18
 PACKED_REQUEST_CHARGE = 1
-PACKED_CUT = "balanced"
 # SM90 split schedules made on the device for the V4 format charge a request piece
 # V4_DEVICE_PIECE_CHARGE blocks, not the scheduler's rule (sm90_device_charge).
 V4_DEVICE_PIECE_CHARGE = 1
@@ -92,10 +91,10 @@ class SparseDecodePlan:
     topk: int
     has_topk_length: bool               # the call passes topk_length (per-request lengths on the device)
     num_sm_parts: int
-    fixed_overhead: int                 # blocks the cut charges per request piece (a packed cut: per request)
+    fixed_overhead: int                 # blocks the cut charges per request piece (the balanced cut: per request)
     kernel: str                         # the arch's kernel name (archs.ArchSpec.kernel)
     split: bool                         # the split variant (takes accumulators) runs
-    schedule: str                       # "host" (computed here) | "device" (scheduler kernel) | "per_request" | "packed" | "balanced"
+    schedule: str                       # "host" (computed here) | "device" (scheduler kernel) | "per_request" | "balanced"
     accum_rows: int                     # rows of o_accum / lse_accum (0 when nothing is split)
     host_schedule: Optional[sched.HostSchedule]
     token_walk: bool = False            # the s_q tokens run as s_q one-token requests (module docstring)
@@ -222,7 +221,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     short_lists = (spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk
                    and b <= archs.MAX_GRID_Y)
     if lengths and sm90_packed(arch, b, s_q, h_q, blocks, extra_topk, num_sms):
-        schedule, accum_rows, overhead = PACKED_CUT, 0, PACKED_REQUEST_CHARGE
+        schedule, accum_rows, overhead = "balanced", 0, PACKED_REQUEST_CHARGE
     elif short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms,
                                                       sm90_pieces_at_cost(arch, fmt))):
         schedule, parts, accum_rows = "per_request", b, 0
@@ -335,25 +334,24 @@ def sm90_device_charge(arch: str, fmt: KVCacheFormat, overhead: int) -> int:
 
 def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
     """SM90 with per-request lengths, h_q = 128, s_q = 1 and short lists with an extra list (V4's
-    128 + 512), from ``PACKED_MIN_WAVES`` waves of CTAs up: the partitions of one wave
-    (``num_sm_parts``) each take a contiguous range of *whole* requests, each request in the
-    partition its running cost's midpoint falls in (``schedule.packed_schedule_device``, on the
-    device). Nothing is split (no accumulators, no combine), and a CTA's later requests overlap
-    their index scan and first gathers with the request before it, which one partition per
-    request cannot: a request alone on a CTA spends ~6 µs before its first tile and 1.7 µs after
-    its last (``benchmarks/v4_timeline.py``).
+    128 + 512 or 1024), from ``PACKED_MIN_WAVES`` waves of CTAs up: the partitions of one wave
+    (``num_sm_parts``) each take *whole* requests, dealt by cost so that the partitions cost about
+    the same (``schedule.balanced_schedule_device``, on the device; the kernel walks them through
+    the schedule's request order). Nothing is split (no accumulators, no combine), and a CTA's
+    later requests overlap their index scan and first gathers with the request before it, which
+    one partition per request cannot: a request alone on a CTA spends ~6 µs before its first tile
+    and 1.7 µs after its last (``benchmarks/v4_timeline.py``).
 
-    Measured on the H200 (V4: top-k 128 + extra 512, lengths uniform). Against the plans it
-    replaced, packing won: x1.11 at b = 128 (one partition per request) and x1.06-1.11 at
-    b = 512 (the split schedule charging FlashMLA's 5 blocks per piece). Once the split schedule
-    charged about what a piece costs (``sm90_device_charge``), it gave the same time at ~8 and
-    ~16 waves (b = 512 and 1024: x1.00 either way, this cut with no workspace and no combine)
-    and won below (x1.05 at b = 256, ~4 waves; x1.10 at b = 128: whole requests of up to 10
-    blocks, ~2 per partition, cut too coarsely; ``benchmarks/v4_charge_probe.py``), hence
-    ``PACKED_MIN_WAVES``, set between the two (six waves were not measured). h = 64 and extra
-    1024 (18 blocks) were slower packed (x0.94-1.04 against the older split schedule,
-    ``benchmarks/v4_packing_probe.py``). Not measured, so not taken: s_q > 1 and lists without
-    an extra list."""
+    Measured (``benchmarks/v4_schedule_probe.py``, end to end, interleaved; docs/performance.md,
+    section 3): on an H100, against the split schedule charging a piece about what it costs
+    (``sm90_device_charge``), x1.03 at b = 512 (extra 512 and 1024) and b = 400 (extra 1024),
+    x1.01 at b = 1024; against contiguous ranges of requests cut at their cost's midpoints (the
+    cut this replaced, which tied the split schedule at extra 512 and lost at extra 1024: 18-block
+    requests cut too coarsely), x1.02-1.13. Below ~6 waves whole requests leave too few per
+    partition to balance (the contiguous cut: x0.91 at b = 128 and x0.96 at 256 against the split
+    schedule, ``benchmarks/v4_charge_probe.py``; the balanced cut was not measured there), hence
+    ``PACKED_MIN_WAVES``. h = 64 (half the requests per partition) and s_q > 1 were not measured
+    with it, so not taken, nor lists without an extra list."""
     if arch != archs.SM90.name or h_q != PACKED_H_Q or s_q != 1 or not extra_topk:
         return False
     waves = b * (h_q // 64) / num_sms

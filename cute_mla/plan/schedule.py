@@ -11,7 +11,8 @@ Where the host knows the schedule (no ``topk_length``) the plan computed it: :fu
 uploads it once per (plan, device) into a cached buffer (:class:`UploadedSchedule`). With
 ``topk_length`` (device values the host must not read) it is built on the device: the blocks of
 each request from the lengths (``scheduler.partition.blocks_of_length``), then the scheduler
-kernel or, for one-partition-per-request and packed plans, torch ops; no host synchronization.
+kernel or, for one-partition-per-request and balanced plans, torch ops; no host synchronization.
+A balanced schedule also holds a request order (b,): its rows index positions in it.
 """
 
 from __future__ import annotations
@@ -246,34 +247,6 @@ def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor,
     return tile_md, num_splits
 
 
-def packed_schedule_device(num_blocks: torch.Tensor, parts: int, charge: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``parts`` partitions of contiguous whole requests, nothing split, with torch ops on the
-    device (no sync): (tile_md (parts, 8), num_splits (b+1,)).
-
-    Request r costs ``num_blocks[r] + charge`` and goes to the partition its cost's midpoint falls
-    in, ``floor((2 C_r - c_r) * parts / (2 C))`` with C_r the running cost through r and C the
-    total: a partition costs at most its share C / parts plus half of its first and of its last
-    request. Every request costs at least one (``blocks_of_length`` gives a request at least one
-    block), so the midpoints increase and stay below 2 C. A partition no midpoint falls in, which
-    may be any partition, gets the empty row of ``scheduler.whole_request_rows`` (begin_req = b),
-    which the kernel skips."""
-    b, dev = num_blocks.shape[0], num_blocks.device
-    cost = num_blocks.to(torch.int64) + charge
-    running = torch.cumsum(cost, 0)
-    part_of = ((2 * running - cost) * parts) // (2 * running[-1])
-    ids = torch.arange(parts, dtype=torch.int64, device=dev)
-    begin = torch.searchsorted(part_of, ids)
-    end = torch.searchsorted(part_of, ids, right=True) - 1
-    empty = begin > end
-    last = end.clamp(min=0)
-    tile_md = torch.zeros(parts, SCHED_ROW_INTS, dtype=torch.int32, device=dev)
-    tile_md[:, SchedField.BEGIN_REQ] = torch.where(empty, b, begin).to(torch.int32)
-    tile_md[:, SchedField.END_REQ] = torch.where(empty, b - 1, end).to(torch.int32)
-    tile_md[:, SchedField.END_BLOCK] = torch.where(empty, 0, num_blocks[last]).to(torch.int32)
-    num_splits = torch.arange(b + 1, dtype=torch.int32, device=dev)
-    return tile_md, num_splits
-
-
 def balanced_schedule_device(num_blocks: torch.Tensor, parts: int,
                              charge: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``parts`` partitions of whole requests of about equal cost, nothing split, with torch ops on
@@ -327,8 +300,6 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
     nb = device_num_blocks(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
     if plan.schedule == "per_request":
         tile_md, num_splits = per_request_schedule_device(nb)
-    elif plan.schedule == "packed":
-        tile_md, num_splits = packed_schedule_device(nb, plan.num_sm_parts, plan.fixed_overhead)
     elif plan.schedule == "balanced":
         tile_md, num_splits, order = balanced_schedule_device(nb, plan.num_sm_parts, plan.fixed_overhead)
         return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), request_order=order, keepalive=(nb,))
