@@ -12,4 +12,4 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw -
 source "$(dirname "$0")/step.sh"
 TAIL=12 step tests "${TESTS_S:-260}" python3 -m pytest -q -rf -p no:cacheprovider $XDIST -m gpu tests
 TAIL=30 step v4 "${V4_S:-150}" python3 -m benchmarks.bench_v4 --draws 5 --out "$OUT/v4.json"
-TAIL=40 step v32 $((BUDGET - SECONDS)) python3 -m benchmarks.bench_sparse_decode --json "$OUT/v32.json"
+TAIL=40 step v32 $((BUDGET - SECONDS)) python3 -m benchmarks.bench_sparse_decode --rows "${V32_ROWS:-all}" --json "$OUT/v32.json"
