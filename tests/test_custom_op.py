@@ -188,7 +188,10 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
         order = order_view(plan, real)
         assert (order is None) == (not plan.orders_requests)
         if order is not None:
-            assert sorted(order.tolist()) == list(range(b))
+            # the order section is where order_view reads it: the schedule's own order
+            s = make_schedule(plan, torch.device("cpu"), lens, extra_lens)
+            assert torch.equal(order, s.request_order) and sorted(order.tolist()) == list(range(b))
+            assert torch.equal(schedule_views(plan, real)[0], s.tile_md)
 
 
 def test_the_op_checks_what_a_trace_cannot(monkeypatch):

@@ -389,8 +389,8 @@ def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
 @pytest.mark.parametrize("b, h_q, extra, expect", [
     (128, 64, 512, "per_request"), (128, 128, 512, "device"),              # 10 blocks, 0.5 .. 2 waves of CTAs
     (32, 64, 512, "device"), (32, 128, 512, "device"),                     # under half a wave
-    (512, 64, 512, "device"), (512, 128, 512, "balanced"),                 # beyond 2 waves (h=128: packed from 6)
-    (396, 128, 512, "balanced"), (395, 128, 512, "device"),                # packed from 6 waves of h=128 CTAs
+    (512, 64, 512, "device"), (512, 128, 512, "balanced"),                 # beyond 2 waves (h=128: whole requests from 6)
+    (396, 128, 512, "balanced"), (395, 128, 512, "device"),                # whole requests from 6 waves of h=128 CTAs
     (512, 128, 448, "balanced"), (512, 128, 1024, "balanced"), (396, 128, 1024, "balanced"),
     (395, 128, 1024, "device"), (512, 128, 1088, "device"),                # up to 18 blocks
     (128, 64, 1024, "device"), (128, 128, 1024, "device"), (512, 64, 1024, "device"),   # 18 blocks: split
@@ -412,7 +412,7 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
             "balanced", 66, False, 0, ("sm90_sparse_decode",))
         assert p.orders_requests
-        # packed only where it was measured: s_q = 1 with an extra list
+        # whole requests only where they were measured: s_q = 1 with an extra list
         assert plan_sparse_decode(b, 2, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
                                   extra_topk=extra, has_extra_topk_length=True).schedule != "balanced"
         assert plan_sparse_decode(b, 1, h_q, 512, 128 + extra, arch="sm_90a", num_sms=132,

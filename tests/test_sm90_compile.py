@@ -217,6 +217,8 @@ def test_launch_passes_none_for_absent_optionals():
     launch_sparse_decode(Fake(), cfg, t._replace(request_order="order"), 0.5)
     assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", None, None, None, "xkv", "xidx",
                             None, "order", 0.5)
+    with pytest.raises(ValueError, match="^request_order: "):
+        launch_sparse_decode(Fake(), cfg, t, 0.5)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

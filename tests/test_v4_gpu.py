@@ -180,7 +180,7 @@ def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
 
 
 @pytest.mark.parametrize("b, extra_topk", [(396, 512), (600, 512), (400, 1024)])
-def test_v4_packed_whole_requests(seed, b, extra_topk):
+def test_v4_balanced_whole_requests(seed, b, extra_topk):
     """h_q = 128, an extra list of 512 or 1024 and lengths from six waves of CTAs up: the balanced
     plan (whole requests dealt by cost into one wave of partitions on the device, walked through
     a request order) gives the reference's answer, eagerly and with the schedule made inside a

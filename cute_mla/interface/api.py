@@ -32,7 +32,8 @@ class FlashMLASchedMeta:
     """Scheduler state of one decode step, filled by the first call that uses it (FlashMLA's layout).
 
     ``tile_scheduler_metadata`` (partitions, 8) int32 and ``num_splits`` (b+1,) int32 are
-    FlashMLA's (under the plan's token walk the partitions' requests are the s_q tokens).
+    FlashMLA's (under the plan's token walk the partitions' requests are the s_q tokens; under its
+    balanced schedule the rows index positions in ``schedule.request_order``, not requests).
     ``accum_offsets`` (b+1,) int32 is cute-mla's compact prefix sum of accumulator rows (only
     split requests own rows); ``plan`` is the call's :class:`SparseDecodePlan`.
 

@@ -106,10 +106,8 @@ class Launcher:
         lengths) where the plan has one. ``workspace``: the accumulators to write (the API passes
         the ones its metadata object keeps for the step, :func:`allocate_workspace` of this plan);
         None allocates them for this call. ``request_order``: the schedule's (``Schedule.request_order``),
-        required where the plan orders requests, whose rows index positions in it."""
-        if self.plan.orders_requests and request_order is None:
-            raise ValueError(f"request_order: the plan's schedule ({self.plan.schedule}) indexes positions in a request "
-                             "order; pass the schedule's request_order, got None")
+        required where the plan orders requests, whose rows index positions in it (the kernel's
+        launch refuses a missing one)."""
         extra_kv, extra_indices, extra_topk_length = extra
         if self.plan.token_walk:
             # b == 1: the s_q tokens become s_q one-token requests (views, no copy; plan docstring)

@@ -20,7 +20,10 @@ bits, out apart from the inputs) on every call, and that the schedule is the pla
 A traced :func:`~.api.flash_mla_with_kvcache` makes its schedule in the graph (both ops, per call)
 instead of keeping it in the ``FlashMLASchedMeta``, which a graph cannot fill: under CUDA graphs the
 schedule is then recomputed at each replay from the lengths the replay reads. Host-known schedules
-are copied from their cached upload (one device copy, a stable source address).
+are copied from their cached upload (one device copy, a stable source address). A device schedule
+costs its torch ops on every traced call: ~23 aten ops for the split one (with the scheduler
+kernel), ~69 for the balanced cut (three sorts among them; not measured on the GPU,
+docs/performance.md, "V4: whole requests dealt by cost").
 
 Eager calls do not go through the dispatcher: it costs ~5 µs of host time per call on a
 ``Library.impl`` op and ~70 µs on a ``torch.library.custom_op`` (the CI machine), more than the

@@ -350,8 +350,9 @@ def sm90_packed(arch: str, b: int, s_q: int, h_q: int, blocks: int, extra_topk: 
     requests cut too coarsely), x1.02-1.13. Below ~6 waves whole requests leave too few per
     partition to balance (the contiguous cut: x0.91 at b = 128 and x0.96 at 256 against the split
     schedule, ``benchmarks/v4_charge_probe.py``; the balanced cut was not measured there), hence
-    ``PACKED_MIN_WAVES``. h = 64 (half the requests per partition) and s_q > 1 were not measured
-    with it, so not taken, nor lists without an extra list."""
+    ``PACKED_MIN_WAVES``. Measured with V4's main list of 128 and extra lists of 512 and 1024; other
+    lists of 3-18 blocks with an extra list take it unmeasured. h = 64 (half the requests per
+    partition) and s_q > 1 were not measured with it, so not taken, nor lists without an extra list."""
     if arch != archs.SM90.name or h_q != PACKED_H_Q or s_q != 1 or not extra_topk:
         return False
     waves = b * (h_q // 64) / num_sms

@@ -370,8 +370,12 @@ def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm90SparseDecodeConfig, 
     None (the compiled signature keeps a None slot for them). ``timeline``: the stamp buffer of a
     kernel compiled with ``Sm90Tuning.timeline`` (instrumentation only). Grid: x = s_q * (h_q // 64)
     (x 2 in the column pair), y = tile_md.shape[0] (one CTA per 64 heads x token x partition, per
-    column half in the column pair).
+    column half in the column pair). A ``request_order`` kernel needs ``t.request_order``: its
+    partition rows index positions in it.
     """
+    if cfg.request_order and t.request_order is None:
+        raise ValueError("request_order: this kernel's partition rows index positions in a request order (the plan's "
+                         "balanced schedule); pass the schedule's request_order, got None")
     compiled.fn(
         t.q, t.kv, t.indices,
         t.topk_length if cfg.has_topk_length else None,
