@@ -411,7 +411,7 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
     elif expect == "balanced":
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
             "balanced", 66, False, 0, ("sm90_sparse_decode",))
-        assert p.orders_requests
+        assert p.orders_requests and "request order" in p.describe()
         # whole requests only where they were measured: s_q = 1 with an extra list
         assert plan_sparse_decode(b, 2, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
                                   extra_topk=extra, has_extra_topk_length=True).schedule != "balanced"
@@ -420,6 +420,8 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
         assert v32.schedule != "balanced"
     else:
         assert p.schedule == "device" and p.split and p.fixed_overhead == V4_DEVICE_PIECE_CHARGE
+    if expect != "balanced":
+        assert not p.orders_requests and "request order" not in p.describe()
     # V3.2 keeps FlashMLA's piece charge, and with it one partition per request for 10-block lists
     # at h = 128 as at h = 64
     if v32.schedule == "device":

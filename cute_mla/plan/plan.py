@@ -161,6 +161,9 @@ class SparseDecodePlan:
                          "of whole tokens")
         if self.column_pair:
             lines.append("column pair: each piece on a cluster of 2 CTAs, 256 of the 512 output columns each")
+        if self.orders_requests:
+            lines.append(f"balanced: whole requests dealt by cost into {self.num_sm_parts} partitions; the rows index "
+                         "positions in the schedule's request order")
         lines += [
             f"launches: {', '.join(self.launches)}",
             f"accumulator rows: {self.accum_rows}{f' ({self.accum_dtype} o_accum)' if self.split else ''}  "
