@@ -7,10 +7,7 @@
 # (or ./artifacts).
 #   source .gpu/activate.sh && export PYTHONPATH=$PWD:$PYTHONPATH CUTE_MLA_COMMIT=<sha> && bash benchmarks/balanced_cut_check.sh
 set -u
-OUT=${OUT:-artifacts}; mkdir -p "$OUT"
-source "$(dirname "$0")/xdist.sh"
 BUDGET=${BUDGET:-585}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"
 source "$(dirname "$0")/step.sh"
 V4_TARGET="128,64,512;128,64,1024;512,64,512;512,64,1024;128,128,512;128,128,1024;512,128,512;512,128,1024"
 # 1. correctness: the reference's answer under the cut, eager, in a captured schedule, traced

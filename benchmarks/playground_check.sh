@@ -4,8 +4,6 @@
 # next to --plot when matplotlib is missing (then `cute-mla bench --replot` draws it anywhere).
 #   source .gpu/activate.sh && export PYTHONPATH=$PWD:$PYTHONPATH && bash benchmarks/playground_check.sh
 set -u
-OUT=${OUT:-artifacts}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 source "$(dirname "$0")/step.sh"
 step 06_a_first_kernel 120 python3 examples/06_a_first_kernel.py
 step 04_try_a_variant 150 python3 examples/04_try_a_variant.py

@@ -6,10 +6,7 @@
 # (620 of 696 results), hence TESTS_S 330; the V3.2 grid then gets what is left (V32_ROWS=quick: ~15 s).
 #   source .gpu/activate.sh && export PYTHONPATH=$PWD:$PYTHONPATH CUTE_MLA_COMMIT=<sha> && bash benchmarks/release_check.sh
 set -u
-OUT=${OUT:-artifacts}; mkdir -p "$OUT"
-source "$(dirname "$0")/xdist.sh"
 BUDGET=${BUDGET:-590}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"
 source "$(dirname "$0")/step.sh"
 TAIL=12 step tests "${TESTS_S:-330}" python3 -m pytest -q -rf -p no:cacheprovider $XDIST -m gpu tests
 TAIL=30 step v4 "${V4_S:-150}" python3 -m benchmarks.bench_v4 --draws 5 --out "$OUT/v4.json"

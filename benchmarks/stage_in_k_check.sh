@@ -6,11 +6,8 @@
 # FlashMLA with the variant if at least GRID_MIN_S seconds are left. Each step's log lands in $OUT (or ./artifacts).
 #   source .gpu/activate.sh && export PYTHONPATH=$PWD:$PYTHONPATH CUTE_MLA_COMMIT=<sha> && bash benchmarks/stage_in_k_check.sh
 set -u
-OUT=${OUT:-artifacts}; mkdir -p "$OUT"
-source "$(dirname "$0")/xdist.sh"
 BUDGET=${BUDGET:-585}
 GRID_MIN_S=${GRID_MIN_S:-200}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"
 source "$(dirname "$0")/step.sh"
 # the issue's 1.2x V4 rows (b >= 128, extra >= 512)
 V4_TARGET="128,64,512;128,64,1024;512,64,512;512,64,1024;128,128,512;128,128,1024;512,128,512;512,128,1024"

@@ -1,4 +1,6 @@
-# Sourced by the one-call device check scripts. step NAME TIMEOUT CMD...: run CMD under TIMEOUT
+# Sourced by the one-call device check scripts, after they set BUDGET (optional): it makes $OUT
+# (default ./artifacts), sets XDIST (xdist.sh) and writes the GPU's name, driver and clocks to $OUT/gpu.txt.
+# step NAME TIMEOUT CMD...: run CMD under TIMEOUT
 # seconds (capped at what is left of BUDGET seconds of the script, when BUDGET is set; skipped
 # under 20 s), its output in $OUT/NAME.log; print its exit status, wall time and the log's last
 # TAIL lines (default 14) without warnings; return its exit status.
@@ -16,3 +18,7 @@ step() {
   grep -v -e DEBUG -e Warning -e "^\s*for v in" -e "^\s*$" "$OUT/$name.log" | tail -"${TAIL:-14}"
   return $rc
 }
+
+OUT=${OUT:-artifacts}; mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/xdist.sh"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"

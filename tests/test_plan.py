@@ -462,7 +462,7 @@ def test_balanced_schedule_deals_whole_requests(charge):
     for b, parts in [(1, 66), (5, 66), (66, 66), (67, 66), (128, 66), (321, 66), (512, 66), (512, 132), (600, 33),
                      (7, 1)]:
         nb = torch.randint(1, 19, (b,), generator=g, dtype=torch.int32)
-        tile_md, num_splits, order = balanced_schedule_device(nb, parts, charge)
+        tile_md, num_splits, order = balanced_schedule_device(nb, parts)
         assert tile_md.shape == (parts, 8) and tile_md.dtype == order.dtype == torch.int32
         assert torch.equal(num_splits, torch.arange(b + 1, dtype=torch.int32))
         assert sorted(order.tolist()) == list(range(b))

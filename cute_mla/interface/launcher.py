@@ -47,12 +47,11 @@ def kernel_module(arch: str):
 def launch_configs(plan: SparseDecodePlan, has_attn_sink: bool, tuning=None):
     """(decode kernel config, combine config or None): what a plan's calls compile (``cute-mla
     warmup`` precompiles the same set)."""
-    # request_order only where the plan orders requests: an SM90 plan rule (SM100's kernel_config has no such field)
-    ordered = dict(request_order=True) if plan.orders_requests else {}
     main_cfg = kernel_module(plan.arch).kernel_config(
         h_q=plan.h_q, d_qk=plan.d_qk, split=plan.split, has_topk_length=plan.has_topk_length,
         has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
-        has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length, **ordered)
+        has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length,
+        request_order=plan.orders_requests)
     combine_cfg = None
     if plan.split:
         from ..kernels import combine

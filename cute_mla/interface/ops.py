@@ -22,7 +22,7 @@ instead of keeping it in the ``FlashMLASchedMeta``, which a graph cannot fill: u
 schedule is then recomputed at each replay from the lengths the replay reads. Host-known schedules
 are copied from their cached upload (one device copy, a stable source address). A device schedule
 costs its torch ops on every traced call: ~23 aten ops for the split one (with the scheduler
-kernel), ~69 for the balanced cut (three sorts among them; not measured on the GPU,
+kernel), ~60 for the balanced cut (three sorts among them; not measured on the GPU,
 docs/performance.md, "V4: whole requests dealt by cost").
 
 Eager calls do not go through the dispatcher: it costs ~5 µs of host time per call on a

@@ -65,12 +65,11 @@ PER_REQUEST_TINY_BLOCKS = 2
 PER_REQUEST_TINY_MAX_WAVES = 4
 # SM90 whole requests dealt into one wave of partitions (sm90_packed): h_q = 128, s_q = 1, an
 # extra list, (PER_REQUEST_TINY_BLOCKS, PACKED_MAX_BLOCKS] blocks per request, at least
-# PACKED_MIN_WAVES waves of (request, head block) CTAs; the device cut charges
-# PACKED_REQUEST_CHARGE blocks per request.
+# PACKED_MIN_WAVES waves of (request, head block) CTAs; the cut charges nothing per request
+# (schedule.balanced_schedule_device: a charge would not change it).
 PACKED_H_Q = 128
 PACKED_MIN_WAVES = 6.0
 PACKED_MAX_BLOCKS = 18
-PACKED_REQUEST_CHARGE = 1
 # SM90 split schedules made on the device for the V4 format charge a request piece
 # V4_DEVICE_PIECE_CHARGE blocks, not the scheduler's rule (sm90_device_charge).
 V4_DEVICE_PIECE_CHARGE = 1
@@ -91,7 +90,7 @@ class SparseDecodePlan:
     topk: int
     has_topk_length: bool               # the call passes topk_length (per-request lengths on the device)
     num_sm_parts: int
-    fixed_overhead: int                 # blocks the cut charges per request piece (the balanced cut: per request)
+    fixed_overhead: int                 # blocks the cut charges per request piece (0 for the balanced cut)
     kernel: str                         # the arch's kernel name (archs.ArchSpec.kernel)
     split: bool                         # the split variant (takes accumulators) runs
     schedule: str                       # "host" (computed here) | "device" (scheduler kernel) | "per_request" | "balanced"
@@ -224,7 +223,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     short_lists = (spec.no_split_max_topk is not None and topk + extra_topk <= spec.no_split_max_topk
                    and b <= archs.MAX_GRID_Y)
     if lengths and sm90_packed(arch, b, s_q, h_q, blocks, extra_topk, num_sms):
-        schedule, accum_rows, overhead = "balanced", 0, PACKED_REQUEST_CHARGE
+        schedule, accum_rows, overhead = "balanced", 0, 0
     elif short_lists or (lengths and sm90_per_request(arch, b, h_q, blocks, num_sms,
                                                       sm90_pieces_at_cost(arch, fmt))):
         schedule, parts, accum_rows = "per_request", b, 0

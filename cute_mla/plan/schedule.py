@@ -247,22 +247,23 @@ def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor,
     return tile_md, num_splits
 
 
-def balanced_schedule_device(num_blocks: torch.Tensor, parts: int,
-                             charge: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def balanced_schedule_device(num_blocks: torch.Tensor, parts: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``parts`` partitions of whole requests of about equal cost, nothing split, with torch ops on
     the device (no sync): (tile_md (parts, 8), num_splits (b+1,), order (b,)). The rows hold
     positions in ``order``, which names the request at each position (the kernel's
     ``request_order``); a partition's requests are contiguous there.
 
-    Request r costs ``num_blocks[r] + charge``. The requests are dealt in rounds of ``parts`` by
-    decreasing cost, back and forth across the partitions (round 0 left to right, round 1 right
+    Request r costs its blocks. (A charge per request would change nothing: it keeps the order
+    of the requests' costs, and every partition holds one request of each round before the last,
+    so it adds the same to every partition's load there.) The requests are dealt in rounds of
+    ``parts`` by decreasing cost, back and forth across the partitions (round 0 left to right, round 1 right
     to left, ...), except the last round, the cheapest requests, whose k-th goes to the k-th least
     loaded partition: a greedy of longest-first quality (the partitions' costs within about one
     small request of each other) at a fixed number of ops. Within a partition the costliest
     request comes first. A partition without requests (b < parts) gets the empty row of
     ``scheduler.whole_request_rows`` (begin_req = b), which the kernel skips."""
     b, dev = num_blocks.shape[0], num_blocks.device
-    cost = num_blocks.to(torch.int64) + charge
+    cost = num_blocks.to(torch.int64)
     by_cost = torch.sort(cost, descending=True, stable=True).indices
     rank = torch.arange(b, dtype=torch.int64, device=dev)
     rnd, col = rank // parts, rank % parts
@@ -298,11 +299,14 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
         upload = uploaded_schedule(plan, device)
         return Schedule(*upload.views, upload=upload)
     nb = device_num_blocks(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
+    order = None
     if plan.schedule == "per_request":
         tile_md, num_splits = per_request_schedule_device(nb)
     elif plan.schedule == "balanced":
-        tile_md, num_splits, order = balanced_schedule_device(nb, plan.num_sm_parts, plan.fixed_overhead)
-        return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), request_order=order, keepalive=(nb,))
+        tile_md, num_splits, order = balanced_schedule_device(nb, plan.num_sm_parts)
     else:
         tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
-    return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))
+        return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))
+    # nothing split: no request owns accumulator rows
+    offsets = torch.zeros(plan.b + 1, dtype=torch.int32, device=device)
+    return Schedule(tile_md, num_splits, offsets, request_order=order, keepalive=(nb,))

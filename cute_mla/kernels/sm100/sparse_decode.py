@@ -154,11 +154,14 @@ class Sm100SparseDecodeConfig:
 
 def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
                   column_pair: bool = False, tuning=None, has_extra: bool = False,
-                  has_extra_topk_length: bool = False) -> "Sm100SparseDecodeConfig":
-    """The config of the kernel a plan names (the launcher's call). SM100 has no column pair and no
-    variant knobs yet."""
+                  has_extra_topk_length: bool = False, request_order: bool = False) -> "Sm100SparseDecodeConfig":
+    """The config of the kernel a plan names (the launcher's call). SM100 has no column pair, no
+    request order and no variant knobs yet."""
     if column_pair:
         raise ValueError("column_pair: got True, accepted: False (an SM90 plan's choice; the SM100 kernel has none)")
+    if request_order:
+        raise ValueError("request_order: got True, accepted: False (an SM90 plan's balanced schedule; the SM100 kernel "
+                         "walks requests in order)")
     if tuning is not None:
         raise ValueError(f"tuning: got {tuning!r}, accepted: None (the SM100 kernel has no variant knobs yet)")
     return Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
