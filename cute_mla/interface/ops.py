@@ -22,8 +22,8 @@ instead of keeping it in the ``FlashMLASchedMeta``, which a graph cannot fill: u
 schedule is then recomputed at each replay from the lengths the replay reads. Host-known schedules
 are copied from their cached upload (one device copy, a stable source address). A device schedule
 costs its torch ops on every traced call: ~23 aten ops for the split one (with the scheduler
-kernel), ~60 for the balanced cut (three sorts among them; not measured on the GPU,
-docs/performance.md, "V4: whole requests dealt by cost").
+kernel), ~24 for the balanced cut (two sorts among them; what does not depend on the lengths is a
+cached upload per (b, partitions): docs/performance.md, "V4: whole requests dealt by cost").
 
 Eager calls do not go through the dispatcher: it costs ~5 µs of host time per call on a
 ``Library.impl`` op and ~70 µs on a ``torch.library.custom_op`` (the CI machine), more than the

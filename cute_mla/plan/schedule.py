@@ -247,48 +247,132 @@ def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor,
     return tile_md, num_splits
 
 
+@dataclass(frozen=True)
+class BalancedDeal:
+    """What the balanced cut of ``b`` requests into ``parts`` partitions fixes before the lengths are
+    known (host ints; :func:`balanced_schedule_device`). Ranks are positions in the requests sorted
+    by decreasing cost; ``rounds`` full rounds deal ranks ``0 .. dealt-1`` back and forth, the last
+    round's ``last`` cheapest ranks go to the least loaded partitions. The partitions are labelled
+    as rows by increasing load, so that rows ``0 .. last-1`` (those that receive a last-round rank)
+    hold ``rounds + 1`` requests and the others ``rounds``: every row's position range is fixed."""
+
+    b: int
+    parts: int
+
+    @property
+    def rounds(self) -> int:
+        return (self.b - 1) // self.parts
+
+    @property
+    def dealt(self) -> int:
+        return self.rounds * self.parts
+
+    @property
+    def last(self) -> int:
+        return self.b - self.dealt
+
+    def begin(self, row: int) -> int:
+        r, last = self.rounds, self.last
+        return row * (r + 1) if row < last else last * (r + 1) + (row - last) * r
+
+    def count(self, row: int) -> int:
+        return self.rounds + (row < self.last)
+
+    def rank_of_round(self, rnd: int, part: int) -> int:
+        """The rank that round ``rnd`` (< rounds) deals to partition ``part``: left to right in even
+        rounds, right to left in odd ones."""
+        return rnd * self.parts + (part if rnd % 2 == 0 else self.parts - 1 - part)
+
+    def host_tables(self) -> list:
+        """The int32 tables :func:`balanced_schedule_device` reads, packed (:func:`balanced_views`):
+        ``tile_md`` with every row's position range (END_BLOCK left 0), ``num_splits`` (one piece
+        a request), zero accumulator offsets; ``deal`` (dealt,) the rank each (round, partition)
+        gets, round-major; per position, its row, and ``rank = base + sign * partition`` (the last
+        round's ranks: sign 0); ``ends`` (min(b, parts),) the last position of each non-empty row."""
+        b, parts, r = self.b, self.parts, self.rounds
+        tile_md, row_of, base, sign, ends = [], [], [], [], []
+        for row in range(parts):
+            n, begin = self.count(row), self.begin(row)
+            md = [0] * SCHED_ROW_INTS
+            md[SchedField.BEGIN_REQ], md[SchedField.END_REQ] = (begin, begin + n - 1) if n else (b, b - 1)
+            tile_md += md
+            if n:
+                ends.append(begin + n - 1)
+            for j in range(n):
+                row_of.append(row)
+                if j < r:
+                    base.append(j * parts + (0 if j % 2 == 0 else parts - 1))
+                    sign.append(1 if j % 2 == 0 else -1)
+                else:
+                    base.append(self.dealt + row)
+                    sign.append(0)
+        deal = [self.rank_of_round(j, q) for j in range(r) for q in range(parts)]
+        return tile_md + list(range(b + 1)) + [0] * (b + 1) + deal + row_of + base + sign + ends
+
+
+def balanced_views(deal: BalancedDeal, packed: torch.Tensor) -> dict:
+    """Named views of :meth:`BalancedDeal.host_tables` packed in ``packed``."""
+    sizes = dict(tile_md=deal.parts * SCHED_ROW_INTS, num_splits=deal.b + 1, offsets=deal.b + 1, deal=deal.dealt,
+                 row_of=deal.b, base=deal.b, sign=deal.b, ends=min(deal.b, deal.parts))
+    views, at = {}, 0
+    for name, n in sizes.items():
+        views[name] = packed[at:at + n]
+        at += n
+    views["tile_md"] = views["tile_md"].view(deal.parts, SCHED_ROW_INTS)
+    return views
+
+
+def balanced_tables(b: int, parts: int, device: torch.device) -> UploadedSchedule:
+    """The fixed tables of the balanced cut of ``b`` requests into ``parts`` on ``device``
+    (:func:`balanced_views`), uploaded once and cached as host schedules are (stable addresses,
+    safe to make first inside a graph capture: :class:`UploadedSchedule`); uploaded before return."""
+    key = (BalancedDeal(b, parts), str(device))
+    with _lock:
+        entry = _host_schedules.get(key)
+        if entry is None:
+            host = torch.tensor(key[0].host_tables(), dtype=torch.int32, device="cpu")
+            if device.type == "cuda":
+                host = _pinned(host)
+            dev = torch.empty_like(host, device=device)
+            entry = _host_schedules[key] = UploadedSchedule(host, dev, balanced_views(key[0], dev))
+    entry.ensure_uploaded()
+    return entry
+
+
 def balanced_schedule_device(num_blocks: torch.Tensor, parts: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``parts`` partitions of whole requests of about equal cost, nothing split, with torch ops on
     the device (no sync): (tile_md (parts, 8), num_splits (b+1,), order (b,)). The rows hold
     positions in ``order``, which names the request at each position (the kernel's
-    ``request_order``); a partition's requests are contiguous there.
+    ``request_order``); a row's requests are contiguous there.
 
     Request r costs its blocks. (A charge per request would change nothing: it keeps the order
     of the requests' costs, and every partition holds one request of each round before the last,
     so it adds the same to every partition's load there.) The requests are dealt in rounds of
-    ``parts`` by decreasing cost, back and forth across the partitions (round 0 left to right, round 1 right
-    to left, ...), except the last round, the cheapest requests, whose k-th goes to the k-th least
-    loaded partition: a greedy of longest-first quality (the partitions' costs within about one
-    small request of each other) at a fixed number of ops. Within a partition the costliest
-    request comes first. A partition without requests (b < parts) gets the empty row of
-    ``scheduler.whole_request_rows`` (begin_req = b), which the kernel skips."""
+    ``parts`` by decreasing cost, back and forth across the partitions (round 0 left to right,
+    round 1 right to left, ...), except the last round, the cheapest requests, whose k-th goes to
+    the k-th least loaded partition: a greedy of longest-first quality (the partitions' costs
+    within about one small request of each other) at a fixed number of ops. Row k is the k-th
+    least loaded partition (:class:`BalancedDeal`), and within it the costliest request comes
+    first. A row without requests (b < parts) is the empty row of ``scheduler.whole_request_rows``
+    (begin_req = b), which the kernel skips.
+
+    What does not depend on the lengths is a cached upload (:func:`balanced_tables`); what does
+    is ~12 ops: the sort by cost, the full rounds' loads and their sort, each position's rank,
+    the order, and each row's last block count. ``num_splits`` is a view of the cached tables."""
     b, dev = num_blocks.shape[0], num_blocks.device
-    cost = num_blocks.to(torch.int64)
-    by_cost = torch.sort(cost, descending=True, stable=True).indices
-    rank = torch.arange(b, dtype=torch.int64, device=dev)
-    rnd, col = rank // parts, rank % parts
-    part_of_rank = torch.where(rnd % 2 == 0, col, parts - 1 - col)
-    dealt = ((b - 1) // parts) * parts          # the ranks before the last round
-    if dealt:
-        load = torch.zeros(parts, dtype=torch.int64, device=dev)
-        load.scatter_add_(0, part_of_rank[:dealt], cost[by_cost[:dealt]])
+    deal = BalancedDeal(b, parts)
+    t = balanced_tables(b, parts, dev).views
+    cost, by_cost = torch.sort(num_blocks, descending=True, stable=True)
+    if deal.rounds:
+        load = cost.index_select(0, t["deal"]).view(deal.rounds, parts).sum(0)
         least_loaded = torch.sort(load, stable=True).indices
-        part_of_rank[dealt:] = least_loaded[:b - dealt]
-    # positions grouped by partition, ranks (decreasing cost) kept within each
-    by_part = torch.sort(part_of_rank, stable=True).indices
-    order = by_cost[by_part]
-    # (torch.bincount reads its input's maximum on the host: not in a CUDA-graph capture)
-    count = torch.zeros(parts, dtype=torch.int64, device=dev).scatter_add_(0, part_of_rank, torch.ones_like(part_of_rank))
-    end = torch.cumsum(count, 0) - 1
-    begin = end - count + 1
-    empty = count == 0
-    last_req = order[end.clamp(min=0)]
-    tile_md = torch.zeros(parts, SCHED_ROW_INTS, dtype=torch.int32, device=dev)
-    tile_md[:, SchedField.BEGIN_REQ] = torch.where(empty, b, begin).to(torch.int32)
-    tile_md[:, SchedField.END_REQ] = torch.where(empty, b - 1, end).to(torch.int32)
-    tile_md[:, SchedField.END_BLOCK] = torch.where(empty, 0, num_blocks[last_req]).to(torch.int32)
-    num_splits = torch.arange(b + 1, dtype=torch.int32, device=dev)
-    return tile_md, num_splits, order.to(torch.int32)
+        rank = least_loaded.index_select(0, t["row_of"]) * t["sign"] + t["base"]
+    else:                   # one request a row at most: rank = position
+        rank = t["base"]
+    order = by_cost.index_select(0, rank).to(torch.int32)
+    tile_md = t["tile_md"].clone()
+    tile_md[:len(t["ends"]), SchedField.END_BLOCK] = cost.index_select(0, rank.index_select(0, t["ends"]))
+    return tile_md, t["num_splits"], order
 
 
 def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Optional[torch.Tensor],
@@ -308,5 +392,6 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
         tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
         return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))
     # nothing split: no request owns accumulator rows
-    offsets = torch.zeros(plan.b + 1, dtype=torch.int32, device=device)
+    offsets = (balanced_tables(plan.b, plan.num_sm_parts, device).views["offsets"] if order is not None
+               else torch.zeros(plan.b + 1, dtype=torch.int32, device=device))
     return Schedule(tile_md, num_splits, offsets, request_order=order, keepalive=(nb,))
