@@ -28,10 +28,12 @@ from ..scheduler import (BLOCK_TOPK, SCHED_ROW_INTS, SchedField, accum_offsets, 
 from .plan import SparseDecodePlan
 
 _lock = threading.Lock()
-# (plan, device) -> UploadedSchedule. Never evicted: a captured CUDA graph keeps reading the
-# tensors (and, for an upload made during capture, the pinned source) it was captured with, while
-# engines (vLLM) make a new FlashMLASchedMeta per step and do not keep the capture's. Each entry
-# is O(partitions) ints (token-walk plans too: plan.py), one per distinct plan.
+# (plan, device) -> UploadedSchedule, and (BalancedDeal, device) -> the balanced cut's fixed tables.
+# Never evicted: a captured CUDA graph keeps reading the tensors (and, for an upload made during
+# capture, the pinned source) it was captured with, while engines (vLLM) make a new
+# FlashMLASchedMeta per step and do not keep the capture's. Each entry is O(partitions) ints
+# (token-walk plans too: plan.py), one per distinct plan; a balanced one O(b + partitions), one per
+# batch size that plans the balanced cut.
 _host_schedules: dict = {}
 
 
@@ -53,9 +55,10 @@ class UploadedSchedule:
 
     __slots__ = ("host", "dev", "views", "ready", "event", "captures")
 
-    def __init__(self, host: torch.Tensor, dev: torch.Tensor, views: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor, views):
         self.host, self.dev = host, dev
-        self.views = views            # (tile_md, num_splits, accum_offsets): views of dev
+        # views of dev: (tile_md, num_splits, accum_offsets), or the balanced tables by name
+        self.views = views
         self.ready = False            # an eager upload is known complete
         self.event = None             # the eager upload's event until it is seen complete
         self.captures = set()         # ids of the captures that hold an upload node
@@ -253,7 +256,7 @@ class BalancedDeal:
     known (host ints; :func:`balanced_schedule_device`). Ranks are positions in the requests sorted
     by decreasing cost; ``rounds`` full rounds deal ranks ``0 .. dealt-1`` back and forth, the last
     round's ``last`` cheapest ranks go to the least loaded partitions. The partitions are labelled
-    as rows by increasing load, so that rows ``0 .. last-1`` (those that receive a last-round rank)
+    as rows by increasing load after the full rounds, so that rows ``0 .. last-1`` (those that receive a last-round rank)
     hold ``rounds + 1`` requests and the others ``rounds``: every row's position range is fixed."""
 
     b: int
@@ -357,7 +360,7 @@ def balanced_schedule_device(num_blocks: torch.Tensor, parts: int) -> Tuple[torc
     (begin_req = b), which the kernel skips.
 
     What does not depend on the lengths is a cached upload (:func:`balanced_tables`); what does
-    is ~12 ops: the sort by cost, the full rounds' loads and their sort, each position's rank,
+    is 13 ops: the sort by cost, the full rounds' loads and their sort, each position's rank,
     the order, and each row's last block count. ``num_splits`` is a view of the cached tables."""
     b, dev = num_blocks.shape[0], num_blocks.device
     deal = BalancedDeal(b, parts)
