@@ -9,7 +9,6 @@
 set -u
 BUDGET=${BUDGET:-585}
 source "$(dirname "$0")/step.sh"
-V4_TARGET="128,64,512;128,64,1024;512,64,512;512,64,1024;128,128,512;128,128,1024;512,128,512;512,128,1024"
 # 1. correctness: the reference's answer under the cut, eager, in a captured schedule, traced
 if ! TAIL=16 step tests 240 python3 -m pytest -q -rf -p no:cacheprovider $XDIST -m gpu tests/test_v4_gpu.py \
     tests/test_custom_op.py -k "balanced_whole or 400-1-128"; then

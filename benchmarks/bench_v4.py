@@ -76,6 +76,22 @@ def make_row(b, h, extra_topk, masked, g):
                 extra_topk_length=extra_topk_length, attn_sink=sink)
 
 
+def probe_parser(rows: str) -> argparse.ArgumentParser:
+    """A V4 probe's arguments: ``--rows`` "b,h,extra_topk;..." (default ``rows``) and ``--rounds``
+    of interleaved replays; the probe adds its own."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default=rows)
+    ap.add_argument("--rounds", type=int, default=5)
+    return ap
+
+
+def probe_rows(text, g):
+    """(b, h, extra_topk, row) for each row of ``text`` (:func:`parse_rows`), drawn from ``g`` as
+    it is reached, no index masked (:func:`make_row`)."""
+    for b, h, e in parse_rows(text):
+        yield b, h, e, make_row(b, h, e, 0.0, g)
+
+
 def call(mod, sched, row, k_cache, extra_k_cache):
     extra = row["extra_indices"] is not None
     return mod.flash_mla_with_kvcache(

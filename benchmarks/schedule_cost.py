@@ -9,7 +9,6 @@ interleaved median), and made eagerly, host and device, synchronized (µs, media
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -43,13 +42,9 @@ def eager_us(fn, n=50):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default=ROWS)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    args = v4b.probe_parser(ROWS).parse_args()
     g, _ = v4b.probe_inputs()
-    for b, h, extra in v4b.parse_rows(args.rows):
-        row = v4b.make_row(b, h, extra, 0.0, g)
+    for b, h, extra, row in v4b.probe_rows(args.rows, g):
         fns = {"plan": schedule_fn(row, extra, {}), "split": schedule_fn(row, extra, v4b.NO_PACKING)}
         graphs = {k: bench.capture_graph(fn)[0] for k, (fn, _) in fns.items()}
         med = bench.interleaved_median_us(graphs, rounds=args.rounds)

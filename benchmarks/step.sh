@@ -1,5 +1,6 @@
 # Sourced by the one-call device check scripts, after they set BUDGET (optional): it makes $OUT
-# (default ./artifacts), sets XDIST (xdist.sh) and writes the GPU's name, driver and clocks to $OUT/gpu.txt.
+# (default ./artifacts), sets XDIST (xdist.sh), names the V4 rows with a 1.2x target (V4_TARGET) and
+# writes the GPU's name, driver and clocks to $OUT/gpu.txt.
 # step NAME TIMEOUT CMD...: run CMD under TIMEOUT
 # seconds (capped at what is left of BUDGET seconds of the script, when BUDGET is set; skipped
 # under 20 s), its output in $OUT/NAME.log; print its exit status, wall time and the log's last
@@ -20,5 +21,7 @@ step() {
 }
 
 OUT=${OUT:-artifacts}; mkdir -p "$OUT"
+# the V4 rows (b,h,extra_topk) whose target is 1.2x FlashMLA: b >= 128 with an extra list
+V4_TARGET="128,64,512;128,64,1024;512,64,512;512,64,1024;128,128,512;128,128,1024;512,128,512;512,128,1024"
 source "$(dirname "${BASH_SOURCE[0]}")/xdist.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -14,8 +14,6 @@ plan's.
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks import bench_v4 as v4b
 from cute_mla.playground import bench
 
@@ -31,15 +29,12 @@ def capture(row, pools, constants):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default=ROWS)
+    ap = v4b.probe_parser(ROWS)
     ap.add_argument("--charges", default="0,1,2,5")
-    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     g, pools = v4b.probe_inputs()
     charges = [int(v) for v in args.charges.split(",")]
-    for b, h, e in v4b.parse_rows(args.rows):
-        row = v4b.make_row(b, h, e, 0.0, g)
+    for b, h, e, row in v4b.probe_rows(args.rows, g):
         graphs = {"plan": capture(row, pools, {})}
         for c in charges:
             graphs[f"split fo {c}"] = capture(row, pools, dict(SPLIT, V4_DEVICE_PIECE_CHARGE=c))

@@ -14,8 +14,6 @@ with the default call's, and both are timed as one-call graph replays, interleav
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 import cute_mla
@@ -68,11 +66,9 @@ def packed_launch(row, pools, parts, overhead):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default=ROWS)
+    ap = v4b.probe_parser(ROWS)
     ap.add_argument("--overhead", type=float, default=1.0, help="blocks charged per request when cutting")
     ap.add_argument("--parts", type=int, default=0, help="partitions (0: one wave, num_sms / (h_q / 64))")
-    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     rows = v4b.parse_rows(args.rows)
     if any(e == 0 for _, _, e in rows):

@@ -13,8 +13,6 @@ interleaved, with the default captured twice (the spread between two identical g
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks import bench_v4 as v4b
 from cute_mla.playground import bench
 
@@ -33,13 +31,9 @@ def capture(row, pools, constants):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default=ROWS)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    args = v4b.probe_parser(ROWS).parse_args()
     g, pools = v4b.probe_inputs()
-    for b, h, e in v4b.parse_rows(args.rows):
-        row = v4b.make_row(b, h, e, 0.0, g)
+    for b, h, e, row in v4b.probe_rows(args.rows, g):
         default = capture(row, pools, {})
         again = capture(row, pools, {})
         forced = WHOLE.get(default[3], {"other": FORCE.get(default[3])})

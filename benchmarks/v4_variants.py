@@ -8,8 +8,6 @@ graphs). Each variant's output must be the default's bits, or it is reported and
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from benchmarks import bench_v4 as v4b
@@ -27,10 +25,8 @@ def capture(row, pools, tuning):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = v4b.probe_parser(ROWS)
     ap.add_argument("--variants", default="no_pf")
-    ap.add_argument("--rows", default=ROWS)
-    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     names = [n for n in args.variants.split(",") if n]
     tunings = {n: variant_of(n) for n in names}   # (tuning, nocomb); raises on an unknown name
@@ -41,8 +37,7 @@ def main():
     g, pools = v4b.probe_inputs()
     print(f"{torch.cuda.get_device_name()}  V4 rows (s_q 1, top-k 128, lengths uniform, sinks on): µs per graph replay "
           f"of one call, interleaved medians of {args.rounds} rounds", flush=True)
-    for b, h, e in v4b.parse_rows(args.rows):
-        row = v4b.make_row(b, h, e, 0.0, g)
+    for b, h, e, row in v4b.probe_rows(args.rows, g):
         caps = {"default": capture(row, pools, None), "again": capture(row, pools, None)}
         for n in names:
             caps[n] = capture(row, pools, tunings[n][0])

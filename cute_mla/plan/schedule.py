@@ -177,19 +177,25 @@ def uploaded_schedule(plan: "SparseDecodePlan", device: torch.device) -> Uploade
     (CUDA graphs bake them in). Callers that keep an entry call its ``ensure_uploaded()`` before
     each launch (:class:`UploadedSchedule`: uploads made during a capture run only at replays).
     """
-    key = (plan, str(device))
+    s = plan.host_schedule
+    return _cached_upload((plan, str(device)), device,
+                          lambda: [v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
+                          lambda dev: schedule_views(plan, dev))
+
+
+def _cached_upload(key, device: torch.device, host_ints, views_of) -> UploadedSchedule:
+    """The cache entry ``key`` (made on first use: ``host_ints()`` as int32, pinned, and its device
+    copy with ``views_of(dev)``), its upload ensured (:class:`UploadedSchedule`)."""
     with _lock:
         entry = _host_schedules.get(key)
         if entry is None:
-            s = plan.host_schedule
             # on the host by name: under a CUDA default device a bare torch.tensor is a CUDA tensor,
             # which cannot be pinned
-            host = torch.tensor([v for row in s.rows for v in row] + list(s.num_splits) + list(accum_offsets(s.num_splits)),
-                                dtype=torch.int32, device="cpu")
+            host = torch.tensor(host_ints(), dtype=torch.int32, device="cpu")
             if device.type == "cuda":
                 host = _pinned(host)
             dev = torch.empty_like(host, device=device)
-            entry = _host_schedules[key] = UploadedSchedule(host, dev, schedule_views(plan, dev))
+            entry = _host_schedules[key] = UploadedSchedule(host, dev, views_of(dev))
     entry.ensure_uploaded()
     return entry
 
@@ -329,17 +335,8 @@ def balanced_tables(b: int, parts: int, device: torch.device) -> UploadedSchedul
     """The fixed tables of the balanced cut of ``b`` requests into ``parts`` on ``device``
     (:func:`balanced_views`), uploaded once and cached as host schedules are (stable addresses,
     safe to make first inside a graph capture: :class:`UploadedSchedule`); uploaded before return."""
-    key = (BalancedDeal(b, parts), str(device))
-    with _lock:
-        entry = _host_schedules.get(key)
-        if entry is None:
-            host = torch.tensor(key[0].host_tables(), dtype=torch.int32, device="cpu")
-            if device.type == "cuda":
-                host = _pinned(host)
-            dev = torch.empty_like(host, device=device)
-            entry = _host_schedules[key] = UploadedSchedule(host, dev, balanced_views(key[0], dev))
-    entry.ensure_uploaded()
-    return entry
+    deal = BalancedDeal(b, parts)
+    return _cached_upload((deal, str(device)), device, deal.host_tables, lambda dev: balanced_views(deal, dev))
 
 
 def balanced_schedule_device(num_blocks: torch.Tensor, parts: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -362,12 +359,19 @@ def balanced_schedule_device(num_blocks: torch.Tensor, parts: int) -> Tuple[torc
     What does not depend on the lengths is a cached upload (:func:`balanced_tables`); what does
     is 13 ops: the sort by cost, the full rounds' loads and their sort, each position's rank,
     the order, and each row's last block count. ``num_splits`` is a view of the cached tables."""
-    b, dev = num_blocks.shape[0], num_blocks.device
-    deal = BalancedDeal(b, parts)
-    t = balanced_tables(b, parts, dev).views
+    t = balanced_tables(num_blocks.shape[0], parts, num_blocks.device).views
+    tile_md, order = _deal(num_blocks, t)
+    return tile_md, t["num_splits"], order
+
+
+def _deal(num_blocks: torch.Tensor, t: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(tile_md, order) of :func:`balanced_schedule_device`, from its tables ``t``
+    (:func:`balanced_views`)."""
+    parts = t["tile_md"].shape[0]
+    rounds = t["deal"].shape[0] // parts
     cost, by_cost = torch.sort(num_blocks, descending=True, stable=True)
-    if deal.rounds:
-        load = cost.index_select(0, t["deal"]).view(deal.rounds, parts).sum(0)
+    if rounds:
+        load = cost.index_select(0, t["deal"]).view(rounds, parts).sum(0)
         least_loaded = torch.sort(load, stable=True).indices
         rank = least_loaded.index_select(0, t["row_of"]) * t["sign"] + t["base"]
     else:                   # one request a row at most: rank = position
@@ -375,7 +379,7 @@ def balanced_schedule_device(num_blocks: torch.Tensor, parts: int) -> Tuple[torc
     order = by_cost.index_select(0, rank).to(torch.int32)
     tile_md = t["tile_md"].clone()
     tile_md[:len(t["ends"]), SchedField.END_BLOCK] = cost.index_select(0, rank.index_select(0, t["ends"]))
-    return tile_md, t["num_splits"], order
+    return tile_md, order
 
 
 def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Optional[torch.Tensor],
@@ -386,15 +390,14 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
         upload = uploaded_schedule(plan, device)
         return Schedule(*upload.views, upload=upload)
     nb = device_num_blocks(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
-    order = None
+    if plan.schedule == "balanced":
+        # nothing split: the tables' zero offsets (no request owns accumulator rows)
+        t = balanced_tables(plan.b, plan.num_sm_parts, device).views
+        tile_md, order = _deal(nb, t)
+        return Schedule(tile_md, t["num_splits"], t["offsets"], request_order=order, keepalive=(nb,))
     if plan.schedule == "per_request":
         tile_md, num_splits = per_request_schedule_device(nb)
-    elif plan.schedule == "balanced":
-        tile_md, num_splits, order = balanced_schedule_device(nb, plan.num_sm_parts)
-    else:
-        tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
-        return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))
-    # nothing split: no request owns accumulator rows
-    offsets = (balanced_tables(plan.b, plan.num_sm_parts, device).views["offsets"] if order is not None
-               else torch.zeros(plan.b + 1, dtype=torch.int32, device=device))
-    return Schedule(tile_md, num_splits, offsets, request_order=order, keepalive=(nb,))
+        # nothing split: no request owns accumulator rows
+        return Schedule(tile_md, num_splits, torch.zeros(plan.b + 1, dtype=torch.int32, device=device), keepalive=(nb,))
+    tile_md, num_splits = plan_splits(nb, plan.num_sm_parts, plan.fixed_overhead)
+    return Schedule(tile_md, num_splits, accum_offsets_device(num_splits), keepalive=(nb,))
