@@ -63,8 +63,6 @@ VARIANTS = {
     # 8 registers from the softmax warp group to PV_RIGHT (no serialized wgmma; the no-split variant with
     # topk_length and a sink keeps 24 B of stack: `cute-mla compile --topk-length --attn-sink --variant registers=208/168/128`)
     "regs_208_168_128": Sm90Tuning(registers=RegisterBudget(208, 168, 128)),
-    # experimental: O staged in the last tile's K buffer where another request follows (docs/performance.md, section 5)
-    "stage_in_k": Sm90Tuning(stage_in_k=True),
 }
 NOCOMB = "+nocomb"
 ROWS = [(1, 1024, 64), (128, 2, 128), (1, 1024, 128), (1, 1, 64)]

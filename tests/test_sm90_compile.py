@@ -44,15 +44,8 @@ CONFIGS = {
     "v4_split_pair_extra": (64, True, True, True, True, None, 512, True, True),
     # the balanced cut's kernel: partitions walk positions of a request order
     "v4_nosplit_h128_extra_tl_order": (128, False, True, True, False, None, 512, True, True, True),
-    # the experimental O staging in the K buffer (Sm90Tuning.stage_in_k): one CTA, both cluster kernels, V4
-    "nosplit_tl_sink_stage_in_k": (64, False, True, True, False, Sm90Tuning(stage_in_k=True)),
-    "split_h128_stage_in_k": (128, True, False, True, False, Sm90Tuning(stage_in_k=True)),
-    "split_pair_stage_in_k": (64, True, True, True, True, Sm90Tuning(stage_in_k=True)),
-    "v4_split_h128_extra_stage_in_k": (128, True, False, True, False, Sm90Tuning(stage_in_k=True), 512, True, False),
-    "v4_split_extra_tl_stage_in_k": (64, True, True, True, False, Sm90Tuning(stage_in_k=True), 512, True, True),
 }
 V4_CONFIGS = [n for n in CONFIGS if n.startswith("v4_")]
-STAGE_IN_K = [n for n in CONFIGS if n.endswith("_stage_in_k")]
 
 
 def _config(name) -> Sm90SparseDecodeConfig:
@@ -309,7 +302,7 @@ def test_named_barriers_are_the_roles(artifacts):
     import re
 
     counts = {Bar.P_READY: 256, Bar.P_FREE: 256, Bar.Q_FREE: 256, Bar.EPI_SOFTMAX: 128, Bar.EPI_PV_RIGHT: 128,
-              Bar.INDEX_SCAN: 128, Bar.O_STAGED: 256}
+              Bar.INDEX_SCAN: 128}
     for name, (ptx, _) in artifacts.items():
         used = {(int(i), int(n)) for i, n in re.findall(r"bar\.(?:sync|arrive)\s+(\d+),\s*(\d+)", ptx)}
         assert used and used <= {(int(b), n) for b, n in counts.items()}, (name, used)
@@ -329,28 +322,3 @@ def test_timeline_is_instrumentation_only(artifacts, tmp_path):
         text = f.read()
     assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS and s not in NS_SLOTS])
     assert text.count("%globaltimer") == len(NS_SLOTS)
-
-
-@pytest.mark.parametrize("name", STAGE_IN_K)
-def test_stage_in_k_is_its_variant_only(artifacts, name):
-    """``Sm90Tuning.stage_in_k``: WG0 hands its staged block to WG1 on ``Bar.O_STAGED`` (arrive /
-    sync), WG1 stores both blocks from the K buffer and waits for their reads at the next request's
-    start (one more ``wait_group.read`` site); the cluster kernels add the per-tile ``peer_got`` arrive on the peer and its wait before
-    either warp group stages. The default kernels have none of it."""
-    import re
-
-    ptx, _ = artifacts[name]
-    base = artifacts[name.removesuffix("_stage_in_k")][0] if name.removesuffix("_stage_in_k") in artifacts else None
-    o_staged = int(Bar.O_STAGED)
-    assert re.search(rf"bar\.arrive\s+{o_staged},\s*256", ptx) and re.search(rf"bar\.sync\s+{o_staged},\s*256", ptx)
-    for other, (text, _) in artifacts.items():
-        if other not in STAGE_IN_K:
-            assert not re.search(rf"bar\.(?:sync|arrive)\s+{o_staged},", text), other
-    reads = "cp.async.bulk.wait_group.read"
-    if base is not None:
-        assert ptx.count(reads) == base.count(reads) + 1
-        remote = "mbarrier.arrive.release.cluster.shared::cluster"
-        relaxed = "mbarrier.arrive.relaxed.cluster.shared::cluster"   # peer_got: no fence on WG1's path
-        assert ptx.count(remote) == base.count(remote)
-        assert ptx.count(relaxed) == base.count(relaxed) + (1 if _config(name).cluster else 0)
-    assert _config(name).peer_got == _config(name).cluster

@@ -143,7 +143,6 @@ class Bar(IntEnum):
     EPI_SOFTMAX = 4  # WG0 only, 128 threads
     EPI_PV_RIGHT = 5  # WG1 only, 128 threads
     INDEX_SCAN = 6  # WG2 only, 128 threads: index compaction (warp counts, then ring visibility)
-    O_STAGED = 7  # WG0 -> WG1, 256 threads: WG0's O block staged in the K buffer (Sm90Tuning.stage_in_k)
 
 
 class Stamp(IntEnum):
@@ -204,11 +203,6 @@ class Sm90Tuning:
     # 1x1x128 for the cluster, -2.3 % on 1x8x128.
     h128_cluster: bool = True
     registers: RegisterBudget = field(default_factory=RegisterBudget)
-    # Experimental (docs/performance.md, section 5, with its measurements): where another request
-    # of the partition follows, a request's O block is staged in the K buffer of its last tile
-    # instead of the Q buffer (epilogue.py), so the next request's Q loads during that tile and
-    # only the producer, two tiles later, waits for the output store to read the staging.
-    stage_in_k: bool = False
     # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp; %globaltimer in
     # NS_SLOTS) into a (grid x, grid y, Stamp.SLOTS) int64 tensor passed as the launch's
     # ``timeline`` (benchmarks/timeline.py).
@@ -298,13 +292,6 @@ class Sm90SparseDecodeConfig:
         """Two CTAs share each K tile through the crossover transport (h=128 head halves, or the
         column pair's column halves)."""
         return (self.h_q == 128 and self.tuning.h128_cluster) or self.column_pair
-
-    @property
-    def peer_got(self) -> bool:
-        """Cluster kernels with ``Sm90Tuning.stage_in_k``: each CTA tells its peer per tile that it
-        received the peer's half (``peer_got[2]``), so an O staged in a K buffer never overwrites
-        the source of a copy to the peer still in flight."""
-        return self.cluster and self.tuning.stage_in_k
 
     @property
     def out_from_registers(self) -> bool:

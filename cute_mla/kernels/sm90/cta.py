@@ -69,13 +69,12 @@ class Smem(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def shared_storage(tile: Tile = TILE, pools: int = 1, with_peer_got: bool = False):
+def shared_storage(tile: Tile = TILE, pools: int = 1):
     """The CTA's shared memory, one struct (its size is what the launch requests): 231,424 B of
     232,448 with the V3.2 tile's Q buffer, two K tiles and P (V4's 512-dim tiles: 206,848 B). The
     output staging (2 x 32 KiB) aliases the Q buffer, which is free between a request's last QK
     and the next request's Q load. ``pools``: 2 with the extra pool, whose kernels keep both
-    pools' geometry in a small table (the producer's ``row_address``). ``with_peer_got``: the cluster
-    kernels' per-buffer "the peer received my half" mbarriers (``Sm90SparseDecodeConfig.peer_got``)."""
+    pools' geometry in a small table (the producer's ``row_address``)."""
     assert 2 * tile.stage_bytes <= 2 * tile.q_elems, "the output staging must fit in the Q buffer"
 
     @cute.struct
@@ -84,8 +83,6 @@ def shared_storage(tile: Tile = TILE, pools: int = 1, with_peer_got: bool = Fals
         k_full: cute.struct.MemRange[Int64, TILE.k_bufs]
         k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
         peer_free: cute.struct.MemRange[Int64, TILE.k_bufs]  # cluster kernels: the peer may write buffer b
-        if with_peer_got:
-            peer_got: cute.struct.MemRange[Int64, TILE.k_bufs]  # the peer received this CTA's half of buffer b
         # Per K buffer: 64-bit token mask + last-tile-of-request flag (producer -> consumers).
         tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
         scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
@@ -116,7 +113,7 @@ def pools(cfg: Sm90SparseDecodeConfig) -> int:
 
 def storage_of(cfg: Sm90SparseDecodeConfig):
     """The shared-storage struct of a config's kernel."""
-    return shared_storage(cfg.tile, pools(cfg), cfg.peer_got)
+    return shared_storage(cfg.tile, pools(cfg))
 
 
 @cute.jit
@@ -144,28 +141,14 @@ def request_id(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32):
 
 
 @cute.jit
-def request_lengths(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32):
-    """Request ``req``'s ``topk_length`` and ``extra_topk_length`` words as loaded (0 for a list
-    the kernel has no lengths of): :func:`request_range`'s inputs, to load a request ahead."""
-    length = Int32(0)
-    extra_length = Int32(0)
-    rid = request_id(cfg, g, req)
-    if cutlass.const_expr(cfg.has_topk_length):
-        length = g.mTopkLen[rid]
-    if cutlass.const_expr(cfg.has_extra_topk_length):
-        extra_length = g.mExtraLen[rid]
-    return length, extra_length
-
-
-@cute.jit
-def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32, lengths=None):
+def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32):
     """(64-token blocks, blocks of the main list, effective main length, effective extra length)
     of the request at position ``req``: the main list's blocks come first, then the extra list's (none without
-    the extra pool). ``lengths``: its :func:`request_lengths`, already loaded (else loaded here)."""
+    the extra pool)."""
     n_main = topk // BLOCK_TOPK
     length = topk
     if cutlass.const_expr(cfg.has_topk_length):
-        raw = g.mTopkLen[request_id(cfg, g, req)] if lengths is None else lengths[0]
+        raw = g.mTopkLen[request_id(cfg, g, req)]
         length, n_main = blocks_of_length(raw, topk, cutlass.min, cutlass.max)
     n_blocks = n_main
     extra_length = Int32(0)
@@ -174,19 +157,18 @@ def request_blocks(cfg: Sm90SparseDecodeConfig, g: Gmem, req: Int32, topk: Int32
         extra_length = extra_topk
         n_extra = extra_topk // BLOCK_TOPK
         if cutlass.const_expr(cfg.has_extra_topk_length):
-            raw_extra = g.mExtraLen[request_id(cfg, g, req)] if lengths is None else lengths[1]
+            raw_extra = g.mExtraLen[request_id(cfg, g, req)]
             extra_length, n_extra = extra_blocks_of_length(raw_extra, extra_topk, cutlass.min, cutlass.max)
         n_blocks = n_main + n_extra
     return n_blocks, n_main, length, extra_length
 
 
 @cute.jit
-def request_range(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32, lengths=None):
+def request_range(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32):
     """[start, stop) blocks of ``req`` in this partition, its main list's blocks and the two
-    lists' effective lengths (:func:`request_blocks`; ``lengths``: its :func:`request_lengths`,
-    loaded ahead)."""
+    lists' effective lengths (:func:`request_blocks`)."""
     begin_req, end_req, begin_block, end_block = cta.sched
-    n_blocks, n_main, length, extra_length = request_blocks(cfg, g, req, cta.topk, lengths)
+    n_blocks, n_main, length, extra_length = request_blocks(cfg, g, req, cta.topk)
     start = Int32(0)
     stop = n_blocks
     if req == begin_req:
@@ -194,22 +176,6 @@ def request_range(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32, le
     if req == end_req:
         stop = end_block
     return start, stop, n_main, length, extra_length
-
-
-@cute.jit
-def request_span(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, req: Int32, ahead):
-    """The MMA warp groups' [start, stop) of ``req`` and the lengths to carry to the next request.
-    With ``Sm90Tuning.stage_in_k`` the next Q is loaded during a request's last tile, so the
-    lengths' L2 round trip would be what a request boundary waits for: ``ahead`` holds ``req``'s
-    (:func:`request_lengths`, loaded a request earlier) and the next request's are loaded now.
-    Otherwise ``ahead`` is passed through unread and the lengths are loaded here."""
-    if cutlass.const_expr(cfg.tuning.stage_in_k):
-        lengths = ahead
-        ahead = request_lengths(cfg, g, cutlass.min(req + 1, cta.sched[1]))
-        start, stop, _, _, _ = request_range(cfg, g, cta, req, lengths)
-    else:
-        start, stop, _, _, _ = request_range(cfg, g, cta, req)
-    return start, stop, ahead
 
 
 @cute.jit

@@ -5,12 +5,6 @@ in); a split piece writes its bf16 partial ``o_accum = O / L`` and the base-2 ``
 combine. A bf16 block is staged in this warp group's half of the Q buffer (free between a
 request's last QK and the next request's Q load) in 64-column chunks, each stored by TMA as soon
 as it is staged; the column pair's ``out`` blocks (64 x 128, no tensor map) go out from registers.
-
-With ``Sm90Tuning.stage_in_k`` (experimental) a request followed by another in the partition
-stages in the K buffer of its last tile instead (:func:`stages_in_k`): WG0 stages its chunks and
-signals ``Bar.O_STAGED``; WG1 stages its own, issues every chunk's store and holds its ``k_free``
-arrival for that buffer until the stores have read it, at the next request's start
-(:func:`release_stored_buffer`).
 """
 
 from __future__ import annotations
@@ -85,32 +79,10 @@ def store_lse_rows(cfg: Sm90SparseDecodeConfig, mDst: cute.Tensor, row, s_idx, h
         mDst[row, s_idx, head0 + 8] = lse1
 
 
-@cute.jit
-def stages_in_k(cfg: Sm90SparseDecodeConfig, start: Int32, stop: Int32, req: Int32, end_req: Int32, is_split):
-    """Whether request ``req``'s O block is staged in the K buffer of its last tile
-    (``Sm90Tuning.stage_in_k``): where it has a tile here, another request of the partition
-    follows (its Q then loads during that last tile, and the staging's store overlaps its start)
-    and the block is staged at all (not the column pair's ``out``, stored from registers). Both
-    MMA warp groups compute it once per request, from the same values."""
-    in_k = cutlass.Boolean(False)
-    if cutlass.const_expr(cfg.tuning.stage_in_k):
-        in_k = (start < stop) & (req < end_req)
-        if cutlass.const_expr(cfg.out_from_registers):
-            in_k = in_k & is_split
-    return in_k
-
-
 def q_staging(cfg: Sm90SparseDecodeConfig, sQ: cute.Tensor, col_half):
     """This warp group's staging in the Q buffer (its 32 KiB half), as (buffer start, bf16
     elements from it). A plain function, inlined at trace time."""
     return sQ.iterator, (col_half % 2) * (TILE.stage_bytes // 2)
-
-
-def k_staging(cfg: Sm90SparseDecodeConfig, sK: cute.Tensor, buf, col_half):
-    """This warp group's staging in K buffer ``buf``, as (buffer start, bf16 elements from it):
-    the 64-column chunks of V its own P V read (column block ``col_half``), so the other warp
-    group's P V of the same tile never reads what it overwrites."""
-    return sK.iterator, buf * cfg.tile.k_tile_elems + col_half * cfg.pv_cols * TILE.tokens
 
 
 @cute.jit
@@ -126,7 +98,7 @@ def store_block(cfg: Sm90SparseDecodeConfig, cta: Cta, acc_o, thr_pv, to: BlockS
         tile = cute.local_tile(to.dst[row, cta.s_idx, None, None], (TILE.heads, cfg.pv_cols), (cta.hblk, col_half))
         cute.autovec_copy(r_o, thr_pv.partition_C(tile))
     else:
-        store_chunked(cfg, cta, acc_o, to, stage, col_half, warp, row, bar_id, True, True)
+        store_chunked(cfg, cta, acc_o, to, stage, col_half, warp, row, bar_id)
 
 
 def stamp_staged(cta: Cta, bar_id: int):
@@ -138,15 +110,12 @@ def stamp_staged(cta: Cta, bar_id: int):
 
 @cute.jit
 def store_chunked(cfg: Sm90SparseDecodeConfig, cta: Cta, acc_o, to: BlockStore, stage, col_half: int, warp, row,
-                  bar_id: int, issue: bool, wait_reads: bool):
+                  bar_id: int):
     """:func:`store_block`'s staged path: the O block's ``pv_cols / 64`` chunks are staged one
     after the other from ``stage`` (chunk k at +8 KiB k, ``to.layout``: 64 x 64 in SW128 rows of
-    128 B), each with four ``stmatrix.x4`` per thread, and (``issue``) chunk k's TMA store (one
-    64 x 64 box) is issued by warp 0 once the warp group has staged it, so the store of chunk k
-    overlaps the staging of chunk k+1. With ``wait_reads`` warp 0 waits for the reads of all of
-    them at the end; without, the caller does (:func:`release_stored_buffer`). Without ``issue``
-    the warp group only stages and fences; another warp group issues the stores
-    (:func:`issue_chunk_stores`).
+    128 B), each with four ``stmatrix.x4`` per thread, and chunk k's TMA store (one 64 x 64 box)
+    is issued by warp 0 once the warp group has staged it, so the store of chunk k overlaps the
+    staging of chunk k+1. Warp 0 waits for the reads of all of them at the end.
 
     Accumulator fragment entry v = c + 2 r + 4 j of a thread (lane l of warp w) holds row
     16 w + l // 4 + 8 r, column 8 j + 2 (l % 4) + c. One stmatrix.x4 covers the 8-column
@@ -170,29 +139,24 @@ def store_chunked(cfg: Sm90SparseDecodeConfig, cta: Cta, acc_o, to: BlockStore, 
                 regs.append(common_ptx.pack_bf16x2(acc_o[v], acc_o[v + 1]))
             unit = (2 * jp + m // 2) ^ r
             ptx.stmatrix_x4(row_addr + k * TILE.chunk_bytes + unit * 16, regs[0], regs[1], regs[2], regs[3])
-        if cutlass.const_expr(issue):
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
-            if cutlass.const_expr(k == n_chunks - 1):
-                stamp_staged(cta, bar_id)
-            if warp == 0:
-                src, dst = chunk_tma(cfg, cta, to, stage, col_half, row, k)
-                with cute.arch.elect_one():
-                    cute.copy(to.tma, src, dst)
-                    cute.arch.cp_async_bulk_commit_group()
-    if cutlass.const_expr(not issue):
         cute.arch.fence_view_async_shared()
-        stamp_staged(cta, bar_id)
-    if cutlass.const_expr(wait_reads):
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+        if cutlass.const_expr(k == n_chunks - 1):
+            stamp_staged(cta, bar_id)
         if warp == 0:
+            src, dst = chunk_tma(cfg, cta, to, stage, col_half, row, k)
             with cute.arch.elect_one():
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.sync_warp()
+                cute.copy(to.tma, src, dst)
+                cute.arch.cp_async_bulk_commit_group()
+    if warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.sync_warp()
 
 
 def chunk_tma(cfg: Sm90SparseDecodeConfig, cta: Cta, to: BlockStore, stage, col_half: int, row, k: int):
     """(source, destination) of chunk ``k``'s TMA store (one 64 x 64 box) from the block staged at
-    ``stage`` (:func:`q_staging`, :func:`k_staging`). A plain function, inlined at trace time."""
+    ``stage`` (:func:`q_staging`). A plain function, inlined at trace time."""
     start, offset = stage
     g_o = cute.flat_divide(to.dst, (TILE.heads, TILE.chunk))
     staged = cute.make_tensor(cute.recast_ptr(start + offset + k * (TILE.chunk_bytes // 2), to.layout.inner, BFloat16),
@@ -200,45 +164,3 @@ def chunk_tma(cfg: Sm90SparseDecodeConfig, cta: Cta, to: BlockStore, stage, col_
     t_s, t_g = cpasync.tma_partition(to.tma, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2),
                                      cute.group_modes(g_o, 0, 2))
     return t_s, t_g[None, cta.hblk, col_half * (cfg.pv_cols // TILE.chunk) + k, cta.s_idx, row]
-
-
-@cute.jit
-def issue_chunk_stores(cfg: Sm90SparseDecodeConfig, cta: Cta, to: BlockStore, stage, col_half: int, warp, row):
-    """The TMA stores of a block another warp group staged at ``stage`` (all its chunks), by warp
-    0's elected thread, in one bulk group (its reads are waited for by
-    :func:`release_stored_buffer`)."""
-    if warp == 0:
-        for k in cutlass.range_constexpr(cfg.pv_cols // TILE.chunk):
-            src, dst = chunk_tma(cfg, cta, to, stage, col_half, row, k)
-            with cute.arch.elect_one():
-                cute.copy(to.tma, src, dst)
-        with cute.arch.elect_one():
-            cute.arch.cp_async_bulk_commit_group()
-
-
-@cute.jit
-def release_stored_buffer(k_free, buf, warp, pending):
-    """WG1's deferred ``k_free`` arrival for K buffer ``buf``, where (``pending``) the previous
-    request's O was staged in it: warp 0's elected thread, which committed the stores, first
-    waits until they have read the staging, so the producer refills the buffer only after."""
-    if pending:
-        if warp == 0:
-            with cute.arch.elect_one():
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.mbarrier_arrive(k_free + buf)
-
-
-@cute.jit
-def wait_peer_got(cfg: Sm90SparseDecodeConfig, smem_storage, t: Int32):
-    """Cluster kernels: before a warp group stages O in the K buffer of tile ``t``, the peer has
-    received this CTA's half of that tile (its bulk copies have read their source). Parity
-    ``(t // 2) & 1`` names tile t's phase of ``peer_got[t % 2]``: the peer signalled tile t - 2
-    before this CTA could consume t (the peer's producer signals ``peer_free`` for t only after
-    its ``k_free`` for t - 2, which its WG1 thread 0 arrives on only after that signal), and it
-    cannot receive t + 2 before this CTA's consumers release the buffer, which the staging holds.
-    Both hold because the two CTAs walk the same tiles (both producers scan the same lists) and a
-    request with blocks here yields at least one tile."""
-    if cutlass.const_expr(cfg.peer_got):
-        buf = t % TILE.k_bufs
-        ptx.mbarrier_wait_acquire_cluster(smem_storage.peer_got.data_ptr().toint() + buf * TILE.mbar_bytes,
-                                          (t // TILE.k_bufs) & 1)

@@ -90,19 +90,16 @@ def bulk_copy_to_peer(dst: Int32, src: Int32, size: int, rmbar: Int32) -> None:
     )
 
 
-def mbarrier_arrive_remote(rmbar: Int32, relaxed: bool = False) -> None:
+def mbarrier_arrive_remote(rmbar: Int32) -> None:
     """``mbarrier.arrive.release.cluster.shared::cluster.b64`` on a peer CTA's mbarrier (cluster
     address): release at cluster scope, so what this thread did before (its CTA's consumers freed
     a buffer, which this thread observed through an mbarrier wait) is ordered before the peer's
     writes that wait on it. The release compiles to MEMBAR.ALL.GPU before the arrive, which waits
-    for every memory operation the thread has in flight. ``relaxed``: ``.relaxed.cluster``, no
-    fence, where the arrive only reports an event the thread observed (an mbarrier phase) and
-    orders none of its own memory operations."""
-    sem = "relaxed" if relaxed else "release"
+    for every memory operation the thread has in flight."""
     llvm.inline_asm(
         None,
         [Int32(rmbar).ir_value()],
-        f"mbarrier.arrive.{sem}.cluster.shared::cluster.b64 _, [$0];",
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
         "r",
         has_side_effects=True,
         is_align_stack=False,

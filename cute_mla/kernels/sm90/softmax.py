@@ -17,9 +17,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...dsl import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
-from .cta import Cta, Gmem, Smem, request_id, request_lengths, request_span, split_piece, split_rows_of_partition, stamp
-from .epilogue import (BlockStore, finalize_row, k_staging, q_staging, stages_in_k, store_block, store_chunked,
-                       store_lse_rows, wait_peer_got)
+from .cta import Cta, Gmem, Smem, request_id, request_range, split_piece, split_rows_of_partition, stamp
+from .epilogue import BlockStore, finalize_row, q_staging, store_block, store_lse_rows
 from .mma import Ops, c_layout_to_a_layout, column_block, issue_qk, k_tensors_for_pv, scale_rows
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
@@ -64,17 +63,12 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     split_rows = split_rows_of_partition(cfg, g, cta)
     n = Int32(0)
     rq = Int32(0)
-    q_issued = cutlass.Boolean(False)   # this request's Q load was issued during the previous one's last tile
-    ahead = request_lengths(cfg, g, begin_req)   # the lengths request_span reads (stage_in_k)
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
-        start, stop, ahead = request_span(cfg, g, cta, req, ahead)
-        in_k = stages_in_k(cfg, start, stop, req, end_req, split_piece(cfg, cta, req, split_rows)[0])
-        # After a request staged in K this Q was loaded during that request's last tile.
-        if not q_issued:
-            if rq > 0:
-                # WG1's output store of the previous request no longer reads the staging (= sQ).
-                cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-            load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, request_id(cfg, g, req))
+        start, stop, _, _, _ = request_range(cfg, g, cta, req)
+        if rq > 0:
+            # WG1's output store of the previous request no longer reads the staging (= sQ).
+            cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+        load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, request_id(cfg, g, req))
         m0 = Float32(-1e30)
         m1 = Float32(-1e30)
         l0 = Float32(0.0)
@@ -109,20 +103,13 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
                 stamp(cta, Stamp.P_READY, wtid == 0)
-                if last & in_k:
-                    # The request's O will not be staged in the Q buffer, and every WG0 warp's QK
-                    # of this last tile has read it: each warp passed P_FREE after its own QK wait
-                    # (a warp's wgmma wait covers only its own 16 rows of Q, so warp 0 alone may
-                    # not load over it at the tile's start). The next request's Q loads during
-                    # this tile's P V and the epilogue.
-                    load_q(cfg, g, cta, q_full, tQgQ, tQsQ, warp, request_id(cfg, g, req + 1))
 
                 # ---- O_left = O_left * sc + P V[:, left], then the next tile's QK behind it
                 scale_rows(acc_o, sc0, sc1)
                 warpgroup.fence()
                 cute.gemm(ops.pv_rs, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
                 warpgroup.commit_group()
-                next_qk_behind_pv(cfg, ops, acc_s, tSrQ, tSrK, k_full, k_free, n, last, in_k)
+                next_qk_behind_pv(cfg, ops, acc_s, tSrQ, tSrK, k_full, k_free, n, last)
                 n += 1
                 active = last_word == 0
 
@@ -135,23 +122,13 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, is_split, cta.hblk * TILE.heads + row0)
         o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, is_split, cta.hblk * TILE.heads + row0 + 8)
-        if in_k:
-            # The factors are WG0's own: its half is staged while WG1's last P V still runs.
-            scale_rows(acc_o, o_scale0, o_scale1)
-            stage_in_k_buffer(cfg, cta, smem, acc_o, col, warp, n)
         cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
         if quad == 0:
             s_row_scale[row0] = o_scale0
             s_row_scale[row0 + 8] = o_scale1
         cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
         stamp(cta, Stamp.EPI_FINAL, wtid == 0)
-        if in_k:
-            # WG1 stores the block; the producer also waits for WG1's k_free arrival, which comes
-            # once the stores have read the staging.
-            cute.arch.barrier_arrive(barrier_id=Bar.O_STAGED, number_of_threads=PAIR_THREADS)
-            cute.arch.mbarrier_arrive(k_free + (n - 1) % TILE.k_bufs)
-        else:
-            scale_rows(acc_o, o_scale0, o_scale1)
+        scale_rows(acc_o, o_scale0, o_scale1)
         head0 = cta.hblk * TILE.heads + row0
         # The lse stores go after the O block's: the block's staging fences the generic proxy,
         # which may wait for this thread's global stores still in flight (lse first measured
@@ -159,19 +136,17 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         if is_split:
             if cutlass.const_expr(cfg.split):
                 store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_oacc, g.mOAcc, ops.chunk_layout), col, warp,
-                        acc_row, False, in_k)
+                        acc_row, False)
                 store_lse_rows(cfg, g.mLseAcc, acc_row, cta.s_idx, head0, lse0, lse1, quad)
         else:
             rid = request_id(cfg, g, req)
             store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout), col, warp, rid,
-                    cfg.out_from_registers, in_k)
+                    cfg.out_from_registers)
             store_lse_rows(cfg, g.mLse, rid, cta.s_idx, head0, lse0, lse1, quad)
         stamp(cta, Stamp.EPILOGUE, wtid == 0)
-        q_issued = in_k
         rq += 1
 
-    # Balance the barriers WG1 arrived on once more than WG0 synced (the partition's last request
-    # is always staged in Q).
+    # Balance the barriers WG1 arrived on once more than WG0 synced.
     cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
     cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
     stamp(cta, Stamp.EXIT_NS, wtid == 0)
@@ -188,29 +163,11 @@ def load_q(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, q_full, tQgQ, tQsQ, w
 
 @cute.jit
 def store_o(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to: BlockStore, col, warp, row,
-            direct: cutlass.Constexpr, in_k):
+            direct: cutlass.Constexpr):
     """WG0's O block: staged in its half of the Q buffer and stored (:func:`~.epilogue.store_block`),
-    or from registers where ``direct``; nothing where ``in_k`` (``Sm90Tuning.stage_in_k``: already
-    staged in the last tile's K buffer, :func:`stage_in_k_buffer`, for WG1 to store)."""
-    if not in_k:
-        store_block(cfg, cta, acc_o, thr_pv, to, None if direct else q_staging(cfg, smem.sQ, col), col, warp, row,
-                    Bar.EPI_SOFTMAX, direct)
-
-
-@cute.jit
-def stage_in_k_buffer(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, col, warp, n: Int32):
-    """``Sm90Tuning.stage_in_k``: WG0's scaled O block as bf16 into the chunks of the request's
-    last tile's K buffer (tile n - 1) that its own P V read (fenced for WG1's TMA stores; in
-    cluster kernels once the peer has received this CTA's half of that tile).
-
-    Every WG0 warp's P V read all 64 token rows of those chunks, and a warp's wgmma wait covers
-    only its own: the warp group meets first, so no warp writes rows another's P V still reads
-    (WG1's P V reads other chunks; the epilogue's P_FREE, which would order this too, comes after
-    the staging here)."""
-    cute.arch.barrier(barrier_id=Bar.EPI_SOFTMAX, number_of_threads=TILE.threads_per_wg)
-    wait_peer_got(cfg, smem.storage, n - 1)
-    store_chunked(cfg, cta, acc_o, None, k_staging(cfg, smem.sK, (n - 1) % TILE.k_bufs, col), col, warp, None,
-                  Bar.EPI_SOFTMAX, False, False)
+    or from registers where ``direct``."""
+    store_block(cfg, cta, acc_o, thr_pv, to, None if direct else q_staging(cfg, smem.sQ, col), col, warp, row,
+                Bar.EPI_SOFTMAX, direct)
 
 
 @cute.jit
@@ -256,16 +213,14 @@ def online_softmax(acc_s, info, quad, scale_log2: Float32, m0: Float32, m1: Floa
 
 
 @cute.jit
-def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last, hold):
+def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last):
     """After tile ``n``'s PV is committed: issue tile n+1's QK behind it (unless ``n`` is the
-    request's last tile), then release tile n's K buffer once its PV has retired; a last tile's
-    buffer is kept where ``hold`` (the request's O is staged in it: :func:`softmax_wg`'s epilogue
-    releases it). P (registers) and S (acc_s) are distinct registers, so both chains can be in flight."""
+    request's last tile), then release tile n's K buffer once its PV has retired. P (registers)
+    and S (acc_s) are distinct registers, so both chains can be in flight."""
     buf = n % TILE.k_bufs
     if last:
         warpgroup.wait_group(0)
-        if not hold:
-            cute.arch.mbarrier_arrive(k_free + buf)
+        cute.arch.mbarrier_arrive(k_free + buf)
     else:
         nbuf = (n + 1) % TILE.k_bufs
         cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)

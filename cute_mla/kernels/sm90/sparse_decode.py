@@ -268,8 +268,6 @@ class Sm90SparseDecode:
                 cute.arch.mbarrier_init(k_free + i, 2 * TILE.threads_per_wg)
                 if cutlass.const_expr(cfg.cluster):
                     cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
-                if cutlass.const_expr(cfg.peer_got):
-                    cute.arch.mbarrier_init(storage.peer_got.data_ptr() + i, 1)
         cute.arch.mbarrier_init_fence()
         # Words 0-3 (SchedField BEGIN_REQ .. END_BLOCK) of the partition's row in one 16-B load (rows are 32 B, 16-B aligned), issued
         # before the prologue's barriers so its L2 round trip overlaps them (in a cluster the
