@@ -29,7 +29,6 @@ in L2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import statistics
@@ -41,7 +40,6 @@ import cute_mla
 from benchmarks.bench_sparse_decode import capture_graph, commit_id, flashmla, warm_up
 from benchmarks.variants import variant_of
 from cute_mla.formats import V4
-from cute_mla.plan import plan as plan_mod
 from cute_mla.playground import bench
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, step_transient_bytes
@@ -61,35 +59,11 @@ def parse_rows(text):
 make_pool = bench.v4_pool   # a V4 cache of POOL tokens (the playground's, ``cute-mla bench --format v4``)
 
 
-def probe_inputs():
-    """A V4 probe's start: the GPU warmed up, then the seeded generator and the two pools (main,
-    extra) drawn from it; the probe draws its rows from the same generator. Returns (g, pools)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    warm_up(2.0)
-    return g, (make_pool(g), make_pool(g))
-
-
 def make_row(b, h, extra_topk, masked, g):
     """One row's q, indices, lengths and sinks (s_q = 1); the extra list's are None without one."""
     q, indices, topk_length, extra_indices, extra_topk_length, sink = bench.v4_lists(b, 1, h, extra_topk, masked, g)
     return dict(q=q, indices=indices, topk_length=topk_length, extra_indices=extra_indices,
                 extra_topk_length=extra_topk_length, attn_sink=sink)
-
-
-def probe_parser(rows: str) -> argparse.ArgumentParser:
-    """A V4 probe's arguments: ``--rows`` "b,h,extra_topk;..." (default ``rows``) and ``--rounds``
-    of interleaved replays; the probe adds its own."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default=rows)
-    ap.add_argument("--rounds", type=int, default=5)
-    return ap
-
-
-def probe_rows(text, g):
-    """(b, h, extra_topk, row) for each row of ``text`` (:func:`parse_rows`), drawn from ``g`` as
-    it is reached, no index masked (:func:`make_row`)."""
-    for b, h, e in parse_rows(text):
-        yield b, h, e, make_row(b, h, e, 0.0, g)
 
 
 def call(mod, sched, row, k_cache, extra_k_cache):
@@ -99,53 +73,6 @@ def call(mod, sched, row, k_cache, extra_k_cache):
         indices=row["indices"], attn_sink=row["attn_sink"], extra_k_cache=extra_k_cache if extra else None,
         extra_indices_in_kvcache=row["extra_indices"], topk_length=row["topk_length"],
         extra_topk_length=row["extra_topk_length"])
-
-
-def capture_call(sched, row, pools):
-    """(graph of one public call on ``row`` with ``sched``, copies of the (out, lse) its first
-    replay wrote), after an eager call (compile, plan, schedule). Keep ``sched`` alive while the
-    graph replays: it reads the metadata object's tensors."""
-    fn = lambda: call(cute_mla, sched, row, *pools)  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    gr, (o, l) = capture_graph(fn)
-    gr.replay()
-    torch.cuda.synchronize()
-    return gr, (o.clone(), l.clone())
-
-
-def capture_forced(row, pools, constants=None, tuning=None):
-    """(graph, (out, lse) copies, the metadata object the graph reads: keep it) of one call on
-    ``row`` with a fresh metadata object of ``tuning``, its plan made under
-    ``plan_constants(**constants)`` where given (:func:`capture_call`)."""
-    with plan_constants(**constants) if constants is not None else contextlib.nullcontext():
-        sched = cute_mla.FlashMLASchedMeta(tuning=tuning)
-        gr, outs = capture_call(sched, row, pools)
-    return gr, outs, sched
-
-
-# plan_constants() values that force a schedule where the lists allow it (the probes'): one
-# partition per request (its window opened), the split schedule (it shut), no whole-request packing
-PER_REQUEST_OPEN = dict(PER_REQUEST_WAVES=(0.0, 1e9), PER_REQUEST_HEADS=(64, 128), PER_REQUEST_MAX_BLOCKS=1 << 30)
-PER_REQUEST_SHUT = dict(PER_REQUEST_WAVES=(1e9, 1e9), PER_REQUEST_TINY_MAX_WAVES=-1)
-NO_PACKING = dict(PACKED_MIN_WAVES=float("inf"))
-
-
-@contextlib.contextmanager
-def plan_constants(**values):
-    """The plan module's rule constants (``PER_REQUEST_WAVES``, ``PER_REQUEST_MAX_BLOCKS``,
-    ``PACKED_MIN_WAVES``, ...) replaced inside the block: how a probe forces another schedule.
-    Plans are cached by their arguments, so the cache is cleared on entry and on exit."""
-    saved = {k: getattr(plan_mod, k) for k in values}
-    for k, v in values.items():
-        setattr(plan_mod, k, v)
-    plan_mod.plan_sparse_decode.cache_clear()
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(plan_mod, k, v)
-        plan_mod.plan_sparse_decode.cache_clear()
 
 
 def check_sample(out, lse, row, k_cache, extra_k_cache, sample, g):

@@ -61,7 +61,7 @@ name = torch.cuda.get_device_name()
 print(f"{name}: compute capability {major}.{minor}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
 if (major, minor) != (10, 0):
     sys.exit(f"{name} is compute capability {major}.{minor}, not 10.0: the SM100 kernel (sm_100a) cannot run "
-             "here (on an H200 use benchmarks/gpu_check.sh)")
+             "here (on an H100 / H200 use benchmarks/release_check.sh)")
 import cutlass  # noqa: F401
 import cute_mla
 print(f"cute_mla from {cute_mla.__file__}, torch {torch.__version__}, nvidia-cutlass-dsl {cutlass.__version__}")
