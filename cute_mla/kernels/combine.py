@@ -29,7 +29,7 @@ request per partition is split *and starts there* (the partition whose last requ
 whose piece of it begins at the request's block 0), so CTA ``(p, q, head)`` combines that request
 or leaves at once, and the CTAs of the requests no split touched are never launched (at b = 512,
 h_q = 128 on 66 partitions: 8,448 CTAs instead of 65,536, most of which only read their request's
-two offsets and left: 43.6 of the call's 323 µs on the H200). A head's 512 columns are 128
+two offsets and left). A head's 512 columns are 128
 chunks of 4; the head's lanes own chunks round robin, so lane l of the head's warp w owns the
 chunks ``l + 32*(w + warps_per_head*i)``: a split row's chunk is one 16-byte load per lane (512
 contiguous bytes per warp; 8 bytes of bf16 partials, widened to fp32 before use) and the bf16
@@ -41,7 +41,7 @@ makes the kernel fast: the split rows are loaded ``VALUES_IN_FLIGHT / chunk valu
 time (16 rows with 4 warps per head, 4 with 1), back to back, before any is accumulated, and
 the first batch is issued before the lse reduction so that its latency overlaps the lse loads and
 the reduction math. (32 rows in flight let a request of up to 32 splits wait one round trip for
-its rows, not two, but measured no faster on the H200.)
+its rows, not two, but measured no faster: docs/performance.md.)
 
 ``max_splits`` (a bucket from :data:`MAX_SPLITS_BUCKETS`) sizes the per-lane register array
 of split lses (``max_splits/32`` entries, loaded in one unrolled, fully overlapped pass). A
@@ -67,7 +67,7 @@ from ..scheduler.partition import SCHED_ROW_INTS, SchedField
 
 # The template buckets: FlashMLA's {32, 64, 96, 128, 160} plus the fork's 256, minus 96/192/224
 # (fewer compiled variants; a larger bucket only costs max_splits/32 registers per lane).
-# 132 SMs (H100/H200) and 148 SMs (B200) at s_q == 1 both land in 160.
+# 132 and 148 SMs (the SM90 and SM100 data-center parts) at s_q == 1 both land in 160.
 MAX_SPLITS_BUCKETS = (32, 64, 128, 160, 256)
 
 D_V = 512
@@ -85,10 +85,11 @@ ACCUM_DTYPES = ("float32", "bfloat16")
 # 16 split rows of one chunk with 4 warps per head, 4 rows of four chunks with 1.
 VALUES_IN_FLIGHT = 64
 # Many (token, head) pairs: above this many (the grid's rows, requests or partitions, x s_q x h_q)
-# a warp per head is used. It is about one wave of the 4-warps-per-head CTAs on the H200 (SM90's
-# bf16 build takes 58-70 registers: 7-8 of them per SM, 924-1,056 on 132 SMs), measured there
-# (docs/performance.md, V4): 1x8x128 (1,024 pairs) is x0.965 with a warp per head, 16x1x128
-# (2,048) x1.09, V4 b=32, h=128, extra 1024 x1.24.
+# a warp per head is used. It is about one wave of the 4-warps-per-head CTAs on 132 SMs (SM90's
+# bf16 build takes 58-70 registers: 7-8 of them per SM, 924-1,056 on 132 SMs): within a wave four
+# warps per head keep more of a head's rows in flight; past it the CTAs run in waves and a warp
+# per head pays each CTA's start and lse reduction once per head (module docstring; measured,
+# docs/performance.md).
 WARP_PER_HEAD_ABOVE_PAIRS = 1024
 
 

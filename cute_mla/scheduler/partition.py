@@ -53,9 +53,9 @@ def fixed_overhead_blocks(arch: str, *, b: int, parts: int, blocks: int) -> int:
     shortens the most loaded partition. FlashMLA's charge makes the pieces longer than the
     partitions allow, so partitions, hence SMs, stay empty: at b=1, s_q=8 it cuts 11 pieces of 3
     blocks for 16 partitions (h=64), 7 pieces of 5 for 8 (h=128); charging 0 fills them (16
-    pieces of 2, 8 of 4): 1x8x64 1.10x, 1x8x128 1.06x, 16x1x128 1.05x, 100x1x64 1.04x on the H200.
-    One-block pieces are where it lost (4x1x64: 128 one-block pieces instead of 64 two-block
-    ones, 0.95x: each piece stores a partial that the combine reads back), hence the average
+    pieces of 2, 8 of 4), measured faster (docs/performance.md). One-block pieces are where it
+    lost (4x1x64: 128 one-block pieces instead of 64 two-block ones; each piece stores a partial
+    that the combine reads back), hence the average
     floor; a charge that does not shorten the longest partition only adds pieces, hence the second
     condition. Individual pieces may still be one block long (the greedy cuts where budgets end).
     The plan overrides this charge for SM90 V4 schedules made on the device

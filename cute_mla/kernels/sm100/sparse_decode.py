@@ -2,7 +2,7 @@
 
 NOT RUN ON HARDWARE. No Blackwell GPU was available while this was written: it is verified by CPU
 compile tests (PTX checks, layout and budget asserts) only. ``tests/test_sm100_gpu.py`` is the test
-to run first on a B200; ``docs/sm100.md`` lists what to look at.
+to run first on an SM100 GPU; ``docs/sm100.md`` lists what to look at.
 
 One CTA = 64 query heads of one query token for one scheduler partition (``tile_md`` row). It walks
 the partition's requests and, inside each request, the 32-token tiles of its top-k list (one

@@ -120,8 +120,8 @@ class Role(IntEnum):
 class RegisterBudget:
     """setmaxnreg targets. 384 threads enter with 168 each; the targets must sum to <= 504.
 
-    216/160/128 was measured clean (no serialized wgmma, no spill) and fastest; 192/160/152
-    serializes every wgmma, 240/160/112 hangs.
+    216/160/128 compiles clean (no serialized wgmma, no spill) and measured fastest
+    (docs/performance.md); 192/160/152 serializes every wgmma, 240/160/112 hangs.
     """
 
     softmax: int = 216
@@ -148,7 +148,7 @@ class Bar(IntEnum):
 class Stamp(IntEnum):
     """``Sm90Tuning.timeline`` (instrumentation, never on in the library): slots of a CTA's row of
     64-bit ``clock64`` stamps, each written by thread 0 of the warp group named (the last write
-    wins, so a one-tile piece gives one pass through the chain; ``benchmarks/timeline.py``). The
+    wins, so a one-tile piece gives one pass through the chain). The
     ``_NS`` slots hold ``%globaltimer`` instead (nanoseconds on one clock for every SM, where
     ``clock64`` counts per SM at its own frequency): where the CTAs' spans lie within the
     kernel's (``NS_SLOTS``)."""
@@ -191,21 +191,22 @@ class Sm90Tuning:
 
     # Gather load hints (``cute.arch.load`` literals, "" = none): the rows are re-read by the
     # token's other head-half CTA and their 256-B neighbours by sibling threads; L1::no_allocate
-    # measured 35 % slower than evict_last.
+    # measured slower than evict_last (docs/performance.md).
     gather_l1: str = "evict_last"
     gather_l2: str = "size_256b"
     # L2 prefetch of tile T+2's rows (per-thread prefetch.global.L2 of the 128-B lines a row can
-    # touch) once tile T is handed over, so the loads issued a tile later hit L2: +4 to +6.5 %.
+    # touch) once tile T is handed over, so the loads issued a tile later hit L2 (measured faster,
+    # docs/performance.md).
     prefetch_rows: bool = True
     # h_q = 128: the token's two head-half CTAs run as a cluster of 2 and each gathers and
     # dequantizes half of every K tile for both (crossover.py). False: each gathers all 64 rows
-    # (the second CTA's reads hit L2): +0.5..1.7 % on the h=128 throughput rows and +2.9 % on
-    # 1x1x128 for the cluster, -2.3 % on 1x8x128.
+    # (the second CTA's reads hit L2). Halving each CTA's gather and conversion outweighs the
+    # per-tile exchange with the peer on most h=128 shapes, not on all (docs/performance.md).
     h128_cluster: bool = True
     registers: RegisterBudget = field(default_factory=RegisterBudget)
     # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp; %globaltimer in
     # NS_SLOTS) into a (grid x, grid y, Stamp.SLOTS) int64 tensor passed as the launch's
-    # ``timeline`` (benchmarks/timeline.py).
+    # ``timeline``.
     timeline: bool = False
 
     def __post_init__(self):

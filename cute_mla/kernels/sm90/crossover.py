@@ -10,9 +10,8 @@ Without the crossover each gathers and dequantizes all 64 tokens of every tile. 
 (``st.shared``, ``fence.proxy.async``) and bulk-copies them (``cp.async.bulk`` shared::cta ->
 shared::cluster, TMA unit) to the same place in its peer's buffer, with ``complete_tx`` on the
 peer's ``k_full``, per warp and column block right after writing it (4 x 9 copies of 1 KB per
-V3.2 tile, 4 x 8 per V4 tile;
-one copy per half after a producer barrier measured 8 % slower: its latency lands on every tile;
-per-thread ``st.async`` 21 % slower). Both
+V3.2 tile, 4 x 8 per V4 tile; one copy per half after a producer barrier measured slower, that
+barrier's latency landing on every tile, and so did per-thread ``st.async``: docs/performance.md). Both
 producers scan the whole top-k list (the scans depend only on inputs both CTAs share), so both
 walk the same tiles and know every tile's mask and last-tile flag.
 
@@ -36,7 +35,7 @@ Per K buffer and use (tile T in buffer ``b = T % 2``), in each CTA (producer -> 
 Cluster addresses: the peer's K buffers are ``mapa(sk_base, peer)`` plus the local offset inside
 the same shared object (``PeerCopy.delta``; offsets within one object carry over to the peer's
 copy of it), and its ``k_full`` array ``mapa(k_full, peer)`` plus ``b * 8``; computed once per CTA
-(mapping every address with its own ``mapa`` measured 4-6 % slower). Both CTAs
+(mapping every address with its own ``mapa`` measured slower, docs/performance.md). Both CTAs
 leave through a cluster barrier, so neither exits while its peer may still copy into its shared
 memory or arrive on its barriers.
 """

@@ -202,7 +202,7 @@ def chunk_to_peer(c: cutlass.Constexpr, copy):
     warp sync first: the copy reads in the async proxy), completing on the peer's ``k_full``.
     ``copy``: None (one-CTA kernels: no copy) or the :class:`PeerCopy` built once per tile from
     values computed before the tile loop (they stay in registers through the conversion;
-    re-deriving them at each of the 9 copies measured 4-6 % slower on the h=128 rows)."""
+    re-deriving them at each of the 9 copies measured slower, docs/performance.md)."""
     if cutlass.const_expr(copy is not None):
         cute.arch.fence_view_async_shared()
         cute.arch.sync_warp()
@@ -316,7 +316,7 @@ def prefetch_row(cfg: Sm90SparseDecodeConfig, addr, sub: Int32):
     ``(sub % 2) * 128 + {0, 256, 512}`` (the two threads of a row cover offsets 0..640, every line a
     V3.2 row can touch; a V4 data row ends before 640, so there the line at 640 gives way to
     the row's scale line). Per-thread ``prefetch.global.L2``: a bulk prefetch of the row takes uniform
-    operands, which ptxas loops over per distinct row (~13 % of the producer's time)."""
+    operands, which ptxas loops over per distinct row (:func:`~.ptx.prefetch_l2_line`)."""
     base = data_address(addr) + Int64((sub % 2) * 128)
     for k in range(2):
         ptx.prefetch_l2_line(base + k * 256)

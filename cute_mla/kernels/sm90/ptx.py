@@ -20,8 +20,8 @@ def ld_global_v4(addr: Int64, l1: str = "evict_last", l2: str = "size_256b"):
     """128-bit ``ld.global`` with L1::evict_last and L2::256B prefetch (SASS ``LDG.E.EL.LTC256B.128``).
 
     The cache rows are re-read by the ``h_q/64`` CTAs of one token and their 256-B L2
-    neighbours are usually requested by the sibling threads of the same row; both hints were
-    measured to help in a gather micro-benchmark on the H200. ``.nc`` was not faster, so it is not used.
+    neighbours are usually requested by the sibling threads of the same row; both hints measured
+    faster on the gather, ``.nc`` no faster, so it is not used (docs/performance.md).
     ``l1`` / ``l2``: the L1 eviction priority and L2 prefetch size (``cute.arch.load`` literals;
     ``""`` leaves the hint out), ``Sm90Tuning.gather_l1`` / ``gather_l2``.
     """
@@ -44,7 +44,7 @@ def prefetch_l2_line(addr: Int64) -> None:
     """``prefetch.global.L2 [addr]``: the L2 line holding ``addr``. A per-thread instruction (SASS
     ``CCTL``), unlike ``cp.async.bulk.prefetch.L2``, whose operands are uniform registers, so a warp
     with different addresses per lane runs it in a loop over the distinct addresses (one pass per
-    lane: Nsight Compute measured that loop at ~13 % of the producer's time)."""
+    lane), which the per-thread form does not pay."""
     llvm.inline_asm(
         None,
         [Int64(addr).ir_value()],

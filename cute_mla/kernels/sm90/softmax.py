@@ -132,7 +132,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         head0 = cta.hblk * TILE.heads + row0
         # The lse stores go after the O block's: the block's staging fences the generic proxy,
         # which may wait for this thread's global stores still in flight (lse first measured
-        # x0.981-0.997 on the latency rows).
+        # slower, docs/performance.md).
         if is_split:
             if cutlass.const_expr(cfg.split):
                 store_o(cfg, cta, smem, acc_o, thr_pv, BlockStore(g.tma_oacc, g.mOAcc, ops.chunk_layout), col, warp,

@@ -270,8 +270,8 @@ class Sm90SparseDecode:
                     cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
         cute.arch.mbarrier_init_fence()
         # Words 0-3 (SchedField BEGIN_REQ .. END_BLOCK) of the partition's row in one 16-B load (rows are 32 B, 16-B aligned), issued
-        # before the prologue's barriers so its L2 round trip overlaps them (in a cluster the
-        # start-up cluster barrier alone took ~680 cycles).
+        # before the prologue's barriers so its L2 round trip overlaps them (in a cluster they
+        # include the start-up cluster barrier, which waits for the peer CTA).
         md = ptx.ld_global_v4(mTileMd.iterator.toint() + Int64(part) * Int64(4 * mTileMd.stride[0]), "", "")
         if cutlass.const_expr(cfg.cluster):
             # The peer's barriers are initialised before any remote arrive / copy reaches them:
