@@ -15,7 +15,7 @@ It checks that no plan needs more than FlashMLA's buffers and draws the workspac
 the tokens of a call (PNG, needs matplotlib: ``pip install -e ".[plot]"``). Planning needs no GPU
 and no compile; it takes about two seconds.
 
-    python examples/01_workspace_plans.py                      # sm_90a (H100 / H200), workspace.png
+    python examples/01_workspace_plans.py                      # sm_90a (H100 / H200); the PNG in a new temp dir
     python examples/01_workspace_plans.py --arch sm_100a --out /tmp/ws.png
 
 ``cute-mla plan --b 1 --s-q 8192 --h-q 64`` prints one of these plans in full.
@@ -26,7 +26,9 @@ Needs: CPU
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 
 from cute_mla import archs, plan_sparse_decode
 from cute_mla.formats import V4, V32
@@ -93,7 +95,7 @@ def v4_batches(arch: str) -> list:
     return [plan(arch, b, 1, h, "v4", e) for b in BATCHES for e, h in cols]
 
 
-def draw(arch: str, path: str) -> None:
+def draw(arch: str, path: str | None) -> None:
     """Workspace MiB against the call's tokens (b x s_q): FlashMLA dashed, cute-mla solid."""
     try:
         import matplotlib
@@ -126,6 +128,8 @@ def draw(arch: str, path: str) -> None:
     fig.suptitle(f"Split-KV workspace per call, {archs.get(arch).family} ({arch}, "
                  f"{archs.get(arch).default_num_sms} SMs)")
     fig.tight_layout()
+    if path is None:   # the default: a new directory under the system's temp dir, not the current one
+        path = os.path.join(tempfile.mkdtemp(prefix="cute-mla-workspace-"), "workspace.png")
     try:
         fig.savefig(path, dpi=110)
     except OSError as e:
@@ -136,7 +140,8 @@ def draw(arch: str, path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default=archs.SM90.name, choices=archs.SUPPORTED_ARCHS)
-    ap.add_argument("--out", default="workspace.png", help="the PNG to write (default: workspace.png here)")
+    ap.add_argument("--out", default=None,
+                    help="the PNG to write (default: workspace.png in a new directory under the system's temp dir)")
     args = ap.parse_args(argv)
 
     spec = archs.get(args.arch)

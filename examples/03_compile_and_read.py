@@ -18,7 +18,7 @@ It takes about 15 s on a 2-core machine (four compiles; each one compiles afresh
 cache does not apply when the PTX and cubin are kept) and needs the ``test`` extra's cuobjdump
 wheel for items 1 and 3 (``pip install -e ".[test]"``); without it those lines say so.
 
-    python examples/03_compile_and_read.py                   # files in ./compiled_kernels
+    python examples/03_compile_and_read.py                   # files in a new directory under the temp dir
     python examples/03_compile_and_read.py --out /tmp/k
 
 ``cute-mla compile --arch sm_90a --kernel sparse_decode --out DIR`` compiles one of these alone.
@@ -32,6 +32,7 @@ import argparse
 import os
 import re
 import sys
+import tempfile
 import time
 
 from cute_mla import archs
@@ -141,10 +142,14 @@ def rejected_budget(out_dir: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="compiled_kernels", help="where the PTX and cubin files go")
+    ap.add_argument("--out", default=None,
+                    help="where the PTX and cubin files go (default: a new directory under the system's temp dir)")
     args = ap.parse_args(argv)
     try:
+        if args.out is None:
+            args.out = tempfile.mkdtemp(prefix="cute-mla-kernels-")
         os.makedirs(args.out, exist_ok=True)
+        print(f"PTX and cubin files go to {args.out}")
     except OSError as e:
         sys.exit(f"{os.path.basename(__file__)}: cannot create --out {args.out}: {e.strerror}")
 
@@ -181,7 +186,7 @@ def main(argv=None) -> int:
     cubin = rejected_budget(args.out)
     found = sass_check(f"SM90 with registers 192/160/152 (rejected; compiled in {time.time() - t0:.1f} s)", cubin)
     if found is not None and not found[0]:
-        problems.append("the 192/160/152 budget no longer serializes: docs/performance.md section 6 needs a new look")
+        problems.append("the 192/160/152 budget no longer serializes: docs/performance.md's limits need a new look")
     if inspect.find_tool("cuobjdump") is not None:
         u = inspect.resource_usage(cubin)
         print(f"    its resources: registers {u.get('REG')}, stack {u.get('STACK')} B (the production budget: "
