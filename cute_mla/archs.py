@@ -1,9 +1,10 @@
-"""The architectures cute-mla builds for: one table from an arch name to its kernel, SM count and limits.
+"""The architectures cute-mla builds for: one table from an arch name to its facts (compile target,
+compute capability, default SM count, limits).
 
 Every other module asks this table (``ARCHS``, :func:`get`) rather than spelling an arch name or
-one of its facts itself. Nothing here imports the DSL or a kernel module: kernel modules are named
-by import path and loaded by the launcher when a plan needs them, so ``import cute_mla`` stays
-cheap and the plan works on any machine.
+one of its facts itself. Which kernel runs an op on an arch is the registry's fact
+(``cute_mla.registry``); nothing here imports the DSL or a kernel module, so ``import cute_mla``
+stays cheap and plans work on any machine.
 
 The device helpers at the end ask a CUDA device for its arch and SM count (once per device; no
 call here synchronizes with the GPU).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
@@ -23,47 +24,20 @@ SMEM_PER_CTA = 227 * 1024    # dynamic shared memory one CTA may use on SM90 and
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """What the plan, the launcher and the tools need to know about one architecture."""
+    """What every op's plan, launcher and tools need to know about one architecture. What a
+    kernel does on it lives with the kernel (``cute_mla.registry``), how an op plans for it in
+    that op's policy (``cute_mla.plan.policy``)."""
 
     name: str                    # the compile target (``--gpu-arch``)
     family: str
     major: int                   # compute capability of the GPUs that run it, exactly: an 'a' target's
     minor: int                   # features exist only there (sm_90a on 9.0, sm_100a on 10.0, not 10.3)
-    kernel: str                  # the sparse decode kernel's name in plans and reports
-    kernel_module: str           # where its config / compile / launch live
-    default_num_sms: int         # planning without a device (``cute-mla plan``): H100/H200, B200
-    accum_dtype: str             # o_accum element type of split pieces (lse_accum is always fp32)
-    # FlashMLA's SM100 rule: top-k lists up to this length run one partition per request, unsplit
-    no_split_max_topk: Optional[int]
-    # scheduler partitions: num_sms // s_q, divided by the 64-head CTAs of a token (SM90) or not
-    parts_per_head_block: bool
-    # the fixed per-piece charge may drop to 0 on few-request shapes (scheduler.partition)
-    zero_overhead_rule: bool
-    tensor_maps_no_split: Tuple[str, ...]   # TMA descriptors the kernel builds (the compile tests check them)
-    tensor_maps_split: Tuple[str, ...]
-    tensor_maps_extra: Tuple[str, ...] = ()  # added by the extra KV pool (V4)
-
-    def tensor_maps(self, split: bool, extra: bool = False) -> Tuple[str, ...]:
-        maps = self.tensor_maps_split if split else self.tensor_maps_no_split
-        return maps + (self.tensor_maps_extra if extra else ())
+    default_num_sms: int         # planning without a device (``cute-mla plan``); a device's own count otherwise
+    smem_per_cta: int = SMEM_PER_CTA   # dynamic shared memory one CTA may use
 
 
-SM90 = ArchSpec(
-    name="sm_90a", family="Hopper", major=9, minor=0, kernel="sm90_sparse_decode",
-    kernel_module="cute_mla.kernels.sm90.sparse_decode", default_num_sms=132,
-    # bf16 partials halve what split pieces store and the combine reads back; their rounding
-    # (2^-9 max|V|) is the bound the bf16 P of the PV MMA already puts on O
-    accum_dtype="bfloat16", no_split_max_topk=None, parts_per_head_block=True, zero_overhead_rule=True,
-    tensor_maps_no_split=("q", "out"), tensor_maps_split=("q", "out", "o_accum"),
-)
-SM100 = ArchSpec(
-    name="sm_100a", family="Blackwell", major=10, minor=0, kernel="sm100_sparse_decode",
-    kernel_module="cute_mla.kernels.sm100.sparse_decode", default_num_sms=148,
-    accum_dtype="float32", no_split_max_topk=640, parts_per_head_block=False, zero_overhead_rule=False,
-    tensor_maps_no_split=("q", "kv_nope", "kv_rope", "out"),
-    tensor_maps_split=("q", "kv_nope", "kv_rope", "out", "o_accum"),
-    tensor_maps_extra=("extra_nope", "extra_rope"),
-)
+SM90 = ArchSpec(name="sm_90a", family="Hopper", major=9, minor=0, default_num_sms=132)
+SM100 = ArchSpec(name="sm_100a", family="Blackwell", major=10, minor=0, default_num_sms=148)
 
 ARCHS: Dict[str, ArchSpec] = {a.name: a for a in (SM90, SM100)}
 SUPPORTED_ARCHS = tuple(ARCHS)

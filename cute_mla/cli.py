@@ -1,4 +1,4 @@
-"""The ``cute-mla`` command: info, plan, compile, warmup, demo, bench."""
+"""The ``cute-mla`` command: info, ops, plan, compile, warmup, demo, bench."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import sys
 import time
 from importlib import metadata
 
-from . import archs, warmup
-from .formats import V32
+from . import archs, registry, warmup
 
 
 def _version(dist: str) -> str:
@@ -35,20 +34,58 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _plan_from_args(args, s_q=None):
-    from .plan import plan_sparse_decode
+def cmd_ops(args) -> int:
+    from . import registry
 
+    print(registry.describe())
+    return 0
+
+
+def _format_arg(args, flag_default=None):
+    """The format a command names: ``--format NAME``, or the width ``--d-qk N`` names (the one
+    implemented format of that width); both given must agree. None: neither given."""
+    from .formats import format_for_d_qk, format_named
+
+    fmt = None if args.format is None else format_named(args.format)
+    if args.d_qk is not None:
+        try:
+            by_width = format_for_d_qk(args.d_qk)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(str(e).replace("d_qk:", "--d-qk:", 1)) from None
+        if fmt is not None and fmt is not by_width:
+            raise ValueError(f"--d-qk {args.d_qk}: the {by_width.name} format's width, but --format names {fmt.name}")
+        fmt = by_width
+    return fmt
+
+
+def _check_extra_pool(fmt, flag: str) -> None:
+    if not fmt.extra_pool:
+        from .formats import supported_formats
+
+        with_pool = ", ".join(f.name for f in supported_formats() if f.extra_pool)
+        raise ValueError(f"{flag}: the {fmt.name} format has no extra KV pool; formats with one: {with_pool}")
+
+
+def _plan_from_args(args, s_q=None):
+    from .formats import V32
+
+    plan_call = registry.plan_function(args.op)
+    fmt = _format_arg(args) or V32
+    if args.extra_topk:
+        _check_extra_pool(fmt, "--extra-topk")
+    elif args.extra_topk_length:
+        raise ValueError("--extra-topk-length: needs the extra pool (--extra-topk N)")
     num_sms = archs.get(args.arch).default_num_sms if args.num_sms is None else args.num_sms
-    return plan_sparse_decode(args.b, s_q or args.s_q, args.h_q, args.d_qk, args.topk, arch=args.arch,
-                              num_sms=num_sms, has_topk_length=args.topk_length, extra_topk=args.extra_topk,
-                              has_extra_topk_length=args.extra_topk_length)
+    return plan_call(args.b, s_q or args.s_q, args.h_q, fmt.d_qk, args.topk, arch=args.arch, num_sms=num_sms,
+                     has_topk_length=args.topk_length, extra_topk=args.extra_topk,
+                     has_extra_topk_length=args.extra_topk_length, format=fmt.name)
 
 
 def cmd_plan(args) -> int:
     plan = _plan_from_args(args)
     if args.json:
-        d = {k: getattr(plan, k) for k in ("arch", "b", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "extra_topk",
-                                           "has_extra_topk_length", "num_sm_parts",
+        d = {k: getattr(plan, k) for k in ("op", "arch", "format", "b", "s_q", "h_q", "d_qk", "topk", "has_topk_length",
+                                           "extra_topk", "has_extra_topk_length", "num_sm_parts",
                                            "kernel", "variant", "schedule", "accum_rows", "workspace_bytes",
                                            "flashmla_workspace_bytes", "token_walk", "column_pair", "accum_dtype")}
         # the partitions the kernel launches (num_sm_parts is FlashMLA's count; the token walk differs)
@@ -62,19 +99,38 @@ def cmd_plan(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from .playground import registry
+    from . import registry
+    from .formats import V32
+    from .playground import registry as playground
 
-    decode_only = [flag for flag, on in (("--split", args.split), ("--topk-length", args.topk_length),
-                                         ("--d-qk", args.d_qk != V32.d_qk), ("--extra-kv", args.extra_kv),
-                                         ("--extra-topk-length", args.extra_topk_length)) if on]
-    if args.kernel != "sparse_decode" and decode_only:
-        raise ValueError(f"{', '.join(decode_only)}: options of --kernel sparse_decode, got --kernel {args.kernel}")
+    main_kernel = registry.op(args.op).name
+    if args.kernel not in registry.op(args.op).kernel_names():
+        raise ValueError(f"--kernel: got {args.kernel!r}, accepted for --op {args.op}: "
+                         f"{', '.join(registry.op(args.op).kernel_names())}")
+    fmt = _format_arg(args)
+    extra_flag = "--extra-kv" if args.extra_kv else "--extra-topk" if args.extra_topk else None
+    if args.kernel != main_kernel:
+        given = [flag for flag, on in (("--split", args.split), ("--topk-length", args.topk_length),
+                                       ("--format" if args.format else "--d-qk", fmt is not None),
+                                       (extra_flag, extra_flag is not None),
+                                       ("--extra-topk-length", args.extra_topk_length),
+                                       ("--variant", bool(args.variant))) if on]
+        if args.kernel == "scheduler":
+            given += [flag for flag, on in (("--h-q", args.h_q is not None), ("--attn-sink", args.attn_sink)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)}: options of --kernel {main_kernel}, which --kernel {args.kernel} "
+                             "does not take")
+    fmt = fmt or V32
+    if extra_flag:
+        _check_extra_pool(fmt, extra_flag)
+    elif args.extra_topk_length:
+        raise ValueError("--extra-topk-length: needs the extra pool (--extra-topk N)")
 
     t0 = time.time()
-    report = registry.compile_to_dir(args.kernel, args.arch, args.out, h_q=args.h_q, split=args.split,
-                                     has_topk_length=args.topk_length, has_attn_sink=args.attn_sink, d_qk=args.d_qk,
-                                     has_extra=args.extra_kv, has_extra_topk_length=args.extra_topk_length,
-                                     variant=args.variant)
+    report = playground.compile_to_dir(args.kernel, args.arch, args.out, op=args.op, h_q=args.h_q or 64,
+                                       split=args.split, has_topk_length=args.topk_length, has_attn_sink=args.attn_sink,
+                                       format=fmt.name, has_extra=extra_flag is not None,
+                                       has_extra_topk_length=args.extra_topk_length, variant=args.variant)
     print(f"compiled {args.kernel} for {args.arch} in {time.time() - t0:.1f} s -> {args.out}")
     for line in report:
         print(line)
@@ -82,14 +138,17 @@ def cmd_compile(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    from .dsl.compile import cache_dir
+    formats = None
+    if args.format is not None or args.d_qk is not None:
+        from .formats import format_for_d_qk, format_named
 
-    where = cache_dir()
-    if where is None:
-        raise ValueError("warmup: the compile cache is off (CUTE_MLA_CACHE_DIR=off); nothing would be kept")
+        formats = tuple(format_named(f).name for f in args.format or ())
+        formats += tuple(format_for_d_qk(d).name for d in args.d_qk or ())
+    where = warmup.check_cache_writable()
+    progress = sys.stdout.isatty() if args.progress is None else args.progress
     t0 = time.time()
-    n = warmup.warmup(args.arch, h_qs=args.h_q, d_qks=args.d_qk, kinds=args.kinds, jobs=args.jobs,
-                      progress=(lambda line: print(line, flush=True)) if args.progress else None)
+    n = warmup.warmup(args.arch, h_qs=args.h_q, formats=formats, kinds=args.kinds, jobs=args.jobs, op=args.op,
+                      progress=(lambda line: print(line, flush=True)) if progress else None)
     print(f"{n} kernels for {args.arch} in the compile cache {where} ({time.time() - t0:.0f} s)")
     return 0
 
@@ -115,9 +174,10 @@ def cmd_bench(args) -> int:
         return _bench_plot(bench, meta, rows, args.plot, replot=True)
     if not args.shape:
         raise ValueError("give at least one --shape BxS_QxH_Q (e.g. --shape 1x8192x128), or --replot RESULTS.json")
+    registry.op(args.op)
     fmt = bench.format_named(args.format)
-    if args.extra_topk is not None and not fmt.extra_pool:
-        raise ValueError(f"--extra-topk: the {fmt.name} format has no extra pool (--format v4 has)")
+    if args.extra_topk is not None:
+        _check_extra_pool(fmt, "--extra-topk")
     extra = bench.check_extra_topk(bench.V4_EXTRA_TOPK if args.extra_topk is None else args.extra_topk) \
         if fmt.extra_pool else 0
     shapes = [bench.parse_shape(s, fmt, extra) for s in args.shape]
@@ -185,53 +245,80 @@ def _paragraphs(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .formats import supported_formats
+
     p = argparse.ArgumentParser(prog="cute-mla", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    formats = ", ".join(f"{f.name} (d_qk {f.d_qk})" for f in supported_formats())
+    ops = tuple(registry.OPS)
+    kernels = tuple(dict.fromkeys(k for op in registry.OPS.values() for k in op.kernel_names()))
 
     sub.add_parser("info", help="versions, the GPU, supported archs").set_defaults(fn=cmd_info)
+    sub.add_parser("ops", help="the op registry: each op's API, plan and kernel per arch").set_defaults(fn=cmd_ops)
+
+    def op_arg(sp):
+        sp.add_argument("--op", default=registry.DEFAULT_OP, choices=ops, help=f"the op (default {registry.DEFAULT_OP})")
+
+    def format_args(sp, many=False):
+        if many:
+            sp.add_argument("--format", type=lambda t: tuple(t.split(",")), default=None,
+                            help=f"cache formats, comma-separated: {formats}; default all")
+            sp.add_argument("--d-qk", type=_int_list, default=None, help=argparse.SUPPRESS)   # the formats by width
+        else:
+            sp.add_argument("--format", default=None, help=f"the cache format: {formats} (default V3.2)")
+            sp.add_argument("--d-qk", type=positive_int, default=None, help=argparse.SUPPRESS)   # the format by width
 
     def variant_args(sp):
         """The options a plan and a kernel variant share."""
-        sp.add_argument("--h-q", type=positive_int, default=64)
-        sp.add_argument("--d-qk", type=positive_int, default=V32.d_qk, help="the cache format: 576 (V3.2) or 512 (V4)")
-        sp.add_argument("--topk-length", action="store_true", help="per-request topk_length")
-        sp.add_argument("--extra-topk-length", action="store_true", help="per-request extra_topk_length (V4's extra pool)")
-
-    def shape_args(sp, s_q_default=1):
-        variant_args(sp)
-        sp.add_argument("--b", type=positive_int, default=1)
-        sp.add_argument("--s-q", type=positive_int, default=s_q_default)
-        sp.add_argument("--topk", type=positive_int, default=2048)
-        sp.add_argument("--extra-topk", type=int, default=0, help="the V4 extra pool's list length (0: none)")
+        sp.add_argument("--topk-length", action="store_true", help="per-request topk_length (device lengths)")
+        sp.add_argument("--extra-topk-length", action="store_true",
+                        help="per-request extra_topk_length (the extra pool's device lengths)")
 
     sp = sub.add_parser("plan", help="print the plan of a call: kernel, variant, workspace, tensor maps")
-    shape_args(sp)
-    sp.add_argument("--arch", default=archs.SM90.name, choices=archs.SUPPORTED_ARCHS)
-    sp.add_argument("--num-sms", type=positive_int, default=None, help="default: " + ", ".join(
+    op_arg(sp)
+    format_args(sp)
+    sp.add_argument("--h-q", type=positive_int, default=64, help="query heads: 64 or 128 (default 64)")
+    variant_args(sp)
+    sp.add_argument("--b", type=positive_int, default=1, help="requests (default 1)")
+    sp.add_argument("--s-q", type=positive_int, default=1, help="query tokens per request (default 1)")
+    sp.add_argument("--topk", type=positive_int, default=2048, help="the main top-k list's length (default 2048)")
+    sp.add_argument("--extra-topk", type=int, default=0,
+                    help="the extra KV pool's list length, a multiple of 64 (V4; default 0: no extra pool)")
+    sp.add_argument("--arch", default=archs.SM90.name, choices=archs.SUPPORTED_ARCHS, help="default %(default)s")
+    sp.add_argument("--num-sms", type=positive_int, default=None, help="SMs to plan for; default: " + ", ".join(
         f"{a.default_num_sms} for {a.name}" for a in archs.ARCHS.values()))
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="the plan as JSON")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("compile", help="compile a kernel for an arch (no GPU needed); write PTX and cubin; print resources")
-    sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS)
-    sp.add_argument("--kernel", required=True, help="sparse_decode | combine | scheduler")
-    sp.add_argument("--out", required=True)
+    op_arg(sp)
+    sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS, help="the compile target")
+    sp.add_argument("--kernel", required=True, choices=kernels,
+                    help="the op's main kernel (its name) or one of its helper kernels")
+    sp.add_argument("--out", required=True, help="directory for the PTX and cubin")
+    format_args(sp)
+    sp.add_argument("--h-q", type=positive_int, default=None, help="query heads: 64 or 128 (default 64)")
     variant_args(sp)
-    sp.add_argument("--split", action="store_true", help="the split variant of sparse_decode")
-    sp.add_argument("--attn-sink", action="store_true")
-    sp.add_argument("--extra-kv", action="store_true", help="the V4 extra KV pool")
+    sp.add_argument("--split", action="store_true", help="the split variant (writes split-KV partials)")
+    sp.add_argument("--attn-sink", action="store_true", help="the variant that takes attn_sink")
+    sp.add_argument("--extra-topk", type=int, default=0, metavar="N",
+                    help="the extra KV pool (V4): any N > 0 compiles the variant that reads it")
+    sp.add_argument("--extra-kv", action="store_true", help=argparse.SUPPRESS)   # --extra-topk's older spelling
     sp.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
-                    help="an SM90 kernel variant (Sm90Tuning fields, as cute-mla bench takes them; repeat for several)")
+                    help="a kernel variant (its Tuning fields, as cute-mla bench takes them; repeat for several)")
     sp.set_defaults(fn=cmd_compile)
 
-    sp = sub.add_parser("warmup", help="precompile every kernel variant the dispatcher can pick into the disk cache (no GPU)")
-    sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS)
-    sp.add_argument("--h-q", type=_int_list, default=warmup.SUPPORTED_H_Q, help="head counts, e.g. 64,128")
-    sp.add_argument("--d-qk", type=_int_list, default=None, help="formats by key width: 576 (V3.2), 512 (V4); default all")
-    sp.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=warmup.KINDS,
-                    help="decode,combine,scheduler")
-    sp.add_argument("--jobs", type=positive_int, default=1, help="compiling processes")
-    sp.add_argument("--progress", action="store_true", help="a line per kernel")
+    sp = sub.add_parser("warmup", help="precompile every kernel variant the plans can pick into the disk cache (no GPU)")
+    op_arg(sp)
+    sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS, help="the compile target")
+    sp.add_argument("--h-q", type=_int_list, default=warmup.SUPPORTED_H_Q, help="head counts, e.g. 64,128 (default all)")
+    format_args(sp, many=True)
+    sp.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=None,
+                    help="the op's kernels to warm, comma-separated (sparse_decode: sparse_decode or decode, combine, "
+                         "scheduler); default all")
+    sp.add_argument("--jobs", type=positive_int, default=1, help="compiling processes (default 1)")
+    sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="a line per kernel: what it is, loaded or compiled (default: on a terminal)")
     sp.set_defaults(fn=cmd_warmup)
 
     sp = sub.add_parser("demo", help="run a realistic sparse decode (GPU) or show plans and the reference (CPU)")
@@ -253,15 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  cute-mla bench --shape 1x8192x128 --vs flashmla --plot bench.png\n"
                "  cute-mla bench --shape 1x1x64 --shape 1x1024x64 --variant prefetch_rows=false\n"
-               "  cute-mla bench --format v4 --shape 128x1x128 --vs flashmla --json v4.json\n"
+               "  cute-mla bench --format V4 --shape 128x1x128 --vs flashmla --json v4.json\n"
                "  cute-mla bench --replot bench.json --plot bench.png      # any machine, no GPU")
+    op_arg(sp)
     sp.add_argument("--shape", action="append", default=[], metavar="BxS_QxH_Q",
                     help="b x s_q x h_q, e.g. 1x8192x128 (repeat for a sweep)")
-    sp.add_argument("--format", default="v32", choices=tuple(bench.FORMATS), help="the cache format (default v32)")
+    sp.add_argument("--format", default="V3.2", help=f"the cache format: {formats} (default V3.2)")
     sp.add_argument("--extra-topk", type=int, default=None,
-                    help=f"v4: the extra pool's list length, a multiple of 64 or 0 (default {bench.V4_EXTRA_TOPK})")
+                    help=f"V4: the extra pool's list length, a multiple of 64 or 0 (default {bench.V4_EXTRA_TOPK})")
     sp.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
-                    help="an SM90 kernel variant (Sm90Tuning fields; repeat for several): " + bench.variant_keys_help())
+                    help="a kernel variant (its Tuning fields; repeat for several): " + bench.variant_keys_help())
     sp.add_argument("--vs", choices=("flashmla",), default=None, help="also time FlashMLA (vLLM's build) when importable")
     sp.add_argument("--plot", metavar="OUT.png", help="TFLOP/s per shape against the ceilings (needs matplotlib; "
                     "without it the results go to OUT.json, for --replot)")

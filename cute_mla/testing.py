@@ -8,8 +8,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import archs
-from .formats import V4, V32, KVCacheFormat, format_for_d_qk
+from .formats import V4, V32, KVCacheFormat, detect_format, format_for_d_qk
 from .reference import sparse_decode_reference, valid_positions
 from .scheduler import FIXED_OVERHEAD, accum_offsets, blocks_per_request, plan_splits_host
 from .scheduler.partition import HostSchedule
@@ -27,6 +26,11 @@ class SparseDecodeInputs:
     extra_k_cache: Optional[torch.Tensor] = None        # (extra blocks, extra page, 1, row bytes) uint8
     extra_indices: Optional[torch.Tensor] = None        # (b, s_q, extra_topk) int32
     extra_topk_length: Optional[torch.Tensor] = None    # (b,) int32
+
+    @property
+    def format(self) -> KVCacheFormat:
+        """The cache's format (from d_qk and its row bytes, as the API detects it)."""
+        return detect_format(self.q.shape[-1], self.k_cache.shape[-1])
 
     def call_kwargs(self) -> dict:
         """The keyword arguments of ``flash_mla_with_kvcache`` besides q, k_cache and the four
@@ -333,10 +337,10 @@ def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_O
     partials in torch (fp64). Outputs start as NaN, so anything the kernel leaves unwritten shows.
 
     Returns (out (b, s_q, h, d_v) fp32, lse (b, h, s_q) fp32, the HostSchedule)."""
-    from .interface.launcher import kernel_module
-    from .kernels import DecodeTensors
+    from . import registry
+    from .kernels import SparseDecodeTensors
 
-    mod = kernel_module(cfg.arch)
+    mod = registry.kernel_module(registry.SPARSE_DECODE.name, cfg.arch)
     q, dev = inp.q, inp.q.device
     b, s_q, h_q, _ = q.shape
     extra_topk = 0 if inp.extra_indices is None else inp.extra_indices.shape[-1]
@@ -354,13 +358,18 @@ def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_O
     o_acc = lse_acc = None
     if cfg.split:
         rows = max(sched.split_rows, 1)
-        accum = getattr(torch, archs.get(cfg.arch).accum_dtype)
+        accum = getattr(torch, mod.ACCUM_DTYPE)
         o_acc = torch.full((rows, s_q, h_q, V32.d_v), float("nan"), dtype=accum, device=dev)
         lse_acc = torch.full((rows, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
-    extra_kv = None if inp.extra_k_cache is None else inp.extra_k_cache.squeeze(2)
-    t = DecodeTensors(q, inp.k_cache.squeeze(2), inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets,
-                      out, lse, o_acc, lse_acc, extra_kv, inp.extra_indices, inp.extra_topk_length)
-    mod.launch_sparse_decode(mod.compile_sparse_decode(cfg), cfg, t, inp.softmax_scale)
+    extra = cfg.has_extra and inp.extra_k_cache is not None
+    # the bundle holds exactly what the config takes (None for the rest, as the API's would)
+    t = SparseDecodeTensors(
+        q, inp.k_cache.squeeze(2), inp.indices, inp.topk_length if cfg.has_topk_length else None,
+        inp.attn_sink if cfg.has_attn_sink else None, inp.extra_k_cache.squeeze(2) if extra else None,
+        inp.extra_indices if extra else None, inp.extra_topk_length if cfg.has_extra_topk_length else None,
+        out=out, lse=lse, tile_md=tile_md, accum_offsets=offsets, o_accum=o_acc, lse_accum=lse_acc,
+        softmax_scale=inp.softmax_scale)
+    mod.launch(mod.compile(cfg), cfg, t)
     torch.cuda.synchronize()
     out = out.float()
     if cfg.split:

@@ -64,9 +64,8 @@ def test_token_walk_matches_one_cta_per_token(seed, s_q, h_q):
     """The token walk (b == 1, more CTAs than SMs: plan docstring) gives the bits of FlashMLA's grid
     of one CTA per (token, head half), here launched directly; also into a preallocated strided
     ``out``, and against the reference with NaN in every unused cache slot."""
-    from cute_mla.kernels import DecodeTensors
-    from cute_mla.kernels.sm90 import kernel_config
-    from cute_mla.kernels.sm90.sparse_decode import compile_sparse_decode, launch_sparse_decode
+    from cute_mla.kernels import SparseDecodeTensors
+    from cute_mla.kernels.sm90 import sparse_decode as sd
 
     if device_arch(torch.device("cuda")) != "sm_90a":
         pytest.skip("SM90 plan")
@@ -76,13 +75,14 @@ def test_token_walk_matches_one_cta_per_token(seed, s_q, h_q):
     o, l, sched = run_case(x, out=big[..., :512])
     assert sched.plan.token_walk and o.data_ptr() == big.data_ptr()
     check(x, o, l)
-    cfg = kernel_config(h_q=h_q, d_qk=576, split=False, has_topk_length=False, has_attn_sink=True)
+    cfg = sd.kernel_config(h_q=h_q, format="V3.2", split=False, has_topk_length=False, has_attn_sink=True)
     tile_md = torch.tensor([[0, 0, 0, 32, 0, 0, 0, 0]], dtype=torch.int32, device="cuda")
     zeros = torch.zeros(2, dtype=torch.int32, device="cuda")
     o1 = torch.full((1, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     l1 = torch.full((1, s_q, h_q), float("nan"), dtype=torch.float32, device="cuda")
-    t = DecodeTensors(x.q, x.k_cache.view(torch.uint8).squeeze(2), x.indices, None, x.attn_sink, tile_md, zeros, o1, l1)
-    launch_sparse_decode(compile_sparse_decode(cfg), cfg, t, x.softmax_scale)
+    t = SparseDecodeTensors(x.q, x.k_cache.view(torch.uint8).squeeze(2), x.indices, None, x.attn_sink, out=o1, lse=l1,
+                            tile_md=tile_md, accum_offsets=zeros, softmax_scale=x.softmax_scale)
+    sd.launch(sd.compile(cfg), cfg, t)
     torch.cuda.synchronize()
     assert torch.equal(o, o1) and torch.equal(l, l1.transpose(1, 2))
 

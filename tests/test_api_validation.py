@@ -229,19 +229,20 @@ def test_sched_meta_reused_with_other_shapes():
     from cute_mla.interface.api import _schedule
 
     cpu = torch.device("cpu")
-    sched = FlashMLASchedMeta(have_initialized=True, config=(4, 1, 64, 576, 128, 0, False, False, cpu))
+    v32, v4 = torch.zeros(1, 64, 1, 656, dtype=torch.uint8), torch.zeros(1, 64, 1, 584, dtype=torch.uint8)
+    sched = FlashMLASchedMeta(have_initialized=True, config=(4, 1, 64, "V3.2", 128, 0, False, False, cpu))
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
-        _schedule(sched, torch.zeros(2, 1, 64, 576), (2, 1, 64, 128, 0), None)
-    # the same shapes in the other format (d_qk), with an extra pool (V4), or with its lengths, are other schedules
-    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 576, 128, 0, False, False, cpu))
+        _schedule(sched, torch.zeros(2, 1, 64, 576), v32, (2, 1, 64, 128, 0), None)
+    # the same shapes in the other format, with an extra pool (V4), or with its lengths, are other schedules
+    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, "V3.2", 128, 0, False, False, cpu))
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
-        _schedule(sched, torch.zeros(2, 1, 64, 512), (2, 1, 64, 128, 0), None)
-    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 512, 128, 0, False, False, cpu))
+        _schedule(sched, torch.zeros(2, 1, 64, 512), v4, (2, 1, 64, 128, 0), None)
+    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, "V4", 128, 0, False, False, cpu))
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
-        _schedule(sched, torch.zeros(2, 1, 64, 512), (2, 1, 64, 128, 512), None)
-    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, 512, 128, 512, False, False, cpu))
+        _schedule(sched, torch.zeros(2, 1, 64, 512), v4, (2, 1, 64, 128, 512), None)
+    sched = FlashMLASchedMeta(have_initialized=True, config=(2, 1, 64, "V4", 128, 512, False, False, cpu))
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata: this FlashMLASchedMeta was filled for"):
-        _schedule(sched, torch.zeros(2, 1, 64, 512), (2, 1, 64, 128, 512), None,
+        _schedule(sched, torch.zeros(2, 1, 64, 512), v4, (2, 1, 64, 128, 512), None,
                   extra_topk_length=torch.zeros(2, dtype=torch.int32))
 
 

@@ -49,7 +49,7 @@ def test_shape_parses(text, fmt, shape):
     (["--shape", "0x8x64"], "--shape 0x8x64: b: must be a positive int"),
     ([], "give at least one --shape"),
     (["--shape", "1x1x64", "--format", "v4", "--extra-topk", "100"], "--extra-topk: extra_topk: got 100"),
-    (["--shape", "1x1x64", "--extra-topk", "512"], "--extra-topk: the V3.2 format has no extra pool"),
+    (["--shape", "1x1x64", "--extra-topk", "512"], "--extra-topk: the V3.2 format has no extra KV pool"),
 ])
 def test_bad_shape_is_one_line(capsys, argv, says):
     assert main(["bench"] + argv) == 2

@@ -17,8 +17,8 @@ from cute_mla.kernels.combine import (
     CombineConfig,
     combine_config,
     combine_max_splits,
-    compile_combine,
-    launch_combine,
+    compile as compile_combine,
+    launch as launch_combine,
 )
 from cute_mla.dsl.compile import CompiledKernel
 from cute_mla.playground.inspect import find_artifacts, find_tool, local_memory_ops, read_ptx, resource_usage, sass

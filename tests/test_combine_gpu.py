@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cute_mla.archs import device_arch
-from cute_mla.kernels.combine import WARPS_PER_HEAD, CombineConfig, combine_max_splits, compile_combine, launch_combine
+from cute_mla.kernels.combine import WARPS_PER_HEAD, CombineConfig, combine_max_splits, compile as compile_combine, launch as launch_combine
 
 pytestmark = pytest.mark.gpu
 

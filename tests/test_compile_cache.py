@@ -19,7 +19,7 @@ if sys.argv[1] == "no-compile":
         raise RuntimeError("compiled although the cache holds the kernel")
     cute.compile = refuse
 from cute_mla.dsl import compile as dc
-from cute_mla.kernels.combine import combine_config, compile_combine
+from cute_mla.kernels.combine import combine_config, compile as compile_combine
 cfg = combine_config("sm_90a", 64, False, 132, "bfloat16")
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")

@@ -166,7 +166,8 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
     assert plan.schedule == schedule
     p, n = schedule_sizes(plan)
     q = torch.empty(b, s_q, h_q, d_qk, dtype=torch.bfloat16)
-    fake = ops._schedule_fake(q, torch.empty(b, dtype=torch.int32) if lengths else None,
+    cache = torch.empty(1, 64, 1, 584 if extra_topk else 656, dtype=torch.uint8)
+    fake = ops._schedule_fake(q, cache, torch.empty(b, dtype=torch.int32) if lengths else None,
                               torch.empty(b, dtype=torch.int32) if extra_topk else None, topk, extra_topk, "sm_90a", 132)
     assert fake.shape == (p * 8 + 2 * n + (b if plan.orders_requests else 0),) and fake.dtype == torch.int32
     if plan.host_schedule is not None:
@@ -183,7 +184,7 @@ def test_packed_schedule_size_matches_the_fake(b, s_q, h_q, topk, lengths, extra
         # the torch-op schedulers run on the CPU: the real op's schedule has the fake's length
         lens = torch.randint(1, topk + 1, (b,), dtype=torch.int32)
         extra_lens = torch.randint(1, extra_topk + 1, (b,), dtype=torch.int32) if extra_topk else None
-        real = ops._schedule_impl(q, lens, extra_lens, topk, extra_topk, "sm_90a", 132)
+        real = ops._schedule_impl(q, cache, lens, extra_lens, topk, extra_topk, "sm_90a", 132)
         assert real.shape == fake.shape and real.dtype == torch.int32
         order = order_view(plan, real)
         assert (order is None) == (not plan.orders_requests)

@@ -2,9 +2,17 @@ import pytest
 import torch
 
 from cute_mla import plan_sparse_decode
-from cute_mla.plan.plan import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES, V4_DEVICE_PIECE_CHARGE
+from cute_mla.plan.policy import default_policy
+from cute_mla.plan.sparse_decode import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM_BYTES
+
+V4_DEVICE_PIECE_CHARGE = default_policy("sm_90a").device_charge("V4")
 from cute_mla.plan.schedule import balanced_schedule_device
-from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, fixed_overhead_blocks, longest_partition, plan_splits_host
+from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
+
+
+def fixed_overhead_blocks(arch, *, b, parts, blocks):
+    """The scheduler's per-piece charge under the arch's policy."""
+    return default_policy(arch).fixed_overhead(b, parts, blocks)
 
 
 @pytest.mark.parametrize("s_q", [1, 8, 128, 1024, 8192, 32768])
@@ -22,7 +30,7 @@ def test_sm90_mixed_batch_workspace(s_q):
         # exactly the real split rows of the host schedule
         off = accum_offsets(p.host_schedule.num_splits)
         assert p.accum_rows == off[-1] == p.host_schedule.num_splits[-1]
-        # bf16 partials on SM90 (sm90_accum_dtype): 512 x 2 B + a 4-B lse per row, token and head
+        # bf16 partials on SM90 (the SM90 policy's accum_dtype): 512 x 2 B + a 4-B lse per row, token and head
         assert p.accum_dtype == "bfloat16"
         assert p.workspace_bytes == p.accum_rows * s_q * 64 * (512 * 2 + LSE_ACCUM_BYTES)
     assert p.workspace_bytes <= p.flashmla_workspace_bytes
@@ -235,7 +243,7 @@ def test_sm90_column_pair_where_few_pieces(b, s_q, h_q, topk, tl, pair):
     """h=64 split plans with at most COLUMN_PAIR_MAX_BUSY_CTAS busy CTAs run column pairs (a cluster
     of 2 per piece): out from registers, the bf16 partials by TMA (Q and o_accum the tensor maps).
     Device schedules, h=128, no-split plans and busier shapes keep one CTA per piece."""
-    from cute_mla.plan.plan import COLUMN_PAIR_MAX_BUSY_CTAS
+    COLUMN_PAIR_MAX_BUSY_CTAS = default_policy("sm_90a").column_pair_max_busy_ctas
 
     p = plan_sparse_decode(b, s_q, h_q, 576, topk, arch="sm_90a", num_sms=132, has_topk_length=tl)
     assert p.column_pair is pair
@@ -262,7 +270,7 @@ def _v4(b, s_q, h_q, arch, num_sms, topk=128, extra_topk=0, **kw):
 
 
 def _accum_row_bytes(p):
-    from cute_mla.plan.plan import ACCUM_ITEM_BYTES
+    from cute_mla.plan.sparse_decode import ACCUM_ITEM_BYTES
     return p.s_q * p.h_q * (512 * ACCUM_ITEM_BYTES[p.accum_dtype] + LSE_ACCUM_BYTES)
 
 
@@ -516,7 +524,7 @@ def test_list_lengths_fit_the_extra_offset():
     """SM90 carries extra-list positions offset by EXTRA_BASE in int32: every main position lies
     below it and every offset extra position below 2^31 (plan.MAX_TOPK bounds both lists)."""
     from cute_mla.kernels.sm90.index_scan import EXTRA_BASE
-    from cute_mla.plan.plan import MAX_TOPK
+    from cute_mla.plan.sparse_decode import MAX_TOPK
 
     assert MAX_TOPK <= EXTRA_BASE and EXTRA_BASE + MAX_TOPK <= 2**31 - 1
 

@@ -3,6 +3,7 @@ import random
 import pytest
 import torch
 
+from cute_mla.plan.policy import default_policy
 from cute_mla.scheduler import (accum_offsets, accum_offsets_device, blocks_of_length, blocks_per_request, max_accum_rows,
                                 num_sm_parts, plan_splits, plan_splits_host)
 
@@ -51,8 +52,8 @@ def check_invariants(num_blocks, P, F=5):
 
 
 def test_worked_example():
-    # spec §4.5: SM90, 132 SMs, h=64, b=1, s_q=10, topk=2048 -> P=13, 32 blocks, payload 8, 11 splits
-    P = num_sm_parts("sm_90a", 132, 10, 64)
+    # SM90, 132 SMs, h=64, b=1, s_q=10, topk=2048 -> P=13, 32 blocks, payload 8, 11 splits
+    P = num_sm_parts(132, 10, 64, per_head_block=True)
     assert P == 13
     s = check_invariants(blocks_per_request(2048, b=1), P)
     assert s.num_splits == (0, 11)
@@ -61,14 +62,17 @@ def test_worked_example():
 
 
 def test_num_sm_parts_table():
-    assert num_sm_parts("sm_90a", 132, 1, 64) == 132
-    assert num_sm_parts("sm_90a", 132, 1, 128) == 66
-    assert num_sm_parts("sm_90a", 132, 66, 64) == 2 and num_sm_parts("sm_90a", 132, 67, 64) == 1
-    assert num_sm_parts("sm_90a", 132, 33, 128) == 2 and num_sm_parts("sm_90a", 132, 34, 128) == 1
-    assert num_sm_parts("sm_100a", 148, 74, 64) == 2 and num_sm_parts("sm_100a", 148, 75, 64) == 1
-    assert num_sm_parts("sm_100a", 148, 1, 128) == 148   # FlashMLA's head64 kernel: heads do not divide
+    sm90, sm100 = default_policy("sm_90a"), default_policy("sm_100a")
+    assert sm90.num_sm_parts(132, 1, 64) == 132
+    assert sm90.num_sm_parts(132, 1, 128) == 66
+    assert sm90.num_sm_parts(132, 66, 64) == 2 and sm90.num_sm_parts(132, 67, 64) == 1
+    assert sm90.num_sm_parts(132, 33, 128) == 2 and sm90.num_sm_parts(132, 34, 128) == 1
+    assert sm100.num_sm_parts(148, 74, 64) == 2 and sm100.num_sm_parts(148, 75, 64) == 1
+    assert sm100.num_sm_parts(148, 1, 128) == 148   # FlashMLA's head64 kernel: heads do not divide
     with pytest.raises(ValueError, match="arch"):
-        num_sm_parts("sm_80", 108, 1, 64)
+        default_policy("sm_80")
+    with pytest.raises(ValueError, match="num_sms"):
+        num_sm_parts(0, 1, 64, per_head_block=True)
 
 
 @pytest.mark.parametrize("trial", range(40))

@@ -6,7 +6,7 @@ import torch
 
 from cute_mla.dsl.compile import CompiledKernel
 from cute_mla.playground.inspect import read_ptx
-from cute_mla.scheduler.device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
+from cute_mla.scheduler.device import SchedulerKernelConfig, compile as compile_scheduler, launch as launch_scheduler
 
 ARCHS = ("sm_90a", "sm_100a")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cute_mla.archs import device_arch
-from cute_mla.scheduler.device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
+from cute_mla.scheduler.device import SchedulerKernelConfig, compile as compile_scheduler, launch as launch_scheduler
 from cute_mla.scheduler.partition import plan_splits_host
 
 pytestmark = pytest.mark.gpu

@@ -26,7 +26,7 @@ from cute_mla.kernels.sm100.sparse_decode import (  # noqa: E402
     TILE,
     TMEM,
     Sm100SparseDecodeConfig,
-    compile_sparse_decode,
+    compile as compile_sparse_decode,
     smem_bytes,
     tmem_columns,
 )
@@ -286,24 +286,24 @@ def test_softmax_thread_owns_its_tmem_lane(facts):
 def test_config_validation():
     with pytest.raises(ValueError, match="h_q"):
         Sm100SparseDecodeConfig(h_q=32, split=False, has_topk_length=False, has_attn_sink=False)
-    with pytest.raises(ValueError, match="d_qk"):
-        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=600)
-    # d_qk 512 is the V4 cache; the extra pool is V4's only, and its lengths need it
-    assert Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=512).tile.fmt is V4
+    with pytest.raises(ValueError, match="format"):
+        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, format="V5")
+    # the V4 cache (d_qk 512); the extra pool is V4's only, and its lengths need it
+    assert Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, format="V4").tile.fmt is V4
     with pytest.raises(ValueError, match="has_extra"):
         Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, has_extra=True)
     with pytest.raises(ValueError, match="has_extra_topk_length"):
-        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, d_qk=512,
+        Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, format="V4",
                                 has_extra_topk_length=True)
     with pytest.raises(ValueError, match="has_extra"):
-        sd.kernel_config(h_q=64, d_qk=576, split=False, has_topk_length=False, has_attn_sink=False, has_extra=True)
-    cfg = sd.kernel_config(h_q=128, d_qk=512, split=True, has_topk_length=True, has_attn_sink=False, has_extra=True,
+        sd.kernel_config(h_q=64, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False, has_extra=True)
+    cfg = sd.kernel_config(h_q=128, format="V4", split=True, has_topk_length=True, has_attn_sink=False, has_extra=True,
                            has_extra_topk_length=True)
     assert cfg.has_extra and cfg.has_extra_topk_length and cfg.d_v == 512
     with pytest.raises(ValueError, match="column_pair"):
-        sd.kernel_config(h_q=64, d_qk=576, split=True, has_topk_length=False, has_attn_sink=False, column_pair=True)
+        sd.kernel_config(h_q=64, format="V3.2", split=True, has_topk_length=False, has_attn_sink=False, column_pair=True)
     with pytest.raises(ValueError, match="tuning"):
-        sd.kernel_config(h_q=64, d_qk=576, split=True, has_topk_length=False, has_attn_sink=False, tuning=object())
+        sd.kernel_config(h_q=64, format="V3.2", split=True, has_topk_length=False, has_attn_sink=False, tuning=object())
     with pytest.raises(ValueError, match="arch"):
         Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False, arch="sm_90a")
 
@@ -325,7 +325,7 @@ def test_launcher_rejects_what_the_kernel_cannot_take():
     """Checks made in Python before the compiled function is called (CPU tensors suffice)."""
     import torch
 
-    from cute_mla.kernels.sm100.sparse_decode import launch_sparse_decode
+    from cute_mla.kernels.sm100.sparse_decode import launch as launch_sparse_decode
 
     cfg = Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False, has_attn_sink=False)
     dummy = CompiledKernel(key="dummy", fn=lambda *a: pytest.fail("must not be called"))
@@ -339,12 +339,12 @@ def test_launcher_rejects_what_the_kernel_cannot_take():
     lse = torch.zeros(b, s_q, 64)
 
     def call(**kw):
-        from cute_mla.kernels import DecodeTensors
+        from cute_mla.kernels import SparseDecodeTensors
 
-        a = dict(q=q, kv=kv, indices=idx, topk_length=None, attn_sink=None, tile_md=tile_md, accum_offsets=ns, out=out,
-                 lse=lse, o_accum=None, lse_accum=None)
+        a = dict(q=q, k_cache=kv, indices=idx, topk_length=None, attn_sink=None, tile_md=tile_md, accum_offsets=ns,
+                 out=out, lse=lse, o_accum=None, lse_accum=None, softmax_scale=0.1)
         a.update(kw)
-        launch_sparse_decode(dummy, cfg, DecodeTensors(**a), 0.1)
+        launch_sparse_decode(dummy, cfg, SparseDecodeTensors(**a))
 
     with pytest.raises(ValueError, match="has_attn_sink"):
         call(attn_sink=torch.zeros(64))
@@ -354,7 +354,7 @@ def test_launcher_rejects_what_the_kernel_cannot_take():
         call(o_accum=torch.zeros(1, s_q, 64, 512), lse_accum=torch.zeros(1, s_q, 64))
     padded = torch.zeros(4, 3 * 656 + 8, dtype=torch.uint8)[:, : 3 * 656].view(4, 3, 656)
     with pytest.raises(ValueError, match="stride"):
-        call(kv=padded)  # stride(0) not a multiple of 656: no 2-D table of rows for gather4
+        call(k_cache=padded)  # stride(0) not a multiple of 656: no 2-D table of rows for gather4
     with pytest.raises(ValueError, match="multiple of 64"):
         call(indices=torch.zeros(b, s_q, 96, dtype=torch.int32))
     with pytest.raises(ValueError, match="16-byte"):
@@ -386,7 +386,7 @@ def _v4_id(v):
 
 def _v4_cfg(variant):
     h_q, split, tl, sink, extra, etl = variant
-    return Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink, d_qk=512,
+    return Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=tl, has_attn_sink=sink, format="V4",
                                    has_extra=extra, has_extra_topk_length=etl)
 
 
@@ -409,7 +409,7 @@ def test_v4_tile_geometry_from_the_format():
         assert tile.k_stage_elems == TILE.k_stage_elems and tile.half_v == TILE.half_v   # V = the K tile
     assert t.rope_offset == 448 and t.rope_offset % 16 == 0 and t.q_elems == 64 * 512
     assert sd.tile_of(V4) is t and Sm100SparseDecodeConfig(h_q=64, split=False, has_topk_length=False,
-                                                            has_attn_sink=False, d_qk=512).tile is t
+                                                            has_attn_sink=False, format="V4").tile is t
     import dataclasses
     with pytest.raises(ValueError, match="SM100 tile"):
         sd.tile_of(dataclasses.replace(V4, name="narrow rope", d_rope=32))
@@ -580,32 +580,32 @@ def test_v4_launcher_rejects_what_the_kernel_cannot_take():
     import torch
 
     from cute_mla.formats import quantize_v4
-    from cute_mla.kernels import DecodeTensors
-    from cute_mla.kernels.sm100.sparse_decode import launch_sparse_decode
+    from cute_mla.kernels import SparseDecodeTensors
+    from cute_mla.kernels.sm100.sparse_decode import launch as launch_sparse_decode
 
     b, s_q, topk = 2, 1, 128
     calls = []
     dummy = CompiledKernel(key="dummy", fn=lambda *a: calls.append(a))
     kv = quantize_v4(torch.zeros(4, 3, 512)).squeeze(2)       # stride(0) a multiple of 576
-    base = dict(q=torch.zeros(b, s_q, 64, 512, dtype=torch.bfloat16), kv=kv,
+    base = dict(q=torch.zeros(b, s_q, 64, 512, dtype=torch.bfloat16), k_cache=kv, softmax_scale=0.1,
                 indices=torch.zeros(b, s_q, topk, dtype=torch.int32), topk_length=None, attn_sink=None,
                 tile_md=torch.zeros(b, 8, dtype=torch.int32), accum_offsets=torch.arange(b + 1, dtype=torch.int32),
                 out=torch.zeros(b, s_q, 64, 512, dtype=torch.bfloat16), lse=torch.zeros(b, s_q, 64))
-    extra = dict(extra_kv=quantize_v4(torch.zeros(2, 5, 512)).squeeze(2),
+    extra = dict(extra_k_cache=quantize_v4(torch.zeros(2, 5, 512)).squeeze(2),
                  extra_indices=torch.zeros(b, s_q, 64, dtype=torch.int32))
 
     def call(cfg, **kw):
         a = dict(base)
         a.update(kw)
-        launch_sparse_decode(dummy, cfg, DecodeTensors(**a), 0.1)
+        launch_sparse_decode(dummy, cfg, SparseDecodeTensors(**a))
 
     plain = _v4_cfg((64, False, False, False, False, False))
     with_extra = _v4_cfg((64, False, False, False, True, False))
     call(plain)
     call(with_extra, **extra)
-    # the extra pool's three tensors come after the outputs, before the softmax scale
-    assert len(calls) == 2 and calls[0][9:] == (None, None, None, 0.1)
-    assert calls[1][9] is extra["extra_kv"] and calls[1][10] is extra["extra_indices"] and calls[1][11] is None
+    # the extra pool's three tensors come after the outputs and the accumulators, before the softmax scale
+    assert len(calls) == 2 and calls[0][9:] == (None, None, None, None, None, 0.1)
+    assert calls[1][11] is extra["extra_k_cache"] and calls[1][12] is extra["extra_indices"] and calls[1][13] is None
     with pytest.raises(ValueError, match="has_extra"):
         call(plain, **extra)
     with pytest.raises(ValueError, match="has_extra"):
@@ -614,18 +614,18 @@ def test_v4_launcher_rejects_what_the_kernel_cannot_take():
         call(with_extra, extra_topk_length=torch.zeros(b, dtype=torch.int32), **extra)
     odd = torch.zeros(4 * (3 * 584 + 16), dtype=torch.uint8).as_strided((4, 3, 584), (3 * 584 + 16, 584, 1))
     with pytest.raises(ValueError, match="stride"):
-        call(plain, kv=odd)                   # stride(0) 1768: not whole 576-B rows for gather4
+        call(plain, k_cache=odd)                   # stride(0) 1768: not whole 576-B rows for gather4
     short = torch.zeros(4 * 1152 + 2 * 584, dtype=torch.uint8).as_strided((4, 3, 584), (1152, 584, 1))
     with pytest.raises(ValueError, match="page block"):
-        call(plain, kv=short)                 # 1152 B cannot hold 3 data rows and their scale rows
+        call(plain, k_cache=short)                 # 1152 B cannot hold 3 data rows and their scale rows
     with pytest.raises(ValueError, match="stride"):
-        call(with_extra, extra_kv=odd, extra_indices=extra["extra_indices"])
+        call(with_extra, extra_k_cache=odd, extra_indices=extra["extra_indices"])
     with pytest.raises(ValueError, match="extra_indices"):
-        call(with_extra, extra_kv=extra["extra_kv"], extra_indices=torch.zeros(b + 1, s_q, 64, dtype=torch.int32))
+        call(with_extra, extra_k_cache=extra["extra_k_cache"], extra_indices=torch.zeros(b + 1, s_q, 64, dtype=torch.int32))
     with pytest.raises(ValueError, match="extra_topk"):
-        call(with_extra, extra_kv=extra["extra_kv"], extra_indices=torch.zeros(b, s_q, 96, dtype=torch.int32))
+        call(with_extra, extra_k_cache=extra["extra_k_cache"], extra_indices=torch.zeros(b, s_q, 96, dtype=torch.int32))
     with pytest.raises(ValueError, match="stride"):
-        call(with_extra, kv=quantize_v4(torch.zeros(4, 3, 512), stride0=3 * 584).squeeze(2), **extra)
+        call(with_extra, k_cache=quantize_v4(torch.zeros(4, 3, 512), stride0=3 * 584).squeeze(2), **extra)
 
 
 def test_v4_compile_is_cached():

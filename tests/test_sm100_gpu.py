@@ -22,21 +22,21 @@ Every launch waits through :func:`finish_or_exit`: a kernel that does not finish
 stops the whole session with a message naming the test (a hung kernel keeps the GPU, so nothing
 after it could run).
 
-``python tests/test_sm100_gpu.py --bench`` prints CUDA-event timings (median of 20).
 """
 
 import os
-import sys
 import time
 
 import pytest
 import torch
 
-from cute_mla.kernels import DecodeTensors
+from cute_mla import archs
+from cute_mla.kernels import SparseDecodeTensors
+from cute_mla.plan.policy import default_policy
 from cute_mla.reference import sparse_decode_reference
-from cute_mla.scheduler import accum_offsets, blocks_per_request, num_sm_parts, per_request_rows, plan_splits_host
+from cute_mla.scheduler import accum_offsets, blocks_per_request, per_request_rows, plan_splits_host
 from cute_mla.scheduler.partition import HostSchedule
-from cute_mla.testing import check_out_lse, make_inputs, diagnose, median_event_us, merge_splits, v4_sweep_inputs
+from cute_mla.testing import check_out_lse, make_inputs, diagnose, merge_splits, v4_sweep_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm100]
 
@@ -47,12 +47,12 @@ def _num_sms():
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def _kernel(h_q, split, has_topk_length, has_attn_sink, d_qk=576, has_extra=False, has_extra_topk_length=False):
-    from cute_mla.kernels.sm100.sparse_decode import Sm100SparseDecodeConfig, compile_sparse_decode
+def _kernel(h_q, split, has_topk_length, has_attn_sink, format="V3.2", has_extra=False, has_extra_topk_length=False):
+    from cute_mla.kernels.sm100 import sparse_decode as sd
 
-    cfg = Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
-                                  d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
-    return cfg, compile_sparse_decode(cfg)
+    cfg = sd.Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
+                                     format=format, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
+    return cfg, sd.compile(cfg)
 
 
 def _schedule(topk, topk_length, b, split, s_q, h_q, device, extra_topk=0, extra_topk_length=None, cut=True):
@@ -66,7 +66,7 @@ def _schedule(topk, topk_length, b, split, s_q, h_q, device, extra_topk=0, extra
     nb = blocks_per_request(topk, lengths(topk_length), b, extra_topk=extra_topk,
                             extra_topk_length=lengths(extra_topk_length))
     if split:
-        parts = num_sm_parts("sm_100a", _num_sms(), s_q, h_q)
+        parts = default_policy(archs.SM100.name).num_sm_parts(_num_sms(), s_q, h_q)
         s = plan_splits_host(nb, parts)
         while cut and not s.any_split and max(nb) > 1:
             parts *= 2
@@ -98,15 +98,15 @@ def run_kernel(inp, split, schedule=None):
     ``schedule``: (HostSchedule, tile_md, accum_offsets) to run with instead of the call's own.
 
     Returns (out (b, s_q, h, 512) fp32, lse (b, h, s_q) fp32, schedule)."""
-    from cute_mla.kernels.sm100.sparse_decode import launch_sparse_decode
+    from cute_mla.kernels.sm100 import sparse_decode as sd
 
     q, dev = inp.q, inp.q.device
-    b, s_q, h_q, d_qk = q.shape
+    b, s_q, h_q, _ = q.shape
     topk = inp.indices.shape[-1]
     kv = inp.k_cache.squeeze(2)
     has_extra = inp.extra_indices is not None
     extra_topk = inp.extra_indices.shape[-1] if has_extra else 0
-    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None, d_qk=d_qk,
+    cfg, compiled = _kernel(h_q, split, inp.topk_length is not None, inp.attn_sink is not None, format=inp.format.name,
                             has_extra=has_extra, has_extra_topk_length=inp.extra_topk_length is not None)
     sched, tile_md, offsets = schedule or _schedule(topk, inp.topk_length, b, split, s_q, h_q, dev, extra_topk,
                                                     inp.extra_topk_length)
@@ -119,9 +119,10 @@ def run_kernel(inp, split, schedule=None):
         o_acc = torch.full((rows, s_q, h_q, 512), float("nan"), dtype=torch.float32, device=dev)
         lse_acc = torch.full((rows, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
     extra_kv = inp.extra_k_cache.squeeze(2) if has_extra else None
-    t = DecodeTensors(q, kv, inp.indices, inp.topk_length, inp.attn_sink, tile_md, offsets, out, lse, o_acc, lse_acc,
-                      extra_kv, inp.extra_indices, inp.extra_topk_length)
-    launch_sparse_decode(compiled, cfg, t, inp.softmax_scale)
+    t = SparseDecodeTensors(q, kv, inp.indices, inp.topk_length, inp.attn_sink, extra_kv, inp.extra_indices,
+                            inp.extra_topk_length, out=out, lse=lse, tile_md=tile_md, accum_offsets=offsets,
+                            o_accum=o_acc, lse_accum=lse_acc, softmax_scale=inp.softmax_scale)
+    sd.launch(compiled, cfg, t)
     finish_or_exit(f"b={b} s_q={s_q} h_q={h_q} topk={topk} split={split}")
     out = out.float()
     if split:
@@ -418,47 +419,3 @@ def test_v4_public_api_dispatches_here(seed):
         ro, rl = x.reference()
         finish_or_exit(f"public API V4 b={b} topk={topk} extra={extra}")
         check_out_lse(o, l, ro, rl)
-
-
-# ------------------------------------------------------------------------------------------ timing
-
-
-def bench(b, s_q, h_q, topk, num_tokens, iters=20):
-    from cute_mla.formats import quantize_v32
-    from cute_mla.kernels.sm100.sparse_decode import launch_sparse_decode
-
-    dev = "cuda"
-    q = torch.randn(b, s_q, h_q, 576, device=dev).clamp(-1, 1).to(torch.bfloat16)
-    page = 64
-    blocks = num_tokens // page
-    kv = torch.empty(blocks, page + 1, 656, dtype=torch.uint8, device=dev)[:, :page]
-    kv.copy_(quantize_v32((torch.randn(num_tokens, 576, device=dev) / 10).clamp(-1, 1)).view(blocks, page, 656))
-    idx = torch.randint(0, num_tokens, (b, s_q, topk), dtype=torch.int32, device=dev)
-    split = topk > 640
-    sched, tile_md, offsets = _schedule(topk, None, b, split, s_q, h_q, dev, cut=False)
-    split = split and sched.any_split
-    if not split:
-        sched, tile_md, offsets = _schedule(topk, None, b, False, s_q, h_q, dev)
-    cfg, compiled = _kernel(h_q, split, False, False)
-    out = torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=dev)
-    lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=dev)
-    rows = max(sched.split_rows, 1)
-    o_acc = torch.empty(rows, s_q, h_q, 512, dtype=torch.float32, device=dev) if split else None
-    lse_acc = torch.empty(rows, s_q, h_q, dtype=torch.float32, device=dev) if split else None
-
-    def go():
-        launch_sparse_decode(compiled, cfg, DecodeTensors(q, kv, idx, None, None, tile_md, offsets, out, lse, o_acc, lse_acc),
-                             576 ** -0.5)
-
-    t = median_event_us(go, iters)
-    tokens = b * s_q * topk
-    flops = 2 * h_q * tokens * (576 + 512)
-    print(f"b={b} s_q={s_q} h_q={h_q} topk={topk} P={tile_md.shape[0]} split={split}: {t:.1f} us "
-          f"({flops / t / 1e6:.0f} TFLOPS, {tokens * 656 / t / 1e6:.2f} TB/s gathered)")
-    return t
-
-
-if __name__ == "__main__" and "--bench" in sys.argv:
-    bench(1, 8192, 64, 2048, 65536)
-    bench(128, 2, 128, 2048, 32768)   # FlashMLA's README configuration
-    bench(64, 1, 64, 2048, 32768)

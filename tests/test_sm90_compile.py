@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from cute_mla import archs, plan_sparse_decode
-from cute_mla.kernels import DecodeTensors
+from cute_mla.kernels import SparseDecodeTensors
 from cute_mla.kernels.sm90 import DEFAULT_TUNING, RegisterBudget, Sm90SparseDecodeConfig, Sm90Tuning, kernel_config
 from cute_mla.kernels.sm90.config import NS_SLOTS, Bar, Stamp
-from cute_mla.kernels.sm90.sparse_decode import compile_sparse_decode, launch_sparse_decode
+from cute_mla.kernels.sm90.sparse_decode import compile as compile_sparse_decode, launch as launch_sparse_decode
 from cute_mla.playground import inspect as ki
 
 ARCH = archs.SM90.name
@@ -26,7 +26,7 @@ def n_wgmma(d_qk: int) -> int:
     return 2 * (d_qk // 16) + 8
 
 
-# name: (h_q, split, has_topk_length, has_attn_sink, column_pair, tuning[, d_qk, has_extra, has_extra_topk_length[,
+# name: (h_q, split, has_topk_length, has_attn_sink, column_pair, tuning[, format, has_extra, has_extra_topk_length[,
 # request_order]])
 CONFIGS = {
     "nosplit": (64, False, False, False, False, None),
@@ -37,21 +37,21 @@ CONFIGS = {
     "nosplit_h128": (128, False, True, False, False, None),
     "split_pair": (64, True, True, True, True, None),           # the column pair
     # V4 (d_qk 512): the extra pool with and without its lengths, each kernel shape once
-    "v4_nosplit": (64, False, False, False, False, None, 512, False, False),
-    "v4_split_extra_tl": (64, True, True, True, False, None, 512, True, True),
-    "v4_split_h128_extra": (128, True, False, True, False, None, 512, True, False),
-    "v4_nosplit_h128_extra_tl": (128, False, True, True, False, None, 512, True, True),
-    "v4_split_pair_extra": (64, True, True, True, True, None, 512, True, True),
+    "v4_nosplit": (64, False, False, False, False, None, "V4", False, False),
+    "v4_split_extra_tl": (64, True, True, True, False, None, "V4", True, True),
+    "v4_split_h128_extra": (128, True, False, True, False, None, "V4", True, False),
+    "v4_nosplit_h128_extra_tl": (128, False, True, True, False, None, "V4", True, True),
+    "v4_split_pair_extra": (64, True, True, True, True, None, "V4", True, True),
     # the balanced cut's kernel: partitions walk positions of a request order
-    "v4_nosplit_h128_extra_tl_order": (128, False, True, True, False, None, 512, True, True, True),
+    "v4_nosplit_h128_extra_tl_order": (128, False, True, True, False, None, "V4", True, True, True),
 }
 V4_CONFIGS = [n for n in CONFIGS if n.startswith("v4_")]
 
 
 def _config(name) -> Sm90SparseDecodeConfig:
     h_q, split, tl, sink, pair, tuning, *fmt = CONFIGS[name]
-    d_qk, extra, extra_tl, *order = fmt or (576, False, False)
-    return kernel_config(h_q=h_q, d_qk=d_qk, split=split, has_topk_length=tl, has_attn_sink=sink, column_pair=pair,
+    fmt, extra, extra_tl, *order = fmt or ("V3.2", False, False)
+    return kernel_config(h_q=h_q, format=fmt, split=split, has_topk_length=tl, has_attn_sink=sink, column_pair=pair,
                          tuning=tuning, has_extra=extra, has_extra_topk_length=extra_tl, request_order=bool(order))
 
 
@@ -170,12 +170,12 @@ def test_config_validation():
         Sm90SparseDecodeConfig(**dict(base, h_q=96))
     with pytest.raises(ValueError, match="arch"):
         Sm90SparseDecodeConfig(**base, arch=archs.SM100.name)
-    with pytest.raises(ValueError, match="d_qk"):
-        Sm90SparseDecodeConfig(**base, d_qk=600)
+    with pytest.raises(ValueError, match="format"):
+        Sm90SparseDecodeConfig(**base, format="V5")
     with pytest.raises(ValueError, match="has_extra"):
         Sm90SparseDecodeConfig(**base, has_extra=True)          # V3.2 has no extra pool
     with pytest.raises(ValueError, match="has_extra_topk_length"):
-        Sm90SparseDecodeConfig(**{**base, "d_qk": 512}, has_extra_topk_length=True)
+        Sm90SparseDecodeConfig(**{**base, "format": "V4"}, has_extra_topk_length=True)
     for bad in (dict(h_q=128, split=True), dict(h_q=64, split=False)):
         with pytest.raises(ValueError, match="column_pair"):
             Sm90SparseDecodeConfig(**dict(base, **bad), column_pair=True)
@@ -189,29 +189,32 @@ def test_config_validation():
         Sm90Tuning(gather_l1=None)
 
 
-def test_launch_passes_none_for_absent_optionals():
+def test_launch_passes_the_bundle_in_entry_order():
+    """The launch hands the compiled entry the bundle's ENTRY fields in order (None where absent:
+    the API fills only what the plan's config takes), then the timeline slot and the scale."""
     seen = {}
 
     class Fake:
         def fn(self, *args):
             seen["args"] = args
 
-    cfg = kernel_config(h_q=64, d_qk=576, split=False, has_topk_length=False, has_attn_sink=False)
-    t = DecodeTensors("q", "kv", "idx", "tl", "sink", "md", "off", "out", "lse", "oa", "la", "xkv", "xidx", "xtl")
-    launch_sparse_decode(Fake(), cfg, t, 0.5)
+    cfg = kernel_config(h_q=64, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False)
+    t = SparseDecodeTensors("q", "kv", "idx", out="out", lse="lse", tile_md="md", accum_offsets="off", softmax_scale=0.5)
+    launch_sparse_decode(Fake(), cfg, t)
     assert seen["args"] == ("q", "kv", "idx", None, None, "md", "off", "out", "lse", None, None, None, None, None, None,
                             None, 0.5)
-    cfg = kernel_config(h_q=64, d_qk=512, split=True, has_topk_length=True, has_attn_sink=False, has_extra=True)
-    launch_sparse_decode(Fake(), cfg, t._replace(request_order="order"), 0.5)
-    assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", "oa", "la", None, "xkv", "xidx",
-                            None, None, 0.5)
-    cfg = kernel_config(h_q=128, d_qk=512, split=False, has_topk_length=True, has_attn_sink=False, has_extra=True,
+    cfg = kernel_config(h_q=64, format="V4", split=True, has_topk_length=True, has_attn_sink=False, has_extra=True)
+    t4 = t._replace(topk_length="tl", o_accum="oa", lse_accum="la", extra_k_cache="xkv", extra_indices="xidx")
+    launch_sparse_decode(Fake(), cfg, t4)
+    assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", "oa", "la", "xkv", "xidx",
+                            None, None, None, 0.5)
+    cfg = kernel_config(h_q=128, format="V4", split=False, has_topk_length=True, has_attn_sink=False, has_extra=True,
                         request_order=True)
-    launch_sparse_decode(Fake(), cfg, t._replace(request_order="order"), 0.5)
-    assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", None, None, None, "xkv", "xidx",
-                            None, "order", 0.5)
+    launch_sparse_decode(Fake(), cfg, t4._replace(o_accum=None, lse_accum=None, request_order="order"))
+    assert seen["args"] == ("q", "kv", "idx", "tl", None, "md", "off", "out", "lse", None, None, "xkv", "xidx",
+                            None, "order", None, 0.5)
     with pytest.raises(ValueError, match="^request_order: "):
-        launch_sparse_decode(Fake(), cfg, t, 0.5)
+        launch_sparse_decode(Fake(), cfg, t4)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -309,12 +312,12 @@ def test_named_barriers_are_the_roles(artifacts):
 
 
 def test_timeline_is_instrumentation_only(artifacts, tmp_path):
-    """``Sm90Tuning.timeline`` (benchmarks/timeline.py) reads the SM clock once per Stamp slot and
+    """``Sm90Tuning.timeline`` (the profile tool's timeline mode) reads the SM clock once per Stamp slot and
     the global timer once per ``NS_SLOTS`` slot (in the no-split kernel: a split kernel stages
     o_accum at a second site per warp group); the default kernels read neither."""
     for name, (ptx, _) in artifacts.items():
         assert "%clock64" not in ptx and "%globaltimer" not in ptx, f"{name}: a default kernel reads a clock"
-    cfg = kernel_config(h_q=64, d_qk=576, split=False, has_topk_length=False, has_attn_sink=False,
+    cfg = kernel_config(h_q=64, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False,
                         tuning=Sm90Tuning(timeline=True))
     compile_sparse_decode(cfg, dump_dir=str(tmp_path))
     ptx, _ = ki.find_artifacts(str(tmp_path), ARCH)

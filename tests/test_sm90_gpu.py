@@ -11,25 +11,24 @@ partials are merged here in torch (the combine kernel has its own tests).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from cute_mla import archs
 from cute_mla.kernels.sm90 import DEFAULT_TUNING, Sm90Tuning, kernel_config
 from cute_mla.reference import sparse_decode_reference
-from cute_mla.scheduler import fixed_overhead_blocks, num_sm_parts
-from cute_mla.testing import check_out_lse, diagnose, make_inputs, median_event_us, run_kernel
+from cute_mla.plan.policy import default_policy
+from cute_mla.testing import check_out_lse, diagnose, make_inputs, run_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 NUM_SMS = archs.SM90.default_num_sms
 ARCH = archs.SM90.name
+POLICY = default_policy(ARCH)
 
 
 def _cfg(inp, split, tuning=None, column_pair=False):
-    return kernel_config(h_q=inp.q.shape[2], d_qk=inp.q.shape[3], split=split, has_topk_length=inp.topk_length is not None,
+    return kernel_config(h_q=inp.q.shape[2], format=inp.format.name, split=split, has_topk_length=inp.topk_length is not None,
                          has_attn_sink=inp.attn_sink is not None, column_pair=column_pair, tuning=tuning,
                          has_extra=inp.extra_indices is not None,
                          has_extra_topk_length=inp.extra_topk_length is not None)
@@ -66,7 +65,7 @@ def test_sparse_decode_matches_reference(name, seed):
     inp = make_inputs(b, s_q, h_q, topk, num_tokens=max(4096, 2 * topk), page_block_size=page, invalid_frac=0.15,
                       out_of_range_frac=oor, with_topk_length=tl, with_sink=sink, power_of_two_scales=pow2,
                       all_invalid_rows=all_invalid, device="cuda", generator=g)
-    parts = num_sm_parts(ARCH, NUM_SMS, s_q, h_q) if split else 1
+    parts = POLICY.num_sm_parts(NUM_SMS, s_q, h_q) if split else 1
     out, lse, sched = _run(inp, split, parts)
     ref_out, ref_lse = _reference(inp)
     if split:
@@ -133,7 +132,7 @@ def test_index_compaction_patterns(pattern, shape, seed):
     """Tiles built from the valid indices only: every masking layout gives the reference's answer."""
     b, s_q, h_q, topk, split, tl = COMPACTION_SHAPES[shape]
     inp = _patterned_inputs(b, s_q, h_q, topk, tl, 0.15, pattern, seed)
-    parts = num_sm_parts(ARCH, NUM_SMS, s_q, h_q) if split else 1
+    parts = POLICY.num_sm_parts(NUM_SMS, s_q, h_q) if split else 1
     out, lse, sched = _run(inp, split, parts)
     ref_out, ref_lse = _reference(inp)
     try:
@@ -169,7 +168,7 @@ def test_tuning_variants_match(name, seed):
     g = torch.Generator().manual_seed(seed)
     inp = make_inputs(74, 3, 64, 2048, num_tokens=4096, invalid_frac=0.2, with_topk_length=True, with_sink=True,
                       device="cuda", generator=g)
-    parts = num_sm_parts(ARCH, NUM_SMS, 3, 64)
+    parts = POLICY.num_sm_parts(NUM_SMS, 3, 64)
     _check_variant(inp, True, parts, (VARIANTS[name],), (DEFAULT_TUNING,), name)
 
 
@@ -186,7 +185,7 @@ def test_h128_cluster_matches(pattern, shape, seed):
     same arithmetic)."""
     b, s_q, topk, split, tl = CLUSTER_SHAPES[shape]
     inp = _patterned_inputs(b, s_q, 128, topk, tl, 0.15, pattern, seed)
-    parts = num_sm_parts(ARCH, NUM_SMS, s_q, 128) if split else 1
+    parts = POLICY.num_sm_parts(NUM_SMS, s_q, 128) if split else 1
     _check_variant(inp, split, parts, (DEFAULT_TUNING,), (Sm90Tuning(h128_cluster=False),), "h=128 cluster")
 
 
@@ -202,8 +201,8 @@ def test_column_pair_matches(pattern, shape, seed):
     reference's answer and the one-CTA kernel's bits (same tiles, same k-steps per column)."""
     b, s_q, topk, tl = COLUMN_PAIR_SHAPES[shape]
     inp = _patterned_inputs(b, s_q, 64, topk, tl, 0.2, pattern, seed)
-    parts = num_sm_parts(ARCH, NUM_SMS, s_q, 64)
-    overhead = fixed_overhead_blocks(ARCH, b=b, parts=parts, blocks=topk // 64)   # the plan's charge
+    parts = POLICY.num_sm_parts(NUM_SMS, s_q, 64)
+    overhead = POLICY.fixed_overhead(b, parts, topk // 64)   # the plan's charge
     _check_variant(inp, True, parts, (None, True), (None, False), "column pair", overhead)
 
 
@@ -213,46 +212,8 @@ def test_negative_topk_length_means_empty(seed):
     inp = make_inputs(9, 2, 64, 512, num_tokens=2048, invalid_frac=0.1, with_topk_length=True, with_sink=False,
                       device="cuda", generator=g)
     inp.topk_length[::3] = torch.tensor([-1, -64, -(2 ** 31)], dtype=inp.topk_length.dtype, device="cuda")
-    parts = num_sm_parts(ARCH, NUM_SMS, 2, 64)
+    parts = POLICY.num_sm_parts(NUM_SMS, 2, 64)
     out, lse, sched = _run(inp, True, parts)
     ref_out, ref_lse = _reference(inp)
     check_out_lse(out, lse, ref_out, ref_lse)
     assert torch.all(out[::3] == 0)
-
-
-# ------------------------------------------------------------------------------------------ timing
-
-
-def bench(b, s_q, h_q, topk, num_tokens, iters=20, tuning=None, pow2=True):
-    """CUDA-event time of the kernel alone (split pieces unmerged) on random inputs."""
-    from cute_mla.interface.launcher import kernel_module
-    from cute_mla.kernels import DecodeTensors
-    from cute_mla.testing import host_schedule
-
-    inp = make_inputs(b, s_q, h_q, topk, num_tokens=num_tokens, invalid_frac=0.0, power_of_two_scales=pow2,
-                      nan_unused=False, unique=False, device="cuda")
-    parts = num_sm_parts(ARCH, NUM_SMS, s_q, h_q)
-    sched, tile_md, offsets = host_schedule(topk, None, b, parts, inp.q.device)
-    cfg = _cfg(inp, sched.any_split, tuning)
-    mod = kernel_module(ARCH)
-    compiled = mod.compile_sparse_decode(cfg)
-    dev = inp.q.device
-    rows = max(sched.split_rows, 1)
-    acc = (torch.empty(rows, s_q, h_q, 512, dtype=torch.bfloat16, device=dev),
-           torch.empty(rows, s_q, h_q, dtype=torch.float32, device=dev)) if cfg.split else (None, None)
-    t = DecodeTensors(inp.q, inp.k_cache.squeeze(2), inp.indices, None, None, tile_md, offsets,
-                      torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=dev),
-                      torch.empty(b, s_q, h_q, dtype=torch.float32, device=dev), *acc)
-    us = median_event_us(lambda: mod.launch_sparse_decode(compiled, cfg, t, inp.softmax_scale), iters)
-    flops = 2 * h_q * b * s_q * topk * (576 + 512)
-    print(f"b={b} s_q={s_q} h_q={h_q} topk={topk} P={parts} split={cfg.split} pow2_scales={pow2} {cfg.tuning}: "
-          f"{us:.1f} us ({flops / us / 1e6:.0f} TFLOP/s)")
-    return us
-
-
-if __name__ == "__main__" and "--bench" in sys.argv:
-    bench(1, 8192, 64, 2048, 65536)
-    bench(128, 2, 128, 2048, 32768)
-    # non-power-of-two scales take the exact fp32 dequant path
-    bench(1, 8192, 64, 2048, 65536, pow2=False)
-    bench(128, 2, 128, 2048, 32768, pow2=False)

@@ -19,7 +19,7 @@ LISTS = [(576, 2048, 0), (576, 64, 0), (512, 128, 0), (512, 128, 512), (512, 128
 def test_every_plan_configuration_is_warmed(arch):
     spec = archs.get(arch)
     warmed = warmup.variants(arch)
-    warmed_decode = {cfg for kind, cfg in warmed if kind == "decode"}
+    warmed_decode = {cfg for kind, cfg in warmed if kind == "sparse_decode"}
     warmed_combine = {cfg.cache_key for kind, cfg in warmed if kind == "combine"}
     checked = 0
     for (b, s_q), h_q, (d_qk, topk, extra), tl, xtl, sink in itertools.product(
@@ -28,6 +28,7 @@ def test_every_plan_configuration_is_warmed(arch):
             continue
         plan = plan_sparse_decode(b, s_q, h_q, d_qk, topk, arch=arch, num_sms=spec.default_num_sms, has_topk_length=tl,
                                   extra_topk=extra, has_extra_topk_length=xtl)
+        assert plan.format == ("V4" if d_qk == 512 else "V3.2")
         main_cfg, combine_cfg = launch_configs(plan, sink)
         assert main_cfg in warmed_decode, (b, s_q, h_q, d_qk, topk, extra, tl, xtl, sink, main_cfg)
         if combine_cfg is not None:

@@ -37,6 +37,7 @@ _lock = threading.RLock()
 _cache: Dict[Hashable, "CompiledKernel"] = {}
 CACHE_ENV = "CUTE_MLA_CACHE_DIR"
 _EXPORTED = "cute_mla_kernel"   # the function name inside every cached object file
+_counts = {"loaded": 0, "compiled": 0}   # this process's disk-cache loads and compiles (warmup's progress lines)
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,23 @@ def compile_cached(key: Hashable, build: Callable[[Optional[str]], Any], dump_di
                 return _cache[key]
             fn = _disk_load(key)
             if fn is not None:
+                _counts["loaded"] += 1
                 entry = _cache[key] = CompiledKernel(key=key, fn=fn)
                 return entry
         compiled = build(dump_dir)
+        _counts["compiled"] += 1
         fn = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
         entry = CompiledKernel(key=key, fn=fn, dump_dir=dump_dir)
         if dump_dir is None:
             _cache[key] = entry
             _disk_store(key, compiled)
         return entry
+
+
+def compile_cached_state() -> Dict[str, int]:
+    """How many kernels this process loaded from the disk cache and compiled (a copy)."""
+    with _lock:
+        return dict(_counts)
 
 
 def cache_dir() -> Optional[pathlib.Path]:

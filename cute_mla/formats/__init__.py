@@ -3,7 +3,10 @@
 Each format module holds its byte layout as a frozen :class:`KVCacheFormat` (the numbers the
 validation, the plan, the reference and the kernels read), the host ``quantize_*`` /
 ``dequantize_*`` functions and the device dequant routine each arch's producer calls. A format is
-identified by ``(d_qk, bytes per token)``; :func:`detect_format` names it or says what is accepted.
+identified by ``(d_qk, bytes per token)``; :func:`detect_format` names it or says what is accepted
+(the API's one mapping from a cache to its format). Plans, kernel configs, compile-cache keys and
+warmup name a format by its ``name`` (:func:`format_named`): formats of one ``d_qk`` (V4 and V4.1)
+stay apart.
 """
 
 from __future__ import annotations
@@ -38,6 +41,25 @@ def detect_format(d_qk: int, bytes_per_token: int) -> KVCacheFormat:
         f"k_cache: unknown cache format for d_qk={d_qk} with {bytes_per_token} bytes per token; accepted: {accepted}")
 
 
+def _name_key(name: str) -> str:
+    return str(name).replace(".", "").replace("_", "").lower()
+
+
+_BY_NAME: Dict[str, KVCacheFormat] = {_name_key(f.name): f for f in _FORMATS.values()}
+
+
+def format_named(name: str) -> KVCacheFormat:
+    """The implemented format of a name (``"V3.2"``, ``"V4"``; case, dots and underscores ignored:
+    ``v32`` names V3.2), or a clear error."""
+    fmt = _BY_NAME.get(_name_key(name))
+    if fmt is not None:
+        return fmt
+    accepted = ", ".join(f.name for f in _FORMATS.values())
+    if any(_name_key(n) == _name_key(name) for n in _KNOWN_UNIMPLEMENTED.values()):
+        raise NotImplementedError(f"format: {name} is not implemented yet; accepted: {accepted}")
+    raise ValueError(f"format: got {name!r}, accepted: {accepted}")
+
+
 def format_for_d_qk(d_qk: int) -> KVCacheFormat:
     """The implemented format with this key width (the plan knows d_qk, not the row bytes)."""
     for f in _FORMATS.values():
@@ -49,11 +71,11 @@ def format_for_d_qk(d_qk: int) -> KVCacheFormat:
     raise ValueError(f"d_qk: got {d_qk}, accepted: {accepted}")
 
 
-def kernel_format(d_qk: int, has_extra: bool, has_extra_topk_length: bool) -> KVCacheFormat:
-    """A kernel config's format, with its extra-pool flags checked against it (every arch's config)."""
-    fmt = format_for_d_qk(d_qk)
+def kernel_format(name: str, has_extra: bool, has_extra_topk_length: bool) -> KVCacheFormat:
+    """A kernel config's format (by name), with its extra-pool flags checked against it (every arch's config)."""
+    fmt = format_named(name)
     if has_extra and not fmt.extra_pool:
-        raise ValueError(f"has_extra: the {fmt.name} format (d_qk={d_qk}) has no extra pool")
+        raise ValueError(f"has_extra: the {fmt.name} format has no extra pool")
     if has_extra_topk_length and not has_extra:
         raise ValueError("has_extra_topk_length: needs has_extra")
     return fmt

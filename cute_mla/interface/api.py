@@ -17,10 +17,11 @@ import torch
 
 from ..archs import UnsupportedDeviceError
 from ..formats import detect_format
-from ..plan import SparseDecodePlan, check_problem
+from ..plan import SparseDecodePlan, SparseDecodePolicy, check_problem
 from ..plan.schedule import Schedule, make_schedule
 from . import ops
-from .launcher import Launcher, allocate_workspace, cache_bytes, launcher_of, on_device_of
+from ..kernels import SparseDecodeTensors, cache_bytes
+from .launcher import Launcher, allocate_workspace, launcher_of, on_device_of
 from .validate import (CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_distinct_elements,
                        check_out_apart, check_pointer, check_tensor, span_bytes)
 
@@ -41,6 +42,10 @@ class FlashMLASchedMeta:
     ``cute_mla.kernels.sm90.Sm90Tuning``) that every call with this object compiles and runs
     instead of the default; for benchmarks and kernel authors (:class:`~.launcher.Launcher`).
 
+    ``policy``: the planner's rules (:class:`~cute_mla.plan.policy.SparseDecodePolicy`; None: the
+    arch's default) for every call with this object: how a tool compares schedules through the
+    public call.
+
     ``workspace``: the split-KV accumulators of a split plan (exactly ``plan.workspace_bytes``;
     (None, None) when nothing is split), allocated by the first call that uses the object and
     reused by the later ones: every layer of
@@ -56,6 +61,7 @@ class FlashMLASchedMeta:
     accum_offsets: Optional[torch.Tensor] = None
     plan: Optional[SparseDecodePlan] = None
     tuning: Optional[object] = None
+    policy: Optional[SparseDecodePolicy] = None
     schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
     workspace: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
     # tensor signatures (_tensor_key) that passed _validate_tensors and _schedule -> ((b, s_q, h_q, topk,
@@ -128,9 +134,9 @@ def flash_mla_with_kvcache(
     if torch.compiler.is_compiling():
         b, s_q, h_q, topk, extra_topk = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out,
                                                           extra)
-        scale = _scale(softmax_scale, q)
-        out, lse = ops.traced_call(q, k_cache, indices, topk_length, attn_sink, extra, out, scale, topk, extra_topk,
-                                   head_dim_v)
+        out, lse = ops.traced_call(
+            SparseDecodeTensors(q, k_cache, indices, topk_length, attn_sink, *extra, out=out,
+                                softmax_scale=_scale(softmax_scale, q)), topk, extra_topk, head_dim_v)
         return out, lse.transpose(1, 2)
     sched = tile_scheduler_metadata
     with on_device_of(q):
@@ -140,10 +146,11 @@ def flash_mla_with_kvcache(
         if out is None:
             out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-        launcher(q, cache_bytes(k_cache), indices, topk_length, attn_sink, sched.tile_scheduler_metadata,
-                 sched.accum_offsets, out, lse, scale,
-                 (None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices_in_kvcache,
-                  extra_topk_length), sched.workspace, sched.schedule.request_order)
+        launcher(SparseDecodeTensors(
+            q, cache_bytes(k_cache), indices, topk_length, attn_sink,
+            None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices_in_kvcache, extra_topk_length,
+            out, lse, sched.tile_scheduler_metadata, sched.accum_offsets, sched.schedule.request_order,
+            softmax_scale=scale), sched.workspace)
     return out, lse.transpose(1, 2)
 
 
@@ -152,23 +159,25 @@ def _scale(softmax_scale, q: torch.Tensor) -> float:
     return float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
 
 
-def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, dims: Tuple[int, ...], topk_length: Optional[torch.Tensor],
-              has_attn_sink: bool = False, extra_topk_length: Optional[torch.Tensor] = None) -> Launcher:
+def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, k_cache: torch.Tensor, dims: Tuple[int, ...],
+              topk_length: Optional[torch.Tensor], has_attn_sink: bool = False,
+              extra_topk_length: Optional[torch.Tensor] = None) -> Launcher:
     """The call's launcher; the first call of a FlashMLASchedMeta also plans and makes the schedule.
     ``dims``: (b, s_q, h_q, topk, extra_topk)."""
     b, s_q, h_q, topk, extra_topk = dims
-    # d_qk names the cache format: a V3.2 and a V4 call of the same shapes are other plans and kernels
-    config = (b, s_q, h_q, q.shape[-1], topk, extra_topk, topk_length is not None, extra_topk_length is not None,
-              q.device)
+    # the cache format: a V3.2 and a V4 call of the same shapes are other plans and kernels
+    config = (b, s_q, h_q, ops.cache_format(q, k_cache), topk, extra_topk, topk_length is not None,
+              extra_topk_length is not None, q.device)
     if sched.have_initialized:
         if sched.config != config:
             raise ValueError(
-                "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, d_qk, topk, extra_topk, "
+                "tile_scheduler_metadata: this FlashMLASchedMeta was filled for (b, s_q, h_q, format, topk, extra_topk, "
                 f"has_topk_length, has_extra_topk_length, device)={sched.config}, got {config}; use a fresh "
                 "get_mla_metadata() object per shape")
         sched.schedule.ensure_ready()
         return sched.launcher(has_attn_sink)
-    plan = ops.call_plan(q, topk, extra_topk, topk_length, extra_topk_length, *ops.device_facts(q.device))
+    plan = ops.call_plan(q, k_cache, topk, extra_topk, topk_length, extra_topk_length, *ops.device_facts(q.device),
+                         policy=sched.policy)
     schedule = make_schedule(plan, q.device, topk_length, extra_topk_length)
     sched.tile_scheduler_metadata, sched.num_splits, sched.accum_offsets = schedule.tile_md, schedule.num_splits, schedule.accum_offsets
     sched.workspace = allocate_workspace(plan, q.device)   # the step's accumulators, for all its calls
@@ -213,7 +222,7 @@ def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length
     """
     (dims, _, launcher), fresh = checked_once(
         sched._validated, _MAX_VALIDATED, (q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra),
-        lambda dims: _schedule(sched, q, dims, topk_length, attn_sink is not None, extra[2]))
+        lambda dims: _schedule(sched, q, k_cache, dims, topk_length, attn_sink is not None, extra[2]))
     if not fresh:
         sched.schedule.ensure_ready()
     return dims, launcher

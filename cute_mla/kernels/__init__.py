@@ -1,41 +1,80 @@
-"""The kernels: per-arch sparse decode (``sm90/``, ``sm100/``) and the split-KV combine.
+"""The kernels: per-arch sparse decode (``sm90/``, ``sm100/``), the split-KV combine, and the tensor
+bundle each op's kernels take.
 
-Each kernel module reads as config -> kernel -> compile -> launch: ``compile_*`` takes only a
-hashable config (so compiling is cached, needs no GPU and is testable per arch) and ``launch_*``
-runs a compiled kernel on torch's current stream with no host synchronization or allocation.
-Nothing here imports the API, the plan or the schedule: the launcher (``cute_mla.interface``)
-turns a plan into kernel configs.
+Each kernel module keeps the registry's protocol (``cute_mla.registry``): a frozen ``Config``,
+``compile(cfg)`` (only a hashable config, so compiling is cached, needs no GPU and is testable per
+arch) and ``launch``, which runs a compiled kernel on torch's current stream with no host
+synchronization or allocation. Nothing here imports the API, the plan or the schedule: the
+launcher (``cute_mla.interface``) turns a plan into kernel configs.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional
 
 import torch
 
 
-class DecodeTensors(NamedTuple):
-    """The tensors of one sparse decode launch, as every arch's ``launch_sparse_decode`` takes them.
+class SparseDecodeTensors(NamedTuple):
+    """One sparse decode call's tensors and scale, end to end: the API's validation makes it from
+    the call's arguments (the inputs and ``out``), the launcher adds the schedule, ``lse`` and the
+    workspace (``_replace``), the custom op's schema and fake implementation are written from its
+    input fields (:data:`SPARSE_DECODE_INPUTS`), and every arch's ``launch`` takes it whole (each
+    kernel module lists once, in ``ENTRY``, which fields its compiled entry takes in which order).
 
     ``accum_offsets`` is the schedule's accumulator row prefix sum (request ``r``'s split pieces
     own rows ``[accum_offsets[r], accum_offsets[r+1])``); ``o_accum`` / ``lse_accum`` exist only
     for the split variant."""
 
-    q: torch.Tensor                        # (b, s_q, h_q, d_qk) bf16
-    kv: torch.Tensor                       # (num_blocks, page_block_size, row bytes) uint8
-    indices: torch.Tensor                  # (b, s_q, topk) int32
-    topk_length: Optional[torch.Tensor]    # (b,) int32
-    attn_sink: Optional[torch.Tensor]      # (h_q,) fp32
-    tile_md: torch.Tensor                  # (partitions, 8) int32
-    accum_offsets: torch.Tensor            # (b+1,) int32
-    out: torch.Tensor                      # (b, s_q, h_q, d_v) bf16
-    lse: torch.Tensor                      # (b, s_q, h_q) fp32
-    o_accum: Optional[torch.Tensor] = None     # (rows, s_q, h_q, d_v), the arch's accum dtype
-    lse_accum: Optional[torch.Tensor] = None   # (rows, s_q, h_q) fp32
-    # The extra KV pool (V4): its cache, its (b, s_q, extra_topk) indices and their (b,) lengths.
-    extra_kv: Optional[torch.Tensor] = None
-    extra_indices: Optional[torch.Tensor] = None
-    extra_topk_length: Optional[torch.Tensor] = None
-    # A schedule that orders whole requests (SM90 ``request_order`` kernels): (b,) int32, the
-    # request at each position of the partitions' walk; None where partitions walk requests in order.
+    # the call's inputs (validated); the caches as the kernels read them (cache_bytes of the call's)
+    q: torch.Tensor                                # (b, s_q, h_q, d_qk) bf16
+    k_cache: torch.Tensor                          # (num_blocks, page_block_size, row bytes) uint8
+    indices: torch.Tensor                          # (b, s_q, topk) int32
+    topk_length: Optional[torch.Tensor] = None     # (b,) int32
+    attn_sink: Optional[torch.Tensor] = None       # (h_q,) fp32
+    extra_k_cache: Optional[torch.Tensor] = None   # the extra KV pool (V4): its cache,
+    extra_indices: Optional[torch.Tensor] = None   # its (b, s_q, extra_topk) indices
+    extra_topk_length: Optional[torch.Tensor] = None   # and their (b,) lengths
+    # the outputs: out (b, s_q, h_q, d_v) bf16 (given or made by the API), lse (b, s_q, h_q) fp32
+    out: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
+    # the schedule (plan.schedule.Schedule)
+    tile_md: Optional[torch.Tensor] = None         # (partitions, 8) int32
+    accum_offsets: Optional[torch.Tensor] = None   # (b+1,) int32
+    # a schedule that orders whole requests (the balanced cut): (b,) int32, the request at each
+    # position of the partitions' walk; None where partitions walk requests in order
     request_order: Optional[torch.Tensor] = None
+    # the split-KV workspace (split plans only)
+    o_accum: Optional[torch.Tensor] = None         # (rows, s_q, h_q, d_v), the plan's accum dtype
+    lse_accum: Optional[torch.Tensor] = None       # (rows, s_q, h_q) fp32
+    softmax_scale: float = 1.0
+
+
+# The fields a call passes in, in order: the custom op's tensor arguments (interface.ops)
+SPARSE_DECODE_INPUTS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices",
+                        "extra_topk_length")
+SPARSE_DECODE_OPTIONAL = frozenset(("topk_length", "attn_sink", "extra_k_cache", "extra_indices", "extra_topk_length"))
+
+
+def entry_getter(names):
+    """A function of a :class:`SparseDecodeTensors` that returns the fields ``names`` (a kernel
+    module's ``ENTRY``), in order, as one tuple (an itemgetter: no per-field Python on the launch path)."""
+    index = tuple(SparseDecodeTensors._fields.index(n) for n in names)
+    get = operator.itemgetter(*index)
+    return (lambda t: (get(t),)) if len(index) == 1 else get
+
+
+def fake_entry(names, fakes: dict) -> list:
+    """A compile's fake arguments in ``ENTRY`` order: ``fakes`` maps every name to its fake tensor
+    (None for one the config does not take); a name without an entry is an error."""
+    missing = [n for n in names if n not in fakes]
+    if missing:
+        raise KeyError(f"fake arguments missing for entry parameters {missing}")
+    return [fakes[n] for n in names]
+
+
+def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
+    """A checked (num_blocks, page_block_size, 1, row bytes) cache as the kernels read it: uint8
+    (num_blocks, page_block_size, row bytes), a view."""
+    return k_cache.view(torch.uint8).squeeze(2) if k_cache.dtype != torch.uint8 else k_cache.squeeze(2)

@@ -176,6 +176,9 @@ class CombineConfig:
         return accum_type(self.accum_dtype)
 
 
+Config = CombineConfig   # the registry's protocol (cute_mla.registry)
+
+
 def combine_config(arch: str, h_q: int, has_attn_sink: bool, num_sm_parts: int,
                    accum_dtype: str = "float32", b: int = 0, s_q: int = 1) -> CombineConfig:
     """The config for a schedule with ``num_sm_parts`` partitions (a request has at most that many
@@ -445,7 +448,7 @@ def _fake_args(cfg: CombineConfig):
     return lse_accum, o_accum, accum_offsets, attn_sink, out, lse, tile_md
 
 
-def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
+def compile(cfg: CombineConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
     """Compile (once per config) the combine kernel. Needs no GPU."""
 
     def build(dump: Optional[str]):
@@ -461,7 +464,7 @@ def compile_combine(cfg: CombineConfig, dump_dir: Optional[str] = None) -> Compi
     return compile_cached(cfg.cache_key, build, dump_dir)
 
 
-def launch_combine(compiled: CompiledKernel, cfg: CombineConfig, lse_accum, o_accum, accum_offsets, attn_sink, out, lse,
+def launch(compiled: CompiledKernel, cfg: CombineConfig, lse_accum, o_accum, accum_offsets, attn_sink, out, lse,
                    layout_checked: bool = False, tile_md=None) -> None:
     """Run the combine on torch's current stream. No sync, no allocation.
 

@@ -25,7 +25,7 @@ import torch
 
 from ..scheduler import (BLOCK_TOPK, SCHED_ROW_INTS, SchedField, accum_offsets, accum_offsets_device,
                          blocks_of_length, extra_blocks_of_length, plan_splits)
-from .plan import SparseDecodePlan
+from .sparse_decode import SparseDecodePlan
 
 _lock = threading.Lock()
 # (plan, device) -> UploadedSchedule, and (BalancedDeal, device) -> the balanced cut's fixed tables.

@@ -32,10 +32,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import registry
+from ..archs import SM90
 from ..formats import V4, V32
 
-# The H200's measured ceilings (docs/performance.md, section 2: an 8192^3 bf16 matmul and a
-# device-to-device copy); every figure and roof in this project reads them from here.
+# The ceilings the figures draw (docs/performance.md, "The ceilings": an 8192^3 bf16 matmul and a
+# device-to-device copy on the card named here); every figure and roof in this project reads them from here.
 CEILINGS_GPU = "H200"
 BF16_MMA_TFLOPS = 785.0
 COPY_TBPS = 4.26
@@ -47,22 +49,22 @@ SAMPLE_TOKENS = 16               # query tokens checked against the fp32 referen
 ROUNDS = 7                       # interleaved timing rounds
 TIMED_S = 0.25                   # replay seconds per library and shape, over all rounds
 WARMUP_S = 2.0                   # seconds of bf16 matmuls before the first shape (warm_up)
-L2_FLUSH_MIB = 256               # bytes read between cold-L2 replays (l2_flusher): ~5x the H200's L2
+L2_FLUSH_MIB = 256               # bytes read between cold-L2 replays (l2_flusher): several times any L2
 
 # JSON key prefixes of a row (the benchmarks' convention: cute_us, flashmla_us, ...) and their labels
 LIBRARIES = {"cute": "cute-mla", "variant": "variant", "flashmla": "FlashMLA"}
-# Sm90Tuning fields that are not variants of a call: instrumentation that needs its own buffer
-NOT_VARIANTS = {"timeline": "instrumentation: benchmarks/timeline.py passes its stamp buffer"}
-
-
-FORMATS = {"v32": V32, "v4": V4}   # --format
+# Tuning fields that are not variants of a call: instrumentation that needs its own buffer
+NOT_VARIANTS = {"timeline": "instrumentation: the profile tool's timeline mode passes its stamp buffer"}
 
 
 def format_named(name: str):
-    """``--format`` v32 | v4 -> the cache format."""
-    if name not in FORMATS:
-        raise ValueError(f"--format: got {name!r}, accepted: {', '.join(FORMATS)}")
-    return FORMATS[name]
+    """``--format`` (V3.2, V4; ``v32`` / ``v4`` too) -> the cache format."""
+    from ..formats import format_named as named
+
+    try:
+        return named(name)
+    except (ValueError, NotImplementedError) as e:
+        raise type(e)(str(e).replace("format:", "--format:", 1)) from None
 
 
 @dataclass(frozen=True)
@@ -106,17 +108,25 @@ def topk_of(fmt) -> int:
     return V4_TOPK if fmt.extra_pool else V32_TOPK
 
 
-# --- variants: Sm90Tuning values from key=value pairs -----------------------------------------
+# --- variants: a kernel's Tuning values from key=value pairs -------------------------------------
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def variant_fields() -> Dict[str, type]:
-    """The Sm90Tuning fields a variant may set, with their types."""
-    from ..kernels.sm90 import Sm90Tuning
+def tuning_type(arch: str = SM90.name, op: str = registry.DEFAULT_OP):
+    """The variant-knob type of an op's kernel on an arch (its module's ``Tuning``), or a ValueError
+    where the kernel has none."""
+    tp = registry.kernel_module(op, arch).Tuning
+    if tp is None:
+        raise ValueError(f"--variant: the {registry.op(op).kernel(arch).name} kernel ({arch}) has no variant knobs")
+    return tp
 
-    hints = typing.get_type_hints(Sm90Tuning)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Sm90Tuning) if f.name not in NOT_VARIANTS}
+
+def variant_fields(arch: str = SM90.name, op: str = registry.DEFAULT_OP) -> Dict[str, type]:
+    """The tuning fields a variant may set, with their types."""
+    tp = tuning_type(arch, op)
+    hints = typing.get_type_hints(tp)
+    return {f.name: hints[f.name] for f in dataclasses.fields(tp) if f.name not in NOT_VARIANTS}
 
 
 def _spelling(tp) -> str:
@@ -127,17 +137,17 @@ def _spelling(tp) -> str:
     return tp.__name__.upper()
 
 
-def variant_keys_help() -> str:
+def variant_keys_help(arch: str = SM90.name, op: str = registry.DEFAULT_OP) -> str:
     """``key=VALUE (default ...)`` for every variant key: the help's and the errors' list."""
-    from ..kernels.sm90 import DEFAULT_TUNING
+    default = tuning_type(arch, op)()
 
     def shown(v):
         if dataclasses.is_dataclass(v):
             return "/".join(str(getattr(v, f.name)) for f in dataclasses.fields(v))
         return repr(v) if isinstance(v, str) else str(v).lower()
 
-    return ", ".join(f"{k}={_spelling(tp)} (default {shown(getattr(DEFAULT_TUNING, k))})"
-                     for k, tp in variant_fields().items())
+    return ", ".join(f"{k}={_spelling(tp)} (default {shown(getattr(default, k))})"
+                     for k, tp in variant_fields(arch, op).items())
 
 
 def _value(tp, text: str):
@@ -158,14 +168,13 @@ def _value(tp, text: str):
         raise ValueError(f"expected {_spelling(tp)}, got {text!r}") from None
 
 
-def parse_variant(pairs: Sequence[str]):
-    """``["prefetch_rows=false", ...]`` -> an Sm90Tuning (None for no pairs); a bad pair is a
-    one-line ValueError that lists the valid keys."""
+def parse_variant(pairs: Sequence[str], arch: str = SM90.name, op: str = registry.DEFAULT_OP):
+    """``["prefetch_rows=false", ...]`` -> a value of the kernel's ``Tuning`` (None for no pairs);
+    a bad pair is a one-line ValueError that lists the valid keys."""
     if not pairs:
         return None
-    from ..kernels.sm90 import Sm90Tuning
-
-    kinds, values = variant_fields(), {}
+    tp = tuning_type(arch, op)
+    kinds, values = variant_fields(arch, op), {}
     for pair in pairs:
         key, eq, text = pair.partition("=")
         key = key.strip().replace("-", "_")
@@ -180,19 +189,18 @@ def parse_variant(pairs: Sequence[str]):
                 raise ValueError(f"{key} given twice")
             values[key] = _value(kinds[key], text.strip())
         except ValueError as e:
-            raise ValueError(f"--variant {pair!r}: {e}; valid keys: {variant_keys_help()}") from None
+            raise ValueError(f"--variant {pair!r}: {e}; valid keys: {variant_keys_help(arch, op)}") from None
     try:
-        return Sm90Tuning(**values)
+        return tp(**values)
     except ValueError as e:
         raise ValueError(f"--variant: {e}") from None
 
 
 def variant_text(tuning) -> str:
     """The fields of ``tuning`` that differ from the default, as key=value."""
-    from ..kernels.sm90 import DEFAULT_TUNING
-
+    default = type(tuning)()
     return " ".join(f"{f.name}={getattr(tuning, f.name)}" for f in dataclasses.fields(tuning)
-                    if getattr(tuning, f.name) != getattr(DEFAULT_TUNING, f.name)) or "(the default)"
+                    if getattr(tuning, f.name) != getattr(default, f.name)) or "(the default)"
 
 
 # --- work per call and the roof ---------------------------------------------------------------
@@ -479,13 +487,14 @@ def run(shapes: Sequence[Shape], fmt, tuning=None, vs_flashmla: bool = False, ex
     Returns (meta, rows)."""
     import cute_mla
 
-    from ..archs import SM90, device_arch
+    from ..archs import device_arch
 
     runs = {"cute": (cute_mla, lambda: cute_mla.FlashMLASchedMeta())}
     if tuning is not None:
         arch = device_arch(torch.device("cuda"))
-        if arch != SM90.name:
-            raise ValueError(f"--variant: the variant keys are Sm90Tuning's (the {SM90.name} kernel); this GPU runs {arch}")
+        if not isinstance(tuning, tuning_type(arch)):
+            raise ValueError(f"--variant: the variant is a {type(tuning).__name__}; this GPU runs {arch}, whose kernel "
+                             f"takes {tuning_type(arch).__name__}")
         runs["variant"] = (cute_mla, lambda: cute_mla.FlashMLASchedMeta(tuning=tuning))
     fm = import_flashmla(sys.stderr) if vs_flashmla else None
     if fm is not None:

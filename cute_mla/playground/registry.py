@@ -1,11 +1,11 @@
 """Kernels by name, for the ``cute-mla compile`` playground and the compile tests.
 
-``compile_to_dir(name, arch, out_dir, ...)`` compiles one kernel for one arch on any machine (no
-GPU), keeps its PTX and cubin in ``out_dir`` as ``<kernel>-<arch>-<variant>.{ptx,cubin}`` and
+``compile_to_dir(kernel, arch, out_dir, op=..., ...)`` compiles one of an op's kernels (found in
+``cute_mla.registry``) for one arch on any machine (no GPU), keeps its PTX and cubin in ``out_dir`` as ``<kernel>-<arch>-<variant>.{ptx,cubin}`` and
 returns a short report (files, registers, static and dynamic shared memory, TMEM, spills, PTX
 instruction counts) read from the cubin with the cuobjdump of the ``nvidia-cuda-cuobjdump`` wheel.
-The kernels are the ones the launcher runs: each arch's sparse decode kernel through its module's
-``kernel_config``, and the split variants with the arch's o_accum dtype.
+The kernels are the ones the launcher runs: each arch's main kernel through its module's
+``kernel_config``, and the combine with the arch policy's o_accum dtype.
 """
 
 from __future__ import annotations
@@ -16,47 +16,45 @@ import shutil
 import tempfile
 from typing import List, Optional, Sequence
 
-from .. import archs
-from ..formats import V4, V32
-from ..interface.launcher import kernel_module
+from .. import archs, registry
+from ..formats import V32, format_named
 from . import inspect
 
-KERNELS = ("sparse_decode", "combine", "scheduler")
+
+def kernel_names(op: str = registry.DEFAULT_OP):
+    """The kernels ``cute-mla compile --kernel`` takes for an op (the registry's)."""
+    return registry.op(op).kernel_names()
 
 
-def _compile(name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
-             decode: dict, tuning=None):
-    """Compile one kernel into ``out_dir``; returns its config (sparse_decode) or None."""
-    spec = archs.get(arch)
-    if name == "sparse_decode":
-        mod = kernel_module(arch)
+def _compile(op: str, name: str, arch: str, out_dir: str, h_q: int, split: bool, has_topk_length: bool,
+             has_attn_sink: bool, decode: dict, tuning=None):
+    """Compile one kernel into ``out_dir``; returns (its module, its config)."""
+    mod = registry.kernel_module(op, arch, name)
+    if name == registry.op(op).name:
         cfg = mod.kernel_config(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
                                 tuning=tuning, **decode)
-        mod.compile_sparse_decode(cfg, dump_dir=out_dir)
-        return cfg
-    if name == "combine":
-        from ..kernels import combine as mod
-        cfg = mod.combine_config(arch=arch, h_q=h_q, has_attn_sink=has_attn_sink, num_sm_parts=spec.default_num_sms,
-                                 accum_dtype=spec.accum_dtype)
-        mod.compile_combine(cfg, dump_dir=out_dir)
-        return None
-    if name == "scheduler":
-        from ..scheduler import device as mod
-        mod.compile_scheduler(mod.SchedulerKernelConfig(arch=arch), dump_dir=out_dir)
-        return None
-    raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
+    elif name == "combine":
+        from ..plan.policy import default_policy
+
+        cfg = mod.combine_config(arch=arch, h_q=h_q, has_attn_sink=has_attn_sink,
+                                 num_sm_parts=archs.get(arch).default_num_sms, accum_dtype=default_policy(arch).accum_dtype)
+    else:
+        cfg = mod.Config(arch=arch)
+    mod.compile(cfg, dump_dir=out_dir)
+    return mod, cfg
 
 
 def variant_name(name: str, h_q: int, split: bool, has_topk_length: bool, has_attn_sink: bool, decode: dict,
-                 variant: Sequence[str] = ()) -> str:
+                 variant: Sequence[str] = (), main: str = registry.DEFAULT_OP) -> str:
     """The file-name tag of a compiled variant: what sets it apart from the kernel's others
     (``variant``: the key=value pairs of a kernel variant, e.g. ``prefetch_rows=false``)."""
     if name == "scheduler":
         return "default"
     parts = [f"h{h_q}"]
-    if name == "sparse_decode":
+    if name == main:
         parts.append("split" if split else "nosplit")
-        parts += ["v4"] if decode.get("d_qk") == V4.d_qk else []
+        fmt = decode.get("format", V32.name)
+        parts += [] if format_named(fmt) is V32 else [re.sub(r"[^A-Za-z0-9]+", "", fmt).lower()]
         parts += ["tl"] if has_topk_length else []
         parts += ["extra"] if decode.get("has_extra") else []
         parts += ["xtl"] if decode.get("has_extra_topk_length") else []
@@ -92,31 +90,32 @@ def resource_lines(cubin: str, ptx: Optional[str] = None, smem_dynamic: Optional
     return lines
 
 
-def compile_to_dir(name: str, arch: str, out_dir: str, *, h_q: int = 64, split: bool = False,
-                   has_topk_length: bool = False, has_attn_sink: bool = False, d_qk: int = V32.d_qk,
-                   has_extra: bool = False, has_extra_topk_length: bool = False,
+def compile_to_dir(name: str, arch: str, out_dir: str, *, op: str = registry.DEFAULT_OP, h_q: int = 64,
+                   split: bool = False, has_topk_length: bool = False, has_attn_sink: bool = False,
+                   format: str = V32.name, has_extra: bool = False, has_extra_topk_length: bool = False,
                    variant: Sequence[str] = ()) -> List[str]:
-    """Compile one variant and keep it as ``<kernel>-<arch>-<variant>.{ptx,cubin}`` in ``out_dir``
-    (so variants compiled into one directory stay apart); returns the report lines. ``d_qk`` names
-    the cache format (576: V3.2, 512: V4); ``has_extra`` / ``has_extra_topk_length``: the V4 extra
-    pool (sparse_decode only). ``variant``: key=value pairs of an SM90 kernel variant (``Sm90Tuning``
-    fields, as ``cute-mla bench --variant`` takes them)."""
+    """Compile one variant of an op's kernel and keep it as ``<kernel>-<arch>-<variant>.{ptx,cubin}``
+    in ``out_dir`` (so variants compiled into one directory stay apart); returns the report lines.
+    ``name``: the op's main kernel (its name) or a helper (``registry.OpSpec.kernel_names``).
+    ``format`` names the cache format (V3.2, V4); ``has_extra`` / ``has_extra_topk_length``: the V4
+    extra pool (main kernel only). ``variant``: key=value pairs of the kernel's ``Tuning`` (as
+    ``cute-mla bench --variant`` takes them)."""
     archs.check_arch(arch)
-    if name not in KERNELS:
-        raise ValueError(f"kernel: got {name!r}, accepted: {', '.join(KERNELS)}")
+    main = registry.op(op).name
+    if name not in kernel_names(op):
+        raise ValueError(f"--kernel: got {name!r}, accepted for op {op}: {', '.join(kernel_names(op))}")
     tuning = None
     if variant:
-        if name != "sparse_decode" or arch != archs.SM90.name:
-            raise ValueError(f"--variant: Sm90Tuning values apply to --kernel sparse_decode --arch {archs.SM90.name}, "
-                             f"got --kernel {name} --arch {arch}")
+        if name != main:
+            raise ValueError(f"--variant: kernel variants apply to --kernel {main}, got --kernel {name}")
         from .bench import parse_variant
-        tuning = parse_variant(variant)
+        tuning = parse_variant(variant, arch=arch, op=op)
     os.makedirs(out_dir, exist_ok=True)
-    decode = dict(d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
-    tag = variant_name(name, h_q, split, has_topk_length, has_attn_sink, decode, variant)
+    decode = dict(format=format_named(format).name, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
+    tag = variant_name(name, h_q, split, has_topk_length, has_attn_sink, decode, variant, main)
     stem = os.path.join(out_dir, f"{name}-{arch}-{tag}")
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as build:
-        cfg = _compile(name, arch, build, h_q, split, has_topk_length, has_attn_sink, decode, tuning)
+        mod, cfg = _compile(op, name, arch, build, h_q, split, has_topk_length, has_attn_sink, decode, tuning)
         found = inspect.find_artifacts(build, arch)
         kept = []
         for src, ext in zip(found, ("ptx", "cubin")):
@@ -128,10 +127,7 @@ def compile_to_dir(name: str, arch: str, out_dir: str, *, h_q: int = 64, split: 
     ptx, cubin = kept
     report = [f"ptx:   {ptx or '(none)'}", f"cubin: {cubin or '(none)'}"]
     if cubin:
-        smem = tmem = None
-        if cfg is not None:
-            mod = kernel_module(arch)
-            smem = mod.smem_bytes(cfg) if hasattr(mod, "smem_bytes") else None
-            tmem = mod.tmem_columns(cfg) if hasattr(mod, "tmem_columns") else None
+        smem = mod.smem_bytes(cfg) if hasattr(mod, "smem_bytes") else None
+        tmem = mod.tmem_columns(cfg) if hasattr(mod, "tmem_columns") else None
         report += resource_lines(cubin, ptx, smem, tmem)
     return report

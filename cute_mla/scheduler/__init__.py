@@ -46,13 +46,13 @@ def plan_splits(num_blocks: torch.Tensor, num_sm_parts: int, fixed_overhead: int
         s = plan_splits_host(num_blocks.tolist(), num_sm_parts, fixed_overhead)
         return (torch.tensor(s.rows, dtype=torch.int32, device=num_blocks.device).reshape(num_sm_parts, SCHED_ROW_INTS),
                 torch.tensor(s.num_splits, dtype=torch.int32, device=num_blocks.device))
-    from .device import SchedulerKernelConfig, compile_scheduler, launch_scheduler
+    from . import device
     from ..archs import device_arch
 
     tile_md = torch.empty(num_sm_parts, SCHED_ROW_INTS, dtype=torch.int32, device=num_blocks.device)
     num_splits = torch.empty(b + 1, dtype=torch.int32, device=num_blocks.device)
-    cfg = SchedulerKernelConfig(arch=device_arch(num_blocks.device))
-    launch_scheduler(compile_scheduler(cfg), num_blocks, tile_md, num_splits, fixed_overhead)
+    cfg = device.Config(arch=device_arch(num_blocks.device))
+    device.launch(device.compile(cfg), num_blocks, tile_md, num_splits, fixed_overhead)
     return tile_md, num_splits
 
 

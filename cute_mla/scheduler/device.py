@@ -54,6 +54,8 @@ class SchedulerKernelConfig:
     def cache_key(self):
         return ("decode_scheduler", self.arch)
 
+Config = SchedulerKernelConfig   # the registry's protocol (cute_mla.registry)
+
 
 @cute.jit
 def _scheduler_host(
@@ -167,7 +169,7 @@ def _fake_args():
     return num_blocks, tile_md, num_splits
 
 
-def compile_scheduler(cfg: SchedulerKernelConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
+def compile(cfg: SchedulerKernelConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
     """Compile (once per config) the scheduler kernel. Needs no GPU."""
 
     def build(dump: Optional[str]):
@@ -185,7 +187,7 @@ def compile_scheduler(cfg: SchedulerKernelConfig, dump_dir: Optional[str] = None
     return compile_cached(cfg.cache_key, build, dump_dir)
 
 
-def launch_scheduler(compiled: CompiledKernel, num_blocks, tile_md, num_splits, fixed_overhead: int) -> None:
+def launch(compiled: CompiledKernel, num_blocks, tile_md, num_splits, fixed_overhead: int) -> None:
     """Fill ``tile_md`` and ``num_splits`` on torch's current stream. No sync, no allocation.
 
     Checks only what the host knows without touching GPU memory (shapes, dtypes); the

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import List, Sequence, Tuple
 
-from .. import archs
-
 BLOCK_TOPK = 64          # tokens per scheduling block (the kernels' top-k tile)
 MIN_PIECE_BLOCKS = 2     # SM90 zero-charge rule: blocks per partition on average at least this
 FIXED_OVERHEAD = 5       # virtual blocks charged per request piece for its prologue/epilogue (FlashMLA's)
@@ -35,20 +33,21 @@ class SchedField(IntEnum):
 SCHED_ROW_INTS = 8
 
 
-def num_sm_parts(arch: str, num_sms: int, s_q: int, h_q: int) -> int:
+def num_sm_parts(num_sms: int, s_q: int, h_q: int, *, per_head_block: bool) -> int:
     """Number of scheduler partitions: the grid is sized so that CTAs ~ num_sms (FlashMLA's count;
-    on SM90 each token's 64-head blocks are CTAs of their own)."""
+    ``per_head_block``: each token's 64-head blocks are CTAs of their own, as on SM90; the arch's
+    policy says, ``plan.policy.SparseDecodePolicy.num_sm_parts``)."""
     if num_sms <= 0 or s_q <= 0 or h_q <= 0:
         raise ValueError(f"num_sm_parts: num_sms, s_q and h_q must be positive, got {num_sms}, {s_q}, {h_q}")
-    per_token = h_q // 64 if archs.get(arch).parts_per_head_block else 1
+    per_token = h_q // 64 if per_head_block else 1
     return max(num_sms // s_q // per_token, 1)
 
 
-def fixed_overhead_blocks(arch: str, *, b: int, parts: int, blocks: int) -> int:
+def fixed_overhead_blocks(*, b: int, parts: int, blocks: int, zero_rule: bool) -> int:
     """Virtual blocks the greedy partitioner charges per request piece (``blocks``: top-k blocks
     per request, an upper bound where ``topk_length`` may shorten them).
 
-    FlashMLA charges ``FIXED_OVERHEAD``. On SM90 with fewer requests than partitions the charge is
+    FlashMLA charges ``FIXED_OVERHEAD``. Under ``zero_rule`` (SM90's policy), with fewer requests than partitions the charge is
     0 when that leaves at least ``MIN_PIECE_BLOCKS`` blocks per partition on average *and*
     shortens the most loaded partition. FlashMLA's charge makes the pieces longer than the
     partitions allow, so partitions, hence SMs, stay empty: at b=1, s_q=8 it cuts 11 pieces of 3
@@ -58,10 +57,10 @@ def fixed_overhead_blocks(arch: str, *, b: int, parts: int, blocks: int) -> int:
     that the combine reads back), hence the average
     floor; a charge that does not shorten the longest partition only adds pieces, hence the second
     condition. Individual pieces may still be one block long (the greedy cuts where budgets end).
-    The plan overrides this charge for SM90 V4 schedules made on the device
-    (``plan.sm90_device_charge``).
+    A policy's ``device_piece_charges`` override this charge for device schedules
+    (``plan.policy.SparseDecodePolicy``).
     """
-    if archs.get(arch).zero_overhead_rule and b < parts and b * blocks >= MIN_PIECE_BLOCKS * parts:
+    if zero_rule and b < parts and b * blocks >= MIN_PIECE_BLOCKS * parts:
         zero = plan_splits_host([blocks] * b, parts, 0)
         flashmla = plan_splits_host([blocks] * b, parts, FIXED_OVERHEAD)
         if longest_partition(zero.rows, blocks) < longest_partition(flashmla.rows, blocks):

@@ -26,7 +26,7 @@ Warp roles (12 warps, 384 threads, one CTA per SM; in the spirit of FlashMLA's S
   invalid token so the TMA zero-fills it) + a 32-bit valid mask per tile.
 * warp 11: spare (keeps the three warpgroups whole for setmaxnreg).
 
-The cache format is a config field (``d_qk``); what differs is read from the format spec through
+The cache format is a config field (``format``, by name); what differs is read from the format spec through
 the config's :class:`Tile` (``tile_of``). V4 ("MODEL1", d_qk 512): the gather4 tables
 are of 576-byte data rows (448 fp8 NoPE, 64 bf16 RoPE), the NoPE box is 448 B (no scales in the
 row); the INDEX warp loads each token's 8-byte scale row (7 ue8m0) into a scale ring next to the
@@ -97,9 +97,9 @@ from ...dsl.compat import (
     tcgen05_fence_before_thread_sync,
 )
 from ...dsl.compile import CompiledKernel, compile_cached, compile_options
-from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk, kernel_format
+from ...formats import V32, FormatGeometry, KVCacheFormat, format_named, kernel_format
 from ...scheduler.partition import BLOCK_TOPK, SCHED_ROW_INTS, SchedField, blocks_of_length, extra_blocks_of_length
-from .. import DecodeTensors
+from .. import SparseDecodeTensors, entry_getter, fake_entry
 from . import ptx
 
 LOG2E = math.log2(math.e)
@@ -119,7 +119,7 @@ class Sm100SparseDecodeConfig:
     split: bool  # True: takes o_accum / lse_accum (+ their TMA map); False: no accumulator at all
     has_topk_length: bool
     has_attn_sink: bool
-    d_qk: int = V32.d_qk  # the cache format's key width: 576 (V3.2) or 512 (V4)
+    format: str = V32.name  # the cache format's name (formats.format_named)
     arch: str = archs.SM100.name
     # The extra KV pool (V4): a second cache and index list attended jointly with the main one, each
     # request's main blocks first (the schedule's order), with its own tensor maps.
@@ -130,14 +130,18 @@ class Sm100SparseDecodeConfig:
         if self.h_q not in (64, 128):
             raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
         # NotImplementedError for a known format not built yet; tile_of: one this kernel lays out
-        tile_of(kernel_format(self.d_qk, self.has_extra, self.has_extra_topk_length))
+        tile_of(kernel_format(self.format, self.has_extra, self.has_extra_topk_length))
         if self.arch != archs.SM100.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM100.name!r}")
 
     @property
     def tile(self) -> "Tile":
         """The tile geometry of the config's cache format."""
-        return tile_of(format_for_d_qk(self.d_qk))
+        return tile_of(format_named(self.format))
+
+    @property
+    def d_qk(self) -> int:
+        return self.tile.d_qk
 
     @property
     def d_v(self) -> int:
@@ -152,11 +156,16 @@ class Sm100SparseDecodeConfig:
         return ("sm100_sparse_decode", self)
 
 
-def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
+Config = Sm100SparseDecodeConfig   # the registry's protocol (cute_mla.registry)
+Tuning = None                       # no variant knobs yet
+ACCUM_DTYPE = "float32"             # o_accum's element type in the split variant
+
+
+def kernel_config(*, h_q: int, format: str = V32.name, split: bool, has_topk_length: bool, has_attn_sink: bool,
                   column_pair: bool = False, tuning=None, has_extra: bool = False,
                   has_extra_topk_length: bool = False, request_order: bool = False) -> "Sm100SparseDecodeConfig":
-    """The config of the kernel a plan names (the launcher's call). SM100 has no column pair, no
-    request order and no variant knobs yet."""
+    """Any valid config by keyword (the plan's choices spelled out). SM100 has no column pair, no
+    request order and no variant knobs yet: each is refused by name."""
     if column_pair:
         raise ValueError("column_pair: got True, accepted: False (an SM90 plan's choice; the SM100 kernel has none)")
     if request_order:
@@ -165,7 +174,25 @@ def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, ha
     if tuning is not None:
         raise ValueError(f"tuning: got {tuning!r}, accepted: None (the SM100 kernel has no variant knobs yet)")
     return Sm100SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
-                                   d_qk=d_qk, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
+                                   format=format, has_extra=has_extra, has_extra_topk_length=has_extra_topk_length)
+
+
+def config_for(plan, has_attn_sink: bool, tuning=None) -> Sm100SparseDecodeConfig:
+    """The config of the kernel a sparse decode plan's calls compile (the launcher's call)."""
+    if plan.split and plan.accum_dtype != ACCUM_DTYPE:
+        raise ValueError(f"accum_dtype: got {plan.accum_dtype!r} from the plan, accepted: {ACCUM_DTYPE!r} (what the "
+                         "SM100 split kernel writes)")
+    return kernel_config(h_q=plan.h_q, format=plan.format, split=plan.split, has_topk_length=plan.has_topk_length,
+                         has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
+                         has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length,
+                         request_order=plan.orders_requests)
+
+
+def tensor_maps(cfg: Sm100SparseDecodeConfig) -> tuple:
+    """The TMA descriptors the kernel builds: Q, the gather4 tables of each pool, out, and o_accum
+    in the split variant."""
+    maps = ("q", "kv_nope", "kv_rope", "out") + (("o_accum",) if cfg.split else ())
+    return maps + (("extra_nope", "extra_rope") if cfg.has_extra else ())
 
 
 class Warp(IntEnum):
@@ -638,24 +665,12 @@ class Sm100SparseDecodeKernel:
         self.n_hg = cfg.head_groups
 
     # ------------------------------------------------------------------------------ host side
-    # The extra pool's three tensors follow the outputs (None without the extra pool).
+    # The compiled entry: its tensor parameters are ENTRY, in order (None for an absent optional one).
     @cute.jit
-    def host_no_split(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse,
-                      extra_kv, extra_indices, extra_topk_length, softmax_scale: Float32, stream):
-        self._host(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, None, None,
-                   softmax_scale, stream, extra_kv, extra_indices, extra_topk_length)
-
-    @cute.jit
-    def host_split(self, q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum,
-                   lse_accum, extra_kv, extra_indices, extra_topk_length, softmax_scale: Float32, stream):
-        self._host(q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum,
-                   softmax_scale, stream, extra_kv, extra_indices, extra_topk_length)
-
-    @cute.jit
-    def _host(
+    def __call__(
         self,
         q: cute.Tensor,  # (b, s_q, h_q, d_qk) bf16
-        kv: cute.Tensor,  # (num_blocks, page_block_size, row bytes) uint8, stride(0) a multiple of the data row bytes
+        k_cache: cute.Tensor,  # (num_blocks, page_block_size, row bytes) uint8, stride(0) a multiple of the data row bytes
         indices: cute.Tensor,  # (b, s_q, topk) int32
         topk_length: Optional[cute.Tensor],  # (b,) int32
         attn_sink: Optional[cute.Tensor],  # (h_q,) fp32
@@ -663,13 +678,13 @@ class Sm100SparseDecodeKernel:
         accum_offsets: cute.Tensor,  # (b+1,) int32: accumulator row offsets
         out: cute.Tensor,  # (b, s_q, h_q, 512) bf16
         lse: cute.Tensor,  # (b, s_q, h_q) fp32
-        o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) fp32
-        lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32
+        o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) fp32, split variant only
+        lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32, split variant only
+        extra_k_cache: Optional[cute.Tensor],  # the extra pool (V4): (num_blocks_e, page_e, row bytes) uint8
+        extra_indices: Optional[cute.Tensor],  # (b, s_q, extra_topk) int32
+        extra_topk_length: Optional[cute.Tensor],  # (b,) int32
         softmax_scale: Float32,
         stream,
-        extra_kv: Optional[cute.Tensor] = None,  # the extra pool (V4): (num_blocks_e, page_e, row bytes) uint8
-        extra_indices: Optional[cute.Tensor] = None,  # (b, s_q, extra_topk) int32
-        extra_topk_length: Optional[cute.Tensor] = None,  # (b,) int32
     ):
         cfg = self.cfg
         tile = self.tile
@@ -690,11 +705,11 @@ class Sm100SparseDecodeKernel:
             cpasync.CopyBulkTensorTileG2SOp(cta), q_t, cute.select(q_layout, mode=[0, 1, 2]),
             (tile.heads, tile.tokens, tile.d_qk), qk_mma,
         )
-        rows_per_block = Int32(kv.stride[0] // tile.tma_row_bytes)
-        tma_nope, nope_tma, tma_rope, rope_tma = _gather_maps(tile, kv, indices, raw_layout, rope_tma_layout)
+        rows_per_block = Int32(k_cache.stride[0] // tile.tma_row_bytes)
+        tma_nope, nope_tma, tma_rope, rope_tma = _gather_maps(tile, k_cache, indices, raw_layout, rope_tma_layout)
         tma_enope = enope_tma = tma_erope = erope_tma = None
         if cutlass.const_expr(cfg.has_extra):
-            tma_enope, enope_tma, tma_erope, erope_tma = _gather_maps(tile, extra_kv, extra_indices, raw_layout,
+            tma_enope, enope_tma, tma_erope, erope_tma = _gather_maps(tile, extra_k_cache, extra_indices, raw_layout,
                                                                       rope_tma_layout)
         out_t = cute.make_tensor(
             out.iterator,
@@ -722,11 +737,11 @@ class Sm100SparseDecodeKernel:
         self.kernel(
             qk_mma, pv_mma,
             tma_q, q_tma, tma_nope, nope_tma, tma_rope, rope_tma, tma_out, out_tma, tma_oacc, oacc_tma,
-            kv, indices, topk_length, attn_sink, tile_md, accum_offsets, lse, lse_accum,
+            k_cache, indices, topk_length, attn_sink, tile_md, accum_offsets, lse, lse_accum,
             rows_per_block, scale_log2,
             q_layout, k_layout, rope_layout, p_layout, L["v_outer"], L["v_swizzle"], rope_tma_layout, out_box_layout,
             oacc_box_layout, raw_layout,
-            tma_enope, enope_tma, tma_erope, erope_tma, extra_kv, extra_indices, extra_topk_length,
+            tma_enope, enope_tma, tma_erope, erope_tma, extra_k_cache, extra_indices, extra_topk_length,
         ).launch(grid=grid, block=[WARPS.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
@@ -1626,76 +1641,73 @@ class _Sched:
 # --------------------------------------------------------------------------------------------------
 
 
-def _fake_args(cfg: Sm100SparseDecodeConfig):
-    """Fake tensors with symbolic dims (shared where the launch must agree) for the CPU compile:
-    the host function's tensor arguments, in order (None for an absent optional one)."""
+# The compiled entry's tensor parameters (SparseDecodeTensors fields), in order: the host entry's
+# signature, the fake arguments and the launch all follow it (tests/test_registry.py checks the first).
+ENTRY = ("q", "k_cache", "indices", "topk_length", "attn_sink", "tile_md", "accum_offsets", "out", "lse", "o_accum",
+         "lse_accum", "extra_k_cache", "extra_indices", "extra_topk_length")
+_entry_of = entry_getter(ENTRY)
+
+
+def _fake_args(cfg: Sm100SparseDecodeConfig) -> list:
+    """Fake tensors with symbolic dims (shared where the launch must agree) for the CPU compile, in
+    ``ENTRY`` order (None for an absent optional one)."""
     b, s_q, topk, nblk, page, parts, b1, rows = (cute.sym_int() for _ in range(8))
     h = cfg.h_q
     tile = cfg.tile
     i64 = lambda d: cute.sym_int64(divisibility=d)  # noqa: E731
-    q = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_qk), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
-    kv = make_fake_tensor(Uint8, (nblk, page, tile.row_bytes), stride=(i64(16), tile.row_bytes, 1), assumed_align=16)
-    indices = make_fake_tensor(Int32, (b, s_q, topk), stride=(i64(1), i64(1), 1), assumed_align=4)
-    topk_length = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4) if cfg.has_topk_length else None
-    attn_sink = make_fake_tensor(Float32, (h,), stride=(1,), assumed_align=4) if cfg.has_attn_sink else None
-    tile_md = make_fake_tensor(Int32, (parts, SCHED_ROW_INTS), stride=(SCHED_ROW_INTS, 1), assumed_align=16)
-    accum_offsets = make_fake_tensor(Int32, (b1,), stride=(1,), assumed_align=4)
-    out = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_v), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
-    lse = make_fake_tensor(Float32, (b, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
-    args = [q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse]
+    f = dict.fromkeys(ENTRY)
+    f["q"] = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_qk), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
+    f["k_cache"] = make_fake_tensor(Uint8, (nblk, page, tile.row_bytes), stride=(i64(16), tile.row_bytes, 1),
+                                    assumed_align=16)
+    f["indices"] = make_fake_tensor(Int32, (b, s_q, topk), stride=(i64(1), i64(1), 1), assumed_align=4)
+    if cfg.has_topk_length:
+        f["topk_length"] = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4)
+    if cfg.has_attn_sink:
+        f["attn_sink"] = make_fake_tensor(Float32, (h,), stride=(1,), assumed_align=4)
+    f["tile_md"] = make_fake_tensor(Int32, (parts, SCHED_ROW_INTS), stride=(SCHED_ROW_INTS, 1), assumed_align=16)
+    f["accum_offsets"] = make_fake_tensor(Int32, (b1,), stride=(1,), assumed_align=4)
+    f["out"] = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_v), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
+    f["lse"] = make_fake_tensor(Float32, (b, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
     if cfg.split:
-        o_accum = make_fake_tensor(Float32, (rows, s_q, h, cfg.d_v), stride=(i64(4), i64(4), i64(4), 1),
-                                   assumed_align=16)
-        lse_accum = make_fake_tensor(Float32, (rows, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
-        args += [o_accum, lse_accum]
-    extra_kv = extra_indices = extra_topk_length = None
+        f["o_accum"] = make_fake_tensor(Float32, (rows, s_q, h, cfg.d_v), stride=(i64(4), i64(4), i64(4), 1),
+                                        assumed_align=16)
+        f["lse_accum"] = make_fake_tensor(Float32, (rows, s_q, h), stride=(i64(1), i64(1), 1), assumed_align=4)
     if cfg.has_extra:
         # its own blocks, page size and stride(0); the requests and tokens are the call's
         nblk_e, page_e, topk_e = (cute.sym_int() for _ in range(3))
-        extra_kv = make_fake_tensor(Uint8, (nblk_e, page_e, tile.row_bytes), stride=(i64(16), tile.row_bytes, 1),
-                                    assumed_align=16)
-        extra_indices = make_fake_tensor(Int32, (b, s_q, topk_e), stride=(i64(1), i64(1), 1), assumed_align=4)
+        f["extra_k_cache"] = make_fake_tensor(Uint8, (nblk_e, page_e, tile.row_bytes),
+                                              stride=(i64(16), tile.row_bytes, 1), assumed_align=16)
+        f["extra_indices"] = make_fake_tensor(Int32, (b, s_q, topk_e), stride=(i64(1), i64(1), 1), assumed_align=4)
         if cfg.has_extra_topk_length:
-            extra_topk_length = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4)
-    return args + [extra_kv, extra_indices, extra_topk_length]
+            f["extra_topk_length"] = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4)
+    return fake_entry(ENTRY, f)
 
 
-def compile_sparse_decode(cfg: Sm100SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
+def compile(cfg: Sm100SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
     """Compile (once per config) the SM100 sparse decode kernel. Needs no GPU."""
     assert smem_bytes(cfg) <= SMEM_LIMIT, f"shared memory {smem_bytes(cfg)} B > {SMEM_LIMIT} B"
     assert tmem_columns(cfg) <= TMEM_COLUMNS
 
     def build(dump: Optional[str]):
-        k = Sm100SparseDecodeKernel(cfg)
-        host = k.host_split if cfg.split else k.host_no_split
-        return cute.compile(
-            host,
-            *_fake_args(cfg),
-            Float32(1.0),
-            make_fake_stream(use_tvm_ffi_env_stream=True),
-            options=compile_options(cfg.arch, dump),
-        )
+        return cute.compile(Sm100SparseDecodeKernel(cfg), *_fake_args(cfg), Float32(1.0),
+                            make_fake_stream(use_tvm_ffi_env_stream=True), options=compile_options(cfg.arch, dump))
 
     return compile_cached(cfg.cache_key, build, dump_dir)
 
 
-def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm100SparseDecodeConfig, t: DecodeTensors,
-                         softmax_scale: float) -> None:
+def launch(compiled: CompiledKernel, cfg: Sm100SparseDecodeConfig, t: SparseDecodeTensors) -> None:
     """Run the kernel on torch's current stream. No sync, no allocation.
 
-    ``t``: the launch's :class:`~cute_mla.kernels.DecodeTensors`; ``t.accum_offsets`` is the
+    ``t``: the call's :class:`~cute_mla.kernels.SparseDecodeTensors`; ``t.accum_offsets`` is the
     accumulator row prefix sum (split row = ``accum_offsets[r] + begin_split_idx`` for the
     partition's first request). Shapes, dtypes, devices and base alignment are checked by the
     compiled function itself (TVM-FFI names a bad argument); checked here is what it cannot see.
     """
     _check_launch(cfg, t)
-    args = [t.q, t.kv, t.indices, t.topk_length, t.attn_sink, t.tile_md, t.accum_offsets, t.out, t.lse]
-    if cfg.split:
-        args += [t.o_accum, t.lse_accum]
-    compiled.fn(*args, t.extra_kv, t.extra_indices, t.extra_topk_length, float(softmax_scale))
+    compiled.fn(*_entry_of(t), float(t.softmax_scale))
 
 
-def _check_launch(cfg: Sm100SparseDecodeConfig, t: DecodeTensors) -> None:
+def _check_launch(cfg: Sm100SparseDecodeConfig, t: SparseDecodeTensors) -> None:
     what = "sm100 sparse decode"
     if cfg.has_topk_length != (t.topk_length is not None):
         raise ValueError(f"{what}: compiled with has_topk_length={cfg.has_topk_length}, "
@@ -1706,7 +1718,7 @@ def _check_launch(cfg: Sm100SparseDecodeConfig, t: DecodeTensors) -> None:
     if cfg.split != (t.o_accum is not None) or cfg.split != (t.lse_accum is not None):
         raise ValueError(f"{what}: the {'split' if cfg.split else 'no-split'} variant "
                          f"{'needs' if cfg.split else 'takes no'} o_accum / lse_accum")
-    _check_cache(what, "kv", t.kv, cfg.tile)
+    _check_cache(what, "k_cache", t.k_cache, cfg.tile)
     if t.indices.shape[-1] % TILE.sched_block:
         raise ValueError(f"{what}: topk must be a multiple of {TILE.sched_block}, got {t.indices.shape[-1]}")
     _check_extra(what, cfg, t)
@@ -1739,18 +1751,18 @@ def _check_cache(what: str, name: str, kv, tile: Tile) -> None:
         raise ValueError(f"{what}: {name} has more than 2^31 - 1 rows of {pitch} bytes (TMA coordinates are int32)")
 
 
-def _check_extra(what: str, cfg: Sm100SparseDecodeConfig, t: DecodeTensors) -> None:
+def _check_extra(what: str, cfg: Sm100SparseDecodeConfig, t: SparseDecodeTensors) -> None:
     """The extra pool's tensors against the compiled variant."""
-    given = t.extra_kv is not None and t.extra_indices is not None
+    given = t.extra_k_cache is not None and t.extra_indices is not None
     if cfg.has_extra != given or (not cfg.has_extra and t.extra_topk_length is not None):
-        raise ValueError(f"{what}: compiled with has_extra={cfg.has_extra}, got extra_kv / extra_indices="
+        raise ValueError(f"{what}: compiled with has_extra={cfg.has_extra}, got extra_k_cache / extra_indices="
                          f"{'tensors' if given else 'None'}")
     if cfg.has_extra_topk_length != (t.extra_topk_length is not None):
         raise ValueError(f"{what}: compiled with has_extra_topk_length={cfg.has_extra_topk_length}, "
                          f"got extra_topk_length={'a tensor' if t.extra_topk_length is not None else None}")
     if not cfg.has_extra:
         return
-    _check_cache(what, "extra_kv", t.extra_kv, cfg.tile)
+    _check_cache(what, "extra_k_cache", t.extra_k_cache, cfg.tile)
     ei = t.extra_indices
     if ei.dim() != 3 or tuple(ei.shape[:2]) != tuple(t.indices.shape[:2]) or ei.stride(-1) != 1:
         raise ValueError(f"{what}: extra_indices must be (b, s_q, extra_topk) like indices with a contiguous last dim, "

@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ... import archs
-from ...formats import V32, FormatGeometry, KVCacheFormat, format_for_d_qk, kernel_format
+from ...formats import V32, FormatGeometry, KVCacheFormat, format_named, kernel_format
+
+
+# o_accum's element type in the split variant: bf16 partials (the plan's policy names the same;
+# config_for refuses a plan that does not)
+ACCUM_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,7 @@ class Sm90SparseDecodeConfig:
     # output columns (the plan's ``sm90_column_pair``); out is stored from registers, o_accum by
     # TMA in 64 x 64 boxes.
     column_pair: bool = False
-    d_qk: int = V32.d_qk
+    format: str = V32.name  # the cache format's name (formats.format_named)
     tuning: Sm90Tuning = DEFAULT_TUNING
     arch: str = archs.SM90.name
     # The extra KV pool (V4): a second cache and index list attended jointly with the main one,
@@ -257,7 +262,7 @@ class Sm90SparseDecodeConfig:
         if self.column_pair and not (self.split and self.h_q == 64):
             raise ValueError(f"column_pair: only the h_q=64 split variant runs column pairs (got h_q={self.h_q}, "
                              f"split={self.split})")
-        kernel_format(self.d_qk, self.has_extra, self.has_extra_topk_length)
+        kernel_format(self.format, self.has_extra, self.has_extra_topk_length)
         if not isinstance(self.tuning, Sm90Tuning):
             raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
         if self.arch != archs.SM90.name:
@@ -266,12 +271,17 @@ class Sm90SparseDecodeConfig:
     @property
     def tile(self) -> Tile:
         """The tile geometry of the config's cache format."""
-        return tile_of(format_for_d_qk(self.d_qk))
+        return tile_of(format_named(self.format))
+
+    @property
+    def d_qk(self) -> int:
+        """The format's key width."""
+        return self.tile.d_qk
 
     @property
     def accum_dtype(self) -> str:
         """o_accum's element type in the split variant (the arch's)."""
-        return archs.SM90.accum_dtype
+        return ACCUM_DTYPE
 
     @property
     def n_hblk(self) -> int:
@@ -300,12 +310,33 @@ class Sm90SparseDecodeConfig:
         return self.column_pair
 
 
-def kernel_config(*, h_q: int, d_qk: int, split: bool, has_topk_length: bool, has_attn_sink: bool,
+Config = Sm90SparseDecodeConfig   # the registry's protocol (cute_mla.registry)
+Tuning = Sm90Tuning
+
+
+def kernel_config(*, h_q: int, format: str = V32.name, split: bool, has_topk_length: bool, has_attn_sink: bool,
                   column_pair: bool = False, tuning=None, has_extra: bool = False,
                   has_extra_topk_length: bool = False, request_order: bool = False) -> Sm90SparseDecodeConfig:
-    """The config of the kernel a plan names (the launcher's call); ``tuning`` None is the default."""
+    """Any valid config by keyword (the plan's choices spelled out); ``tuning`` None is the default."""
     return Sm90SparseDecodeConfig(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
-                                  column_pair=column_pair, d_qk=d_qk,
+                                  column_pair=column_pair, format=format,
                                   tuning=DEFAULT_TUNING if tuning is None else tuning,
                                   has_extra=has_extra, has_extra_topk_length=has_extra_topk_length,
                                   request_order=request_order)
+
+
+def config_for(plan, has_attn_sink: bool, tuning=None) -> Sm90SparseDecodeConfig:
+    """The config of the kernel a sparse decode plan's calls compile (the launcher's call)."""
+    if plan.split and plan.accum_dtype != ACCUM_DTYPE:
+        raise ValueError(f"accum_dtype: got {plan.accum_dtype!r} from the plan, accepted: {ACCUM_DTYPE!r} (what the "
+                         "SM90 split kernel writes)")
+    return kernel_config(h_q=plan.h_q, format=plan.format, split=plan.split, has_topk_length=plan.has_topk_length,
+                         has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
+                         has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length,
+                         request_order=plan.orders_requests)
+
+
+def tensor_maps(cfg: Sm90SparseDecodeConfig) -> tuple:
+    """The TMA descriptors the kernel builds: Q, out (not in the column pair, which stores out from
+    registers), and o_accum in the split variant; the extra pool's rows are gathered, not mapped."""
+    return ("q",) + (() if cfg.out_from_registers else ("out",)) + (("o_accum",) if cfg.split else ())

@@ -44,8 +44,9 @@ from ...dsl import ptx as common_ptx
 from ...scheduler.partition import SCHED_ROW_INTS, SchedField
 from ..combine import accum_type
 from . import ptx
-from .config import (DEFAULT_TUNING, TILE, Role, Sm90SparseDecodeConfig, Sm90Tuning, Stamp,  # noqa: F401
-                     kernel_config)
+from .config import (ACCUM_DTYPE, DEFAULT_TUNING, TILE, Config, Role, Sm90SparseDecodeConfig, Sm90Tuning,  # noqa: F401
+                     Stamp, Tuning, config_for, kernel_config, tensor_maps)
+from .. import SparseDecodeTensors, entry_getter, fake_entry
 from .crossover import producer_crossover
 from .cta import Cta, Gmem, Smem, stamp, storage_of
 from .epilogue import LOG2E, bf16_block_layout
@@ -57,8 +58,8 @@ from .softmax import softmax_wg
 assert max(SchedField.BEGIN_REQ, SchedField.END_REQ, SchedField.BEGIN_BLOCK, SchedField.END_BLOCK) < 4, \
     "the prologue reads a partition's request and block range in one 16-B load"
 
-__all__ = ["Sm90SparseDecodeConfig", "Sm90Tuning", "DEFAULT_TUNING", "kernel_config", "compile_sparse_decode",
-           "launch_sparse_decode"]
+__all__ = ["Config", "Tuning", "Sm90SparseDecodeConfig", "Sm90Tuning", "DEFAULT_TUNING", "kernel_config", "config_for",
+           "tensor_maps", "compile", "launch", "ENTRY"]
 
 
 def heads_dims_first(t: cute.Tensor) -> cute.Tensor:
@@ -82,7 +83,7 @@ class Sm90SparseDecode:
     def __call__(
         self,
         q: cute.Tensor,  # (b, s_q, h_q, d_qk) bf16
-        kv: cute.Tensor,  # (num_blocks, page_block_size, row bytes) uint8
+        k_cache: cute.Tensor,  # (num_blocks, page_block_size, row bytes) uint8
         indices: cute.Tensor,  # (b, s_q, topk) int32
         topk_length: Optional[cute.Tensor],  # (b,) int32
         attn_sink: Optional[cute.Tensor],  # (h_q,) fp32
@@ -92,11 +93,11 @@ class Sm90SparseDecode:
         lse: cute.Tensor,  # (b, s_q, h_q) fp32
         o_accum: Optional[cute.Tensor],  # (rows, s_q, h_q, 512) bf16
         lse_accum: Optional[cute.Tensor],  # (rows, s_q, h_q) fp32
-        timeline: Optional[cute.Tensor],  # (grid x, grid y, Stamp.SLOTS) int64, Sm90Tuning.timeline only
-        extra_kv: Optional[cute.Tensor],  # the extra pool (V4): (num_blocks', page', row bytes) uint8
+        extra_k_cache: Optional[cute.Tensor],  # the extra pool (V4): (num_blocks', page', row bytes) uint8
         extra_indices: Optional[cute.Tensor],  # (b, s_q, extra_topk) int32
         extra_topk_length: Optional[cute.Tensor],  # (b,) int32
         request_order: Optional[cute.Tensor],  # (b,) int32, cfg.request_order only
+        timeline: Optional[cute.Tensor],  # (grid x, grid y, Stamp.SLOTS) int64, Sm90Tuning.timeline only
         softmax_scale: Float32,
         stream,
     ):
@@ -153,8 +154,8 @@ class Sm90SparseDecode:
         self.kernel(
             qk_mma, pv_rs_mma, pv_ss_mma,
             tma_q, q_tma, tma_out, out_tma, tma_oacc, oacc_tma,
-            kv, indices, topk_length, attn_sink, tile_md, accum_offsets, lse, lse_accum, timeline,
-            extra_kv, extra_indices, extra_topk_length, request_order,
+            k_cache, indices, topk_length, attn_sink, tile_md, accum_offsets, lse, lse_accum, timeline,
+            extra_k_cache, extra_indices, extra_topk_length, request_order,
             scale_log2,
             q_layout, k_layout, p_layout, chunk_layout,
         ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1,
@@ -301,8 +302,17 @@ class Sm90SparseDecode:
 # --------------------------------------------------------------------------------------------------
 
 
-def _fake_arguments(cfg: Sm90SparseDecodeConfig):
-    """Fake tensors with symbolic dims/strides so one compile serves every shape (no GPU needed)."""
+# The compiled entry's tensor parameters (SparseDecodeTensors fields, then the instrumentation's
+# ``timeline``), in order: the host entry's signature, the fake arguments and the launch follow it
+# (tests/test_registry.py checks the first).
+ENTRY = ("q", "k_cache", "indices", "topk_length", "attn_sink", "tile_md", "accum_offsets", "out", "lse", "o_accum",
+         "lse_accum", "extra_k_cache", "extra_indices", "extra_topk_length", "request_order")
+_entry_of = entry_getter(ENTRY)
+
+
+def _fake_arguments(cfg: Sm90SparseDecodeConfig) -> list:
+    """Fake tensors with symbolic dims/strides so one compile serves every shape (no GPU needed),
+    in ``ENTRY`` order, then the timeline, the scale and the stream."""
     rt = cute.runtime
     b, s_q = cute.sym_int(), cute.sym_int()
     topk = cute.sym_int(divisibility=64)
@@ -313,35 +323,41 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig):
         return cute.sym_int64(divisibility=div)
 
     tile = cfg.tile
-    q = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, tile.d_qk), stride=(s64(8), s64(8), s64(8), 1), assumed_align=16)
-    kv = rt.make_fake_tensor(Uint8, (num_blocks, page, tile.row_bytes), stride=(s64(16), tile.row_bytes, 1), assumed_align=16)
-    indices = rt.make_fake_tensor(Int32, (b, s_q, topk), stride=(s64(1), s64(1), 1), assumed_align=4)
-    topk_length = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4) if cfg.has_topk_length else None
-    attn_sink = rt.make_fake_compact_tensor(Float32, (cfg.h_q,), assumed_align=4) if cfg.has_attn_sink else None
-    tile_md = rt.make_fake_compact_tensor(Int32, (parts, SCHED_ROW_INTS), stride_order=(1, 0), assumed_align=16)
-    accum_offsets = rt.make_fake_compact_tensor(Int32, (b1,), assumed_align=4)
-    out = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, TILE.d_v), stride=(s64(8), s64(8), s64(8), 1), assumed_align=16)
-    lse = rt.make_fake_compact_tensor(Float32, (b, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
-    o_accum = lse_accum = None
+    f = dict.fromkeys(ENTRY)
+    f["q"] = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, tile.d_qk), stride=(s64(8), s64(8), s64(8), 1),
+                                 assumed_align=16)
+    f["k_cache"] = rt.make_fake_tensor(Uint8, (num_blocks, page, tile.row_bytes), stride=(s64(16), tile.row_bytes, 1),
+                                       assumed_align=16)
+    f["indices"] = rt.make_fake_tensor(Int32, (b, s_q, topk), stride=(s64(1), s64(1), 1), assumed_align=4)
+    if cfg.has_topk_length:
+        f["topk_length"] = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4)
+    if cfg.has_attn_sink:
+        f["attn_sink"] = rt.make_fake_compact_tensor(Float32, (cfg.h_q,), assumed_align=4)
+    f["tile_md"] = rt.make_fake_compact_tensor(Int32, (parts, SCHED_ROW_INTS), stride_order=(1, 0), assumed_align=16)
+    f["accum_offsets"] = rt.make_fake_compact_tensor(Int32, (b1,), assumed_align=4)
+    f["out"] = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, TILE.d_v), stride=(s64(8), s64(8), s64(8), 1),
+                                   assumed_align=16)
+    f["lse"] = rt.make_fake_compact_tensor(Float32, (b, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
     if cfg.split:
-        o_accum = rt.make_fake_compact_tensor(accum_type(cfg.accum_dtype), (rows, s_q, cfg.h_q, TILE.d_v),
-                                              stride_order=(3, 2, 1, 0), assumed_align=16)
-        lse_accum = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q), stride_order=(2, 1, 0), assumed_align=4)
+        f["o_accum"] = rt.make_fake_compact_tensor(accum_type(cfg.accum_dtype), (rows, s_q, cfg.h_q, TILE.d_v),
+                                                   stride_order=(3, 2, 1, 0), assumed_align=16)
+        f["lse_accum"] = rt.make_fake_compact_tensor(Float32, (rows, s_q, cfg.h_q), stride_order=(2, 1, 0),
+                                                     assumed_align=4)
     timeline = None
     if cfg.tuning.timeline:
-        timeline = rt.make_fake_compact_tensor(Int64, (cute.sym_int(), parts, int(Stamp.SLOTS)), stride_order=(2, 1, 0), assumed_align=8)
-    extra_kv = extra_indices = extra_topk_length = None
+        timeline = rt.make_fake_compact_tensor(Int64, (cute.sym_int(), parts, int(Stamp.SLOTS)), stride_order=(2, 1, 0),
+                                               assumed_align=8)
     if cfg.has_extra:
-        extra_kv = rt.make_fake_tensor(Uint8, (cute.sym_int(), cute.sym_int(), tile.row_bytes),
-                                       stride=(s64(16), tile.row_bytes, 1), assumed_align=16)
-        extra_indices = rt.make_fake_tensor(Int32, (b, s_q, cute.sym_int(divisibility=64)), stride=(s64(1), s64(1), 1),
-                                            assumed_align=4)
+        f["extra_k_cache"] = rt.make_fake_tensor(Uint8, (cute.sym_int(), cute.sym_int(), tile.row_bytes),
+                                                 stride=(s64(16), tile.row_bytes, 1), assumed_align=16)
+        f["extra_indices"] = rt.make_fake_tensor(Int32, (b, s_q, cute.sym_int(divisibility=64)),
+                                                 stride=(s64(1), s64(1), 1), assumed_align=4)
         if cfg.has_extra_topk_length:
-            extra_topk_length = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4)
-    request_order = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4) if cfg.request_order else None
+            f["extra_topk_length"] = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4)
+    if cfg.request_order:
+        f["request_order"] = rt.make_fake_compact_tensor(Int32, (b,), assumed_align=4)
     stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return (q, kv, indices, topk_length, attn_sink, tile_md, accum_offsets, out, lse, o_accum, lse_accum, timeline,
-            extra_kv, extra_indices, extra_topk_length, request_order, Float32(1.0), stream)
+    return fake_entry(ENTRY, f) + [timeline, Float32(1.0), stream]
 
 
 def smem_bytes(cfg: Sm90SparseDecodeConfig) -> int:
@@ -350,7 +366,7 @@ def smem_bytes(cfg: Sm90SparseDecodeConfig) -> int:
     return storage_of(cfg).size_in_bytes()
 
 
-def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
+def compile(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
     """Compile (once per ``cfg``) the SM90 sparse decode kernel against fake tensors. Needs no GPU;
     any valid config compiles, ``cfg.tuning`` included (the variant seam)."""
 
@@ -360,31 +376,17 @@ def compile_sparse_decode(cfg: Sm90SparseDecodeConfig, dump_dir: Optional[str] =
     return compile_cached(("sm90_sparse_decode", cfg), build, dump_dir)
 
 
-def launch_sparse_decode(compiled: CompiledKernel, cfg: Sm90SparseDecodeConfig, t, softmax_scale: float,
-                         timeline=None) -> None:
+def launch(compiled: CompiledKernel, cfg: Sm90SparseDecodeConfig, t: SparseDecodeTensors, timeline=None) -> None:
     """Launch on torch's current stream. No host sync, no allocation.
 
-    ``t``: the launch's :class:`~cute_mla.kernels.DecodeTensors`; absent optionals are passed as
-    None (the compiled signature keeps a None slot for them). ``timeline``: the stamp buffer of a
-    kernel compiled with ``Sm90Tuning.timeline`` (instrumentation only). Grid: x = s_q * (h_q // 64)
-    (x 2 in the column pair), y = tile_md.shape[0] (one CTA per 64 heads x token x partition, per
-    column half in the column pair). A ``request_order`` kernel needs ``t.request_order``: its
-    partition rows index positions in it.
+    ``t``: the call's :class:`~cute_mla.kernels.SparseDecodeTensors`, its optional fields None
+    exactly where the config takes none (the compiled signature keeps a None slot for them).
+    ``timeline``: the stamp buffer of a kernel compiled with ``Sm90Tuning.timeline``
+    (instrumentation only). Grid: x = s_q * (h_q // 64) (x 2 in the column pair), y =
+    tile_md.shape[0] (one CTA per 64 heads x token x partition, per column half in the column
+    pair). A ``request_order`` kernel needs ``t.request_order``: its partition rows index positions in it.
     """
     if cfg.request_order and t.request_order is None:
         raise ValueError("request_order: this kernel's partition rows index positions in a request order (the plan's "
                          "balanced schedule); pass the schedule's request_order, got None")
-    compiled.fn(
-        t.q, t.kv, t.indices,
-        t.topk_length if cfg.has_topk_length else None,
-        t.attn_sink if cfg.has_attn_sink else None,
-        t.tile_md, t.accum_offsets, t.out, t.lse,
-        t.o_accum if cfg.split else None,
-        t.lse_accum if cfg.split else None,
-        timeline,
-        t.extra_kv if cfg.has_extra else None,
-        t.extra_indices if cfg.has_extra else None,
-        t.extra_topk_length if cfg.has_extra_topk_length else None,
-        t.request_order if cfg.request_order else None,
-        float(softmax_scale),
-    )
+    compiled.fn(*_entry_of(t), timeline, float(t.softmax_scale))
