@@ -74,8 +74,9 @@ from torch.profiler import ProfilerActivity, profile
 import cute_mla
 from cute_mla.archs import SM90, device_arch, device_num_sms
 from cute_mla.formats import V4, V32
-from cute_mla.interface.launcher import allocate_workspace, cache_bytes, kernel_module, launch_configs
-from cute_mla.kernels import DecodeTensors
+from cute_mla import registry
+from cute_mla.interface.launcher import allocate_workspace, launch_configs
+from cute_mla.kernels import SparseDecodeTensors, cache_bytes
 from cute_mla.kernels.sm90 import DEFAULT_TUNING
 from cute_mla.kernels.sm90.config import Stamp
 from cute_mla.plan.schedule import make_schedule
@@ -112,9 +113,11 @@ class Parts:
         b, s_q, h, _ = q.shape
         self.out = torch.empty(b, s_q, h, V32.d_v, dtype=torch.bfloat16, device=q.device)
         self.lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
-        self.args = (q, cache.view(torch.uint8).squeeze(2), idx, None, None, self.sched.tile_scheduler_metadata,
-                     self.sched.accum_offsets, self.out, self.lse, SCALE)
-        self.workspace = self.main()         # a workspace the decode kernel wrote, for combine()
+        self.t = SparseDecodeTensors(q, cache_bytes(cache), idx, out=self.out, lse=self.lse,
+                                     tile_md=self.sched.tile_scheduler_metadata,
+                                     accum_offsets=self.sched.accum_offsets, softmax_scale=SCALE)
+        self.launched = self.main()          # the bundle with the workspace the decode kernel wrote, for combine()
+        self.workspace = (self.launched.o_accum, self.launched.lse_accum)
         torch.cuda.synchronize()
 
     @property
@@ -125,14 +128,13 @@ class Parts:
         return call(cute_mla, self.sched, self.q, self.cache, self.idx)
 
     def launch(self):
-        self.launcher(*self.args)
+        self.launcher(self.t, self.sched.workspace)
 
     def main(self):
-        return self.launcher.main(*self.args)
+        return self.launcher.main(self.t, self.sched.workspace)
 
     def combine(self):
-        self.launcher.combine(self.workspace, self.sched.accum_offsets, None, self.out, self.lse,
-                              self.sched.tile_scheduler_metadata)
+        self.launcher.combine(self.launched)
 
     def workspace_allocation(self):
         return allocate_workspace(self.launcher.plan, self.q.device)
@@ -185,18 +187,14 @@ def launch_parts(args):
     launcher = p.launcher
     if launcher.plan.token_walk:
         raise SystemExit("--launch: a row without the token walk (small s_q)")
-    o_acc, l_acc = p.workspace
-    t = DecodeTensors(q, p.args[1], idx, None, None, p.sched.tile_scheduler_metadata, p.sched.accum_offsets, p.out,
-                      p.lse, o_acc, l_acc, None, None, None)
+    t = p.launched
     cfg = launcher.main_cfg
-    fn_args = (t.q, t.kv, t.indices, None, None, t.tile_md, t.accum_offsets, t.out, t.lse,
-               t.o_accum if cfg.split else None, t.lse_accum if cfg.split else None, None, None, None, None, SCALE)
+    fn_args = tuple(getattr(t, name) for name in launcher.main_mod.ENTRY) + (None, SCALE)
     nop = tvm_ffi.get_global_func("testing.nop")
     tiny = torch.zeros(1, device="cuda")
     event = torch.cuda.Event()
     parts = {
-        "launcher.main_mod.launch_sparse_decode": lambda: launcher.main_mod.launch_sparse_decode(
-            launcher.main_compiled, cfg, t, SCALE),
+        "launcher.main_mod.launch": lambda: launcher.main_mod.launch(launcher.main_compiled, cfg, t),
         "compiled fn, same arguments": lambda: launcher.main_compiled.fn(*fn_args),
         "TVM-FFI no-op, same arguments": lambda: nop(*fn_args),
         "TVM-FFI no-op, no arguments": lambda: nop(),
@@ -273,11 +271,7 @@ def public_steps(p: Parts) -> dict:
     key = api._tensor_key(q, cache, idx, None, None, None, V32.d_v, None, None, None)
     launcher = p.launcher
     kv = cache_bytes(cache)
-    o_acc, l_acc = p.workspace
-    walk = (q[0].unsqueeze(1), idx[0].unsqueeze(1), out[0].unsqueeze(1), lse[0].unsqueeze(1)) if launcher.plan.token_walk \
-        else (q, idx, out, lse)
-    t = DecodeTensors(walk[0], kv, walk[1], None, None, sched.tile_scheduler_metadata, sched.accum_offsets, walk[2],
-                      walk[3], o_acc, l_acc, None, None, None)
+    t = p.launched
 
     def guard():
         with on_device_of(q):
@@ -301,10 +295,10 @@ def public_steps(p: Parts) -> dict:
                                                       lse[0].unsqueeze(1)),
         "token walk: 4 x transpose(0, 1)": lambda: (q.transpose(0, 1), idx.transpose(0, 1), out.transpose(0, 1),
                                                      lse.transpose(0, 1)),
-        "DecodeTensors": lambda: DecodeTensors(q, kv, idx, None, None, sched.tile_scheduler_metadata,
-                                               sched.accum_offsets, out, lse, o_acc, l_acc, None, None, None),
-        "decode launch (compiled fn)": lambda: launcher.main_mod.launch_sparse_decode(launcher.main_compiled,
-                                                                                      launcher.main_cfg, t, SCALE),
+        "SparseDecodeTensors": lambda: SparseDecodeTensors(q, kv, idx, None, None, None, None, None, out, lse,
+                                                           sched.tile_scheduler_metadata, sched.accum_offsets,
+                                                           softmax_scale=SCALE),
+        "decode launch (compiled fn)": lambda: launcher.main_mod.launch(launcher.main_compiled, launcher.main_cfg, t),
     }
     if p.split:
         steps["combine launch"] = p.combine
@@ -369,21 +363,22 @@ def stamped_kernel(plan, schedule, q, cache, idx, tuning=None, topk_length=None,
     dev = q.device
     b, s_q, h, _ = q.shape
     extra_cache, extra_idx, extra_len = extra
-    mod = kernel_module(plan.arch)
+    mod = registry.kernel_module(plan.op, plan.arch)
     cfg, _ = launch_configs(plan, attn_sink is not None, dataclasses.replace(tuning or DEFAULT_TUNING, timeline=True))
-    compiled = mod.compile_sparse_decode(cfg)
+    compiled = mod.compile(cfg)
     o_accum, lse_accum = allocate_workspace(plan, dev)
     out = torch.empty(b, s_q, h, plan.d_v, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=dev)
     grid_x = s_q * cfg.n_hblk * cfg.n_cblk
     stamps = torch.zeros(grid_x, schedule.tile_md.shape[0], int(Stamp.SLOTS), dtype=torch.int64, device=dev)
-    t = DecodeTensors(q, cache_bytes(cache), idx, topk_length, attn_sink, schedule.tile_md, schedule.accum_offsets,
-                      out, lse, o_accum, lse_accum, None if extra_cache is None else cache_bytes(extra_cache),
-                      extra_idx, extra_len, schedule.request_order)
+    t = SparseDecodeTensors(q, cache_bytes(cache), idx, topk_length, attn_sink,
+                            None if extra_cache is None else cache_bytes(extra_cache), extra_idx, extra_len, out, lse,
+                            schedule.tile_md, schedule.accum_offsets, schedule.request_order, o_accum, lse_accum,
+                            plan.d_qk ** -0.5)
 
     def launch():
         schedule.ensure_ready()
-        mod.launch_sparse_decode(compiled, cfg, t, plan.d_qk ** -0.5, timeline=stamps)
+        mod.launch(compiled, cfg, t, timeline=stamps)
 
     return launch, stamps
 

@@ -45,7 +45,9 @@ from cute_mla.archs import SM90, device_arch, device_num_sms
 from cute_mla.formats import V32
 from cute_mla.interface.launcher import Launcher
 from cute_mla.kernels.sm90 import DEFAULT_TUNING, RegisterBudget, Sm90Tuning
-from cute_mla.plan.plan import sm90_column_pair
+from cute_mla.kernels import SparseDecodeTensors, cache_bytes
+from cute_mla.plan.policy import default_policy
+from cute_mla.plan.sparse_decode import uses_column_pair
 from cute_mla.plan.schedule import make_schedule
 from cute_mla.playground import bench
 from cute_mla.reference import sparse_decode_reference
@@ -123,11 +125,12 @@ def public_call(tuning, q, cache, idx):
     b, s_q, h, _ = q.shape
     out = torch.empty(b, s_q, h, V32.d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
-    kv = cache.view(torch.uint8).squeeze(2)
+    t = SparseDecodeTensors(q, cache_bytes(cache), idx, out=out, lse=lse, tile_md=sched.tile_scheduler_metadata,
+                            accum_offsets=sched.accum_offsets, softmax_scale=SCALE)
 
     def main_only():
         sched.schedule.ensure_ready()
-        launcher.main(q, kv, idx, None, None, sched.tile_scheduler_metadata, sched.accum_offsets, out, lse, SCALE)
+        launcher.main(t, sched.workspace)
         return out, lse.transpose(1, 2)
 
     return (lambda: call(cute_mla, sched, q, cache, idx)), main_only
@@ -141,7 +144,8 @@ def plan_with_parts(b, s_q, h, topk, parts, dev):
     if plan.num_sm_parts != parts:
         raise SystemExit(f"--parts {parts}: the plan for b={b} s_q={s_q} h={h} has {plan.num_sm_parts} partitions")
     if plan.split:
-        plan = dataclasses.replace(plan, column_pair=sm90_column_pair(plan.arch, b, s_q, h, num_sms, plan.host_schedule))
+        plan = dataclasses.replace(plan, column_pair=uses_column_pair(default_policy(plan.arch), b, s_q, h, num_sms,
+                                                                      plan.host_schedule))
     return plan
 
 
@@ -155,17 +159,17 @@ def planned_call(parts, tuning, q, cache, idx):
     launcher = Launcher(plan, False, tuning)
     out = torch.empty(b, s_q, h, V32.d_v, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=dev)
-    args = (q, cache.view(torch.uint8).squeeze(2), idx, None, None, schedule.tile_md, schedule.accum_offsets, out, lse,
-            SCALE)
+    t = SparseDecodeTensors(q, cache_bytes(cache), idx, out=out, lse=lse, tile_md=schedule.tile_md,
+                            accum_offsets=schedule.accum_offsets, softmax_scale=SCALE)
 
     def run():
         schedule.ensure_ready()
-        launcher(*args)
+        launcher(t)
         return out, lse.transpose(1, 2)
 
     def main_only():
         schedule.ensure_ready()
-        launcher.main(*args)
+        launcher.main(t)
         return out, lse.transpose(1, 2)
 
     return run, main_only

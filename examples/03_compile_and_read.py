@@ -127,15 +127,15 @@ def sass_check(label: str, cubin: str):
 def rejected_budget(out_dir: str) -> str:
     """The SM90 kernel compiled with the 192/160/152 register budget docs/performance.md rejected
     (section 6), through the variant seam (Sm90Tuning); returns its cubin."""
-    from cute_mla.kernels.sm90 import RegisterBudget, Sm90Tuning, kernel_config
-    from cute_mla.kernels.sm90.sparse_decode import compile_sparse_decode
+    from cute_mla.kernels.sm90 import RegisterBudget, Sm90Tuning
+    from cute_mla.kernels.sm90 import sparse_decode as sm90
 
     budget = RegisterBudget(softmax=192, pv_right=160, producer=152)
-    cfg = kernel_config(h_q=64, d_qk=576, split=False, has_topk_length=False, has_attn_sink=False,
-                        tuning=Sm90Tuning(registers=budget))
+    cfg = sm90.kernel_config(h_q=64, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False,
+                             tuning=Sm90Tuning(registers=budget))
     d = os.path.join(out_dir, "rejected-registers-192-160-152")
     os.makedirs(d, exist_ok=True)
-    compile_sparse_decode(cfg, dump_dir=d)
+    sm90.compile(cfg, dump_dir=d)
     _, cubin = inspect.find_artifacts(d, archs.SM90.name)
     return cubin
 
