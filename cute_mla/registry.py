@@ -17,7 +17,8 @@ Every module named here keeps one protocol (checked by ``tests/test_registry.py`
 * a main kernel also has ``config_for(plan, has_attn_sink, tuning=None) -> Config`` (the config a
   plan's calls compile), ``kernel_config(**fields)`` (any valid config by keyword: tests, tools),
   ``Tuning`` (its variant-knob type, or None), ``tensor_maps(cfg)`` (the TMA descriptors it
-  builds), ``ENTRY`` (the bundle fields its compiled entry takes, in order) and, for an op with a
+  builds), ``Kernel`` (the object compiled: its ``__call__`` is the host entry, whose tensor
+  parameters are ``ENTRY``, the bundle fields in order, then kernel-only ones) and, for an op with a
   split-KV workspace, ``ACCUM_DTYPE`` (what its split variant writes).
 
 Nothing here imports a kernel module until asked (:func:`kernel_module`): ``import cute_mla`` stays

@@ -455,7 +455,7 @@ def transient_bytes(fn):
 
     Requested bytes, not ``memory_allocated``'s blocks: a request served from a cached free block
     takes the whole block when the remainder is too small to split (up to 1 MiB in the large pool),
-    which ``max_memory_allocated`` counts (an 8.031 MiB plan read 8.496 MiB that way on the H200).
+    which ``max_memory_allocated`` counts (a plan's exact bytes read half a MiB more that way).
     """
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

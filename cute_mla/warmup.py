@@ -55,7 +55,7 @@ def describe(variant: Variant) -> str:
         if name in ("arch",) or v is False or v is None or (name == "tuning" and type(v)() == v):
             continue
         parts.append(name if v is True else f"{name}={v}")
-    return f"{kernel} {' '.join(parts)}"
+    return " ".join([kernel] + parts)
 
 
 def compile_variant(variant: Variant, op: str = registry.DEFAULT_OP) -> Tuple[float, bool]:

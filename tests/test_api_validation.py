@@ -334,3 +334,12 @@ def test_check_apart_compares_byte_spans():
     with pytest.raises(ValueError, match="out: its memory"):
         check_apart("out", buf[:, :4], "q", buf[:, 4:])          # interleaved: spans overlap
     assert span_bytes(buf[:, :4]) == (63 * 8 + 3 + 1) * 2 and span_bytes(buf[:0]) == 0
+
+
+def test_an_array_of_another_library_is_named_by_type_and_shape():
+    import numpy as np
+
+    with pytest.raises(TypeError) as e:
+        call(q=np.zeros((2, 1, 64, 576)))
+    msg = str(e.value)
+    assert msg == "q: expected a torch.Tensor (b, s_q, h_q, d_qk), got numpy.ndarray of shape (2, 1, 64, 576)"

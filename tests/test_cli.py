@@ -60,8 +60,11 @@ def test_compile_small_kernels(tmp_path, capsys, arch, kernel):
 
 
 def test_compile_unknown_kernel(tmp_path, capsys):
-    assert main(["compile", "--arch", "sm_90a", "--kernel", "nope", "--out", str(tmp_path)]) == 2
-    assert "kernel: got 'nope'" in capsys.readouterr().err
+    """--kernel is a choice list (argparse names the choices)."""
+    with pytest.raises(SystemExit) as e:
+        main(["compile", "--arch", "sm_90a", "--kernel", "nope", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--kernel: invalid choice: 'nope'" in err and "sparse_decode" in err
 
 
 @pytest.mark.parametrize("arch,extra", [("sm_90a", []), ("sm_90a", ["--split", "--h-q", "128"]), ("sm_100a", ["--split"])])
@@ -94,10 +97,62 @@ def test_plan_refuses_impossible_sizes_at_once(capsys):
     assert "b <= 1048576" in err and "b * s_q <= 2147483647" in err
 
 
-@pytest.mark.parametrize("flag", [["--split"], ["--topk-length"], ["--d-qk", "512"], ["--extra-kv"]])
-def test_compile_refuses_decode_options_on_other_kernels(tmp_path, capsys, flag):
-    assert main(["compile", "--arch", "sm_90a", "--kernel", "combine", "--out", str(tmp_path)] + flag) == 2
-    assert "options of --kernel sparse_decode" in capsys.readouterr().err
+@pytest.mark.parametrize("kernel, flag", [("combine", ["--split"]), ("combine", ["--topk-length"]),
+                                          ("combine", ["--d-qk", "512"]), ("combine", ["--format", "V4"]),
+                                          ("combine", ["--extra-kv"]), ("combine", ["--extra-topk", "512"]),
+                                          ("combine", ["--variant", "prefetch_rows=false"]),
+                                          ("scheduler", ["--h-q", "128"]), ("scheduler", ["--attn-sink"])])
+def test_compile_refuses_options_the_kernel_ignores(tmp_path, capsys, kernel, flag):
+    assert main(["compile", "--arch", "sm_90a", "--kernel", kernel, "--out", str(tmp_path)] + flag) == 2
+    err = capsys.readouterr().err
+    assert f"{flag[0]}: options of --kernel sparse_decode, which --kernel {kernel} does not take" in err, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--extra-kv"],
+     "--extra-kv: the V3.2 format has no extra KV pool"),
+    (["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--extra-topk", "512"],
+     "--extra-topk: the V3.2 format has no extra KV pool"),
+    (["plan", "--extra-topk", "512"], "--extra-topk: the V3.2 format has no extra KV pool"),
+    (["plan", "--format", "V4", "--extra-topk-length"], "--extra-topk-length: needs the extra pool"),
+    (["plan", "--format", "V4", "--d-qk", "576"], "--d-qk 576: the V3.2 format's width, but --format names V4"),
+    (["plan", "--format", "V41"], "format: V41 is not implemented yet"),
+    (["plan", "--d-qk", "600"], "--d-qk: got 600"),
+])
+def test_errors_name_the_flag_the_user_typed(tmp_path, capsys, argv, says):
+    if argv[0] == "compile":
+        argv = argv + ["--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+def test_plan_names_the_format_and_op(capsys):
+    assert main(["plan", "--format", "V4", "--b", "128", "--h-q", "128", "--topk", "128", "--extra-topk", "512",
+                 "--topk-length", "--extra-topk-length", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["op"], p["format"], p["d_qk"], p["schedule"]) == ("sparse_decode", "V4", 512, "device")
+    assert main(["plan", "--d-qk", "512", "--b", "128", "--h-q", "128", "--topk", "128", "--extra-topk", "512",
+                 "--topk-length", "--extra-topk-length", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == p
+
+
+def test_ops_prints_the_registry(capsys):
+    assert main(["ops"]) == 0
+    out = capsys.readouterr().out
+    assert "sparse_decode:" in out and "sm90_sparse_decode" in out and "cute_mla.kernels.sm100.sparse_decode" in out
+
+
+def test_every_option_has_help():
+    import argparse
+
+    from cute_mla.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {'/'.join(a.option_strings)}" for name, sp in sub.choices.items() for a in sp._actions
+               if a.option_strings and a.help is None and a.dest != "help"]
+    assert not missing, missing
 
 
 def test_compile_unwritable_out_is_one_line(tmp_path, capsys):
@@ -114,7 +169,7 @@ def test_compile_keeps_variants_apart_and_reports_resources(tmp_path, capsys):
     out = str(tmp_path)
     assert main(["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--out", out]) == 0
     assert main(["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--out", out, "--split", "--attn-sink",
-                 "--d-qk", "512", "--extra-kv"]) == 0
+                 "--format", "V4", "--extra-topk", "512"]) == 0
     text = capsys.readouterr().out
     names = sorted(f for f in os.listdir(out) if not f.startswith("."))
     assert names == ["sparse_decode-sm_90a-h64-nosplit.cubin", "sparse_decode-sm_90a-h64-nosplit.ptx",
@@ -138,4 +193,5 @@ def test_compile_a_variant(tmp_path, capsys):
                  "--variant", "prefetch_rows=false"]) == 2
     assert main(["compile", "--arch", "sm_90a", "--kernel", "sparse_decode", "--out", out, "--variant", "bogus=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "Sm90Tuning values apply to" in err[0] and "unknown key 'bogus'" in err[1], err
+    assert len(err) == 2 and "sm100_sparse_decode kernel (sm_100a) has no variant knobs" in err[0], err
+    assert "unknown key 'bogus'" in err[1], err

@@ -203,3 +203,29 @@ def test_v32_cache_level_round_trip(seed, pow2):
     assert padded.stride(0) == 54 * 656
     rows = dequantize_v32(quantize_v32(kv.reshape(-1, 576), power_of_two_scales=pow2)).reshape(3, 53, 576)
     assert torch.equal(dequantize_cache_v32(packed), rows) and torch.equal(dequantize_cache_v32(padded), rows)
+
+
+def test_quantizers_take_zero_rows_and_name_a_non_tensor():
+    """Zero rows quantize to zero rows (no reshape error); an array that is not a torch tensor is
+    refused by its type, not printed."""
+    import numpy as np
+
+    from cute_mla.formats import dequantize_v4, quantize_v4
+
+    assert quantize_v32(torch.randn(0, 576)).shape == (0, 656)
+    assert dequantize_v32(quantize_v32(torch.randn(0, 576))).shape == (0, 576)
+    assert dequantize_v4(quantize_v4(torch.zeros(0, 64, 512))).shape == (0, 64, 512)
+    with pytest.raises(TypeError, match=r"^kv: expected a torch.Tensor \(N, 576\), got ndarray$"):
+        quantize_v32(np.zeros((3, 576)))
+    with pytest.raises(TypeError, match="kv: expected a torch.Tensor"):
+        quantize_v4(np.zeros((1, 64, 512)))
+
+
+def test_formats_by_name():
+    from cute_mla.formats import V4, format_named
+
+    assert format_named("V3.2") is V32 and format_named("v32") is V32 and format_named("V4") is V4
+    with pytest.raises(NotImplementedError, match="V41 is not implemented yet"):
+        format_named("V41")
+    with pytest.raises(ValueError, match="format: got 'V5', accepted: V3.2, V4"):
+        format_named("V5")

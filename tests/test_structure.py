@@ -167,3 +167,142 @@ def test_history_patterns_catch_examples():
             assert re.search(pattern, samples[what]), what
     assert not re.search(HISTORY[-1][0], "mask 0x87F087F0 and 0x007FFFFF")
 
+
+
+# ------------------------------------------------------------------ the lab stays small and outside
+
+REPO = ROOT.parent
+MAX_BENCH_SCRIPTS = 8
+MAX_RESULT_FILES = 30
+GPU_MODEL = re.compile(r"\b(?:[AHBL]\d{2,3}S?|GB\d{3}|RTX ?\d{4})\b")
+BENCH_PATH = re.compile(r"\bbenchmarks/|\bbenchmarks\.\w")
+
+
+def bench_scripts(folder: pathlib.Path):
+    """The top-level scripts of a benchmarks folder (``__init__.py`` is the package, not a tool)."""
+    return sorted(p.name for p in folder.iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py")
+
+
+def result_files(folder: pathlib.Path):
+    return sorted(p.name for p in (folder / "results").iterdir()) if (folder / "results").is_dir() else []
+
+
+def module_assignments(source: str, package: str = "cute_mla"):
+    """Assignments (``x.attr = ...``, ``setattr(x, ...)``, ``del x.attr``) to an attribute of a name
+    bound to ``package`` or one of its modules by an import in ``source``."""
+    import importlib.util
+
+    tree = ast.parse(source)
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == package or a.name.startswith(package + "."):
+                    bound.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module and (node.module == package
+                                                                    or node.module.startswith(package + ".")):
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                try:
+                    is_module = importlib.util.find_spec(full) is not None
+                except (ImportError, ValueError):
+                    is_module = False
+                if is_module:
+                    bound.add(a.asname or a.name)
+
+    def rooted(expr):
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        return isinstance(expr, ast.Name) and expr.id in bound
+
+    hits = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+              and node.args and rooted(node.args[0])):
+            hits.append(f"{node.lineno}: {ast.unparse(node)}")
+        while targets:
+            t = targets.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                targets += t.elts
+            elif isinstance(t, ast.Attribute) and rooted(t.value):
+                hits.append(f"{node.lineno}: {ast.unparse(t)}")
+    return hits
+
+
+def comment_lines(source: str):
+    """(line number, text) of every comment and docstring line of a module."""
+    import io
+    import tokenize
+
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            out.append((tok.start[0], tok.string))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc and node.body and isinstance(node.body[0], ast.Expr):
+                first = node.body[0].lineno
+                out += [(first + i, line) for i, line in enumerate(doc.splitlines())]
+    return out
+
+
+def comment_hits(source: str):
+    return [f"{n}: {text.strip()[:100]}" for n, text in comment_lines(source)
+            if GPU_MODEL.search(text) or BENCH_PATH.search(text)]
+
+
+def test_benchmarks_keep_at_most_eight_scripts_and_thirty_results():
+    scripts, results = bench_scripts(REPO / "benchmarks"), result_files(REPO / "benchmarks")
+    assert len(scripts) <= MAX_BENCH_SCRIPTS, f"benchmarks/ has {len(scripts)} scripts (at most {MAX_BENCH_SCRIPTS}): {scripts}"
+    assert len(results) <= MAX_RESULT_FILES, f"benchmarks/results has {len(results)} files (at most {MAX_RESULT_FILES})"
+    assert "README.md" in results, "benchmarks/results keeps an index"
+
+
+def test_benchmark_limits_can_fail(tmp_path):
+    (tmp_path / "results").mkdir()
+    for i in range(MAX_BENCH_SCRIPTS + 1):
+        (tmp_path / f"probe{i}.py").write_text("")
+    (tmp_path / "__init__.py").write_text("")
+    for i in range(MAX_RESULT_FILES + 1):
+        (tmp_path / "results" / f"r{i}.log").write_text("")
+    assert len(bench_scripts(tmp_path)) == MAX_BENCH_SCRIPTS + 1
+    assert len(result_files(tmp_path)) == MAX_RESULT_FILES + 1
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "benchmarks").rglob("*.py")) + sorted((REPO / "examples").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_tools_assign_no_library_attribute(path):
+    """Benchmarks and examples pass values (a tuning, a policy) through the library's seams; none
+    assigns into a ``cute_mla`` module (monkeypatching)."""
+    hits = module_assignments(path.read_text())
+    assert not hits, f"{path.relative_to(REPO)} assigns a cute_mla module attribute: {hits}"
+
+
+def test_module_assignments_can_fail():
+    src = ("import cute_mla\nfrom cute_mla.plan import sparse_decode as sd\nfrom cute_mla import plan\n"
+           "import cute_mla.plan.policy as pol\nfrom cute_mla.plan import plan_sparse_decode\n"
+           "sd.SUPPORTED_H_Q = (32,)\nplan.x = 1\ncute_mla.plan.y += 2\nsetattr(pol, 'POLICIES', {})\n"
+           "plan_sparse_decode.cache = None\nobj = object()\nobj.attr = 1\n")
+    hits = module_assignments(src)
+    assert [h.split(":")[0] for h in hits] == ["6", "7", "8", "9"], hits
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_comments_name_no_gpu_model_or_benchmark_path(path):
+    """Library comments say why in the code's terms: which card measured what, and which script
+    measured it, belong in docs/performance.md."""
+    hits = comment_hits(path.read_text())
+    assert not hits, f"{path.relative_to(ROOT)}: {hits[:5]}"
+
+
+def test_comment_check_can_fail():
+    src = ('"""Measured on the H200."""\n\n\ndef f():\n    """see benchmarks/timeline.py"""\n    x = "H100"  # B200 too\n'
+           '    return x  # python -m benchmarks.bench_v4\n')
+    assert [h.split(":")[0] for h in comment_hits(src)] == ["6", "7", "1", "5"]
+    assert not comment_hits('x = "H100"  # an SM90 card\n"""Hopper and Blackwell; tile 64x64; h100 lowercase"""\n')

@@ -40,13 +40,37 @@ def test_every_plan_configuration_is_warmed(arch):
 def test_kinds_are_checked():
     with pytest.raises(ValueError, match="kinds"):
         warmup.variants("sm_90a", kinds=("decoder",))
+    decode = warmup.variants("sm_90a", kinds=("decode",), formats=("V4",), h_qs=(64,))
+    assert decode == warmup.variants("sm_90a", kinds=("sparse_decode",), formats=("V4",), h_qs=(64,))
+    assert decode and all(k == "sparse_decode" and cfg.format == "V4" and cfg.h_q == 64 for k, cfg in decode)
 
 
 def test_warmup_command_fills_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(dc.CACHE_ENV, str(tmp_path))
-    assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler"]) == 0
-    assert "1 kernels for sm_90a in the compile cache" in capsys.readouterr().out
+    assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler", "--progress"]) == 0
+    out = capsys.readouterr().out
+    assert "[1/1] scheduler: compiled in" in out and "1 kernels for sm_90a in the compile cache" in out
     assert len(list(dc.cache_dir().glob("*.o"))) == 1
+    assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler", "--progress"]) == 0
+    assert "[1/1] scheduler: loaded in" in capsys.readouterr().out
+    assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler", "--no-progress"]) == 0
+    assert "[1/1]" not in capsys.readouterr().out
     monkeypatch.setenv(dc.CACHE_ENV, "off")
     assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler"]) == 2
     assert "compile cache is off" in capsys.readouterr().err
+
+
+def test_an_unwritable_cache_is_one_error_line(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(dc.CACHE_ENV, str(blocker / "cache"))
+    assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cute-mla warmup: warmup: the compile cache") and "cannot be written" in err[0]
+
+
+def test_progress_lines_name_the_variant():
+    kernel, cfg = next(v for v in warmup.variants("sm_90a", h_qs=(128,), formats=("V4",), kinds=("sparse_decode",))
+                       if v[1].has_extra and v[1].request_order)
+    line = warmup.describe((kernel, cfg))
+    assert line.startswith("sparse_decode h_q=128") and "format=V4" in line and "request_order" in line

@@ -31,6 +31,8 @@ def quantize_v32(kv: torch.Tensor, power_of_two_scales: bool = True) -> torch.Te
     2^ceil(log2(1e-4))). ``False`` uses the exact amax/448 scale, which kernels must handle as well
     (writers in the wild emit such scales).
     """
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv: expected a torch.Tensor (N, {D_QK}), got {type(kv).__name__}")
     if kv.dim() != 2 or kv.shape[1] != D_QK:
         raise ValueError(f"kv: expected shape (N, {D_QK}), got {tuple(kv.shape)}")
     kv = kv.float()
@@ -45,7 +47,8 @@ def quantize_v32(kv: torch.Tensor, power_of_two_scales: bool = True) -> torch.Te
     fp8 = (nope / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     out = torch.empty(n, ROW_BYTES, dtype=torch.uint8, device=kv.device)
     out[:, :D_NOPE] = fp8.reshape(n, D_NOPE).view(torch.uint8)
-    out[:, SCALE_OFFSET:ROPE_OFFSET] = scale.to(torch.float32).contiguous().view(torch.uint8).reshape(n, -1)
+    out[:, SCALE_OFFSET:ROPE_OFFSET] = scale.to(torch.float32).contiguous().view(torch.uint8).reshape(
+        n, ROPE_OFFSET - SCALE_OFFSET)   # (explicit: N may be 0)
     out[:, ROPE_OFFSET:] = rope.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, 2 * D_ROPE)
     return out
 
@@ -60,7 +63,7 @@ def dequantize_v32(raw: torch.Tensor) -> torch.Tensor:
         r = r.view(torch.uint8)
     n = r.shape[0]
     fp8 = r[:, :D_NOPE].contiguous().view(torch.float8_e4m3fn).float().reshape(n, D_NOPE // GROUP, GROUP)
-    scale = r[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view(torch.float32).reshape(n, -1, 1)
+    scale = r[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view(torch.float32).reshape(n, D_NOPE // GROUP, 1)
     rope = r[:, ROPE_OFFSET:].contiguous().view(torch.bfloat16).float()
     out = torch.cat([(fp8 * scale).reshape(n, D_NOPE), rope], dim=1)
     return out.reshape(*lead, D_QK)

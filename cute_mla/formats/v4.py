@@ -32,6 +32,8 @@ def quantize_v4(kv: torch.Tensor, stride0: int | None = None) -> torch.Tensor:
     uint8 view of a block-major buffer whose blocks are ``stride0`` bytes apart (default: padded
     to a multiple of 576 B, as FlashMLA's quantizer). Scales are ``2^ceil(log2(max(amax/448,
     1e-4)))`` per 64-dim group, stored as ue8m0."""
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv: expected a torch.Tensor (num_blocks, page_block_size, {D_QK}), got {type(kv).__name__}")
     if kv.dim() != 3 or kv.shape[2] != D_QK:
         raise ValueError(f"kv: expected shape (num_blocks, page_block_size, {D_QK}), got {tuple(kv.shape)}")
     nb, page, _ = kv.shape
@@ -45,7 +47,7 @@ def quantize_v4(kv: torch.Tensor, stride0: int | None = None) -> torch.Tensor:
     data[..., ROPE_OFFSET:] = kv[..., D_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
     scales = torch.zeros(nb, page, SCALE_ROW_BYTES, dtype=torch.uint8, device=kv.device)
     scales[..., :NUM_SCALES] = (torch.log2(scale).round().to(torch.int32) + 127).to(torch.uint8)
-    blocks = torch.cat([data.reshape(nb, -1), scales.reshape(nb, -1)], dim=1)
+    blocks = torch.cat([data.reshape(nb, page * DATA_ROW_BYTES), scales.reshape(nb, page * SCALE_ROW_BYTES)], dim=1)
     return padded_cache(blocks, page, ROW_BYTES, stride0)
 
 

@@ -17,7 +17,11 @@ KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 def _desc(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
-    return f"{type(t).__name__} {t!r}"
+    shape = getattr(t, "shape", None)
+    if shape is not None:     # an array of another library: its type and shape, not its values
+        return f"{type(t).__module__}.{type(t).__name__} of shape {tuple(shape)}"
+    text = repr(t)
+    return f"{type(t).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], dim: Optional[int] = None,

@@ -3,7 +3,7 @@ every library against the fp32 reference on a sample of query tokens, then cute-
 variant and FlashMLA timed side by side (CUDA graph replay, interleaved), and the table, the JSON
 and the figure of the results.
 
-Inputs, as ``benchmarks/bench_sparse_decode.py`` and ``benchmarks/bench_v4.py`` build them (a pool
+Inputs, as the V3.2 and V4 side-by-side benchmarks build them (a pool
 of ``POOL`` tokens in page blocks of ``PAGE``, KV ~ N(0,1)/10 clamped, q ~ N(0,1) clamped):
 
 * V3.2: top-k 2048, 20 % of the indices -1, no ``topk_length``;
@@ -13,8 +13,8 @@ of ``POOL`` tokens in page blocks of ``PAGE``, KV ~ N(0,1)/10 clamped, q ~ N(0,1
 Work per query token (docs/performance.md, section 2): the positions a call is given (its whole
 index list, -1 entries included, or its first ``topk_length`` positions; the extra list's too),
 ``2 h (d_qk + d_v)`` FLOPs each, and bytes: each position's cache row (no reuse) and int32 index,
-plus the token's bf16 q and out and fp32 lse. The same accounting makes ``benchmarks/roofline.py``'s
-figure from the committed results.
+plus the token's bf16 q and out and fp32 lse. The same accounting makes the roofline figure from
+the committed results.
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def replay_times_us(gr, n: int, before: Optional[Callable[[], None]] = None) -> 
 
 
 def l2_flusher(mib: int = L2_FLUSH_MIB) -> Callable[[], None]:
-    """A callable that queues a read of a ``mib`` MiB buffer (several times the H200's 50 MB L2), so
+    """A callable that queues a read of a ``mib`` MiB buffer (several times a GPU's L2), so
     the next kernel finds none of its inputs in L2, as a layer of an engine's decode step finds its
     own KV rows. A read, not a write: the lines it leaves are clean, so no write-back lands in the
     timed kernel."""
@@ -420,8 +420,8 @@ def interleaved_median_us(graphs: Dict[str, object], rounds: int = ROUNDS, secon
 
 
 def warm_up(seconds: float) -> None:
-    """An idle H200 sits at 345 MHz; a row timed right after that measured up to 20 % slow (the
-    first row of a run: 19.3 µs vs 15.3-15.9 µs in warm runs)."""
+    """bf16 matmuls for ``seconds``: an idle GPU sits at a low clock, and a row timed right after
+    that reads slow (docs/performance.md, method)."""
     import time
 
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)

@@ -1641,6 +1641,8 @@ class _Sched:
 # --------------------------------------------------------------------------------------------------
 
 
+Kernel = Sm100SparseDecodeKernel   # the registry's protocol: the object compiled, whose __call__ is the host entry
+
 # The compiled entry's tensor parameters (SparseDecodeTensors fields), in order: the host entry's
 # signature, the fake arguments and the launch all follow it (tests/test_registry.py checks the first).
 ENTRY = ("q", "k_cache", "indices", "topk_length", "attn_sink", "tile_md", "accum_offsets", "out", "lse", "o_accum",

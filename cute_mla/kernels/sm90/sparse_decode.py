@@ -58,7 +58,7 @@ from .softmax import softmax_wg
 assert max(SchedField.BEGIN_REQ, SchedField.END_REQ, SchedField.BEGIN_BLOCK, SchedField.END_BLOCK) < 4, \
     "the prologue reads a partition's request and block range in one 16-B load"
 
-__all__ = ["Config", "Tuning", "Sm90SparseDecodeConfig", "Sm90Tuning", "DEFAULT_TUNING", "kernel_config", "config_for",
+__all__ = ["Config", "Tuning", "Kernel", "Sm90SparseDecodeConfig", "Sm90Tuning", "DEFAULT_TUNING", "kernel_config", "config_for",
            "tensor_maps", "compile", "launch", "ENTRY"]
 
 
@@ -301,6 +301,8 @@ class Sm90SparseDecode:
 # Compile + launch (the launcher's contract)
 # --------------------------------------------------------------------------------------------------
 
+
+Kernel = Sm90SparseDecode   # the registry's protocol: the object compiled, whose __call__ is the host entry
 
 # The compiled entry's tensor parameters (SparseDecodeTensors fields, then the instrumentation's
 # ``timeline``), in order: the host entry's signature, the fake arguments and the launch follow it
