@@ -73,13 +73,13 @@ def check_cache_writable() -> str:
     or cannot be written (warmup would otherwise compile for minutes and keep nothing)."""
     where = cache_dir()
     if where is None:
-        raise ValueError("warmup: the compile cache is off (CUTE_MLA_CACHE_DIR=off); nothing would be kept")
+        raise ValueError("the compile cache is off (CUTE_MLA_CACHE_DIR=off); nothing would be kept")
     try:
         os.makedirs(where, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=where, prefix=".write-test-"):
             pass
     except OSError as e:
-        raise ValueError(f"warmup: the compile cache {where} cannot be written ({e.strerror or e}); set "
+        raise ValueError(f"the compile cache {where} cannot be written ({e.strerror or e}); set "
                          "CUTE_MLA_CACHE_DIR to a writable directory") from None
     return str(where)
 

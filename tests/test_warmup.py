@@ -66,7 +66,7 @@ def test_an_unwritable_cache_is_one_error_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(dc.CACHE_ENV, str(blocker / "cache"))
     assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("cute-mla warmup: warmup: the compile cache") and "cannot be written" in err[0]
+    assert len(err) == 1 and err[0].startswith("cute-mla warmup: the compile cache") and "cannot be written" in err[0]
 
 
 def test_progress_lines_name_the_variant():

@@ -126,7 +126,7 @@ class SparseDecodePlan:
             f"d_qk={self.d_qk} topk={self.topk}"
             f"{f' extra_topk={self.extra_topk}' if self.extra_topk else ''}"
             f"{' topk_length' if self.has_topk_length else ''}{' extra_topk_length' if self.has_extra_topk_length else ''}",
-            f"kernel {self.kernel} ({self.variant})  num_sm_parts={self.num_sm_parts}  schedule on {self.schedule}",
+            f"kernel {self.kernel} ({self.variant})  num_sm_parts={self.num_sm_parts}  schedule: {self.schedule}",
         ]
         if self.token_walk:
             lines.append(f"token walk: {self.s_q} one-token requests over {len(self.host_schedule.rows)} partitions "

@@ -238,7 +238,7 @@ class Sm90SparseDecodeConfig:
     has_topk_length: bool
     has_attn_sink: bool
     # h_q = 64 split: each piece on a cluster of 2 CTAs that share the gather and split the 512
-    # output columns (the plan's ``sm90_column_pair``); out is stored from registers, o_accum by
+    # output columns (the policy's ``column_pair_max_busy_ctas``); out is stored from registers, o_accum by
     # TMA in 64 x 64 boxes.
     column_pair: bool = False
     format: str = V32.name  # the cache format's name (formats.format_named)
