@@ -33,7 +33,6 @@ class ArchSpec:
     major: int                   # compute capability of the GPUs that run it, exactly: an 'a' target's
     minor: int                   # features exist only there (sm_90a on 9.0, sm_100a on 10.0, not 10.3)
     default_num_sms: int         # planning without a device (``cute-mla plan``); a device's own count otherwise
-    smem_per_cta: int = SMEM_PER_CTA   # dynamic shared memory one CTA may use
 
 
 SM90 = ArchSpec(name="sm_90a", family="Hopper", major=9, minor=0, default_num_sms=132)

@@ -35,13 +35,11 @@ def cmd_info(args) -> int:
 
 
 def cmd_ops(args) -> int:
-    from . import registry
-
     print(registry.describe())
     return 0
 
 
-def _format_arg(args, flag_default=None):
+def _format_arg(args):
     """The format a command names: ``--format NAME``, or the width ``--d-qk N`` names (the one
     implemented format of that width); both given must agree. None: neither given."""
     from .formats import format_for_d_qk, format_named
@@ -108,6 +106,8 @@ def cmd_compile(args) -> int:
         raise ValueError(f"--kernel: got {args.kernel!r}, accepted for --op {args.op}: "
                          f"{', '.join(registry.op(args.op).kernel_names())}")
     fmt = _format_arg(args)
+    if args.extra_topk < 0:
+        raise ValueError(f"--extra-topk: got {args.extra_topk}, accepted: 0 (no extra pool) or N > 0")
     extra_flag = "--extra-kv" if args.extra_kv else "--extra-topk" if args.extra_topk else None
     if args.kernel != main_kernel:
         given = [flag for flag, on in (("--split", args.split), ("--topk-length", args.topk_length),
@@ -142,8 +142,13 @@ def cmd_warmup(args) -> int:
     if args.format is not None or args.d_qk is not None:
         from .formats import format_for_d_qk, format_named
 
-        formats = tuple(format_named(f).name for f in args.format or ())
-        formats += tuple(format_for_d_qk(d).name for d in args.d_qk or ())
+        try:
+            formats = tuple(format_named(f).name for f in args.format or ())
+            formats += tuple(format_for_d_qk(d).name for d in args.d_qk or ())
+        except (ValueError, NotImplementedError) as e:
+            flag = "--d-qk" if str(e).startswith("d_qk") else "--format"
+            raise type(e)(f"{flag}: {str(e).split(': ', 1)[1]}") from None
+        formats = tuple(dict.fromkeys(formats))   # each once
     where = warmup.check_cache_writable()
     progress = sys.stdout.isatty() if args.progress is None else args.progress
     t0 = time.time()

@@ -14,15 +14,17 @@ Every module named here keeps one protocol (checked by ``tests/test_registry.py`
   in the disk cache, against fake tensors, so it needs no GPU;
 * ``launch(compiled, cfg, ...)``: runs on torch's current stream, no host synchronization, no
   allocation (a main kernel takes the op's tensor bundle);
-* a main kernel also has ``config_for(plan, has_attn_sink, tuning=None) -> Config`` (the config a
-  plan's calls compile), ``kernel_config(**fields)`` (any valid config by keyword: tests, tools),
-  ``Tuning`` (its variant-knob type, or None), ``tensor_maps(cfg)`` (the TMA descriptors it
-  builds), ``Kernel`` (the object compiled: its ``__call__`` is the host entry, whose tensor
-  parameters are ``ENTRY``, the bundle fields in order, then kernel-only ones) and, for an op with a
+* a main kernel also has ``Kernel`` (the object compiled: its ``__call__`` is the host entry, whose
+  tensor parameters are ``ENTRY``, the bundle fields in order, then kernel-only ones), and a
+  plain-Python config module (no DSL import; the kernel module re-exports it) with ``Config``,
+  ``Tuning`` (its variant-knob type, or None), ``kernel_config(**fields)`` (any valid config by
+  keyword: tests, tools), ``config_for(plan, has_attn_sink, tuning=None) -> Config`` (the config a
+  plan's calls compile), ``tensor_maps(cfg)`` (the TMA descriptors it builds) and, for an op with a
   split-KV workspace, ``ACCUM_DTYPE`` (what its split variant writes).
 
-Nothing here imports a kernel module until asked (:func:`kernel_module`): ``import cute_mla`` stays
-cheap and plans work without the DSL loaded.
+Nothing here imports a kernel module until asked (:func:`kernel_module`), and plans read only the
+config modules (:func:`config_module`): ``import cute_mla`` stays cheap and plans work without the
+DSL loaded.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from . import archs
 
 @dataclass(frozen=True)
 class KernelRef:
-    """A kernel: its name in plans, reports and file names, and the module that keeps the protocol."""
+    """A kernel: its name in plans, reports and file names, the module that keeps the protocol, and
+    (main kernels) its plain-Python config module."""
 
     name: str
     module: str
+    config: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,10 @@ SPARSE_DECODE = OpSpec(
     api=("get_mla_metadata", "flash_mla_with_kvcache"),
     plan="cute_mla.plan.sparse_decode:plan_sparse_decode",
     variants="cute_mla.plan.sparse_decode:kernel_variants",
-    kernels={archs.SM90.name: KernelRef("sm90_sparse_decode", "cute_mla.kernels.sm90.sparse_decode"),
-             archs.SM100.name: KernelRef("sm100_sparse_decode", "cute_mla.kernels.sm100.sparse_decode")},
+    kernels={archs.SM90.name: KernelRef("sm90_sparse_decode", "cute_mla.kernels.sm90.sparse_decode",
+                                        "cute_mla.kernels.sm90.config"),
+             archs.SM100.name: KernelRef("sm100_sparse_decode", "cute_mla.kernels.sm100.sparse_decode",
+                                         "cute_mla.kernels.sm100.config")},
     helpers={"combine": KernelRef("combine", "cute_mla.kernels.combine"),
              "scheduler": KernelRef("scheduler", "cute_mla.scheduler.device")},
 )
@@ -110,6 +116,13 @@ def kernel_module(op_name: str, arch: str, kernel: str = None) -> ModuleType:
         if ref is None:
             raise ValueError(f"kernel: got {kernel!r}, accepted for op {spec.name}: {', '.join(spec.kernel_names())}")
     return importlib.import_module(ref.module)
+
+
+def config_module(op_name: str, arch: str) -> ModuleType:
+    """The plain-Python config module of an op's main kernel on an arch (``Config``, ``config_for``,
+    ``tensor_maps``, ...): what plans and warmup read without loading the DSL."""
+    archs.get(arch)
+    return importlib.import_module(op(op_name).kernel(arch).config)
 
 
 def _resolve(ref: str):

@@ -33,7 +33,7 @@ def kernel_names(op: str, kinds: Optional[Iterable[str]]) -> Tuple[str, ...]:
     unknown = [k for k in names if k not in spec.kernel_names()]
     if unknown:
         raise ValueError(f"--kinds: got {', '.join(unknown)}, accepted for op {spec.name}: "
-                         f"{', '.join(spec.kernel_names())}")
+                         f"{', '.join(spec.kernel_names())} ({DECODE_ALIAS}: the main kernel)")
     return names
 
 

@@ -166,3 +166,20 @@ def test_policies_are_values_a_plan_takes():
     assert plan(*args, **kw).schedule == "balanced" and default_policy("sm_90a") is base
     with pytest.raises(dataclasses.FrozenInstanceError):
         base.packed = None
+
+
+def test_plans_do_not_load_the_dsl():
+    """A plan, its description and its tensor maps read the config modules only: ``cute-mla plan``
+    works without loading the CuTe DSL."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cute_mla\n"
+            "for arch in ('sm_90a', 'sm_100a'):\n"
+            "    p = cute_mla.plan_sparse_decode(2, 1, 64, 512, 128, arch=arch, num_sms=132, extra_topk=512)\n"
+            "    p.describe(); p.tensor_maps\n"
+            "from cute_mla import warmup\n"
+            "warmup.variants('sm_100a', kinds=('sparse_decode',))\n"
+            "loaded = [m for m in sys.modules if m == 'cutlass' or m.startswith('cutlass.')]\n"
+            "assert not loaded, loaded[:5]\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

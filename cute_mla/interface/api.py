@@ -43,14 +43,14 @@ class FlashMLASchedMeta:
     instead of the default; for benchmarks and kernel authors (:class:`~.launcher.Launcher`).
 
     ``policy``: the planner's rules (:class:`~cute_mla.plan.policy.SparseDecodePolicy`; None: the
-    arch's default) for every call with this object: how a tool compares schedules through the
-    public call.
+    arch's default) for every eager call with this object: how a tool compares schedules through
+    the public call. (A traced call plans under the default policy and runs the default kernels.)
 
     ``workspace``: the split-KV accumulators of a split plan (exactly ``plan.workspace_bytes``;
     (None, None) when nothing is split), allocated by the first call that uses the object and
     reused by the later ones: every layer of
     a decode step runs the same plan on one stream, one after the other, so they can share one
-    set (two allocations per call cost ~7 µs of host time). They live as long as the object, like
+    set (two allocations per call would cost host time on every layer). They live as long as the object, like
     its schedule tensors; do not run calls with one object on two streams at once.
     """
 
@@ -146,11 +146,12 @@ def flash_mla_with_kvcache(
         if out is None:
             out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+        # positional: the bundle is built on every call (the step's workspace in it, no _replace)
         launcher(SparseDecodeTensors(
             q, cache_bytes(k_cache), indices, topk_length, attn_sink,
             None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices_in_kvcache, extra_topk_length,
             out, lse, sched.tile_scheduler_metadata, sched.accum_offsets, sched.schedule.request_order,
-            softmax_scale=scale), sched.workspace)
+            *sched.workspace, scale))
     return out, lse.transpose(1, 2)
 
 
@@ -185,18 +186,24 @@ def _schedule(sched: FlashMLASchedMeta, q: torch.Tensor, k_cache: torch.Tensor, 
     return sched.launcher(has_attn_sink)
 
 
-def _check_arguments(sched, num_splits, softmax_scale, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices,
-                     extra_topk_length) -> None:
-    """The checks of the call's non-tensor arguments and of what cute-mla does not implement; they
-    run on every call."""
-    if indices is None:
-        raise NotImplementedError("indices: dense decode (indices=None) is not implemented; cute-mla implements sparse decode, pass indices (b, s_q, topk) int32")
+def check_extra_pool(extra_k_cache, extra_indices, extra_topk_length) -> None:
+    """The extra KV pool is its cache and its indices, both or neither; its lengths need it (the API
+    and the custom op check this before anything reads the pool)."""
     if (extra_k_cache is None) != (extra_indices is None):
         given, missing = (("extra_k_cache", "extra_indices_in_kvcache") if extra_indices is None
                           else ("extra_indices_in_kvcache", "extra_k_cache"))
         raise ValueError(f"{missing}: {given} was given without it; the extra KV pool takes both (or neither)")
     if extra_topk_length is not None and extra_indices is None:
         raise ValueError("extra_topk_length: given without an extra KV pool (extra_k_cache and extra_indices_in_kvcache)")
+
+
+def _check_arguments(sched, num_splits, softmax_scale, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices,
+                     extra_topk_length) -> None:
+    """The checks of the call's non-tensor arguments and of what cute-mla does not implement; they
+    run on every call."""
+    if indices is None:
+        raise NotImplementedError("indices: dense decode (indices=None) is not implemented; cute-mla implements sparse decode, pass indices (b, s_q, topk) int32")
+    check_extra_pool(extra_k_cache, extra_indices, extra_topk_length)
     if not isinstance(sched, FlashMLASchedMeta):
         raise TypeError(f"tile_scheduler_metadata: expected the FlashMLASchedMeta returned by get_mla_metadata(), got {type(sched).__name__}")
     if num_splits is not None:

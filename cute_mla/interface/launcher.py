@@ -39,7 +39,7 @@ def allocate_workspace(plan: SparseDecodePlan, device: torch.device) -> Workspac
 def launch_configs(plan: SparseDecodePlan, has_attn_sink: bool, tuning=None):
     """(main kernel config, combine config or None): what a plan's calls compile (``cute-mla
     warmup`` precompiles the same set, from the plan's rules)."""
-    main_cfg = registry.kernel_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning)
+    main_cfg = registry.config_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning)
     combine_cfg = None
     if plan.split:
         combine = registry.kernel_module(plan.op, plan.arch, "combine")
@@ -82,17 +82,20 @@ class Launcher:
         when unsplit). Without :meth:`combine` a split call's outputs stay unwritten: benchmarks
         time that as the call's bound without the combine. ``t``: the call's bundle with its
         schedule, ``out`` and ``lse`` (``request_order`` required where the plan orders
-        requests: the kernel's launch refuses a missing one). ``workspace``: the accumulators to
-        write (the API passes the ones its metadata object keeps for the step,
-        :func:`allocate_workspace` of this plan); None allocates them for this call."""
-        o_accum, lse_accum = workspace if workspace is not None else allocate_workspace(self.plan, t.q.device)
+        requests: the kernel's launch refuses a missing one) and, for a split plan, its
+        accumulators (the API passes the ones its metadata object keeps for the step,
+        :func:`allocate_workspace` of this plan). ``workspace``: accumulators to write instead; a
+        split plan whose bundle has none and is given none allocates them for this call."""
+        if workspace is not None:
+            t = t._replace(o_accum=workspace[0], lse_accum=workspace[1])
+        elif self.plan.split and t.o_accum is None:
+            o_accum, lse_accum = allocate_workspace(self.plan, t.q.device)
+            t = t._replace(o_accum=o_accum, lse_accum=lse_accum)
         if self.plan.token_walk:
             # b == 1: the s_q tokens become s_q one-token requests (views, no copy; the policy's token_walk)
             t = t._replace(q=t.q[0].unsqueeze(1), indices=t.indices[0].unsqueeze(1), out=t.out[0].unsqueeze(1),
-                           lse=t.lse[0].unsqueeze(1), o_accum=o_accum, lse_accum=lse_accum,
+                           lse=t.lse[0].unsqueeze(1),
                            extra_indices=None if t.extra_indices is None else t.extra_indices[0].unsqueeze(1))
-        elif o_accum is not None:
-            t = t._replace(o_accum=o_accum, lse_accum=lse_accum)
         self.main_mod.launch(self.main_compiled, self.main_cfg, t)
         return t
 

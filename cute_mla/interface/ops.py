@@ -22,14 +22,16 @@ A traced :func:`~.api.flash_mla_with_kvcache` makes its schedule in the graph (b
 instead of keeping it in the ``FlashMLASchedMeta``, which a graph cannot fill: under CUDA graphs the
 schedule is then recomputed at each replay from the lengths the replay reads. Host-known schedules
 are copied from their cached upload (one device copy, a stable source address). A device schedule
-costs its torch ops on every traced call: ~23 aten ops for the split one (with the scheduler
-kernel), ~24 for the balanced cut (two sorts among them; what does not depend on the lengths is a
-cached upload per (b, partitions): docs/performance.md, "V4: whole requests dealt by cost").
+costs its torch ops on every traced call: a few dozen aten ops for the split one (with the
+scheduler kernel) and for the balanced cut (two sorts among them; what does not depend on the
+lengths is a cached upload per (b, partitions)); docs/performance.md has their cost.
 
-Eager calls do not go through the dispatcher: it costs ~5 µs of host time per call on a
-``Library.impl`` op and ~70 µs on a ``torch.library.custom_op`` (the CI machine), more than the
-decode kernel of a small call, so :func:`~.api.flash_mla_with_kvcache` runs the same code directly
-and keeps the schedule in the metadata object, once per decode step.
+Eager calls do not go through the dispatcher, whose host time per call (more for a
+``torch.library.custom_op`` than for a ``Library.impl`` op) exceeds the decode kernel of a small
+call (docs/performance.md): :func:`~.api.flash_mla_with_kvcache` runs the same code directly and
+keeps the schedule in the metadata object, once per decode step. A traced call plans under the
+arch's default policy and runs the default kernels: ``FlashMLASchedMeta``'s ``tuning`` and
+``policy`` apply to eager calls.
 
 The plan of a traced call is a function of the tensors' shapes and of (arch, num_sms), which the
 trace reads from the device once (:func:`device_facts`) and passes to both ops.
@@ -68,7 +70,7 @@ _lib.define(
 
 
 def _constant_for_dynamo(fn):
-    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (~1.2 s of
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (a second of
     import time) in a process that never traces: the marker it sets (``tests/test_custom_op.py``
     checks that the public function still sets exactly this)."""
     if "torch._dynamo" in sys.modules:
@@ -144,7 +146,8 @@ def _decode_impl(*args):
                     ("extra_topk_length", t.extra_topk_length)),
                    (("k_cache", t.k_cache), ("extra_k_cache", t.extra_k_cache)))
     # the API's tensor checks too, once per signature: a direct call of the op would skip them
-    from .api import checked_once   # (api imports this module)
+    from .api import check_extra_pool, checked_once   # (api imports this module)
+    check_extra_pool(t.extra_k_cache, t.extra_indices, t.extra_topk_length)
     extra = (t.extra_k_cache, t.extra_indices, t.extra_topk_length)
     checked_once(_SIGNATURES, _MAX_SIGNATURES, (t.q, t.k_cache, out.shape[-1], t.indices, t.attn_sink, t.topk_length,
                                                 out, extra), lambda dims: None)

@@ -17,9 +17,9 @@ import torch
 
 
 class SparseDecodeTensors(NamedTuple):
-    """One sparse decode call's tensors and scale, end to end: the API's validation makes it from
-    the call's arguments (the inputs and ``out``), the launcher adds the schedule, ``lse`` and the
-    workspace (``_replace``), the custom op's schema and fake implementation are written from its
+    """One sparse decode call's tensors and scale, end to end: the API makes it from the call's
+    checked arguments, its schedule and its outputs, the launcher adds the workspace and the token
+    walk's views (``_replace``), the custom op's schema and fake implementation are written from its
     input fields (:data:`SPARSE_DECODE_INPUTS`), and every arch's ``launch`` takes it whole (each
     kernel module lists once, in ``ENTRY``, which fields its compiled entry takes in which order).
 

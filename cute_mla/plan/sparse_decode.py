@@ -102,7 +102,7 @@ class SparseDecodePlan:
     @property
     def tensor_maps(self) -> Tuple[str, ...]:
         """The TMA descriptors the plan's kernel builds (the kernel module's ``tensor_maps``)."""
-        mod = registry.kernel_module(self.op, self.arch)
+        mod = registry.config_module(self.op, self.arch)
         return mod.tensor_maps(mod.config_for(self, has_attn_sink=False))
 
     @property
@@ -305,7 +305,7 @@ def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
     fmts = supported_formats() if formats is None else tuple(format_named(f) for f in formats)
     out = []
     if spec.name in kinds:
-        mod = registry.kernel_module(spec.name, arch)
+        mod = registry.config_module(spec.name, arch)
         for fmt, h_q in itertools.product(fmts, h_qs):
             for choice in reachable_kernels(policy, h_q, fmt):
                 for sink in (False, True):

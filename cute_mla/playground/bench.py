@@ -116,7 +116,7 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 def tuning_type(arch: str = SM90.name, op: str = registry.DEFAULT_OP):
     """The variant-knob type of an op's kernel on an arch (its module's ``Tuning``), or a ValueError
     where the kernel has none."""
-    tp = registry.kernel_module(op, arch).Tuning
+    tp = registry.config_module(op, arch).Tuning
     if tp is None:
         raise ValueError(f"--variant: the {registry.op(op).kernel(arch).name} kernel ({arch}) has no variant knobs")
     return tp
