@@ -57,6 +57,25 @@ SPARSE_DECODE_INPUTS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "
 SPARSE_DECODE_OPTIONAL = frozenset(("topk_length", "attn_sink", "extra_k_cache", "extra_indices", "extra_topk_length"))
 
 
+def plan_config_for(kernel_config, accum_dtype: str, kernel: str):
+    """A kernel module's ``config_for(plan, has_attn_sink, tuning=None)``: the sparse decode plan's
+    choices (format, split, lists' lengths, extra pool, column pair, request order) as
+    ``kernel_config`` keywords, for every arch alike; a split plan whose accumulators are not the
+    ``accum_dtype`` the kernel writes is refused by name (``kernel``)."""
+
+    def config_for(plan, has_attn_sink: bool, tuning=None):
+        if plan.split and plan.accum_dtype != accum_dtype:
+            raise ValueError(f"accum_dtype: got {plan.accum_dtype!r} from the plan, accepted: {accum_dtype!r} (what the "
+                             f"{kernel} split kernel writes)")
+        return kernel_config(h_q=plan.h_q, format=plan.format, split=plan.split, has_topk_length=plan.has_topk_length,
+                             has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
+                             has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length,
+                             request_order=plan.orders_requests)
+
+    config_for.__doc__ = f"The config of the {kernel} kernel a sparse decode plan's calls compile (the launcher's call)."
+    return config_for
+
+
 def entry_getter(names):
     """A function of a :class:`SparseDecodeTensors` that returns the fields ``names`` (a kernel
     module's ``ENTRY``), in order, as one tuple (an itemgetter: no per-field Python on the launch path)."""

@@ -12,6 +12,7 @@ from enum import IntEnum
 
 from ... import archs
 from ...formats import V32, FormatGeometry, KVCacheFormat, format_named, kernel_format
+from .. import plan_config_for
 
 
 # o_accum's element type in the split variant: bf16 partials (the plan's policy names the same;
@@ -325,15 +326,7 @@ def kernel_config(*, h_q: int, format: str = V32.name, split: bool, has_topk_len
                                   request_order=request_order)
 
 
-def config_for(plan, has_attn_sink: bool, tuning=None) -> Sm90SparseDecodeConfig:
-    """The config of the kernel a sparse decode plan's calls compile (the launcher's call)."""
-    if plan.split and plan.accum_dtype != ACCUM_DTYPE:
-        raise ValueError(f"accum_dtype: got {plan.accum_dtype!r} from the plan, accepted: {ACCUM_DTYPE!r} (what the "
-                         "SM90 split kernel writes)")
-    return kernel_config(h_q=plan.h_q, format=plan.format, split=plan.split, has_topk_length=plan.has_topk_length,
-                         has_attn_sink=has_attn_sink, column_pair=plan.column_pair, tuning=tuning,
-                         has_extra=plan.extra_topk > 0, has_extra_topk_length=plan.has_extra_topk_length,
-                         request_order=plan.orders_requests)
+config_for = plan_config_for(kernel_config, ACCUM_DTYPE, "SM90")
 
 
 def tensor_maps(cfg: Sm90SparseDecodeConfig) -> tuple:
