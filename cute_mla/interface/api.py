@@ -26,6 +26,7 @@ from .validate import (CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check
                        check_out_apart, check_pointer, check_tensor, span_bytes)
 
 FP32_MAX = torch.finfo(torch.float32).max   # softmax_scale reaches the kernels as a float32
+_NO_WORKSPACE = (None, None)
 
 
 @dataclass
@@ -151,7 +152,7 @@ def flash_mla_with_kvcache(
             q, cache_bytes(k_cache), indices, topk_length, attn_sink,
             None if extra_k_cache is None else cache_bytes(extra_k_cache), extra_indices_in_kvcache, extra_topk_length,
             out, lse, sched.tile_scheduler_metadata, sched.accum_offsets, sched.schedule.request_order,
-            *sched.workspace, scale))
+            *(sched.workspace or _NO_WORKSPACE), scale))
     return out, lse.transpose(1, 2)
 
 
