@@ -30,7 +30,7 @@ def test_sm90_mixed_batch_workspace(s_q):
         # exactly the real split rows of the host schedule
         off = accum_offsets(p.host_schedule.num_splits)
         assert p.accum_rows == off[-1] == p.host_schedule.num_splits[-1]
-        # bf16 partials on SM90 (the SM90 policy's accum_dtype): 512 x 2 B + a 4-B lse per row, token and head
+        # bf16 partials on SM90 (the SM90 kernel's ACCUM_DTYPE): 512 x 2 B + a 4-B lse per row, token and head
         assert p.accum_dtype == "bfloat16"
         assert p.workspace_bytes == p.accum_rows * s_q * 64 * (512 * 2 + LSE_ACCUM_BYTES)
     assert p.workspace_bytes <= p.flashmla_workspace_bytes

@@ -75,7 +75,7 @@ def test_plans_map_to_configs(op, arch):
                                                                           plan.format)
         assert plan.tensor_maps == mod.tensor_maps(cfg)
         if plan.split:
-            assert plan.accum_dtype == mod.ACCUM_DTYPE == default_policy(arch).accum_dtype
+            assert plan.accum_dtype == mod.ACCUM_DTYPE == registry.config_module(op, arch).ACCUM_DTYPE
 
 
 def test_a_plan_whose_accum_dtype_the_kernel_does_not_write_is_refused():

@@ -72,9 +72,6 @@ class SparseDecodePolicy:
     """How the sparse decode planner decides for one arch. Every field is a rule or a fact the plan
     reads; ``None`` turns a rule off."""
 
-    # o_accum's element type when a request is split (lse_accum is fp32): what the arch's split
-    # kernel writes (its ``config_for`` refuses another)
-    accum_dtype: str = "float32"
     # partitions = num_sms // s_q, divided by the token's 64-head CTAs where each is a CTA of its own
     parts_per_head_block: bool = False
     # the per-piece charge may drop to 0 on few-request shapes (scheduler.partition.fixed_overhead_blocks)
@@ -114,12 +111,10 @@ class SparseDecodePolicy:
 
 POLICIES = {
     archs.SM90.name: SparseDecodePolicy(
-        # bf16 partials halve what split pieces store and the combine reads back; their rounding
-        # (2^-9 max|V|) is the bound the bf16 P of the PV MMA already puts on O
-        accum_dtype="bfloat16", parts_per_head_block=True, zero_overhead_rule=True,
+        parts_per_head_block=True, zero_overhead_rule=True,
         column_pair_max_busy_ctas=32, per_request=PerRequestRule(), packed=PackedRule(),
         device_piece_charges=(("V4", 1),), token_walk=True),
-    archs.SM100.name: SparseDecodePolicy(accum_dtype="float32", no_split_max_topk=640),
+    archs.SM100.name: SparseDecodePolicy(no_split_max_topk=640),
 }
 
 

@@ -68,7 +68,7 @@ class SparseDecodePlan:
     host_schedule: Optional[sched.HostSchedule]
     token_walk: bool = False            # the s_q tokens run as s_q one-token requests (policy.token_walk)
     column_pair: bool = False           # h=64 split: a cluster of 2 CTAs per piece (policy.column_pair_max_busy_ctas)
-    accum_dtype: str = "float32"        # o_accum's element type when split (the policy's); lse_accum is fp32
+    accum_dtype: str = "float32"        # o_accum's element type when split (the kernel's ACCUM_DTYPE); lse_accum is fp32
     extra_topk: int = 0                 # the extra pool's list length (0: no extra pool)
     has_extra_topk_length: bool = False # the call passes extra_topk_length
     format: str = "V3.2"                # the cache format's name (formats.format_named)
@@ -233,7 +233,8 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         num_sm_parts=parts, fixed_overhead=overhead, kernel=kernel, split=split,
         schedule=schedule, accum_rows=accum_rows, host_schedule=host_schedule, token_walk=token_walk,
         column_pair=split and uses_column_pair(pol, b, s_q, h_q, num_sms, host_schedule),
-        accum_dtype=pol.accum_dtype if split else "float32", extra_topk=extra_topk,
+        accum_dtype=registry.config_module(registry.SPARSE_DECODE.name, arch).ACCUM_DTYPE if split else "float32",
+        extra_topk=extra_topk,
         has_extra_topk_length=has_extra_topk_length, format=fmt.name)
 
 
@@ -312,6 +313,7 @@ def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
                     out.append((spec.name, mod.kernel_config(h_q=h_q, format=fmt.name, has_attn_sink=sink, **choice)))
     if "combine" in kinds:
         combine = registry.kernel_module(spec.name, arch, "combine")
+        accum = registry.config_module(spec.name, arch).ACCUM_DTYPE   # what the split variant writes
         seen = set()
         num_sms = archs.get(arch).default_num_sms
         for h_q in h_qs:
@@ -320,7 +322,7 @@ def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
                 # with a sink or not; the fewest and the most requests of a grid over requests (its
                 # layout follows b * s_q * h_q), and a grid over partitions
                 for sink, b in itertools.product((False, True), (1, p, p + 1)):
-                    cfg = combine.combine_config(arch, h_q, sink, p, policy.accum_dtype, b=b, s_q=s_q)
+                    cfg = combine.combine_config(arch, h_q, sink, p, accum, b=b, s_q=s_q)
                     if cfg.cache_key not in seen:
                         seen.add(cfg.cache_key)
                         out.append(("combine", cfg))

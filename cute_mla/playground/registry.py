@@ -5,7 +5,7 @@
 returns a short report (files, registers, static and dynamic shared memory, TMEM, spills, PTX
 instruction counts) read from the cubin with the cuobjdump of the ``nvidia-cuda-cuobjdump`` wheel.
 The kernels are the ones the launcher runs: each arch's main kernel through its module's
-``kernel_config``, and the combine with the arch policy's o_accum dtype.
+``kernel_config``, and the combine with the o_accum dtype the arch's split kernel writes.
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ def _compile(op: str, name: str, arch: str, out_dir: str, h_q: int, split: bool,
         cfg = mod.kernel_config(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
                                 tuning=tuning, **decode)
     elif name == "combine":
-        from ..plan.policy import default_policy
-
         cfg = mod.combine_config(arch=arch, h_q=h_q, has_attn_sink=has_attn_sink,
-                                 num_sm_parts=archs.get(arch).default_num_sms, accum_dtype=default_policy(arch).accum_dtype)
+                                 num_sm_parts=archs.get(arch).default_num_sms,
+                                 accum_dtype=registry.config_module(op, arch).ACCUM_DTYPE)
     else:
         cfg = mod.Config(arch=arch)
     mod.compile(cfg, dump_dir=out_dir)

@@ -15,8 +15,9 @@ from ...formats import V32, FormatGeometry, KVCacheFormat, format_named, kernel_
 from .. import plan_config_for
 
 
-# o_accum's element type in the split variant: bf16 partials (the plan's policy names the same;
-# config_for refuses a plan that does not)
+# o_accum's element type in the split variant: bf16 partials halve what split pieces store and the
+# combine reads back; their rounding (2^-9 max|V|) is the bound the bf16 P of the PV MMA already puts
+# on O. The plan reads it (its workspace), and config_for refuses a plan with another.
 ACCUM_DTYPE = "bfloat16"
 
 
