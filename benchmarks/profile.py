@@ -113,9 +113,11 @@ class Parts:
         b, s_q, h, _ = q.shape
         self.out = torch.empty(b, s_q, h, V32.d_v, dtype=torch.bfloat16, device=q.device)
         self.lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+        o_accum, lse_accum = self.sched.workspace
         self.t = SparseDecodeTensors(q, cache_bytes(cache), idx, out=self.out, lse=self.lse,
                                      tile_md=self.sched.tile_scheduler_metadata,
-                                     accum_offsets=self.sched.accum_offsets, softmax_scale=SCALE)
+                                     accum_offsets=self.sched.accum_offsets, o_accum=o_accum, lse_accum=lse_accum,
+                                     softmax_scale=SCALE)
         self.launched = self.main()          # the bundle with the workspace the decode kernel wrote, for combine()
         self.workspace = (self.launched.o_accum, self.launched.lse_accum)
         torch.cuda.synchronize()
@@ -128,10 +130,10 @@ class Parts:
         return call(cute_mla, self.sched, self.q, self.cache, self.idx)
 
     def launch(self):
-        self.launcher(self.t, self.sched.workspace)
+        self.launcher(self.t)
 
     def main(self):
-        return self.launcher.main(self.t, self.sched.workspace)
+        return self.launcher.main(self.t)
 
     def combine(self):
         self.launcher.combine(self.launched)

@@ -125,12 +125,14 @@ def public_call(tuning, q, cache, idx):
     b, s_q, h, _ = q.shape
     out = torch.empty(b, s_q, h, V32.d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+    o_accum, lse_accum = sched.workspace
     t = SparseDecodeTensors(q, cache_bytes(cache), idx, out=out, lse=lse, tile_md=sched.tile_scheduler_metadata,
-                            accum_offsets=sched.accum_offsets, softmax_scale=SCALE)
+                            accum_offsets=sched.accum_offsets, o_accum=o_accum, lse_accum=lse_accum,
+                            softmax_scale=SCALE)
 
     def main_only():
         sched.schedule.ensure_ready()
-        launcher.main(t, sched.workspace)
+        launcher.main(t)
         return out, lse.transpose(1, 2)
 
     return (lambda: call(cute_mla, sched, q, cache, idx)), main_only

@@ -39,25 +39,37 @@ def cmd_ops(args) -> int:
     return 0
 
 
-def _format_arg(args):
-    """The format a command names: ``--format NAME``, or the width ``--d-qk N`` names (the one
-    implemented format of that width); both given must agree. None: neither given."""
+def _format_of(name=None, d_qk=None):
+    """The format ``--format NAME`` or the width ``--d-qk N`` names (the one implemented format of
+    that width), its errors naming the flag."""
     from .formats import format_for_d_qk, format_named
 
-    fmt = None if args.format is None else format_named(args.format)
+    try:
+        return format_named(name) if d_qk is None else format_for_d_qk(d_qk)
+    except (ValueError, NotImplementedError) as e:
+        flag = "--format" if d_qk is None else "--d-qk"
+        raise type(e)(f"{flag}: {str(e).split(': ', 1)[1]}") from None
+
+
+def _format_arg(args):
+    """The format a command names: ``--format NAME``, or the width ``--d-qk N`` names; both given
+    must agree. None: neither given."""
+    fmt = None if args.format is None else _format_of(name=args.format)
     if args.d_qk is not None:
-        try:
-            by_width = format_for_d_qk(args.d_qk)
-        except (ValueError, NotImplementedError) as e:
-            raise type(e)(str(e).replace("d_qk:", "--d-qk:", 1)) from None
+        by_width = _format_of(d_qk=args.d_qk)
         if fmt is not None and fmt is not by_width:
             raise ValueError(f"--d-qk {args.d_qk}: the {by_width.name} format's width, but --format names {fmt.name}")
         fmt = by_width
     return fmt
 
 
-def _check_extra_pool(fmt, flag: str) -> None:
-    if not fmt.extra_pool:
+def _check_extra_pool(fmt, flag, extra_topk_length: bool = False) -> None:
+    """The extra-pool options against the format: ``flag``, the option that asked for the pool (None:
+    none did), and ``--extra-topk-length``, which needs it."""
+    if flag is None:
+        if extra_topk_length:
+            raise ValueError("--extra-topk-length: needs the extra pool (--extra-topk N)")
+    elif not fmt.extra_pool:
         from .formats import supported_formats
 
         with_pool = ", ".join(f.name for f in supported_formats() if f.extra_pool)
@@ -69,10 +81,7 @@ def _plan_from_args(args, s_q=None):
 
     plan_call = registry.plan_function(args.op)
     fmt = _format_arg(args) or V32
-    if args.extra_topk:
-        _check_extra_pool(fmt, "--extra-topk")
-    elif args.extra_topk_length:
-        raise ValueError("--extra-topk-length: needs the extra pool (--extra-topk N)")
+    _check_extra_pool(fmt, "--extra-topk" if args.extra_topk else None, args.extra_topk_length)
     num_sms = archs.get(args.arch).default_num_sms if args.num_sms is None else args.num_sms
     return plan_call(args.b, s_q or args.s_q, args.h_q, fmt.d_qk, args.topk, arch=args.arch, num_sms=num_sms,
                      has_topk_length=args.topk_length, extra_topk=args.extra_topk,
@@ -97,14 +106,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from . import registry
     from .formats import V32
     from .playground import registry as playground
 
     main_kernel = registry.op(args.op).name
-    if args.kernel not in registry.op(args.op).kernel_names():
-        raise ValueError(f"--kernel: got {args.kernel!r}, accepted for --op {args.op}: "
-                         f"{', '.join(registry.op(args.op).kernel_names())}")
     fmt = _format_arg(args)
     if args.extra_topk < 0:
         raise ValueError(f"--extra-topk: got {args.extra_topk}, accepted: 0 (no extra pool) or N > 0")
@@ -121,10 +126,7 @@ def cmd_compile(args) -> int:
             raise ValueError(f"{', '.join(given)}: options of --kernel {main_kernel}, which --kernel {args.kernel} "
                              "does not take")
     fmt = fmt or V32
-    if extra_flag:
-        _check_extra_pool(fmt, extra_flag)
-    elif args.extra_topk_length:
-        raise ValueError("--extra-topk-length: needs the extra pool (--extra-topk N)")
+    _check_extra_pool(fmt, extra_flag, args.extra_topk_length)
 
     t0 = time.time()
     report = playground.compile_to_dir(args.kernel, args.arch, args.out, op=args.op, h_q=args.h_q or 64,
@@ -138,23 +140,17 @@ def cmd_compile(args) -> int:
 
 
 def cmd_warmup(args) -> int:
+    from .dsl.compile import cache_dir
+
     formats = None
     if args.format is not None or args.d_qk is not None:
-        from .formats import format_for_d_qk, format_named
-
-        try:
-            formats = tuple(format_named(f).name for f in args.format or ())
-            formats += tuple(format_for_d_qk(d).name for d in args.d_qk or ())
-        except (ValueError, NotImplementedError) as e:
-            flag = "--d-qk" if str(e).startswith("d_qk") else "--format"
-            raise type(e)(f"{flag}: {str(e).split(': ', 1)[1]}") from None
-        formats = tuple(dict.fromkeys(formats))   # each once
-    where = warmup.check_cache_writable()
+        named = [_format_of(name=f) for f in args.format or ()] + [_format_of(d_qk=d) for d in args.d_qk or ()]
+        formats = tuple(dict.fromkeys(f.name for f in named))   # each once
     progress = sys.stdout.isatty() if args.progress is None else args.progress
     t0 = time.time()
     n = warmup.warmup(args.arch, h_qs=args.h_q, formats=formats, kinds=args.kinds, jobs=args.jobs, op=args.op,
                       progress=(lambda line: print(line, flush=True)) if progress else None)
-    print(f"{n} kernels for {args.arch} in the compile cache {where} ({time.time() - t0:.0f} s)")
+    print(f"{n} kernels for {args.arch} in the compile cache {cache_dir()} ({time.time() - t0:.0f} s)")
     return 0
 
 

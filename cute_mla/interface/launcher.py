@@ -73,22 +73,20 @@ class Launcher:
             self.combine_mod = registry.kernel_module(plan.op, plan.arch, "combine")
             self.combine_compiled = self.combine_mod.compile(self.combine_cfg)
 
-    def __call__(self, t: SparseDecodeTensors, workspace: Optional[Workspace] = None) -> None:
+    def __call__(self, t: SparseDecodeTensors) -> None:
         """Launch what the plan says: the main kernel, then the combine only for the split variant."""
-        self.combine(self.main(t, workspace))
+        self.combine(self.main(t))
 
-    def main(self, t: SparseDecodeTensors, workspace: Optional[Workspace] = None) -> SparseDecodeTensors:
+    def main(self, t: SparseDecodeTensors) -> SparseDecodeTensors:
         """The main kernel alone; returns the bundle it launched with (its workspace: (None, None)
         when unsplit). Without :meth:`combine` a split call's outputs stay unwritten: benchmarks
         time that as the call's bound without the combine. ``t``: the call's bundle with its
         schedule, ``out`` and ``lse`` (``request_order`` required where the plan orders
         requests: the kernel's launch refuses a missing one) and, for a split plan, its
         accumulators (the API passes the ones its metadata object keeps for the step,
-        :func:`allocate_workspace` of this plan). ``workspace``: accumulators to write instead; a
-        split plan whose bundle has none and is given none allocates them for this call."""
-        if workspace is not None:
-            t = t._replace(o_accum=workspace[0], lse_accum=workspace[1])
-        elif self.plan.split and t.o_accum is None:
+        :func:`allocate_workspace` of this plan); a split plan's bundle without them gets its own
+        for this call."""
+        if self.plan.split and t.o_accum is None:
             o_accum, lse_accum = allocate_workspace(self.plan, t.q.device)
             t = t._replace(o_accum=o_accum, lse_accum=lse_accum)
         if self.plan.token_walk:

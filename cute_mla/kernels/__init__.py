@@ -54,7 +54,8 @@ class SparseDecodeTensors(NamedTuple):
 # The fields a call passes in, in order: the custom op's tensor arguments (interface.ops)
 SPARSE_DECODE_INPUTS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices",
                         "extra_topk_length")
-SPARSE_DECODE_OPTIONAL = frozenset(("topk_length", "attn_sink", "extra_k_cache", "extra_indices", "extra_topk_length"))
+# the optional ones: those the bundle defaults to None
+SPARSE_DECODE_OPTIONAL = frozenset(n for n in SPARSE_DECODE_INPUTS if n in SparseDecodeTensors._field_defaults)
 
 
 def plan_config_for(kernel_config, accum_dtype: str, kernel: str):
@@ -85,12 +86,12 @@ def entry_getter(names):
 
 
 def fake_entry(names, fakes: dict) -> list:
-    """A compile's fake arguments in ``ENTRY`` order: ``fakes`` maps every name to its fake tensor
-    (None for one the config does not take); a name without an entry is an error."""
-    missing = [n for n in names if n not in fakes]
-    if missing:
-        raise KeyError(f"fake arguments missing for entry parameters {missing}")
-    return [fakes[n] for n in names]
+    """A compile's fake arguments in ``ENTRY`` order: ``fakes`` maps the names the config takes to
+    their fake tensors (None for the others); a name that is not an entry parameter is an error."""
+    unknown = sorted(set(fakes) - set(names))
+    if unknown:
+        raise KeyError(f"fake arguments {unknown} are not entry parameters {tuple(names)}")
+    return [fakes.get(n) for n in names]
 
 
 def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:

@@ -60,8 +60,12 @@ class PackedRule:
     min_blocks: int = 2
     max_blocks: int = 18
 
+    def takes(self, h_q: int, has_extra: bool) -> bool:
+        """The kernels it can reach: its head count, with an extra list (what warmup compiles)."""
+        return h_q == self.h_q and has_extra
+
     def applies(self, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
-        if h_q != self.h_q or s_q != 1 or not extra_topk:
+        if s_q != 1 or not self.takes(h_q, bool(extra_topk)):
             return False
         waves = b * (h_q // 64) / num_sms
         return self.min_blocks < blocks <= self.max_blocks and waves >= self.min_waves
@@ -95,6 +99,10 @@ class SparseDecodePolicy:
     # tokens, so each CTA overlaps one token's end with the next one's rows (it assumes the whole
     # GPU: with fewer SMs free the leftover partitions wait for a whole one)
     token_walk: bool = False
+
+    def column_pair_takes(self, h_q: int) -> bool:
+        """Whether the column pair can run at ``h_q`` under this policy (it pairs one 64-head block)."""
+        return self.column_pair_max_busy_ctas is not None and h_q == 64
 
     def num_sm_parts(self, num_sms: int, s_q: int, h_q: int) -> int:
         """FlashMLA's partition count under this policy (:func:`cute_mla.scheduler.partition.num_sm_parts`)."""

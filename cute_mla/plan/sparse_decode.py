@@ -249,7 +249,7 @@ def uses_column_pair(policy: SparseDecodePolicy, b: int, s_q: int, h_q: int, num
     """A split plan at h_q = 64 with a host schedule runs each piece on a column pair where at most
     ``policy.column_pair_max_busy_ctas`` CTAs, and at most num_sms / 4, would have work without it
     (partitions with a piece x s_q); the policy field says why."""
-    if policy.column_pair_max_busy_ctas is None or h_q != 64 or host_schedule is None:
+    if not policy.column_pair_takes(h_q) or host_schedule is None:
         return False
     return _busy_partitions(b, host_schedule) * s_q <= min(policy.column_pair_max_busy_ctas, num_sms // 4)
 
@@ -267,9 +267,6 @@ def uses_token_walk(policy: SparseDecodePolicy, b: int, s_q: int, h_q: int, part
 # ------------------------------------------------------------------------- what the rules reach
 
 
-KernelFlags = Tuple[bool, bool, bool, bool, bool, bool]   # split, tl, extra, extra tl, column pair, request order
-
-
 def reachable_kernels(policy: SparseDecodePolicy, h_q: int, fmt: KVCacheFormat) -> List[dict]:
     """The main-kernel choices (``config_for``'s plan fields, less the sink) that the planner's rules
     can reach for ``h_q`` and a format: split or not, with each list's lengths or not, the extra
@@ -282,13 +279,12 @@ def reachable_kernels(policy: SparseDecodePolicy, h_q: int, fmt: KVCacheFormat) 
         for extra, extra_tl in extras:
             lengths = tl or extra_tl
             pairs = [False]
-            if policy.column_pair_max_busy_ctas is not None and h_q == 64 and split and not lengths:
+            if policy.column_pair_takes(h_q) and split and not lengths:   # host schedules only
                 pairs.append(True)
             for pair in pairs:
                 out.append(dict(split=split, has_topk_length=tl, has_extra=extra, has_extra_topk_length=extra_tl,
                                 column_pair=pair, request_order=False))
-            packed = policy.packed
-            if packed is not None and h_q == packed.h_q and extra and not split and lengths:
+            if policy.packed is not None and policy.packed.takes(h_q, extra) and not split and lengths:
                 out.append(dict(split=False, has_topk_length=tl, has_extra=True, has_extra_topk_length=extra_tl,
                                 column_pair=False, request_order=True))
     return out

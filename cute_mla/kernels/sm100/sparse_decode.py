@@ -1378,7 +1378,7 @@ def _fake_args(cfg: Sm100SparseDecodeConfig) -> list:
     h = cfg.h_q
     tile = cfg.tile
     i64 = lambda d: cute.sym_int64(divisibility=d)  # noqa: E731
-    f = dict.fromkeys(ENTRY)
+    f = {}
     f["q"] = make_fake_tensor(BFloat16, (b, s_q, h, cfg.d_qk), stride=(i64(8), i64(8), i64(8), 1), assumed_align=16)
     f["k_cache"] = make_fake_tensor(Uint8, (nblk, page, tile.row_bytes), stride=(i64(16), tile.row_bytes, 1),
                                     assumed_align=16)

@@ -325,7 +325,7 @@ def _fake_arguments(cfg: Sm90SparseDecodeConfig) -> list:
         return cute.sym_int64(divisibility=div)
 
     tile = cfg.tile
-    f = dict.fromkeys(ENTRY)
+    f = {}
     f["q"] = rt.make_fake_tensor(BFloat16, (b, s_q, cfg.h_q, tile.d_qk), stride=(s64(8), s64(8), s64(8), 1),
                                  assumed_align=16)
     f["k_cache"] = rt.make_fake_tensor(Uint8, (num_blocks, page, tile.row_bytes), stride=(s64(16), tile.row_bytes, 1),
