@@ -4,9 +4,14 @@
 * ``bench_sparse_decode``: V3.2 side by side with FlashMLA (as vLLM ships it) on the grid: CUDA-graph
   replay, eager, per call in a 16-call graph, transient memory; ``--sustained ROW [--seconds S]
   [--variants ...]``: each library back to back with the SM clock, power and temperature sampled
-  (the power cap).
-* ``bench_v4``: V4 side by side with FlashMLA (the two-pool cache, lengths, sinks), each row over
-  several draws of its inputs, both libraries timed interleaved; ``--variant``, ``--cold-l2``.
+  (the power cap); ``--v4``: V4 side by side with FlashMLA (the two-pool cache, lengths, sinks),
+  each row over several draws of its inputs, both libraries timed interleaved; ``--variant``,
+  ``--cold-l2``.
+* ``bench_sparse_prefill``: ``flash_mla_sparse_fwd`` side by side with FlashMLA's on FlashMLA's
+  sparse prefill performance cases (eager calls, alternating; TFLOP/s, transient memory, a check
+  against the fp32 reference); ``--routes``: a prefill chunk on the V3.2 FP8 cache, dequantized
+  into a bf16 workspace then ``flash_mla_sparse_fwd``, against the FP8 decode kernel in the
+  mixed-batch layout.
 * ``variants``: SM90 kernel variants (``Sm90Tuning`` values through the public seam) checked bit
   for bit and timed interleaved; ``+nocomb`` (the decode kernel alone) and ``--parts`` (other
   partition counts) bounds.

@@ -5,7 +5,7 @@ replay, on the latency rows; then the per-call replay time (a graph of ``--layer
 cute-mla's whole call, of its decode kernel alone (``Launcher.main``) and of its combine alone
 (``Launcher.combine`` on the decode kernel's workspace): the combine's share of the critical path.
 
-``--v4 ROWS``: the same per-kernel device times on V4 rows of ``bench_v4`` (``"b,h,extra;..."``):
+``--v4 ROWS``: the same per-kernel device times on V4 rows of ``bench_sparse_decode --v4`` (``"b,h,extra;..."``):
 the decode and combine kernels of each library's call, as a decode step's later calls run them
 (the metadata object already holds the schedule). cute-mla's combine is launched with PDL, so its
 span covers the decode kernel's and the printed sum counts that overlap twice.
@@ -83,9 +83,8 @@ from cute_mla.plan.schedule import make_schedule
 from cute_mla.scheduler import SchedField
 from cute_mla.scheduler.partition import blocks_of_length, extra_blocks_of_length
 
-from benchmarks import bench_v4
-from benchmarks.bench_sparse_decode import (call, capture_graph, flashmla, make_inputs, parse_row, parse_rows,
-                                            replay_median_us, warm_up)
+from benchmarks.bench_sparse_decode import (V4_TOPK, call, capture_graph, flashmla, make_inputs, parse_row, parse_rows,
+                                            replay_median_us, v4_call, v4_make_pool, v4_make_row, v4_parse_rows, warm_up)
 from benchmarks.variants import variant_of
 
 ROWS = [(1, 1, 64), (1, 8, 64), (1, 1, 128), (1, 8, 128), (128, 1, 64)]
@@ -214,16 +213,16 @@ def launch_parts(args):
 def per_kernel_v4(rows):
     fm = flashmla()
     g = torch.Generator(device="cuda").manual_seed(0)
-    pools = (bench_v4.make_pool(g), bench_v4.make_pool(g))
+    pools = (v4_make_pool(g), v4_make_pool(g))
     for b, h, extra in rows:
-        row = bench_v4.make_row(b, h, extra, 0.0, g)
+        row = v4_make_row(b, h, extra, 0.0, g)
         for name, mod in (("cute-mla", cute_mla), ("FlashMLA", fm)):
             if mod is None:
                 continue
             sched = mod.get_mla_metadata()[0]
-            bench_v4.call(mod, sched, row, *pools)
+            v4_call(mod, sched, row, *pools)
             torch.cuda.synchronize()
-            t = kernel_times(capture_graph(lambda: bench_v4.call(mod, sched, row, *pools))[0])
+            t = kernel_times(capture_graph(lambda: v4_call(mod, sched, row, *pools))[0])
             total = sum(v[0] for v in t.values())
             parts = ", ".join(f"{k} {v[0]:.1f} us x{v[1]}" for k, v in sorted(t.items(), key=lambda kv: -kv[1][0]))
             plan = getattr(sched, "plan", None)
@@ -508,11 +507,11 @@ def spans(args):
     replays = args.replays or 5
     dev = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
-    pools = (bench_v4.make_pool(g), bench_v4.make_pool(g))
+    pools = (v4_make_pool(g), v4_make_pool(g))
     warm_up(2.0)
-    for b, h, extra in bench_v4.parse_rows(args.spans):
-        row = bench_v4.make_row(b, h, extra, 0.0, g)
-        plan = cute_mla.plan_sparse_decode(b, 1, h, V4.d_qk, bench_v4.TOPK, arch=SM90.name, num_sms=device_num_sms(dev),
+    for b, h, extra in v4_parse_rows(args.spans):
+        row = v4_make_row(b, h, extra, 0.0, g)
+        plan = cute_mla.plan_sparse_decode(b, 1, h, V4.d_qk, V4_TOPK, arch=SM90.name, num_sms=device_num_sms(dev),
                                            has_topk_length=True, extra_topk=extra, has_extra_topk_length=extra > 0)
         for name in (n for n in args.variants.split(",") if n):
             tuning, _ = variant_of(name)
@@ -565,7 +564,7 @@ def main():
     if args.launch:
         return launch_parts(args)
     if args.v4:
-        return per_kernel_v4(bench_v4.parse_rows(args.v4))
+        return per_kernel_v4(v4_parse_rows(args.v4))
     if args.ncu:
         return ncu_one_call(args)
     if args.host:

@@ -47,7 +47,7 @@ run() { step "$@" || FAILED="$FAILED $1"; }   # run NAME TIMEOUT CMD...: step, i
 # shellcheck disable=SC2086  # XDIST and TESTS are word lists
 want tests && TAIL=12 run tests "${TESTS_S:-330}" python3 -m pytest -q -rf -p no:cacheprovider --durations=8 $XDIST \
   -m gpu ${TESTS:-tests}
-want v4 && TAIL=30 run v4 "${V4_S:-150}" python3 -m benchmarks.bench_v4 --draws 5 --out "$OUT/v4.json"
+want v4 && TAIL=30 run v4 "${V4_S:-150}" python3 -m benchmarks.bench_sparse_decode --v4 --draws 5 --out "$OUT/v4.json"
 want v32 && TAIL=40 run v32 "${V32_S:-$((BUDGET - SECONDS))}" python3 -m benchmarks.bench_sparse_decode --rows "${V32_ROWS:-all}" \
   --json "$OUT/v32.json"
 want demo && run demo 120 python3 -m cute_mla.cli demo

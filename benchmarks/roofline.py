@@ -158,7 +158,7 @@ def draw(pts, out, sources):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", nargs="+", default=[str(p) for p in RESULTS],
-                    help="results JSONs (bench_sparse_decode --json, bench_v4 --out, cute-mla bench --json)")
+                    help="results JSONs (bench_sparse_decode --json, bench_sparse_decode --v4 --out, cute-mla bench --json)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     pts = points(args.results)

@@ -179,7 +179,7 @@ if want 6 && [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 python3 -m benchmarks.bench_sparse_decode --json "$OUT/bench.json" >"$OUT/step6-bench.log" 2>&1 \
     || { tail -20 "$OUT/step6-bench.log"; fail 6 "the V3.2 benchmark (its log names the row)."; }
   tail -24 "$OUT/step6-bench.log"
-  timeout 900 python3 -m benchmarks.bench_v4 --out "$OUT/bench_v4.json" >"$OUT/step6-bench-v4.log" 2>&1 \
+  timeout 900 python3 -m benchmarks.bench_sparse_decode --v4 --out "$OUT/bench_v4.json" >"$OUT/step6-bench-v4.log" 2>&1 \
     || { tail -20 "$OUT/step6-bench-v4.log"; fail 6 "the V4 benchmark (its log names the row)."; }
   tail -24 "$OUT/step6-bench-v4.log"
 fi

@@ -16,9 +16,12 @@ __version__ = "0.1.0"
 from .interface import (  # noqa: F401
     FlashMLASchedMeta,
     SparseDecodePlan,
+    flash_mla_sparse_fwd,
     flash_mla_with_kvcache,
     get_mla_metadata,
     plan_sparse_decode,
 )
+from .plan.sparse_prefill import SparsePrefillPlan, plan_sparse_prefill  # noqa: F401
 
-__all__ = ["FlashMLASchedMeta", "SparseDecodePlan", "flash_mla_with_kvcache", "get_mla_metadata", "plan_sparse_decode", "__version__"]
+__all__ = ["FlashMLASchedMeta", "SparseDecodePlan", "SparsePrefillPlan", "flash_mla_sparse_fwd", "flash_mla_with_kvcache",
+           "get_mla_metadata", "plan_sparse_decode", "plan_sparse_prefill", "__version__"]

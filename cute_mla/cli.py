@@ -81,6 +81,11 @@ def _plan_from_args(args, s_q=None):
 
     plan_call = registry.plan_function(args.op)
     fmt = _format_arg(args) or V32
+    if args.op == registry.SPARSE_PREFILL.name:
+        _refuse_options(args.op, (("--b", args.b != 1), ("--extra-topk", bool(args.extra_topk)),
+                                  ("--extra-topk-length", args.extra_topk_length)))
+        return plan_call(s_q or args.s_q, args.h_q, fmt.d_qk, args.topk, arch=args.arch,
+                         has_topk_length=args.topk_length)
     _check_extra_pool(fmt, "--extra-topk" if args.extra_topk else None, args.extra_topk_length)
     num_sms = archs.get(args.arch).default_num_sms if args.num_sms is None else args.num_sms
     return plan_call(args.b, s_q or args.s_q, args.h_q, fmt.d_qk, args.topk, arch=args.arch, num_sms=num_sms,
@@ -88,9 +93,21 @@ def _plan_from_args(args, s_q=None):
                      has_extra_topk_length=args.extra_topk_length, format=fmt.name)
 
 
+def _refuse_options(op: str, given) -> None:
+    """Options an op does not take, named: ``given`` is (flag, given) pairs."""
+    named = [flag for flag, on in given if on]
+    if named:
+        raise ValueError(f"{', '.join(named)}: not an option of --op {op}")
+
+
 def cmd_plan(args) -> int:
     plan = _plan_from_args(args)
-    if args.json:
+    if args.json and plan.op == registry.SPARSE_PREFILL.name:
+        d = {k: getattr(plan, k) for k in ("op", "arch", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "kernel",
+                                           "kernel_h_q", "padded", "split", "workspace_bytes", "padding_bytes", "ctas")}
+        d["tensor_maps"] = list(plan.tensor_maps)
+        print(json.dumps(d, indent=2))
+    elif args.json:
         d = {k: getattr(plan, k) for k in ("op", "arch", "format", "b", "s_q", "h_q", "d_qk", "topk", "has_topk_length",
                                            "extra_topk", "has_extra_topk_length", "num_sm_parts",
                                            "kernel", "variant", "schedule", "accum_rows", "workspace_bytes",
@@ -110,7 +127,12 @@ def cmd_compile(args) -> int:
     from .playground import registry as playground
 
     main_kernel = registry.op(args.op).name
+    if args.kernel is None:
+        args.kernel = main_kernel
     fmt = _format_arg(args)
+    if args.op == registry.SPARSE_PREFILL.name:
+        _refuse_options(args.op, (("--split", args.split), ("--extra-topk", bool(args.extra_topk)),
+                                  ("--extra-kv", args.extra_kv), ("--extra-topk-length", args.extra_topk_length)))
     if args.extra_topk < 0:
         raise ValueError(f"--extra-topk: got {args.extra_topk}, accepted: 0 (no extra pool) or N > 0")
     extra_flag = "--extra-kv" if args.extra_kv else "--extra-topk" if args.extra_topk else None
@@ -267,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--d-qk", type=_int_list, default=None, help=argparse.SUPPRESS)   # the formats by width
         else:
             sp.add_argument("--format", default=None, help=f"the cache format: {formats} (default V3.2)")
-            sp.add_argument("--d-qk", type=positive_int, default=None, help=argparse.SUPPRESS)   # the format by width
+            sp.add_argument("--d-qk", type=positive_int, default=None,
+                            help="the key width, 576 or 512 (sparse_prefill's choice; sparse_decode: the format of that width)")
 
     def variant_args(sp):
         """The options a plan and a kernel variant share."""
@@ -278,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plan", help="print the plan of a call: kernel, variant, workspace, tensor maps")
     op_arg(sp)
     format_args(sp)
-    sp.add_argument("--h-q", type=positive_int, default=64, help="query heads: 64 or 128 (default 64)")
+    sp.add_argument("--h-q", type=positive_int, default=64,
+                    help="query heads: 64 or 128 (sparse_prefill: 8, 16, 32 too; default 64)")
     variant_args(sp)
     sp.add_argument("--b", type=positive_int, default=1, help="requests (default 1)")
     sp.add_argument("--s-q", type=positive_int, default=1, help="query tokens per request (default 1)")
@@ -294,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("compile", help="compile a kernel for an arch (no GPU needed); write PTX and cubin; print resources")
     op_arg(sp)
     sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS, help="the compile target")
-    sp.add_argument("--kernel", required=True, choices=kernels,
-                    help="the op's main kernel (its name) or one of its helper kernels")
+    sp.add_argument("--kernel", default=None, choices=kernels,
+                    help="the op's main kernel (its name; the default) or one of its helper kernels")
     sp.add_argument("--out", required=True, help="directory for the PTX and cubin")
     format_args(sp)
     sp.add_argument("--h-q", type=positive_int, default=None, help="query heads: 64 or 128 (default 64)")

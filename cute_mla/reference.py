@@ -1,9 +1,11 @@
-"""The oracle of every kernel test: sparse MLA decode in plain torch, fp32 math.
+"""The oracle of every kernel test: sparse MLA decode in plain torch, fp32 math, and sparse MLA
+prefill (FlashMLA's ``flash_mla_sparse_fwd``) in float64.
 
 Independent of the kernels: it dequantizes the cache with its format's ``dequantize_cache``
 (:mod:`cute_mla.formats`; any page-block stride), gathers each query token's top-k rows (and, for
 V4, its extra pool's rows: one joint softmax over both lists), and computes softmax attention
-directly (no online softmax, no splits).
+directly (no online softmax, no splits). The prefill oracle gathers bf16 rows of a flat KV tensor
+the same way (:func:`sparse_prefill_reference`).
 """
 
 from __future__ import annotations
@@ -122,3 +124,99 @@ def sparse_decode_reference(
         factor = torch.where(torch.isposinf(lse), torch.zeros_like(factor), factor)
         out = out * factor[..., None]
     return out.reshape(b, s_q, h_q, d_v), lse.reshape(b, s_q, h_q).transpose(1, 2)
+
+
+def sparse_prefill_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    chunk_bytes: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference sparse prefill (FlashMLA's ``flash_mla_sparse_fwd``, its ``tests/ref.py``), float64.
+
+    Per query row ``i`` and head ``h``: slots ``j >= topk_length[i]`` (when given), indices ``< 0``
+    and indices ``>= s_kv`` are invalid; ``P = sm_scale * q[i, h] . kv[idx]`` over the full d_qk,
+    -inf at invalid slots; ``max_logits = max(P)``, ``lse = logsumexp(P)`` (natural units, no
+    sink); ``out = exp(P - logaddexp(lse, attn_sink[h])) @ kv[idx][:, :d_v]``, i.e. softmax(P) @ V
+    scaled by ``1 / (1 + exp(sink - lse))`` (+inf sink: 0; -inf sink: no effect). A row with no
+    valid slot: out 0, max_logits -inf, lse +inf, whatever the sink.
+
+    Computed on q's device in chunks of query rows (``chunk_bytes`` of temporaries each: by
+    default a quarter of the free GPU memory up to 1 GiB, 256 MiB on the host). KV rows no valid
+    slot reads are never part of the math (masked with ``torch.where``): NaN there does not reach
+    the result. The rows' valid slots are packed to the front first (the softmax does not depend
+    on their order), so lists with few valid slots cost what those slots cost.
+
+    Args:
+        q: (s_q, h_q, d_qk) queries (bf16 in production), any strides.
+        kv: (s_kv, 1, d_qk) keys; the first ``d_v`` columns are V. Any strides.
+        indices: (s_q, 1, topk) integer row indices into kv.
+        sm_scale: multiplies q.k.
+        d_v: V columns (512).
+        attn_sink: (h_q,) fp32 or None.
+        topk_length: (s_q,) integers or None; a negative length is an empty list.
+
+    Returns:
+        out (s_q, h_q, d_v), max_logits (s_q, h_q), lse (s_q, h_q), all fp32 (float64 math).
+    """
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    if kv.dim() != 3 or kv.shape[1] != 1 or kv.shape[2] != d_qk:
+        raise ValueError(f"sparse_prefill_reference: kv must be (s_kv, 1, {d_qk}), got {tuple(kv.shape)}")
+    if indices.dim() != 3 or indices.shape[0] != s_q or indices.shape[1] != 1:
+        raise ValueError(f"sparse_prefill_reference: indices must be ({s_q}, 1, topk), got {tuple(indices.shape)}")
+    if not 0 < d_v <= d_qk:
+        raise ValueError(f"sparse_prefill_reference: d_v must be in (0, {d_qk}], got {d_v}")
+    dev = q.device
+    f64 = torch.float64
+    topk = indices.shape[-1]
+    idx = indices[:, 0].to(dev, torch.int64)                             # (s_q, topk)
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        length = topk_length.to(dev, torch.int64).view(s_q, 1)
+        valid &= torch.arange(topk, device=dev).view(1, topk) < length
+    # valid slots first (a stable sort keeps their order), then only as many slots as the fullest row has
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    valid = torch.gather(valid, 1, order)
+    idx = torch.gather(idx, 1, order)
+    k_eff = max(int(valid.sum(dim=1).max()) if s_q else 0, 1)
+    valid, idx = valid[:, :k_eff].contiguous(), idx[:, :k_eff]
+    safe = torch.where(valid, idx, torch.zeros((), dtype=torch.int64, device=dev))
+
+    kv_rows = kv[:, 0].to(dev)                                           # (s_kv, d_qk), kv's dtype
+    if chunk_bytes is None:
+        chunk_bytes = 256 << 20
+        if dev.type == "cuda":
+            chunk_bytes = max(64 << 20, min(1 << 30, torch.cuda.mem_get_info(dev)[0] // 4))
+    # per query row: the gathered rows (kv's dtype, then float64), the logits and their exponentials
+    # (float64, ~3 live copies), the row's q and out in float64
+    row_bytes = k_eff * d_qk * (kv_rows.element_size() + 2 * 8) + 3 * h_q * k_eff * 8 + h_q * (d_qk + d_v) * 8
+    chunk = max(1, chunk_bytes // row_bytes)
+
+    sink = None if attn_sink is None else attn_sink.to(dev, f64).view(1, h_q)
+    out = torch.empty(s_q, h_q, d_v, dtype=torch.float32, device=dev)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=dev)
+    zero = torch.zeros((), dtype=kv_rows.dtype, device=dev)
+    for r0 in range(0, s_q, chunk):
+        r1 = min(r0 + chunk, s_q)
+        vr = valid[r0:r1]                                                # (rows, k_eff)
+        k = kv_rows.index_select(0, safe[r0:r1].reshape(-1)).view(r1 - r0, k_eff, d_qk)
+        k = torch.where(vr[:, :, None], k, zero).to(f64)                 # unread rows (NaN or not) are 0
+        logits = torch.einsum("rhd,rkd->rhk", q[r0:r1].to(f64), k) * sm_scale
+        logits = logits.masked_fill(~vr[:, None, :], -math.inf)
+        l = torch.logsumexp(logits, dim=-1)                              # (rows, h_q); -inf: no valid slot
+        m = logits.amax(dim=-1)
+        empty = ~vr.any(dim=1, keepdim=True).expand(-1, h_q)
+        lse_for_o = l if sink is None else torch.logaddexp(l, sink)     # +inf sink: +inf, so out 0
+        lse_for_o = torch.where(empty, torch.full_like(l, math.inf), lse_for_o)
+        p = torch.exp(logits - lse_for_o[..., None])
+        o = torch.einsum("rhk,rkd->rhd", p, k[..., :d_v])
+        out[r0:r1] = torch.where(empty[..., None], torch.zeros_like(o), o)
+        max_logits[r0:r1] = torch.where(empty, torch.full_like(m, -math.inf), m)
+        lse[r0:r1] = torch.where(empty, torch.full_like(l, math.inf), l)
+    return out, max_logits, lse

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import random
+import zlib
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .formats import V4, V32, KVCacheFormat, detect_format, format_for_d_qk
-from .reference import sparse_decode_reference, valid_positions
+from .reference import sparse_decode_reference, sparse_prefill_reference, valid_positions
 from .scheduler import FIXED_OVERHEAD, accum_offsets, blocks_per_request, plan_splits_host
 from .scheduler.partition import HostSchedule
 
@@ -466,3 +468,305 @@ def transient_bytes(fn):
     peak = torch.cuda.memory_stats()["requested_bytes.all.peak"] - before
     outs = result if isinstance(result, (tuple, list)) else (result,)
     return result, peak - sum(t.nbytes for t in outs if isinstance(t, torch.Tensor))
+
+
+# --------------------------------------------------------------------------------- sparse prefill
+#
+# FlashMLA's test inputs, case lists and tolerances for ``flash_mla_sparse_fwd`` (its
+# tests/test_flash_mla_sparse_prefill.py, tests/lib.py and tests/kernelkit/{generate,compare}.py),
+# written afresh: the same distributions and rules, not the same random streams.
+
+# FlashMLA's invalid index candidates (lib.py); ``None`` stands for s_kv itself.
+PREFILL_INVALID_CANDIDATES = (-2**31, -123456, -1, None, 114514, 1919810, 2147480000, 2**31 - 1)
+PREFILL_SM_SCALE = 0.5          # FlashMLA's test scale
+PREFILL_HEADS = (8, 16, 32, 64, 128)
+PREFILL_D_QK = (576, 512)
+
+
+def prefill_invalid_candidates(s_kv: int) -> Tuple[int, ...]:
+    """FlashMLA's invalid index candidates for a KV of ``s_kv`` rows, keeping those that are invalid
+    there (all of them for every s_kv of FlashMLA's cases, which stay below 114514 wherever they
+    are drawn)."""
+    vals = [s_kv if c is None else c for c in PREFILL_INVALID_CANDIDATES]
+    return tuple(c for c in vals if c < 0 or c >= s_kv)
+
+
+@dataclass
+class SparsePrefillInputs:
+    q: torch.Tensor                       # (s_q, h_q, d_qk) bf16
+    kv: torch.Tensor                      # (s_kv, 1, d_qk) bf16
+    indices: torch.Tensor                 # (s_q, 1, topk) int32
+    sm_scale: float
+    attn_sink: Optional[torch.Tensor]     # (h_q,) fp32
+    topk_length: Optional[torch.Tensor]   # (s_q,) int32
+    d_v: int = 512
+
+    def call_kwargs(self) -> dict:
+        """The keyword arguments of ``flash_mla_sparse_fwd`` (FlashMLA's names)."""
+        return dict(q=self.q, kv=self.kv, indices=self.indices, sm_scale=self.sm_scale, d_v=self.d_v,
+                    attn_sink=self.attn_sink, topk_length=self.topk_length)
+
+    def reference(self, rows=None, **kw):
+        """:func:`cute_mla.reference.sparse_prefill_reference` of these inputs: fp32 (out,
+        max_logits, lse); of the query rows ``rows`` only (a slice or an index tensor) when given."""
+        q, idx, tl = self.q, self.indices, self.topk_length
+        if rows is not None:
+            q, idx, tl = q[rows], idx[rows], None if tl is None else tl[rows]
+        return sparse_prefill_reference(q, self.kv, idx, self.sm_scale, self.d_v, self.attn_sink, tl, **kw)
+
+
+def non_contiguous(t: torch.Tensor, fill=None) -> torch.Tensor:
+    """``t`` copied into a larger buffer (every dim + 1, the last + 128) and sliced back: kernelkit's
+    ``non_contiguousify``, so every stride but the last is non-trivial. The padding is left as
+    allocated, or ``fill`` when given."""
+    base = torch.empty(_padded_shape(t.shape), dtype=t.dtype, device=t.device)
+    if fill is not None:
+        base.fill_(fill)
+    view = base[tuple(slice(0, n) for n in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def _padded_shape(shape) -> List[int]:
+    return [n + 128 if i == len(shape) - 1 else n + 1 for i, n in enumerate(shape)]
+
+
+def _flashmla_randn(shape, g: torch.Generator, rng: random.Random, dev, non_contig: bool) -> torch.Tensor:
+    """FlashMLA's q / kv: bf16 randn / 10 plus one scalar offset in [-0.05, 0.05), clamped to +-10,
+    in bf16 arithmetic; drawn over the padded buffer when ``non_contig`` (kernelkit's
+    ``gen_non_contiguous_randn_tensor``: no full-size temporary), then sliced."""
+    full = _padded_shape(shape) if non_contig else list(shape)
+    base = torch.empty(full, dtype=torch.bfloat16, device=dev)
+    base.normal_(generator=g)
+    t = base[tuple(slice(0, n) for n in shape)]
+    t.div_(10).add_((rng.random() - 0.5) / 10).clamp_(-10, 10)
+    return t
+
+
+def make_prefill_inputs(s_q: int, s_kv: int, topk: int, h_q: int, d_qk: int = 576, *, attn_sink: bool = False,
+                        topk_length: bool = False, all_invalid_rows: bool = False, non_contig: bool = True,
+                        sm_scale: float = PREFILL_SM_SCALE, seed: int = 0, device="cpu") -> SparsePrefillInputs:
+    """Random inputs of ``flash_mla_sparse_fwd`` as FlashMLA's ``tests/lib.py`` makes them, on
+    ``device`` from generators seeded with ``seed``.
+
+    q (s_q, h_q, d_qk) and kv (s_kv, 1, d_qk): bf16 randn / 10 plus a random scalar offset in
+    +-0.05, clamped to +-10. indices (s_q, 1, topk) int32: each row a random permutation of
+    [0, s_kv) cut to topk, padded at the end with random invalid candidates
+    (:data:`PREFILL_INVALID_CANDIDATES`) when s_kv < topk; ``all_invalid_rows``: rows with
+    randn < -2 (~2.3 %) set to one invalid candidate. ``attn_sink``: (h_q,) randn, ~31 % -inf and
+    ~31 % +inf. ``topk_length``: (s_q,) randint(0, max(topk + 1, 64)) clamped to topk (so ~1/(topk+1)
+    of the rows are 0). ``non_contig``: q, kv and indices are views into buffers with every dim + 1
+    and the last + 128 (kernelkit's ``non_contiguousify``); the indices' padding holds 2^31 - 1.
+    """
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    rng = random.Random(seed)
+    q = _flashmla_randn((s_q, h_q, d_qk), g, rng, dev, non_contig)
+    kv = _flashmla_randn((s_kv, 1, d_qk), g, rng, dev, non_contig)
+
+    cands = prefill_invalid_candidates(s_kv)
+    width = max(s_kv, topk)
+    keys = torch.rand(s_q, width, generator=g, device=dev)
+    keys[:, s_kv:] = -math.inf                       # positions >= s_kv are taken last
+    idx = keys.topk(topk, dim=-1, sorted=True).indices.to(torch.int32)
+    del keys
+    if s_kv < topk:
+        cand = torch.tensor(cands, dtype=torch.int32, device=dev)
+        fill = cand[torch.randint(0, len(cands), idx.shape, generator=g, device=dev)]
+        idx = torch.where(idx >= s_kv, fill, idx)
+    if all_invalid_rows:
+        rows = torch.randn(s_q, generator=g, device=dev) < -2
+        idx[rows] = rng.choice(cands)
+    idx = idx.view(s_q, 1, topk)
+    if non_contig:
+        idx = non_contiguous(idx, fill=2**31 - 1)
+
+    sink = None
+    if attn_sink:
+        sink = torch.randn(h_q, generator=g, device=dev)
+        m = torch.randn(h_q, generator=g, device=dev)
+        sink[m < -0.5] = -math.inf
+        sink[m > 0.5] = math.inf
+    length = None
+    if topk_length:
+        length = torch.randint(0, max(topk + 1, 64), (s_q,), generator=g, device=dev, dtype=torch.int32)
+        length.clamp_(max=topk)
+    return SparsePrefillInputs(q=q, kv=kv, indices=idx, sm_scale=sm_scale, attn_sink=sink, topk_length=length)
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    """One of FlashMLA's sparse prefill test cases (its ``TestParam``, the fields the prefill test
+    uses)."""
+
+    s_q: int
+    s_kv: int
+    topk: int
+    h_q: int = 128
+    d_qk: int = 512
+    have_attn_sink: bool = False
+    have_topk_length: bool = False
+    is_all_indices_invalid: bool = False
+    check_correctness: bool = True
+    group: str = ""      # the list it comes from ("correctness", "features", "corner"): part of the name and seed
+
+    @property
+    def name(self) -> str:
+        """A short id: ``[group-]d576-h64-sq62-skv592-k128[-sink][-tl][-allinv][-nocheck]`` (FlashMLA's
+        correctness and feature lists share shapes: the group keeps their names and seeds apart)."""
+        s = f"{self.group}-" if self.group else ""
+        s += f"d{self.d_qk}-h{self.h_q}-sq{self.s_q}-skv{self.s_kv}-k{self.topk}"
+        for flag, tag in ((self.have_attn_sink, "sink"), (self.have_topk_length, "tl"),
+                          (self.is_all_indices_invalid, "allinv"), (not self.check_correctness, "nocheck")):
+            s += f"-{tag}" if flag else ""
+        return s
+
+    @property
+    def seed(self) -> int:
+        """A fixed seed per case (from its name)."""
+        return zlib.crc32(self.name.encode())
+
+    def make_inputs(self, device="cuda", seed: Optional[int] = None, **kw) -> SparsePrefillInputs:
+        """:func:`make_prefill_inputs` of this case (its own seed unless ``seed`` is given)."""
+        return make_prefill_inputs(self.s_q, self.s_kv, self.topk, self.h_q, self.d_qk, attn_sink=self.have_attn_sink,
+                                   topk_length=self.have_topk_length, all_invalid_rows=self.is_all_indices_invalid,
+                                   seed=self.seed if seed is None else seed, device=device, **kw)
+
+
+# (s_kv, topk) of FlashMLA's correctness cases: regular, irregular, and s_kv < topk ("OOB topk")
+PREFILL_REGULAR_SHAPES = ((128, 128), (256, 256), (512, 512))
+PREFILL_IRREGULAR_SHAPES = ((592, 128), (1840, 256), (1592, 384), (1521, 512))
+PREFILL_OOB_SHAPES = ((95, 128), (153, 256), (114, 384))
+
+
+def prefill_correctness_cases(h_q: int, d_qks: Sequence[int] = PREFILL_D_QK) -> List[PrefillCase]:
+    """FlashMLA's ``correctness_cases`` at ``h_q``: 10 (s_kv, topk) x s_q in {1, 62, 213}, no sink,
+    no topk_length (30 per d_qk)."""
+    shapes = PREFILL_REGULAR_SHAPES + PREFILL_IRREGULAR_SHAPES + PREFILL_OOB_SHAPES
+    return [PrefillCase(s_q, s_kv, topk, h_q=h_q, d_qk=d_qk, group="correctness")
+            for d_qk in d_qks for s_kv, topk in shapes for s_q in (1, 62, 213)]
+
+
+def prefill_feature_cases(h_q: int, d_qks: Sequence[int] = PREFILL_D_QK) -> List[PrefillCase]:
+    """FlashMLA's ``correctness_cases_with_features`` at ``h_q``: 7 irregular / OOB shapes x s_q in
+    {62, 213} x attn_sink x topk_length (56 per d_qk). FlashMLA's list also loops over a
+    ``have_sink_lse`` it never passes on, so each of its cases runs twice; here once."""
+    shapes = PREFILL_IRREGULAR_SHAPES + PREFILL_OOB_SHAPES
+    return [PrefillCase(s_q, s_kv, topk, h_q=h_q, d_qk=d_qk, have_attn_sink=sink, have_topk_length=tl,
+                        group="features")
+            for d_qk in d_qks for s_kv, topk in shapes for s_q in (62, 213)
+            for sink in (False, True) for tl in (False, True)]
+
+
+def prefill_corner_cases(h_q: int, d_qks: Sequence[int] = PREFILL_D_QK) -> List[PrefillCase]:
+    """FlashMLA's ``corner_cases`` at ``h_q`` (9 per d_qk), all with attn_sink and topk_length:
+    all-invalid rows for (s_q, s_kv, topk) in (1, 128, 128), (1, 256, 256), (1234, 4321, 4096),
+    (4096, 2048, 2048); 64-blocks without a valid index, (s_kv, topk) in (32, 2048), (64, 8192) x
+    s_q in {1, 1024}; s_q = 70000, s_kv = topk = 256 (past grid.y's limit; FlashMLA only checks
+    that it runs: ``check_correctness=False``)."""
+    feat = dict(have_attn_sink=True, have_topk_length=True, group="corner")
+    cases = []
+    for d_qk in d_qks:
+        cases += [PrefillCase(s_q, s_kv, topk, h_q=h_q, d_qk=d_qk, is_all_indices_invalid=True, **feat)
+                  for s_q, s_kv, topk in ((1, 128, 128), (1, 256, 256), (1234, 4321, 4096), (4096, 2048, 2048))]
+        cases += [PrefillCase(s_q, s_kv, topk, h_q=h_q, d_qk=d_qk, **feat)
+                  for s_kv, topk in ((32, 2048), (64, 8192)) for s_q in (1, 1024)]
+        cases.append(PrefillCase(70000, 256, 256, h_q=h_q, d_qk=d_qk, check_correctness=False, **feat))
+    return cases
+
+
+# FlashMLA's prefill tolerances (test_flash_mla_sparse_prefill.py): (abs, rel, cosine difference)
+PREFILL_OUT_TOL = (8e-4, 3.01 / 128, 7e-6)
+PREFILL_LSE_TOL = (1e-6, 2.01 / 65536, None)
+
+
+def check_close_chunked(name: str, got: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float,
+                        cos_diff_tol: Optional[float] = None, chunk: int = 1 << 24) -> None:
+    """kernelkit's ``check_is_allclose`` on ``got``'s device, ``chunk`` elements at a time (float64
+    math on the fp32 values): +inf, -inf and NaN at the same positions; elsewhere each element
+    passes when abs_err < abs_tol or rel_err = abs_err / (|ref| + 1e-6) < rel_tol; with
+    ``cos_diff_tol``, |1 - 2<a,b>/(|a|^2+|b|^2)| <= cos_diff_tol over all elements (the special
+    values counted as 0), skipped when |ref|^2 < 1e-12. Raises AssertionError naming the first
+    failing position."""
+    if tuple(got.shape) != tuple(ref.shape):
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}")
+    shape = tuple(got.shape)
+    g_all = got.detach().reshape(-1)
+    r_all = ref.detach().to(got.device).reshape(-1)
+    n = g_all.numel()
+    problems = []
+    first_bad = None
+    nbad = 0
+    max_abs = max_rel = 0.0
+    ab = sq = rr = 0.0
+    for s in range(0, n, chunk):
+        a = g_all[s:s + chunk].float().double()
+        b = r_all[s:s + chunk].float().double()
+        for what, fn in (("+inf", torch.isposinf), ("-inf", torch.isneginf), ("nan", torch.isnan)):
+            mism = fn(a) != fn(b)
+            if mism.any():
+                i = s + int(mism.nonzero()[0])
+                problems.append(f"{what} positions differ at {int(mism.sum())} elements in [{s}, {s + a.numel()}), "
+                                f"first {_unravel(i, shape)}: got {g_all[i].item()} vs ref {r_all[i].item()}")
+        a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+        b = torch.where(torch.isfinite(b), b, torch.zeros_like(b))
+        abs_err = (a - b).abs()
+        rel_err = abs_err / (b.abs() + 1e-6)
+        bad = (abs_err >= abs_tol) & (rel_err >= rel_tol)
+        k = int(bad.sum())
+        if k:
+            if first_bad is None:
+                first_bad = s + int(bad.nonzero()[0])
+            nbad += k
+            max_abs = max(max_abs, abs_err[bad].max().item())
+            max_rel = max(max_rel, rel_err[bad].max().item())
+        if cos_diff_tol is not None:
+            ab += (a * b).sum().item()
+            sq += (a * a + b * b).sum().item()
+            rr += (b * b).sum().item()
+    if nbad:
+        i = first_bad
+        problems.append(f"{nbad} of {n} elements out of tolerance (abs {abs_tol:.3g}, rel {rel_tol:.4g}); first at "
+                        f"{_unravel(i, shape)}: got {g_all[i].item()!r} vs ref {r_all[i].item()!r}; worst failing abs err "
+                        f"{max_abs:.3e}, rel err {max_rel:.3e}")
+    if cos_diff_tol is not None and rr >= 1e-12:
+        diff = 1 - 2 * ab / sq
+        if abs(diff) > cos_diff_tol:
+            problems.append(f"cosine difference {diff:.3e} > {cos_diff_tol:.3g}")
+    if problems:
+        raise AssertionError(f"{name}: " + "; ".join(problems))
+
+
+def _unravel(i: int, shape) -> Tuple[int, ...]:
+    pos = []
+    for n in reversed(shape):
+        pos.append(i % n)
+        i //= n
+    return tuple(reversed(pos))
+
+
+def check_prefill(out: torch.Tensor, max_logits: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor,
+                  ref_max_logits: torch.Tensor, ref_lse: torch.Tensor) -> None:
+    """FlashMLA's sparse prefill tolerances: out (as fp32) abs 8e-4, rel 3.01/128, cosine
+    difference 7e-6; max_logits and lse abs 1e-6, rel 2.01/65536; +-inf and NaN positions exact
+    (an empty row: max_logits -inf and lse +inf in both). All three are checked and every failure
+    is reported in one AssertionError.
+
+    A NaN in the reference is refused first: well-formed inputs never give one, and NaN positions
+    that match would pass."""
+    problems = []
+    for name, ref in (("out", ref_out), ("max_logits", ref_max_logits), ("lse", ref_lse)):
+        nan = torch.isnan(ref)
+        if nan.any():
+            problems.append(f"reference {name} has {int(nan.sum())} NaN elements, first at "
+                            f"{tuple(nan.nonzero()[0].tolist())}: a valid slot reads a NaN KV row?")
+    if not problems:
+        checks = (("out", out, ref_out, PREFILL_OUT_TOL), ("max_logits", max_logits, ref_max_logits, PREFILL_LSE_TOL),
+                  ("lse", lse, ref_lse, PREFILL_LSE_TOL))
+        for name, got, ref, (abs_tol, rel_tol, cos_tol) in checks:
+            try:
+                check_close_chunked(name, got, ref, abs_tol, rel_tol, cos_tol)
+            except AssertionError as e:
+                problems.append(str(e))
+    if problems:
+        raise AssertionError("sparse prefill mismatch:\n  " + "\n  ".join(problems))

@@ -305,3 +305,247 @@ def test_make_inputs_v4_poisons_unused_slots_of_both_pools(seed):
         page = cache.shape[1]
         at = cache.storage_offset() + (t // page) * cache.stride(0) + page * 576 + (t % page) * 8
         assert flat[at: at + 8].tolist() == [0xFF] * 8
+
+
+# ------------------------------------------------------------------------------- sparse prefill
+
+
+def prefill_brute_force(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    """FlashMLA's sparse prefill definition one (row, head) at a time in float64 with Python's
+    math: (out, max_logits, lse); a row with no valid slot is out 0, max_logits -inf, lse +inf."""
+    s_q, h_q, _ = q.shape
+    s_kv = kv.shape[0]
+    out = torch.zeros(s_q, h_q, d_v, dtype=torch.float64)
+    max_logits = torch.full((s_q, h_q), -math.inf, dtype=torch.float64)
+    lse = torch.full((s_q, h_q), math.inf, dtype=torch.float64)
+    for i in range(s_q):
+        n = indices.shape[-1] if topk_length is None else int(topk_length[i])
+        ids = [t for j, t in enumerate(indices[i, 0].tolist()) if j < n and 0 <= t < s_kv]
+        if not ids:
+            continue
+        for h in range(h_q):
+            qv = q[i, h].double()
+            logits = [float((qv * kv[t, 0].double()).sum()) * sm_scale for t in ids]
+            m = max(logits)
+            l = m + math.log(sum(math.exp(x - m) for x in logits))
+            o = sum(math.exp(x - l) * kv[t, 0, :d_v].double() for x, t in zip(logits, ids))
+            if attn_sink is not None:
+                sink = float(attn_sink[h])
+                o = o * (0.0 if sink == math.inf else 1 / (1 + math.exp(min(sink - l, 700))))
+            out[i, h], max_logits[i, h], lse[i, h] = o, m, l
+    return out, max_logits, lse
+
+
+def assert_prefill_matches(got, want):
+    """fp32 reference results against float64 ones: dtypes, the same +-inf positions, values to
+    fp32 precision, no NaN."""
+    for name, g, w in zip(("out", "max_logits", "lse"), got, want):
+        assert g.dtype == torch.float32, name
+        assert g.shape == w.shape, name
+        assert not torch.isnan(g).any(), name
+        assert torch.equal(torch.isposinf(g), torch.isposinf(w)), name
+        assert torch.equal(torch.isneginf(g), torch.isneginf(w)), name
+        fin = torch.isfinite(w)
+        err = (g.double()[fin] - w[fin]).abs()
+        assert (err <= 2e-7 * w[fin].abs() + 1e-7).all(), f"{name}: max err {err.max().item():.3e}"
+
+
+PREFILL_REF_CASES = [
+    # (s_q, s_kv, topk, h_q, d_qk, sink, topk_length, all-invalid row): s_kv < topk pads with invalid candidates
+    (6, 95, 128, 4, 576, True, True, True),
+    (5, 300, 128, 3, 512, True, False, True),
+    (4, 64, 192, 2, 576, False, True, False),
+    (3, 1000, 64, 5, 512, False, False, False),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_REF_CASES)
+def test_prefill_reference_matches_brute_force(case):
+    from cute_mla.reference import sparse_prefill_reference
+    from cute_mla.testing import make_prefill_inputs
+
+    s_q, s_kv, topk, h_q, d_qk, sink, tl, all_invalid = case
+    x = make_prefill_inputs(s_q, s_kv, topk, h_q, d_qk, attn_sink=sink, topk_length=tl, seed=sum(case[:5]))
+    assert x.q.stride(-1) == 1 and not x.q.is_contiguous() and not x.kv.is_contiguous()
+    if sink:
+        x.attn_sink[:3] = torch.tensor([math.inf, -math.inf, 0.3])[:h_q]
+    if tl:
+        x.topk_length[0] = 0                           # an empty list ...
+        x.topk_length[-1] = min(int(x.topk_length[-1]), 37) or 37   # ... and a short one
+    if all_invalid:
+        x.indices[1] = torch.tensor([-1, s_kv, -2**31, 2**31 - 1], dtype=torch.int32).repeat(topk // 4)
+    got = sparse_prefill_reference(x.q, x.kv, x.indices, x.sm_scale, 512, x.attn_sink, x.topk_length)
+    want = prefill_brute_force(x.q, x.kv, x.indices, x.sm_scale, 512, x.attn_sink, x.topk_length)
+    assert_prefill_matches(got, want)
+    assert torch.isfinite(want[2]).any(), "the case needs rows with valid slots"
+    if tl or all_invalid:
+        assert torch.isposinf(want[2]).any() and torch.isposinf(got[2]).any()
+    # the float64 oracle of every chunk size gives the same bits (rows are independent)
+    small = sparse_prefill_reference(x.q, x.kv, x.indices, x.sm_scale, 512, x.attn_sink, x.topk_length, chunk_bytes=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, small))
+    # and the inputs' method is the same call
+    assert all(torch.equal(a, b) for a, b in zip(got, x.reference()))
+    rows = torch.tensor([s_q - 1, 0])
+    assert all(torch.equal(a[rows], b) for a, b in zip(got, x.reference(rows)))
+
+
+def test_prefill_reference_empty_rows_whatever_the_sink():
+    """Empty rows (topk_length 0, all indices invalid, a negative topk_length): out 0, max_logits
+    -inf, lse +inf, for sinks +inf, -inf and finite."""
+    from cute_mla.reference import sparse_prefill_reference
+    from cute_mla.testing import make_prefill_inputs
+
+    x = make_prefill_inputs(5, 200, 64, 3, 576, seed=1)
+    x.indices[1] = -1
+    x.indices[2] = torch.tensor([200, 114514, -123456, 2**31 - 1], dtype=torch.int32).repeat(16)
+    tl = torch.tensor([0, 64, 64, -5, 64], dtype=torch.int32)
+    sink = torch.tensor([math.inf, -math.inf, 0.7])
+    for s in (None, sink):
+        out, ml, lse = sparse_prefill_reference(x.q, x.kv, x.indices, x.sm_scale, attn_sink=s, topk_length=tl)
+        empty = torch.tensor([True, True, True, True, False])
+        assert (out[empty] == 0).all() and torch.isneginf(ml[empty]).all() and torch.isposinf(lse[empty]).all()
+        assert torch.isfinite(ml[~empty]).all() and torch.isfinite(lse[~empty]).all()
+        assert not torch.isnan(out).any()
+
+
+def test_prefill_reference_sink_scales_out_only():
+    """+inf sink: out 0; -inf: no effect; finite: out scaled by 1/(1 + exp(sink - lse)); lse and
+    max_logits never change."""
+    from cute_mla.reference import sparse_prefill_reference
+    from cute_mla.testing import make_prefill_inputs
+
+    x = make_prefill_inputs(4, 500, 128, 4, 512, seed=2)
+    o0, m0, l0 = sparse_prefill_reference(x.q, x.kv, x.indices, x.sm_scale)
+    sink = torch.tensor([math.inf, -math.inf, 0.0, 3.5])
+    o1, m1, l1 = sparse_prefill_reference(x.q, x.kv, x.indices, x.sm_scale, attn_sink=sink)
+    assert torch.equal(m0, m1) and torch.equal(l0, l1)
+    assert (o1[:, 0] == 0).all()
+    torch.testing.assert_close(o1[:, 1], o0[:, 1], rtol=1e-6, atol=0)
+    for h in (2, 3):
+        factor = 1 / (1 + torch.exp(sink[h].double() - l0[:, h].double()))
+        torch.testing.assert_close(o1[:, h].double(), o0[:, h].double() * factor[:, None], rtol=1e-6, atol=1e-9)
+    # max_logits is sm_scale * q.k in natural units, lse >= max_logits
+    assert (l0 >= m0).all() and (l0 <= m0 + math.log(128) + 1e-5).all()
+
+
+@pytest.mark.parametrize("tl", [False, True])
+def test_prefill_reference_nan_in_unread_kv_rows(tl):
+    """NaN in every KV row no valid slot reads (row 0, the rows only slots past topk_length name)
+    changes nothing, bit for bit."""
+    from cute_mla.reference import sparse_prefill_reference
+    from cute_mla.testing import make_prefill_inputs
+
+    x = make_prefill_inputs(6, 700, 128, 2, 576, attn_sink=True, topk_length=tl, all_invalid_rows=True, seed=3)
+    x.indices[x.indices == 0] = -1                    # row 0 (what invalid slots gather) is never read
+    if tl:
+        x.topk_length[1] = 0
+    clean = sparse_prefill_reference(x.q, x.kv, x.indices, x.sm_scale, 512, x.attn_sink, x.topk_length)
+    idx = x.indices[:, 0].long()
+    valid = (idx >= 0) & (idx < 700)
+    if tl:
+        valid &= torch.arange(128)[None] < x.topk_length[:, None].long()
+    read = torch.zeros(700, dtype=torch.bool)
+    read[idx[valid]] = True
+    assert not read[0] and (~read).sum() > 100
+    if tl:   # rows only named past topk_length exist
+        past = torch.zeros(700, dtype=torch.bool)
+        past[idx[(idx >= 0) & (idx < 700) & ~valid]] = True
+        assert (past & ~read).any()
+    x.kv[~read] = float("nan")
+    poisoned = sparse_prefill_reference(x.q, x.kv, x.indices, x.sm_scale, 512, x.attn_sink, x.topk_length)
+    for a, b in zip(clean, poisoned):
+        assert not torch.isnan(b).any()
+        assert torch.equal(a, b)
+
+
+def test_make_prefill_inputs_follows_flashmla():
+    """FlashMLA's lib.py recipe: per row a permutation of [0, s_kv) cut to topk, then (s_kv < topk)
+    invalid candidates; the value ranges, the non-contiguous layout, sinks and lengths."""
+    from cute_mla.testing import make_prefill_inputs, prefill_invalid_candidates
+
+    x = make_prefill_inputs(40, 100, 192, 16, 576, attn_sink=True, topk_length=True, seed=7)
+    assert x.q.shape == (40, 16, 576) and x.q.stride() == (17 * 704, 704, 1) and x.q.dtype == torch.bfloat16
+    assert x.kv.shape == (100, 1, 576) and x.kv.stride() == (2 * 704, 704, 1) and x.kv.dtype == torch.bfloat16
+    assert x.indices.shape == (40, 1, 192) and x.indices.stride() == (2 * 320, 320, 1) and x.indices.dtype == torch.int32
+    assert x.q.abs().max() < 1.5 and x.kv.abs().max() < 1.5 and x.q.float().std() > 0.05
+    cands = set(prefill_invalid_candidates(100))
+    assert cands == {-2**31, -123456, -1, 100, 114514, 1919810, 2147480000, 2**31 - 1}
+    for row in x.indices[:, 0].tolist():
+        assert sorted(row[:100]) == list(range(100))
+        assert set(row[100:]) <= cands
+    assert x.sm_scale == 0.5
+    assert x.topk_length.dtype == torch.int32 and x.topk_length.shape == (40,)
+    assert (x.topk_length >= 0).all() and (x.topk_length <= 192).all()
+    assert x.attn_sink.dtype == torch.float32 and x.attn_sink.shape == (16,)
+    # the same seed, the same inputs; all-invalid rows use one candidate throughout
+    y = make_prefill_inputs(40, 100, 192, 16, 576, attn_sink=True, topk_length=True, seed=7)
+    assert torch.equal(x.q, y.q) and torch.equal(x.indices, y.indices) and torch.equal(x.attn_sink, y.attn_sink)
+    z = make_prefill_inputs(2000, 300, 64, 1, 512, all_invalid_rows=True, seed=8, non_contig=False)
+    assert z.q.is_contiguous() and z.indices.is_contiguous()
+    bad = ((z.indices < 0) | (z.indices >= 300)).all(dim=-1).flatten()
+    assert 10 < int(bad.sum()) < 100                   # ~2.3 % of the rows
+    assert len(set(z.indices[bad].flatten().tolist())) == 1
+    sinks = make_prefill_inputs(1, 64, 64, 4096, 512, attn_sink=True, seed=9).attn_sink
+    assert 0.25 < float(torch.isposinf(sinks).float().mean()) < 0.37
+    assert 0.25 < float(torch.isneginf(sinks).float().mean()) < 0.37
+
+
+def test_prefill_case_lists():
+    """FlashMLA's lists per (d_qk, h_q): 30 correctness cases, 56 with features (its duplicate
+    have_sink_lse loop dropped), 9 corner cases; names unique, seeds fixed."""
+    from cute_mla.testing import prefill_corner_cases, prefill_correctness_cases, prefill_feature_cases
+
+    for h_q in (8, 64, 128):
+        c, f, k = prefill_correctness_cases(h_q), prefill_feature_cases(h_q), prefill_corner_cases(h_q)
+        assert (len(c), len(f), len(k)) == (60, 112, 18)
+        names = [p.name for p in c + f + k]
+        assert len(set(names)) == len(names)
+        assert all(p.h_q == h_q and p.d_qk in (512, 576) and p.topk % 64 == 0 for p in c + f + k)
+        assert [p for p in k if not p.check_correctness] == [p for p in k if p.s_q == 70000]
+        assert all(p.have_attn_sink and p.have_topk_length for p in k)
+        assert sum(p.is_all_indices_invalid for p in k) == 8
+    assert prefill_correctness_cases(64, d_qks=(512,))[0].seed == prefill_correctness_cases(64)[30].seed
+    assert prefill_correctness_cases(64)[0].seed != prefill_feature_cases(64)[0].seed
+
+
+def test_check_prefill_applies_flashmla_tolerances():
+    from cute_mla.testing import check_close_chunked, check_prefill
+
+    ref_out = torch.randn(3, 4, 512) / 10
+    ref_ml = torch.randn(3, 4)
+    ref_lse = ref_ml + 1
+    ref_ml[0, 0], ref_lse[0, 0] = -math.inf, math.inf            # an empty row
+    ref_out[0, 0] = 0
+    check_prefill(ref_out.bfloat16(), ref_ml, ref_lse, ref_out, ref_ml, ref_lse)
+    # abs OR rel: a large value off by 1e-3 absolute passes on rel, a tiny one on abs
+    o = ref_out.clone()
+    o[1, 1, 0], ref2 = 10.0 + 1e-3, ref_out.clone()
+    ref2[1, 1, 0] = 10.0
+    check_close_chunked("out", o, ref2, 8e-4, 3.01 / 128)
+    o[1, 1, 0] = 10.5                                             # 5 % off: fails both
+    with pytest.raises(AssertionError, match=r"out: 1 of 6144 elements out of tolerance .* \(1, 1, 0\)"):
+        check_close_chunked("out", o, ref2, 8e-4, 3.01 / 128, chunk=1000)
+    # lse: rel 2.01/65536 ~ 3e-5
+    lse = ref_lse.clone()
+    lse[2, 3] = ref_lse[2, 3] * (1 + 1e-4) + 1e-5
+    with pytest.raises(AssertionError, match=r"lse: 1 of 12 elements .* \(2, 3\)"):
+        check_prefill(ref_out, ref_ml, lse, ref_out, ref_ml, ref_lse)
+    # infinities must sit at the same places
+    lse = ref_lse.clone()
+    lse[0, 0] = -math.inf
+    with pytest.raises(AssertionError, match=r"lse: \+inf positions differ"):
+        check_prefill(ref_out, ref_ml, lse, ref_out, ref_ml, ref_lse)
+    ml = ref_ml.clone()
+    ml[1, 2] = math.nan
+    with pytest.raises(AssertionError, match="max_logits: nan positions differ"):
+        check_prefill(ref_out, ml, ref_lse, ref_out, ref_ml, ref_lse)
+    # a NaN in the reference is refused
+    with pytest.raises(AssertionError, match="reference max_logits has 1 NaN"):
+        check_prefill(ref_out, ml, ref_lse, ref_out, ml, ref_lse)
+    # the cosine difference: every element within abs tolerance, the whole tensor biased
+    tiny = torch.full((1000,), 1e-3)
+    with pytest.raises(AssertionError, match="cosine difference"):
+        check_close_chunked("out", tiny * 1.5, tiny, 8e-4, 3.01 / 128, 7e-6)
+    check_close_chunked("out", torch.zeros(10), torch.zeros(10), 8e-4, 3.01 / 128, 7e-6)   # all-zero: skipped
+    with pytest.raises(AssertionError, match="shape"):
+        check_prefill(ref_out[:2], ref_ml, ref_lse, ref_out, ref_ml, ref_lse)

@@ -15,18 +15,22 @@ import pytest
 import torch
 
 from cute_mla import archs, registry
-from cute_mla.kernels import SPARSE_DECODE_INPUTS, SparseDecodeTensors
+from cute_mla.kernels import SPARSE_DECODE_INPUTS, SPARSE_PREFILL_INPUTS, SparseDecodeTensors, SparsePrefillTensors
 from cute_mla.plan.policy import default_policy
 
 ENTRIES = sorted(registry.entries())
-MAIN_PROTOCOL = ("Config", "Tuning", "Kernel", "ENTRY", "ACCUM_DTYPE", "kernel_config", "config_for", "compile",
-                 "launch", "tensor_maps")
+MAIN_PROTOCOL = ("Config", "Tuning", "Kernel", "ENTRY", "kernel_config", "config_for", "compile", "launch",
+                 "tensor_maps")
 HELPER_PROTOCOL = ("Config", "compile", "launch")
 
 
 def _plans(op: str, arch: str):
     """A spread of plans the op makes on ``arch`` (every schedule kind its policy reaches)."""
     plan = registry.plan_function(op)
+    if op == "sparse_prefill":
+        for s_q, h_q, d_qk, tl in itertools.product((1, 4096), (8, 16, 32, 64, 128), (576, 512), (False, True)):
+            yield plan(s_q, h_q, d_qk, 2048, arch=arch, has_topk_length=tl)
+        return
     num_sms = archs.get(arch).default_num_sms
     for (b, s_q), h_q, (d_qk, topk, extra), tl in itertools.product(
             [(1, 1), (1, 8), (1, 8192), (128, 1), (512, 1)], (64, 128),
@@ -36,7 +40,14 @@ def _plans(op: str, arch: str):
 
 
 def test_the_registry_lists_every_arch_of_every_op():
-    assert ENTRIES == sorted((op, a) for op in registry.OPS for a in archs.SUPPORTED_ARCHS)
+    """Every op has a kernel on every arch, but for the pairs the registry names as pending (each
+    with its reason, which the refusal and ``cute-mla ops`` show)."""
+    assert ENTRIES == sorted((op, a) for op in registry.OPS for a in archs.SUPPORTED_ARCHS
+                             if (op, a) not in registry.PENDING)
+    for (op, arch), why in registry.PENDING.items():
+        assert op in registry.OPS and arch in archs.SUPPORTED_ARCHS and why
+        with pytest.raises(ValueError, match=why):
+            registry.kernel_module(op, arch)
     assert registry.DEFAULT_OP in registry.OPS
     for name in ("sparse_decode", "sm90_sparse_decode", "sm100_sparse_decode", "combine", "scheduler"):
         assert name in registry.describe()
@@ -50,6 +61,8 @@ def test_kernel_modules_keep_the_protocol(op, arch):
     for helper in registry.op(op).helpers:
         hmod = registry.kernel_module(op, arch, helper)
         assert not [n for n in HELPER_PROTOCOL if not hasattr(hmod, n)], hmod.__name__
+    if "combine" in registry.op(op).helpers:     # a split-KV op: what its split variant writes
+        assert hasattr(mod, "ACCUM_DTYPE")
 
 
 @pytest.mark.parametrize("op, arch", ENTRIES)
@@ -59,7 +72,7 @@ def test_the_host_entry_takes_the_bundle_fields_in_entry_order(op, arch):
     mod = registry.kernel_module(op, arch)
     params = list(inspect.signature(mod.Kernel.__call__).parameters)[1:]
     assert tuple(params[:len(mod.ENTRY)]) == mod.ENTRY
-    assert set(mod.ENTRY) <= set(SparseDecodeTensors._fields)
+    assert set(mod.ENTRY) <= set(registry.bundle_type(op)._fields)
     assert params[-2:] == ["softmax_scale", "stream"]
 
 
@@ -71,6 +84,10 @@ def test_plans_map_to_configs(op, arch):
     for plan in _plans(op, arch):
         cfg = mod.config_for(plan, has_attn_sink=True)
         assert isinstance(cfg, mod.Config)
+        if op == "sparse_prefill":
+            assert (cfg.h_q, cfg.d_qk, cfg.has_topk_length) == (plan.kernel_h_q, plan.d_qk, plan.has_topk_length)
+            assert plan.tensor_maps == mod.tensor_maps(cfg)
+            continue
         assert (cfg.h_q, cfg.split, cfg.has_topk_length, cfg.format) == (plan.h_q, plan.split, plan.has_topk_length,
                                                                           plan.format)
         assert plan.tensor_maps == mod.tensor_maps(cfg)
@@ -125,7 +142,7 @@ def test_a_registered_kernel_that_does_not_compile_fails(tmp_path, monkeypatch):
     broken.variants = lambda arch, **kw: [("broken", object())]
     monkeypatch.setitem(sys.modules, "broken_kernel", broken)
     ref = registry.KernelRef("broken", "broken_kernel")
-    spec = registry.OpSpec(name="broken", summary="", api=(), plan="broken_kernel:compile",
+    spec = registry.OpSpec(name="broken", summary="", api=(), bundle="", plan="broken_kernel:compile",
                            variants="broken_kernel:variants", kernels={"sm_90a": ref}, helpers={})
     monkeypatch.setitem(registry.OPS, "broken", spec)
     with pytest.raises(RuntimeError, match="refused"):
@@ -144,8 +161,19 @@ def test_the_custom_op_schema_is_the_bundle_inputs():
     assert optional == {n for n in SPARSE_DECODE_INPUTS if SparseDecodeTensors._field_defaults.get(n, 0) is None}
 
 
+def test_the_prefill_op_schema_is_the_bundle_inputs():
+    """``cute_mla::sparse_prefill``'s tensor parameters are its bundle's input fields, in order."""
+    import cute_mla.interface.prefill  # noqa: F401  (defines the op)
+
+    args = torch.ops.cute_mla.sparse_prefill.default._schema.arguments
+    names = tuple(a.name for a in args[:len(SPARSE_PREFILL_INPUTS)])
+    assert names == SPARSE_PREFILL_INPUTS == SparsePrefillTensors._fields[:len(SPARSE_PREFILL_INPUTS)]
+    optional = {a.name for a in args[:len(SPARSE_PREFILL_INPUTS)] if "Optional" in str(a.type)}
+    assert optional == {n for n in SPARSE_PREFILL_INPUTS if SparsePrefillTensors._field_defaults.get(n, 0) is None}
+
+
 def test_unknown_op_and_kernel_names_are_refused():
-    with pytest.raises(ValueError, match="op: got 'dense_decode', accepted: sparse_decode"):
+    with pytest.raises(ValueError, match="op: got 'dense_decode', accepted: sparse_decode, sparse_prefill"):
         registry.op("dense_decode")
     with pytest.raises(ValueError, match="kernel: got 'nope'"):
         registry.kernel_module("sparse_decode", "sm_90a", "nope")

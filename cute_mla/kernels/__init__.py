@@ -1,5 +1,5 @@
-"""The kernels: per-arch sparse decode (``sm90/``, ``sm100/``), the split-KV combine, and the tensor
-bundle each op's kernels take.
+"""The kernels: per-arch sparse decode (``sm90/``, ``sm100/``) and sparse prefill (``sm90/``), the
+split-KV combine, and the tensor bundle each op's kernels take.
 
 Each kernel module keeps the registry's protocol (``cute_mla.registry``): a frozen ``Config``,
 ``compile(cfg)`` (only a hashable config, so compiling is cached, needs no GPU and is testable per
@@ -58,6 +58,26 @@ SPARSE_DECODE_INPUTS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "
 SPARSE_DECODE_OPTIONAL = frozenset(n for n in SPARSE_DECODE_INPUTS if n in SparseDecodeTensors._field_defaults)
 
 
+class SparsePrefillTensors(NamedTuple):
+    """One sparse prefill call's tensors and scale: the API makes it from the call's checked
+    arguments (heads padded to the kernel's) and its outputs; the custom op's schema is written
+    from its input fields (:data:`SPARSE_PREFILL_INPUTS`); the kernel's ``ENTRY`` picks its fields."""
+
+    q: torch.Tensor                                # (s_q, h, d_qk) bf16
+    kv: torch.Tensor                               # (s_kv, d_qk) bf16 (the call's (s_kv, 1, d_qk) without its unit dim)
+    indices: torch.Tensor                          # (s_q, topk) int32
+    topk_length: Optional[torch.Tensor] = None     # (s_q,) int32
+    attn_sink: Optional[torch.Tensor] = None       # (h,) fp32
+    out: Optional[torch.Tensor] = None             # (s_q, h, d_v) bf16
+    max_logits: Optional[torch.Tensor] = None      # (s_q, h) fp32
+    lse: Optional[torch.Tensor] = None             # (s_q, h) fp32
+    softmax_scale: float = 1.0
+
+
+SPARSE_PREFILL_INPUTS = ("q", "kv", "indices", "topk_length", "attn_sink")
+SPARSE_PREFILL_OPTIONAL = frozenset(n for n in SPARSE_PREFILL_INPUTS if n in SparsePrefillTensors._field_defaults)
+
+
 def plan_config_for(kernel_config, accum_dtype: str, kernel: str):
     """A kernel module's ``config_for(plan, has_attn_sink, tuning=None)``: the sparse decode plan's
     choices (format, split, lists' lengths, extra pool, column pair, request order) as
@@ -77,10 +97,11 @@ def plan_config_for(kernel_config, accum_dtype: str, kernel: str):
     return config_for
 
 
-def entry_getter(names):
-    """A function of a :class:`SparseDecodeTensors` that returns the fields ``names`` (a kernel
-    module's ``ENTRY``), in order, as one tuple (an itemgetter: no per-field Python on the launch path)."""
-    index = tuple(SparseDecodeTensors._fields.index(n) for n in names)
+def entry_getter(names, bundle=SparseDecodeTensors):
+    """A function of a ``bundle`` (an op's tensor bundle type) that returns the fields ``names`` (a
+    kernel module's ``ENTRY``), in order, as one tuple (an itemgetter: no per-field Python on the
+    launch path)."""
+    index = tuple(bundle._fields.index(n) for n in names)
     get = operator.itemgetter(*index)
     return (lambda t: (get(t),)) if len(index) == 1 else get
 

@@ -30,7 +30,11 @@ def _compile(op: str, name: str, arch: str, out_dir: str, h_q: int, split: bool,
              has_attn_sink: bool, decode: dict, tuning=None):
     """Compile one kernel into ``out_dir``; returns (its module, its config)."""
     mod = registry.kernel_module(op, arch, name)
-    if name == registry.op(op).name:
+    if name == registry.SPARSE_PREFILL.name:
+        # a prefill kernel takes the key width of the named format; it has no split or extra pool
+        cfg = mod.kernel_config(h_q=h_q, d_qk=format_named(decode["format"]).d_qk, has_topk_length=has_topk_length,
+                                has_attn_sink=has_attn_sink, tuning=tuning)
+    elif name == registry.op(op).name:
         cfg = mod.kernel_config(h_q=h_q, split=split, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
                                 tuning=tuning, **decode)
     elif name == "combine":
@@ -50,7 +54,10 @@ def variant_name(name: str, h_q: int, split: bool, has_topk_length: bool, has_at
     if name == "scheduler":
         return "default"
     parts = [f"h{h_q}"]
-    if name == main:
+    if name == registry.SPARSE_PREFILL.name:
+        parts.append(f"d{format_named(decode.get('format', V32.name)).d_qk}")
+        parts += ["tl"] if has_topk_length else []
+    elif name == main:
         parts.append("split" if split else "nosplit")
         fmt = decode.get("format", V32.name)
         parts += [] if format_named(fmt) is V32 else [re.sub(r"[^A-Za-z0-9]+", "", fmt).lower()]

@@ -11,10 +11,11 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import warpgroup
 
-from .config import TILE, Sm90SparseDecodeConfig
+from ...dsl.compat import LayoutEnum, OperandMajorMode, sm90_utils
+from .config import TILE, Sm90SparseDecodeConfig, Tile
 
 
 class Ops(NamedTuple):
@@ -24,6 +25,32 @@ class Ops(NamedTuple):
     pv_rs: cute.TiledMma       # WG0: O += P V with P in registers
     pv_ss: cute.TiledMma       # WG1: O += P V with P in shared memory
     chunk_layout: cute.ComposedLayout  # one 64 x 64 bf16 chunk of out / o_accum staged for its TMA store
+
+
+def make_mmas(pv_cols: int):
+    """The tiled MMAs of the two MMA warp groups (host side): QK (SS, K-major Q and K), and PV with
+    P from registers (WG0) or shared memory (WG1); B of PV is V, the transposed (MN-major) view of
+    the K tile."""
+    qk = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                           (1, 1, 1), (TILE.heads, TILE.tokens))
+    pv_rs = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                              (1, 1, 1), (TILE.heads, pv_cols), warpgroup.OperandSource.RMEM)
+    pv_ss = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                              (1, 1, 1), (TILE.heads, pv_cols))
+    return qk, pv_rs, pv_ss
+
+
+def smem_layouts(tile: Tile):
+    """(Q, K tiles, P) shared-memory layouts of a tile geometry (host side): SW128 K-major Q
+    (64 heads x d_qk), ``k_bufs`` K tiles (64 tokens x d_qk) and P (64 heads x 64 tokens)."""
+    q = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, tile.d_qk), BFloat16, 1)
+    k = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, tile.d_qk), BFloat16,
+                                      TILE.k_bufs)
+    p = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
+    # The shared-storage structs are sized from the tile geometry.
+    assert cute.cosize(q) == tile.q_elems and cute.cosize(p) == TILE.p_elems
+    assert cute.cosize(k) == TILE.k_bufs * tile.k_tile_elems
+    return q, k, p
 
 
 def issue_qk(cfg: Sm90SparseDecodeConfig, qk_mma, acc_s, tSrQ, tSrK, buf):

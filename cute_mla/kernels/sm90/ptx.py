@@ -1,5 +1,6 @@
 """Inline-PTX / raw-pointer helpers of the SM90 sparse decode kernel: the gather's global loads and
-L2 prefetches, the cluster transport (mapa, bulk shared -> distributed-shared copies, cluster-scope
+L2 prefetches, the prefill kernel's cp.async gather, the cluster transport (mapa, bulk shared ->
+distributed-shared copies, cluster-scope
 mbarrier ops) and stmatrix. Shared helpers are in ``cute_mla.dsl.ptx``.
 
 Everything here is a plain Python function that emits IR when called from a ``@cute.kernel``
@@ -133,6 +134,37 @@ def stmatrix_x4(addr: Int32, r0, r1, r2, r3) -> None:
         [Int32(addr).ir_value()] + [Int32(r).ir_value() for r in (r0, r1, r2, r3)],
         "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
         "r,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def cp_async_16(dst: Int32, src: Int64, src_bytes, l2: str = "") -> None:
+    """``cp.async.cg.shared.global`` of 16 B from ``src`` to the shared address ``dst``; only the
+    first ``src_bytes`` (16 or 0) are read, the rest zero-filled (an invalid row: nothing is read,
+    its slot holds zeros, so a NaN row can never reach an MMA). ``l2``: an L2 prefetch-size
+    qualifier (``"L2::256B"``) or ``""``."""
+    hint = f".{l2}" if l2 else ""
+    llvm.inline_asm(
+        None,
+        [Int32(dst).ir_value(), Int64(src).ir_value(), Int32(src_bytes).ir_value()],
+        f"cp.async.cg.shared.global{hint} [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def cp_async_arrive_noinc(mbar: Int32) -> None:
+    """``cp.async.mbarrier.arrive.noinc.shared::cta.b64``: an arrive on ``mbar`` once every
+    ``cp.async`` this thread issued before has landed (counted in the barrier's expected arrivals)."""
+    llvm.inline_asm(
+        None,
+        [Int32(mbar).ir_value()],
+        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+        "r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,

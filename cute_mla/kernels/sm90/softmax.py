@@ -91,7 +91,8 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 info = ptx.ld_shared_v4(info_base + buf * (TILE.info_words * 4))
                 last_word = ptx.vec_elem(info, 2)
                 last = last_word != 0
-                m0, m1, l0, l1, sc0, sc1 = online_softmax(acc_s, info, quad, scale_log2, m0, m1, l0, l1)
+                m0, m1, l0, l1, sc0, sc1 = online_softmax(acc_s, ptx.vec_elem(info, 0), ptx.vec_elem(info, 1), quad,
+                                                          scale_log2, m0, m1, l0, l1)
                 tOrP_as_c.store(acc_s.load().to(BFloat16))
 
                 # ---- hand P and the row factors to WG1
@@ -171,12 +172,14 @@ def store_o(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to
 
 
 @cute.jit
-def online_softmax(acc_s, info, quad, scale_log2: Float32, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
-    """Mask S with the tile's validity mask (``info`` words 0-1: bit token of byte half*4 + warp),
-    then one online-softmax step in the log2 domain over this thread's two rows: S becomes P in
-    place. Returns the new (m0, m1, l0, l1) and the rows' rescale factors (sc0, sc1) for O."""
-    w_lo = Uint32(ptx.vec_elem(info, 0)) >> Uint32(2 * quad)
-    w_hi = Uint32(ptx.vec_elem(info, 1)) >> Uint32(2 * quad)
+def online_softmax(acc_s, mask_lo, mask_hi, quad, scale_log2: Float32, m0: Float32, m1: Float32, l0: Float32,
+                   l1: Float32):
+    """Mask S with the tile's 64-bit validity mask (``mask_lo``: tokens 0-31, ``mask_hi``: 32-63,
+    bit j = token j), then one online-softmax step in the log2 domain over this thread's two rows:
+    S becomes P in place. Returns the new (m0, m1, l0, l1) and the rows' rescale factors (sc0, sc1)
+    for O."""
+    w_lo = Uint32(mask_lo) >> Uint32(2 * quad)
+    w_hi = Uint32(mask_hi) >> Uint32(2 * quad)
     mx0 = -Float32.inf
     mx1 = -Float32.inf
     for v in cutlass.range_constexpr(cute.size(acc_s)):

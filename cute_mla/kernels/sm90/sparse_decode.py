@@ -35,10 +35,9 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
-from ...dsl.compat import LayoutEnum, OperandMajorMode, SmemAllocator, setmaxregister_decrease, setmaxregister_increase
-from ...dsl.compat import sm90_utils
+from ...dsl.compat import SmemAllocator, setmaxregister_decrease, setmaxregister_increase
 from ...dsl.compile import CompiledKernel, compile_cached, compile_options
 from ...dsl import ptx as common_ptx
 from ...scheduler.partition import SCHED_ROW_INTS, SchedField
@@ -50,7 +49,7 @@ from .. import SparseDecodeTensors, entry_getter, fake_entry
 from .crossover import producer_crossover
 from .cta import Cta, Gmem, Smem, stamp, storage_of
 from .epilogue import LOG2E, bf16_block_layout
-from .mma import Ops
+from .mma import Ops, make_mmas, smem_layouts
 from .producer import producer
 from .pv import pv_right_wg
 from .softmax import softmax_wg
@@ -103,27 +102,8 @@ class Sm90SparseDecode:
     ):
         cfg = self.cfg
         tile = cfg.tile
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (TILE.heads, TILE.tokens)
-        )
-        # P V: A = P (heads x tokens, K-major), B = V = transposed view of the K tile (MN-major).
-        pv_rs_mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
-            (TILE.heads, cfg.pv_cols), warpgroup.OperandSource.RMEM,
-        )
-        pv_ss_mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
-            (TILE.heads, cfg.pv_cols),
-        )
-
-        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, tile.d_qk), BFloat16, 1)
-        k_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, tile.d_qk), BFloat16, TILE.k_bufs
-        )
-        p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.half_v, TILE.tokens), BFloat16, 1)
-        # The shared-storage struct is sized from the tile geometry (cta.shared_storage).
-        assert cute.cosize(q_layout) == tile.q_elems and cute.cosize(p_layout) == TILE.p_elems
-        assert cute.cosize(k_layout) == TILE.k_bufs * tile.k_tile_elems
+        qk_mma, pv_rs_mma, pv_ss_mma = make_mmas(cfg.pv_cols)
+        q_layout, k_layout, p_layout = smem_layouts(tile)
         # bf16 out / o_accum blocks are staged in 64 x 64 chunks (SW128 K-major atoms) and stored
         # by TMA one chunk (box) at a time.
         chunk_box = (TILE.heads, TILE.chunk)

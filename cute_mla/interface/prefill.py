@@ -1,0 +1,195 @@
+"""The public, FlashMLA-compatible sparse prefill API (``flash_mla_sparse_fwd``), its checks, its
+launches and its ``torch.library`` op.
+
+Every bad argument is refused before any launch, naming it. A call plans (``plan_sparse_prefill``:
+no schedule, no split, no workspace), pads 8, 16 or 32 heads to the kernel's 64 where it must
+(``SparsePrefillPlan.padded``), and launches the registry's kernel for the device's arch on the
+current stream: no host synchronization, nothing read back, ``out`` at the caller's address when
+given. Eager calls run :func:`_run` directly; a call being traced goes through
+``cute_mla::sparse_prefill`` (the same :func:`_run`, padding included, inside one graph node),
+whose fake implementation gives the outputs' shapes.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Tuple
+
+import torch
+
+from .. import registry
+from ..archs import UnsupportedDeviceError
+from ..kernels import SPARSE_PREFILL_INPUTS, SPARSE_PREFILL_OPTIONAL, SparsePrefillTensors
+from ..plan.sparse_prefill import D_V, SparsePrefillPlan, check_problem, plan_sparse_prefill
+from .launcher import on_device_of
+from . import ops
+from .ops import NAMESPACE
+from .validate import (check_aligned_strides, check_apart, check_deferred, check_distinct_elements, check_not_neg,
+                       check_tensor)
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+# ------------------------------------------------------------------------------------- checks
+
+
+def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tuple[int, int, int, int]:
+    """Every argument check of a call; returns (s_q, h_q, d_qk, topk). Base pointers and neg bits
+    of a call being traced are checked by the op, on the real tensors."""
+    check_tensor("q", q, dtypes=(torch.bfloat16,), dim=3, shape_doc="(s_q, h_q, d_qk)")
+    s_q, h_q, d_qk = q.shape
+    if not isinstance(d_v, numbers.Integral) or d_v != D_V:
+        raise ValueError(f"d_v: got {d_v!r}, accepted: {D_V}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not abs(float(sm_scale)) <= FP32_MAX:
+        raise ValueError(f"sm_scale: got {sm_scale!r}, accepted: a finite float")
+    check_tensor("kv", kv, dtypes=(torch.bfloat16,), dim=3, device=q.device, shape_doc="(s_kv, 1, d_qk)")
+    if kv.shape[1] != 1 or kv.shape[2] != d_qk:
+        raise ValueError(f"kv: expected shape (s_kv, 1, {d_qk}) (one latent KV head, q's d_qk), got {tuple(kv.shape)}")
+    if kv.shape[0] < 1 or kv.shape[0] >= 2**31:
+        raise ValueError(f"kv: got {kv.shape[0]} rows, accepted: 1 to 2^31 - 1 (indices are int32)")
+    check_tensor("indices", indices, dtypes=(torch.int32,), dim=3, device=q.device, shape_doc="(s_q, 1, topk)")
+    if indices.shape[0] != s_q or indices.shape[1] != 1:
+        raise ValueError(f"indices: expected shape ({s_q}, 1, topk) (q's s_q, one KV head), got {tuple(indices.shape)}")
+    topk = indices.shape[2]
+    check_problem(s_q, h_q, d_qk, topk)
+    padded = h_q < 64
+    # the kernel reads q by TMA and kv rows in 16-B pieces; a padded call reads a copy of q
+    if not padded:
+        check_aligned_strides("q", q, tma=True)
+    check_aligned_strides("kv", kv)
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), dim=1, shape=(h_q,), device=q.device,
+                     contiguous=True, shape_doc="(h_q,)")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), dim=1, shape=(s_q,), device=q.device,
+                     contiguous=True, shape_doc="(s_q,)")
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.bfloat16,), dim=3, shape=(s_q, h_q, D_V), device=q.device,
+                     shape_doc=f"(s_q, h_q, {D_V})")
+        check_distinct_elements("out", out)
+        if not padded:      # written by TMA; a padded call copies into it
+            check_aligned_strides("out", out, tma=True)
+        if not torch.compiler.is_compiling():
+            check_out_apart(out, q, kv, indices, attn_sink, topk_length)
+    if q.device.type != "cuda":
+        raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90); got tensors on {q.device}")
+    return s_q, h_q, d_qk, topk
+
+
+def check_out_apart(out, q, kv, indices, attn_sink, topk_length) -> None:
+    """out shares no bytes with an input (the kernel reads them while it writes out)."""
+    for name, t in (("q", q), ("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
+        check_apart("out", out, name, t)
+
+
+# ----------------------------------------------------------------------------------- launches
+
+
+_kernels: dict = {}   # (plan's arch, kernel config) -> (module, config, compiled)
+
+
+def launch(plan: SparsePrefillPlan, t: SparsePrefillTensors, tuning=None) -> None:
+    """The plan's kernel on ``t`` (heads already the kernel's), compiled once per config."""
+    key = (plan.arch, plan.kernel_h_q, plan.d_qk, plan.has_topk_length, t.attn_sink is not None, tuning)
+    entry = _kernels.get(key)
+    if entry is None:
+        mod = registry.kernel_module(plan.op, plan.arch)
+        cfg = registry.config_module(plan.op, plan.arch).config_for(plan, t.attn_sink is not None, tuning)
+        entry = _kernels[key] = (mod, cfg, mod.compile(cfg))
+    mod, cfg, compiled = entry
+    mod.launch(compiled, cfg, t)
+
+
+def _run(plan: SparsePrefillPlan, t: SparsePrefillTensors) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The call on checked tensors with its ``out``: heads padded where the plan says (q and the
+    sink copied with zero / -inf heads, the kernel's out, max_logits and lse of the padded heads,
+    the first h_q copied back), the kernel launched; returns (max_logits, lse)."""
+    s_q, h = plan.s_q, plan.kernel_h_q
+    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=t.q.device)
+    lse = torch.empty(s_q, h, dtype=torch.float32, device=t.q.device)
+    if not s_q:
+        return max_logits[:, :plan.h_q], lse[:, :plan.h_q]
+    if not plan.padded:
+        launch(plan, t._replace(max_logits=max_logits, lse=lse))
+        return max_logits, lse
+    pad = h - plan.h_q
+    q = torch.nn.functional.pad(t.q, (0, 0, 0, pad))        # zero heads: scores 0, harmless, dropped below
+    sink = None if t.attn_sink is None else torch.nn.functional.pad(t.attn_sink, (0, pad), value=float("-inf"))
+    out = torch.empty(s_q, h, plan.d_v, dtype=torch.bfloat16, device=t.q.device)
+    launch(plan, t._replace(q=q, attn_sink=sink, out=out, max_logits=max_logits, lse=lse))
+    t.out.copy_(out[:, :plan.h_q])
+    return max_logits[:, :plan.h_q].contiguous(), lse[:, :plan.h_q].contiguous()
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = D_V,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill, FlashMLA's ``flash_mla_sparse_fwd`` (the vLLM build's, with ``out``).
+
+    q (s_q, h_q, d_qk) bf16, h_q in 8, 16, 32, 64, 128, d_qk 576 or 512, any strides with a unit
+    last dim; kv (s_kv, 1, d_qk) bf16; indices (s_q, 1, topk) int32, topk a multiple of 64 (a
+    position is invalid when negative, >= s_kv or past ``topk_length``); ``attn_sink`` (h_q,) fp32
+    (out scaled by 1 / (1 + exp(sink - lse))); ``topk_length`` (s_q,) int32; ``out`` (s_q, h_q, 512)
+    bf16 written in place. Returns (out, max_logits, lse): max_logits (s_q, h_q) fp32 = max over
+    the valid positions of ``sm_scale * q.k``; lse (s_q, h_q) fp32, natural log, without the sink.
+    A token with no valid position gets out 0, max_logits -inf, lse +inf.
+    """
+    s_q, h_q, d_qk, topk = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+    if out is None:
+        out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
+    t = SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
+                             softmax_scale=float(sm_scale))
+    if torch.compiler.is_compiling():
+        arch, _ = ops.device_facts(q.device)
+        plan_sparse_prefill(int(s_q), int(h_q), int(d_qk), int(topk), arch=arch)   # refuses what no kernel runs
+        max_logits, lse = torch.ops.cute_mla.sparse_prefill(*t[:_N_INPUTS], out, t.softmax_scale, arch)
+        return out, max_logits, lse
+    with on_device_of(q):
+        arch, _ = ops.device_facts(q.device)
+        plan = plan_sparse_prefill(s_q, h_q, d_qk, topk, arch=arch, has_topk_length=topk_length is not None)
+        max_logits, lse = _run(plan, t)
+        return out, max_logits, lse
+
+
+# ------------------------------------------------------------------------------ the traced form
+
+
+_N_INPUTS = len(SPARSE_PREFILL_INPUTS)
+assert SparsePrefillTensors._fields[:_N_INPUTS] == SPARSE_PREFILL_INPUTS, "the op's inputs lead the bundle, in order"
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_lib.define("sparse_prefill(" + ", ".join(f"Tensor{'?' if n in SPARSE_PREFILL_OPTIONAL else ''} {n}"
+                                          for n in SPARSE_PREFILL_INPUTS)
+            + ", Tensor(a!) out, float softmax_scale, str arch) -> (Tensor, Tensor)")
+
+
+def _op_impl(q, kv, indices, topk_length, attn_sink, out, softmax_scale, arch):
+    # what a trace cannot check (neg bits, base pointers, out apart from the inputs), on the real
+    # tensors; q and out are read and written by TMA only when the heads are not padded
+    aligned = (("q", q), ("out", out)) if q.shape[1] >= 64 else ()
+    for name, t in (("q", q), ("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink),
+                    ("out", out)):
+        if t is not None:
+            check_not_neg(name, t)
+    check_deferred(aligned + (("kv", kv),), ())
+    check_out_apart(out, q, kv, indices, attn_sink, topk_length)
+    s_q, h, d_qk = q.shape
+    plan = plan_sparse_prefill(s_q, h, d_qk, indices.shape[-1], arch=arch, has_topk_length=topk_length is not None)
+    with on_device_of(q):
+        return _run(plan, SparsePrefillTensors(q, kv, indices, topk_length, attn_sink, out, softmax_scale=softmax_scale))
+
+
+def _op_fake(q, kv, indices, topk_length, attn_sink, out, softmax_scale, arch):
+    s_q, h, _ = q.shape
+    return q.new_empty(s_q, h, dtype=torch.float32), q.new_empty(s_q, h, dtype=torch.float32)
+
+
+_lib.impl("sparse_prefill", _op_impl, "CUDA")
+torch.library.register_fake(f"{NAMESPACE}::sparse_prefill", _op_fake, lib=_lib)
+

@@ -1,0 +1,117 @@
+"""The SM90 sparse prefill kernel's configuration: what a compile depends on and the facts its roles
+read. The K tile, the MMA atoms, the named barriers and the warp-group roles are the sparse decode
+kernel's (``config.py``): a prefill CTA is a decode CTA whose rows come in bf16, one query token
+per CTA, one tile walk, no schedule and no split.
+
+Plain Python (no DSL import): the API, the plan and the tests read it on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ... import archs
+from ...formats import V4, V32
+from .config import TILE, RegisterBudget, Tile, tile_of
+
+# Key widths the kernel takes (bf16 rows, V = the first 512 dims): 576 = 512 latent + 64 RoPE
+# (V3.2), 512 = the shared K/V row (V4). The K tile of a width is the decode tile of the cache
+# format with that key width: same smem geometry, only the gather differs.
+WIDTHS = {V32.d_qk: V32, V4.d_qk: V4}
+HEADS = (64, 128)   # per kernel; the API pads 8, 16 and 32 heads to 64
+
+
+def tile_of_width(d_qk: int) -> Tile:
+    """The K tile geometry of a key width (a :data:`WIDTHS` key)."""
+    fmt = WIDTHS.get(d_qk)
+    if fmt is None:
+        raise ValueError(f"d_qk: got {d_qk}, accepted: {', '.join(map(str, WIDTHS))}")
+    return tile_of(fmt)
+
+
+@dataclass(frozen=True)
+class Sm90PrefillTuning:
+    """The prefill kernel's variant knobs (part of the compile key; none changes results)."""
+
+    # WG0 holds two S accumulators (the next tile's QK runs during the softmax); the cp.async
+    # producer needs few registers.
+    registers: RegisterBudget = field(default_factory=lambda: RegisterBudget(softmax=240, pv_right=160, producer=104))
+    # L2 hint of the cp.async row gather ("" = none): the rows are re-read by the token's other
+    # head-half CTA and by neighbouring tokens whose top-k sets overlap.
+    gather_l2: str = "L2::256B"
+    # Each producer lane prefetches its next-tile rows into L2 once this tile's copies are issued,
+    # a tile ahead of their cp.async (rows of a large context come from HBM).
+    prefetch_rows: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.registers, RegisterBudget):
+            raise ValueError(f"Sm90PrefillTuning: registers takes a RegisterBudget, got {self.registers!r}")
+        if self.gather_l2 not in ("", "L2::64B", "L2::128B", "L2::256B"):
+            raise ValueError(f"Sm90PrefillTuning: gather_l2 takes '', 'L2::64B', 'L2::128B' or 'L2::256B', "
+                             f"got {self.gather_l2!r}")
+
+
+DEFAULT_TUNING = Sm90PrefillTuning()
+
+
+@dataclass(frozen=True)
+class Sm90SparsePrefillConfig:
+    """Everything a compiled SM90 sparse prefill kernel depends on; shapes are runtime values.
+
+    The MMA roles it shares with the decode kernel read the decode facts below (one column block
+    per warp group, no column pair, no split, out through the Q staging).
+    """
+
+    h_q: int   # 64 or 128 (128 = the token's two 64-head CTAs side by side in grid x)
+    d_qk: int  # 576 or 512
+    has_topk_length: bool
+    has_attn_sink: bool
+    tuning: Sm90PrefillTuning = DEFAULT_TUNING
+    arch: str = archs.SM90.name
+
+    # The decode roles' facts, fixed for prefill.
+    column_pair = False
+    split = False
+    n_cblk = 1
+    pv_cols = TILE.half_v
+    out_from_registers = False
+
+    def __post_init__(self):
+        if self.h_q not in HEADS:
+            raise ValueError(f"h_q: got {self.h_q}, accepted: {', '.join(map(str, HEADS))}")
+        tile_of_width(self.d_qk)
+        if not isinstance(self.tuning, Sm90PrefillTuning):
+            raise ValueError(f"tuning: expected an Sm90PrefillTuning, got {type(self.tuning).__name__}")
+        if self.arch != archs.SM90.name:
+            raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
+
+    @property
+    def tile(self) -> Tile:
+        return tile_of_width(self.d_qk)
+
+    @property
+    def n_hblk(self) -> int:
+        """64-head CTAs per token."""
+        return self.h_q // TILE.heads
+
+
+Config = Sm90SparsePrefillConfig   # the registry's protocol (cute_mla.registry)
+Tuning = Sm90PrefillTuning
+
+
+def kernel_config(*, h_q: int, d_qk: int, has_topk_length: bool, has_attn_sink: bool,
+                  tuning=None) -> Sm90SparsePrefillConfig:
+    """Any valid config by keyword; ``tuning`` None is the default."""
+    return Sm90SparsePrefillConfig(h_q=h_q, d_qk=d_qk, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
+                                   tuning=DEFAULT_TUNING if tuning is None else tuning)
+
+
+def config_for(plan, has_attn_sink: bool, tuning=None) -> Sm90SparsePrefillConfig:
+    """The config a sparse prefill plan's calls compile (the launcher's call)."""
+    return kernel_config(h_q=plan.kernel_h_q, d_qk=plan.d_qk, has_topk_length=plan.has_topk_length,
+                         has_attn_sink=has_attn_sink, tuning=tuning)
+
+
+def tensor_maps(cfg: Sm90SparsePrefillConfig) -> tuple:
+    """The TMA descriptors the kernel builds: Q and out (rows are gathered by cp.async)."""
+    return ("q", "out")

@@ -1,0 +1,201 @@
+"""CPU: the sparse prefill op's plan, its CLI, its compile for sm_90a and its traced form.
+
+``torch.compile(fullgraph=True)`` traces ``flash_mla_sparse_fwd`` with fake CUDA tensors (no GPU):
+the graph holds ``cute_mla::sparse_prefill`` once, outputs have FlashMLA's shapes and dtypes, a
+padded head count pads in the graph, and a bad input is refused by name inside the trace.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cute_mla
+from cute_mla.interface import ops
+from cute_mla.plan.sparse_prefill import SUPPORTED_H_Q, kernel_variants, plan_sparse_prefill
+
+
+# ------------------------------------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("h_q", SUPPORTED_H_Q)
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_plan_runs_small_heads_padded_and_never_splits(h_q, d_qk):
+    plan = plan_sparse_prefill(4096, h_q, d_qk, 2048, arch="sm_90a", has_topk_length=True)
+    assert plan.kernel_h_q == max(h_q, 64) and plan.padded == (h_q < 64)
+    assert not plan.split and plan.workspace_bytes == 0
+    assert plan.ctas == 4096 * plan.kernel_h_q // 64
+    expected = 4096 * 64 * (d_qk * 2 + 512 * 2 + 8) if h_q < 64 else 0
+    assert plan.padding_bytes == expected
+    assert plan.kernel == "sm90_sparse_prefill" and plan.tensor_maps == ("q", "out")
+    assert ("padded" in plan.describe()) == (h_q < 64)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((16, 48, 576, 2048), "h_q: got 48"),
+    ((16, 64, 640, 2048), "d_qk: got 640"),
+    ((16, 64, 576, 100), "topk: got 100"),
+    ((16, 64, 576, 0), "topk: got 0"),
+    ((2**31, 128, 576, 64), "s_q: got"),
+])
+def test_plan_refuses_by_name(args, message):
+    with pytest.raises(ValueError, match=message):
+        plan_sparse_prefill(*args, arch="sm_90a")
+
+
+def test_plan_on_an_arch_without_a_kernel_says_so():
+    from cute_mla import registry
+    if ("sparse_prefill", "sm_100a") not in registry.PENDING:
+        pytest.skip("the sm_100a prefill kernel is registered")
+    with pytest.raises(ValueError, match="sm_100a"):
+        plan_sparse_prefill(16, 64, 576, 2048, arch="sm_100a")
+
+
+def test_variants_cover_every_kernel_config_a_plan_takes():
+    from cute_mla import registry
+    configs = {cfg for _, cfg in kernel_variants("sm_90a")}
+    mod = registry.config_module("sparse_prefill", "sm_90a")
+    for h_q in SUPPORTED_H_Q:
+        for d_qk in (576, 512):
+            for tl in (False, True):
+                plan = plan_sparse_prefill(8, h_q, d_qk, 128, arch="sm_90a", has_topk_length=tl)
+                for sink in (False, True):
+                    assert mod.config_for(plan, sink) in configs
+    assert len(configs) == 16
+
+
+# -------------------------------------------------------------------------------------------- CLI
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "cute_mla.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_plan_names_the_padding_and_no_workspace():
+    r = _cli("plan", "--op", "sparse_prefill", "--s-q", "4096", "--h-q", "16", "--d-qk", "576", "--topk", "2048")
+    assert r.returncode == 0, r.stderr
+    assert "workspace 0 bytes" in r.stdout and "16 heads run as 64" in r.stdout
+    r = _cli("plan", "--op", "sparse_prefill", "--s-q", "100", "--h-q", "128", "--d-qk", "512", "--topk", "512",
+             "--json")
+    d = json.loads(r.stdout)
+    assert (d["op"], d["kernel_h_q"], d["workspace_bytes"], d["split"]) == ("sparse_prefill", 128, 0, False)
+
+
+def test_cli_plan_refuses_decode_only_options():
+    r = _cli("plan", "--op", "sparse_prefill", "--b", "4", "--extra-topk", "512")
+    assert r.returncode != 0 and "--b, --extra-topk: not an option of --op sparse_prefill" in r.stderr
+
+
+def test_cli_compile_writes_ptx_cubin_and_resources(tmp_path):
+    r = _cli("compile", "--op", "sparse_prefill", "--arch", "sm_90a", "--d-qk", "576", "--h-q", "128",
+             "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert glob.glob(str(tmp_path / "sparse_prefill-sm_90a-h128-d576.ptx"))
+    assert glob.glob(str(tmp_path / "sparse_prefill-sm_90a-h128-d576.cubin"))
+    assert "dynamic shared memory" in r.stdout and "wgmma" in r.stdout
+    r = _cli("compile", "--op", "sparse_prefill", "--arch", "sm_90a", "--split", "--out", str(tmp_path))
+    assert r.returncode != 0 and "--split: not an option of --op sparse_prefill" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------- compile
+
+
+@pytest.mark.parametrize("h_q, d_qk", [(64, 576), (128, 512)])
+def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, tmp_path):
+    """Every wgmma pipelined (ptxas serializes them all when a pending accumulator crosses a
+    branch merge), no local memory, the gather as cp.async with zero fill."""
+    from cute_mla.kernels.sm90 import sparse_prefill as m
+    from cute_mla.playground import inspect as ki
+
+    cfg = m.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=True, has_attn_sink=True)
+    m.compile(cfg, dump_dir=str(tmp_path))
+    ptx, cubin = ki.find_artifacts(str(tmp_path), "sm_90a")
+    text = open(ptx).read()
+    assert "cp.async.cg.shared.global" in text and "cp.async.mbarrier.arrive.noinc" in text
+    assert m.smem_bytes(cfg) <= 227 * 1024
+    if ki.find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    sass = ki.sass(cubin)
+    stats = ki.hgmma_stats(sass)
+    assert stats.total > 0 and stats.with_gsb0 <= 16, stats
+    assert ki.local_memory_ops(sass) == 0
+
+
+# ------------------------------------------------------------------------------------ traced form
+
+
+@torch.compiler.assume_constant_result
+def _h100(device):
+    return "sm_90a", 132
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(ops, "device_facts", _h100)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _Recorder:
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self):
+        return [str(n.target) for g in self.graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+def _fake(shape, dtype, mode):
+    with mode:
+        return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+def _call(q, kv, idx, sink=None, tl=None, out=None):
+    return cute_mla.flash_mla_sparse_fwd(q, kv, idx, 0.5, 512, sink, tl, out)
+
+
+@pytest.mark.parametrize("h_q, with_out", [(128, False), (64, True), (16, False), (8, True)])
+def test_traced_call_has_flashmla_shapes(fake_gpu, h_q, with_out):
+    mode = FakeTensorMode()
+    s_q, d_qk = 37, 576
+    args = dict(q=_fake((s_q, h_q, d_qk), torch.bfloat16, mode), kv=_fake((300, 1, d_qk), torch.bfloat16, mode),
+                idx=_fake((s_q, 1, 128), torch.int32, mode), sink=_fake((h_q,), torch.float32, mode),
+                tl=_fake((s_q,), torch.int32, mode))
+    if with_out:
+        args["out"] = _fake((s_q, h_q, 512), torch.bfloat16, mode)
+    rec = _Recorder()
+    compiled = torch.compile(_call, fullgraph=True, backend=rec)
+    with mode:
+        out, max_logits, lse = compiled(**args)
+    assert out.shape == (s_q, h_q, 512) and out.dtype == torch.bfloat16
+    assert max_logits.shape == lse.shape == (s_q, h_q) and lse.dtype == max_logits.dtype == torch.float32
+    assert lse.is_contiguous() and max_logits.is_contiguous()
+    assert rec.targets().count("cute_mla.sparse_prefill") == 1
+    if with_out:
+        assert out is args["out"]
+
+
+def test_traced_call_refuses_bad_input_by_name(fake_gpu):
+    mode = FakeTensorMode()
+    q = _fake((4, 64, 576), torch.bfloat16, mode)
+    kv = _fake((300, 1, 512), torch.bfloat16, mode)
+    idx = _fake((4, 1, 128), torch.int32, mode)
+    compiled = torch.compile(_call, fullgraph=True, backend=_Recorder())
+    with mode, pytest.raises(Exception, match="kv: expected shape"):
+        compiled(q, kv, idx)
+
+
+def test_op_declares_out_mutated():
+    schema = torch.ops.cute_mla.sparse_prefill.default._schema
+    out = [a for a in schema.arguments if a.name == "out"][0]
+    assert out.alias_info is not None and out.alias_info.is_write

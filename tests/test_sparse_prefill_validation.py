@@ -1,0 +1,152 @@
+"""``cute_mla.flash_mla_sparse_fwd`` refuses bad arguments by name, on the host.
+
+Every check runs before any launch and before the device check, so these run on CPU tensors on a
+machine without a GPU (CI). Each case asserts a ValueError (a wrong dtype: TypeError or ValueError)
+whose message starts with the argument's name ("q: ...", "kv: ...", "indices: ...", "d_v: ...",
+"attn_sink: ...", "topk_length: ...", "out: ..."), or with the quantity the argument's shape gives
+("d_qk: ...", "topk: ..."); an unsupported head count names h_q. Well-formed CPU arguments get past
+every check and stop at the device check.
+"""
+
+import pytest
+import torch
+
+import cute_mla
+from cute_mla.archs import UnsupportedDeviceError
+
+# A wrong dtype: TypeError (flash_mla_with_kvcache's convention) or ValueError.
+DTYPE_ERROR = (TypeError, ValueError)
+# messages that may name the quantity rather than the tensor
+D_QK_MSG = "^(q|d_qk):"
+H_Q_MSG = "h_q"
+TOPK_MSG = "^(indices|topk):"
+
+S_Q, H_Q, D_QK, S_KV, TOPK = 2, 64, 576, 256, 128
+BF16, I32 = torch.bfloat16, torch.int32
+
+
+def good(**over):
+    kw = dict(
+        q=torch.zeros(S_Q, H_Q, D_QK, dtype=BF16),
+        kv=torch.zeros(S_KV, 1, D_QK, dtype=BF16),
+        indices=torch.zeros(S_Q, 1, TOPK, dtype=I32),
+        sm_scale=0.04,
+        d_v=512,
+        attn_sink=None,
+        topk_length=None,
+        out=None,
+    )
+    kw.update(over)
+    return kw
+
+
+def call(**over):
+    return cute_mla.flash_mla_sparse_fwd(**good(**over))
+
+
+def _strided_last(shape, dtype):
+    """A tensor of ``shape`` whose last dim has stride 2."""
+    return torch.zeros(*shape[:-1], 2 * shape[-1], dtype=dtype)[..., ::2]
+
+
+_Q = torch.zeros(S_Q, H_Q, D_QK, dtype=BF16)
+_KV = torch.zeros(S_KV, 1, D_QK, dtype=BF16)      # 256 x 576 elements: room for a whole out
+
+CASES = [
+    # (argument overrides, exception, message pattern)
+    # q
+    (dict(q=torch.zeros(S_Q, H_Q, D_QK, dtype=torch.float16)), DTYPE_ERROR, "^q:"),
+    (dict(q=torch.zeros(S_Q, H_Q, D_QK, dtype=torch.float32)), DTYPE_ERROR, "^q:"),
+    (dict(q=torch.zeros(1, S_Q, H_Q, D_QK, dtype=BF16)), ValueError, "^q:"),
+    (dict(q=torch.zeros(S_Q * H_Q, D_QK, dtype=BF16)), ValueError, "^q:"),
+    (dict(q=torch.zeros(S_Q, H_Q, 640, dtype=BF16), kv=torch.zeros(S_KV, 1, 640, dtype=BF16)), ValueError, D_QK_MSG),
+    (dict(q=torch.zeros(S_Q, H_Q, 128, dtype=BF16), kv=torch.zeros(S_KV, 1, 128, dtype=BF16)), ValueError, D_QK_MSG),
+    (dict(q=torch.zeros(S_Q, 48, D_QK, dtype=BF16)), ValueError, H_Q_MSG),
+    (dict(q=torch.zeros(S_Q, 4, D_QK, dtype=BF16)), ValueError, H_Q_MSG),
+    (dict(q=torch.zeros(S_Q, 256, D_QK, dtype=BF16)), ValueError, H_Q_MSG),
+    (dict(q=torch.zeros(S_Q, 1, D_QK, dtype=BF16)), ValueError, H_Q_MSG),
+    (dict(q=_strided_last((S_Q, H_Q, D_QK), BF16)), ValueError, "^q:"),
+    # kv
+    (dict(kv=torch.zeros(S_KV, 1, D_QK, dtype=torch.float16)), DTYPE_ERROR, "^kv:"),
+    (dict(kv=torch.zeros(S_KV, 1, D_QK, dtype=torch.uint8)), DTYPE_ERROR, "^kv:"),
+    (dict(kv=torch.zeros(S_KV, D_QK, dtype=BF16)), ValueError, "^kv:"),
+    (dict(kv=torch.zeros(1, S_KV, 1, D_QK, dtype=BF16)), ValueError, "^kv:"),
+    (dict(kv=torch.zeros(S_KV, 2, D_QK, dtype=BF16)), ValueError, "^kv:"),
+    (dict(kv=torch.zeros(S_KV, 1, 512, dtype=BF16)), ValueError, "^kv:"),        # d_qk differs from q's
+    (dict(kv=_strided_last((S_KV, 1, D_QK), BF16)), ValueError, "^kv:"),
+    # indices
+    (dict(indices=torch.zeros(S_Q, 1, TOPK, dtype=torch.int64)), DTYPE_ERROR, "^indices:"),
+    (dict(indices=torch.zeros(S_Q, 1, TOPK, dtype=torch.float32)), DTYPE_ERROR, "^indices:"),
+    (dict(indices=torch.zeros(S_Q, TOPK, dtype=I32)), ValueError, "^indices:"),
+    (dict(indices=torch.zeros(1, S_Q, 1, TOPK, dtype=I32)), ValueError, "^indices:"),
+    (dict(indices=torch.zeros(S_Q, 2, TOPK, dtype=I32)), ValueError, "^indices:"),   # h_kv is 1
+    (dict(indices=torch.zeros(S_Q + 1, 1, TOPK, dtype=I32)), ValueError, "^indices:"),  # s_q differs from q's
+    (dict(indices=torch.zeros(S_Q, 1, 100, dtype=I32)), ValueError, TOPK_MSG),    # topk % 64 != 0
+    (dict(indices=torch.zeros(S_Q, 1, 32, dtype=I32)), ValueError, TOPK_MSG),
+    (dict(indices=torch.zeros(S_Q, 1, 0, dtype=I32)), ValueError, TOPK_MSG),      # topk must be positive
+    (dict(indices=_strided_last((S_Q, 1, TOPK), I32)), ValueError, "^indices:"),
+    # d_v
+    (dict(d_v=576), ValueError, "^d_v:"),
+    (dict(d_v=448), ValueError, "^d_v:"),
+    (dict(d_v=0), ValueError, "^d_v:"),
+    # attn_sink
+    (dict(attn_sink=torch.zeros(H_Q, dtype=BF16)), DTYPE_ERROR, "^attn_sink:"),
+    (dict(attn_sink=torch.zeros(H_Q, dtype=torch.float64)), DTYPE_ERROR, "^attn_sink:"),
+    (dict(attn_sink=torch.zeros(2 * H_Q)), ValueError, "^attn_sink:"),
+    (dict(attn_sink=torch.zeros(H_Q // 2)), ValueError, "^attn_sink:"),
+    (dict(attn_sink=torch.zeros(1, H_Q)), ValueError, "^attn_sink:"),
+    # topk_length
+    (dict(topk_length=torch.zeros(S_Q, dtype=torch.int64)), DTYPE_ERROR, "^topk_length:"),
+    (dict(topk_length=torch.zeros(S_Q, dtype=torch.float32)), DTYPE_ERROR, "^topk_length:"),
+    (dict(topk_length=torch.zeros(S_Q + 1, dtype=I32)), ValueError, "^topk_length:"),
+    (dict(topk_length=torch.zeros(S_Q, 1, dtype=I32)), ValueError, "^topk_length:"),
+    # out
+    (dict(out=torch.zeros(S_Q, H_Q, D_QK, dtype=BF16)), ValueError, "^out:"),
+    (dict(out=torch.zeros(S_Q, H_Q // 2, 512, dtype=BF16)), ValueError, "^out:"),
+    (dict(out=torch.zeros(S_Q + 1, H_Q, 512, dtype=BF16)), ValueError, "^out:"),
+    (dict(out=torch.zeros(1, S_Q, H_Q, 512, dtype=BF16)), ValueError, "^out:"),
+    (dict(out=torch.zeros(S_Q, H_Q, 512, dtype=torch.float32)), DTYPE_ERROR, "^out:"),
+    (dict(out=torch.zeros(S_Q, H_Q, 512, dtype=torch.float16)), DTYPE_ERROR, "^out:"),
+    (dict(out=_strided_last((S_Q, H_Q, 512), BF16)), ValueError, "^out:"),
+    # out's elements overlap: the rows (stride 0), or the heads (8 columns apart)
+    (dict(out=torch.zeros(1, H_Q, 512, dtype=BF16).expand(S_Q, H_Q, 512)), ValueError, "^out:"),
+    (dict(out=torch.zeros(S_Q * H_Q * 512, dtype=BF16).as_strided((S_Q, H_Q, 512), (H_Q * 512, 8, 1))), ValueError, "^out:"),
+    # out sharing bytes with an input
+    (dict(q=_Q, out=_Q[..., :512]), ValueError, "^out:"),
+    (dict(kv=_KV, out=_KV.view(-1)[:S_Q * H_Q * 512].view(S_Q, H_Q, 512)), ValueError, "^out:"),
+]
+
+
+@pytest.mark.parametrize("over,exc,msg", CASES, ids=[f"{i}-{c[2]}" for i, c in enumerate(CASES)])
+def test_rejected_argument(over, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call(**over)
+
+
+def _head_slice_out(s_q, h_q):
+    """Heads [3, 3 + h_q) of a wider (s_q, 2 h_q + 5, 512) bf16 tensor: strided rows, contiguous last dim."""
+    return torch.zeros(s_q, 2 * h_q + 5, 512, dtype=BF16)[:, 3:3 + h_q]
+
+
+@pytest.mark.parametrize("h_q", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("features", ["none", "sink_length", "out", "out_head_slice", "strided_inputs"])
+def test_valid_arguments_reach_the_device_check(h_q, d_qk, features):
+    """Well-formed calls pass every host check: on CPU tensors the device check is what stops them
+    (so the cases above fail for the reason they name)."""
+    s_q, s_kv, topk = 3, 100, 192         # s_kv < topk is allowed (out-of-range indices are invalid slots)
+    kw = dict(q=torch.zeros(s_q, h_q, d_qk, dtype=BF16), kv=torch.zeros(s_kv, 1, d_qk, dtype=BF16),
+              indices=torch.zeros(s_q, 1, topk, dtype=I32), sm_scale=d_qk ** -0.5, d_v=512)
+    if features == "sink_length":
+        kw.update(attn_sink=torch.zeros(h_q), topk_length=torch.zeros(s_q, dtype=I32))
+    elif features == "out":
+        kw.update(out=torch.zeros(s_q, h_q, 512, dtype=BF16))
+    elif features == "out_head_slice":
+        kw.update(out=_head_slice_out(s_q, h_q))
+    elif features == "strided_inputs":
+        # FlashMLA's tests' layout: every dim + 1, the last + 128, sliced back (last dim contiguous)
+        kw.update(q=torch.zeros(s_q + 1, h_q + 1, d_qk + 128, dtype=BF16)[:s_q, :h_q, :d_qk],
+                  kv=torch.zeros(s_kv + 1, 2, d_qk + 128, dtype=BF16)[:s_kv, :1, :d_qk],
+                  indices=torch.zeros(s_q + 1, 2, topk + 128, dtype=I32)[:s_q, :1, :topk])
+    with pytest.raises(UnsupportedDeviceError):
+        cute_mla.flash_mla_sparse_fwd(**kw)
