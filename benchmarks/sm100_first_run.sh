@@ -3,11 +3,12 @@
 #
 #   source .gpu/activate.sh && export PYTHONPATH=$PWD:$PYTHONPATH && bash benchmarks/sm100_first_run.sh
 #
-# Six steps in order; the first one that fails stops the run with what it points at (each step
-# assumes the ones before it passed). Every log goes to $OUT (default artifacts/sm100-first-run).
+# Seven steps in order (1-6: the sparse decode kernel, 7: the sparse prefill kernel); the first one
+# that fails stops the run with what it points at (each step assumes the ones before it passed).
+# Every log goes to $OUT (default artifacts/sm100-first-run).
 #   FROM=N      start at step N (after fixing what an earlier step found)
 #   ONLY=N      run step N alone
-#   SKIP_BENCH=1  stop after step 5 (no benchmark)
+#   SKIP_BENCH=1  no benchmark (step 6, and step 7's last half)
 #   LOOP_ITERS=K  launches per case in step 5 (default 20 under memcheck; racecheck and synccheck run 2)
 # A hang ends the step: every GPU test waits for its kernel with a watchdog (the test file's
 # finish_or_exit: 60 s, SM100_HANG_TIMEOUT_S), and each step runs under `timeout`. A skipped test
@@ -182,6 +183,23 @@ if want 6 && [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 python3 -m benchmarks.bench_sparse_decode --v4 --out "$OUT/bench_v4.json" >"$OUT/step6-bench-v4.log" 2>&1 \
     || { tail -20 "$OUT/step6-bench-v4.log"; fail 6 "the V4 benchmark (its log names the row)."; }
   tail -24 "$OUT/step6-bench-v4.log"
+fi
+
+# ---- step 7: the sparse prefill kernel (flash_mla_sparse_fwd), then its benchmark
+if want 7; then
+  echo "== step 7: sparse prefill, tests/test_sparse_prefill_sm100_gpu.py (smoke first), then its benchmark"
+  GPU_TESTS=tests/test_sparse_prefill_sm100_gpu.py pytest_step 7 600 "test_runs_on_sm100 or test_smoke_one_tile" \
+    || fail 7 "The prefill kernel's first launch (docs/sm100.md, Sparse prefill). A hang: the k (gather4 tx bytes per
+   stage, zero-filled rows included) or index pipeline counts. Wrong numbers with d_qk 576 only: the RoPE column
+   block (block 8) of the gather; out[..., 256:] only: the lane-16 half of O (as the decode kernel's step 1)."
+  GPU_TESTS=tests/test_sparse_prefill_sm100_gpu.py pytest_step 7-all 3000 "" || fail 7 \
+    "The first failure names the case (FlashMLA's lists, NaN rows: an invalid position not zero-filled, out=, graph
+   replay, s_q 70000)."
+  if [ "${SKIP_BENCH:-0}" != 1 ]; then
+    timeout 1800 python3 benchmarks/bench_sparse_prefill.py --quick >"$OUT/step7-bench.log" 2>&1 \
+      || { tail -20 "$OUT/step7-bench.log"; fail 7 "the sparse prefill benchmark (its log names the row)."; }
+    tail -16 "$OUT/step7-bench.log"
+  fi
 fi
 
 echo

@@ -98,16 +98,16 @@ SPARSE_PREFILL = OpSpec(
     plan="cute_mla.plan.sparse_prefill:plan_sparse_prefill",
     variants="cute_mla.plan.sparse_prefill:kernel_variants",
     kernels={archs.SM90.name: KernelRef("sm90_sparse_prefill", "cute_mla.kernels.sm90.sparse_prefill",
-                                        "cute_mla.kernels.sm90.prefill_config")},
+                                        "cute_mla.kernels.sm90.prefill_config"),
+             archs.SM100.name: KernelRef("sm100_sparse_prefill", "cute_mla.kernels.sm100.sparse_prefill",
+                                         "cute_mla.kernels.sm100.prefill_config")},
     helpers={},
 )
 
 OPS: Dict[str, OpSpec] = {op.name: op for op in (SPARSE_DECODE, SPARSE_PREFILL)}
 # (op, arch) pairs with no kernel yet, and why: every other pair of OPS x archs has one
 # (tests/test_registry.py holds the registry to that).
-PENDING: Dict[Tuple[str, str], str] = {
-    (SPARSE_PREFILL.name, archs.SM100.name): "the SM100 sparse prefill kernel is not built yet",
-}
+PENDING: Dict[Tuple[str, str], str] = {}
 DEFAULT_OP = SPARSE_DECODE.name
 
 
