@@ -19,6 +19,7 @@ from cutlass.cute.nvgpu import tcgen05  # noqa: E402
 from cute_mla.dsl.compile import CompiledKernel, compile_options  # noqa: E402
 from cute_mla.formats import V4, V32  # noqa: E402
 from cute_mla.playground.inspect import find_tool, read_ptx, resource_usage, tensor_map_params  # noqa: E402
+from cute_mla.kernels.sm100 import cta  # noqa: E402
 from cute_mla.kernels.sm100 import sparse_decode as sd  # noqa: E402
 from cute_mla.kernels.sm100.sparse_decode import (  # noqa: E402
     SMEM_LIMIT,
@@ -30,6 +31,8 @@ from cute_mla.kernels.sm100.sparse_decode import (  # noqa: E402
     smem_bytes,
     tmem_columns,
 )
+
+from _sm100_helpers import WAIT, check_tmem_teardown, cycles, has, ptx_cfg, waits_outside_loops  # noqa: E402
 
 VARIANTS = [
     # (h_q, split, has_topk_length, has_attn_sink)
@@ -189,7 +192,7 @@ def _collect_layout_facts(L, s_frag, o_frag, o_full_frag, tmem_thread_coords):
 
 @cute.jit
 def _trace_layouts():
-    qk, pv = sd.tiled_mmas()
+    qk, pv = cta.tiled_mmas()
     L = sd.smem_layouts(qk, pv)
     s_frag = qk.make_fragment_C(qk.partition_shape_C((TILE.heads, TILE.tokens))).layout
     o_frag = pv.make_fragment_C(pv.partition_shape_C((TILE.heads, TILE.half_v))).layout
@@ -232,7 +235,7 @@ def test_layout_swizzles(facts):
 def test_k_tile_formula_matches_layout(facts):
     """Dequant warps write K[t, d] at k_tile_byte(t, d): the UMMA's K-major SW128 operand."""
     bad = [(t, d) for t, d, e in facts["k"]
-           if sd.swizzle_bytes(2 * e, 3) != sd.k_tile_byte(t, d - d % 8) + 2 * (d % 8)]
+           if cta.swizzle_bytes(2 * e, 3) != cta.k_tile_byte(t, d - d % 8) + 2 * (d % 8)]
     assert not bad, bad[:5]
     assert facts["k_stage1"] == TILE.k_stage_elems  # stage stride used for the dequant writes
 
@@ -250,11 +253,11 @@ def test_rope_tma_view_is_the_mma_tile(facts):
 
 
 def test_p_and_staging_formulas_match_layouts(facts):
-    bad = [(r, t) for r, t, e in facts["p"] if sd.swizzle_bytes(2 * e, 2) != sd.p_tile_byte(r, t - t % 8) + 2 * (t % 8)]
+    bad = [(r, t) for r, t, e in facts["p"] if cta.swizzle_bytes(2 * e, 2) != cta.p_tile_byte(r, t - t % 8) + 2 * (t % 8)]
     assert not bad, bad[:5]
-    bad = [(r, c) for r, c, e in facts["out_box"] if sd.swizzle_bytes(2 * e, 2) != sd.out_box_byte(r, c - c % 8) + 2 * (c % 8)]
+    bad = [(r, c) for r, c, e in facts["out_box"] if cta.swizzle_bytes(2 * e, 2) != cta.out_box_byte(r, c - c % 8) + 2 * (c % 8)]
     assert not bad, bad[:5]
-    bad = [(r, c) for r, c, e in facts["oacc_box"] if sd.swizzle_bytes(4 * e, 3) != sd.oacc_box_byte(r, c - c % 4) + 4 * (c % 4)]
+    bad = [(r, c) for r, c, e in facts["oacc_box"] if cta.swizzle_bytes(4 * e, 3) != sd.oacc_box_byte(r, c - c % 4) + 4 * (c % 4)]
     assert not bad, bad[:5]
 
 
@@ -533,7 +536,7 @@ _V4_LAYOUT_FACTS = {}
 @cute.jit
 def _trace_v4_layouts():
     t = V4_TILE
-    qk, pv = sd.tiled_mmas()
+    qk, pv = cta.tiled_mmas()
     L = sd.smem_layouts(qk, pv, t)
     k = L["k"].outer
     _V4_LAYOUT_FACTS["k"] = [(tok, d, cute.crd2idx(((tok, d % 16), 0, ((d // 16) % 4, d // 64), 0), k))
@@ -556,7 +559,7 @@ def test_v4_k_tile_and_v_view(v4_facts):
     """The V4 K tile (448 NoPE + 64 RoPE dims) is the same SW128 K-major operand as V3.2's, so the
     dequant writes (k_tile_byte) and the V view (PV reads all 512 dims, RoPE included) hold."""
     assert v4_facts["swizzles"] == {"q": "S<3,4,3>", "k": "S<3,4,3>", "rope_tma": "S<3,4,3>"}
-    bad = [(t, d) for t, d, e in v4_facts["k"] if sd.swizzle_bytes(2 * e, 3) != sd.k_tile_byte(t, d)]
+    bad = [(t, d) for t, d, e in v4_facts["k"] if cta.swizzle_bytes(2 * e, 3) != cta.k_tile_byte(t, d)]
     assert not bad, bad[:5]
     k = {(t, d): e for t, d, e in v4_facts["k"]}
     bad = [(h, d, t) for h, d, t, e in v4_facts["v"] if e != k[(t, V4_TILE.half_v * h + d)]]
@@ -571,9 +574,9 @@ def test_v4_rope_copy_lands_in_the_last_k_block(v4_facts):
     assert sd.rope_row_byte(V4_TILE, 0) == 7 * 4096 and sd.rope_row_byte(V4_TILE, 0) % 1024 == 0
     # the copy moves row t's bytes [128 t, 128 t + 128) to rope_row_byte(t) + [0, 128), chunk by chunk
     bad = [(t, d) for t, d, e in v4_facts["rope_tma"]
-           if sd.swizzle_bytes(2 * e, 3) - 128 * t + sd.rope_row_byte(V4_TILE, t) != sd.k_tile_byte(t, V4_TILE.d_nope + d)]
+           if cta.swizzle_bytes(2 * e, 3) - 128 * t + sd.rope_row_byte(V4_TILE, t) != cta.k_tile_byte(t, V4_TILE.d_nope + d)]
     assert not bad, bad[:5]
-    assert all(128 * t <= sd.swizzle_bytes(2 * e, 3) < 128 * (t + 1) for t, _, e in v4_facts["rope_tma"])
+    assert all(128 * t <= cta.swizzle_bytes(2 * e, 3) < 128 * (t + 1) for t, _, e in v4_facts["rope_tma"])
 
 
 def test_v4_launcher_rejects_what_the_kernel_cannot_take():
@@ -641,12 +644,7 @@ def test_v4_compile_is_cached():
 # graph: each guard is a branch, so "removing it" changes which cycles the graph has.
 # ------------------------------------------------------------------------------------------------
 
-_LABEL = re.compile(r"^(\$L__\w+):")
-# Branches between the kernel's own blocks; the mbarrier spin loops are inline asm with local labels
-# (LAB_WAIT / DONE), which stay inside their block.
-_BRA = re.compile(r"^(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);")
 _ZERO_ST = re.compile(r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32 \[%r\d+\], \{(%r\d+)(, \1){31}\};")
-_WAIT = "mbarrier.try_wait"
 _Q_LOAD = "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier"   # Q's 9 (V4: 8) boxes
 _OUT_STORE = ".global.shared::cta.tile.bulk_group"                        # the epilogue's TMA stores
 
@@ -657,92 +655,16 @@ def _any_ptx(key, tmp_path_factory):
     return (_compile(key[1:], tmp_path_factory) if key[0] == "v32" else _compile_v4(key[1:], tmp_path_factory))[2]
 
 
-def _cfg(ptx: str):
-    """(blocks, successors) of the kernel body: a block is a list of instruction lines."""
-    blocks, labels = [[]], {}
-    for raw in ptx[ptx.index(".entry"):].splitlines():
-        line = raw.strip()
-        m = _LABEL.match(line)
-        if m:
-            if blocks[-1]:
-                blocks.append([])
-            labels[m.group(1)] = len(blocks) - 1
-            continue
-        if not line or line.startswith("//"):
-            continue
-        blocks[-1].append(line)
-        if _BRA.match(line) or line.startswith(("ret;", "exit;", "trap;")):
-            blocks.append([])
-    succ = []
-    for i, b in enumerate(blocks):
-        last = b[-1] if b else ""
-        m = _BRA.match(last)
-        if m:
-            succ.append([labels[m.group(2)]] + ([i + 1] if m.group(1) else []))
-        elif last.startswith(("ret;", "exit;", "trap;")) or i + 1 == len(blocks):
-            succ.append([])
-        else:
-            succ.append([i + 1])
-    return blocks, succ
-
-
-def _sccs(nodes, succ):
-    """Strongly connected components (Tarjan, iterative) of the subgraph on ``nodes``."""
-    index, low, on, stack, out, n = {}, {}, set(), [], [], [0]
-    for root in nodes:
-        if root in index:
-            continue
-        work = [(root, iter([s for s in succ[root] if s in nodes]))]
-        index[root] = low[root] = n[0]
-        n[0] += 1
-        stack.append(root)
-        on.add(root)
-        while work:
-            v, it = work[-1]
-            w = next(it, None)
-            if w is None:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
-                if low[v] == index[v]:
-                    comp = set()
-                    while True:
-                        x = stack.pop()
-                        on.discard(x)
-                        comp.add(x)
-                        if x == v:
-                            break
-                    out.append(comp)
-            elif w not in index:
-                index[w] = low[w] = n[0]
-                n[0] += 1
-                stack.append(w)
-                on.add(w)
-                work.append((w, iter([s for s in succ[w] if s in nodes])))
-            elif w in on:
-                low[v] = min(low[v], index[w])
-    return out
-
-
-def _has(block, pattern) -> bool:
-    return any((pattern.search(line) if isinstance(pattern, re.Pattern) else pattern in line) for line in block)
-
-
-def _cycles(blocks, succ, nodes):
-    """The components of ``nodes`` that hold a cycle."""
-    return [c for c in _sccs(nodes, succ) if len(c) > 1 or any(v in succ[v] for v in c)]
-
-
 def _loop_skips(ptx: str, within, avoid, through=None) -> bool:
     """Whether the loop nest holding the blocks that contain ``within`` (a role's request loop) can
     go round without any block that contains ``avoid``, through a block that contains ``through``
     (if given)."""
-    blocks, succ = _cfg(ptx)
+    blocks, succ = ptx_cfg(ptx)
     everything = set(range(len(blocks)))
-    nest = set().union(*[c for c in _cycles(blocks, succ, everything) if any(_has(blocks[v], within) for v in c)])
+    nest = set().union(*[c for c in cycles(succ, everything) if any(has(blocks[v], within) for v in c)])
     assert nest, f"no loop holds {within!r}"
-    rest = {v for v in nest if not _has(blocks[v], avoid)}
-    return any(through is None or any(_has(blocks[v], through) for v in c) for c in _cycles(blocks, succ, rest))
+    rest = {v for v in nest if not has(blocks[v], avoid)}
+    return any(through is None or any(has(blocks[v], through) for v in c) for c in cycles(succ, rest))
 
 
 @pytest.mark.parametrize("key", ALL_VARIANTS, ids=lambda k: k[0] + "-" + "-".join(str(int(x)) for x in k[1:]))
@@ -757,15 +679,11 @@ def test_every_role_skips_an_empty_request_range(key, tmp_path_factory):
 
     Without the guards each of these loops waits (or zeroes) on every round."""
     ptx = _any_ptx(key, tmp_path_factory)
-    assert _loop_skips(ptx, "tcgen05.mma", _WAIT), "the MMA warp waits in every request (Q / final PV)"
-    assert _loop_skips(ptx, _Q_LOAD, _WAIT), "the GATHER warp loads Q for every request"
+    assert _loop_skips(ptx, "tcgen05.mma", WAIT), "the MMA warp waits in every request (Q / final PV)"
+    assert _loop_skips(ptx, _Q_LOAD, WAIT), "the GATHER warp loads Q for every request"
     assert len(_ZERO_ST.findall(ptx)) == TMEM.o_cols // TILE.epi_cols, "the empty request's O is not zeroed"
     assert _loop_skips(ptx, _ZERO_ST, _ZERO_ST, _OUT_STORE), "O is zeroed for every request"
     # the INDEX and DEQUANT warps' tile loops are plain ranges: nothing to skip (no per-request wait)
-
-
-def _instructions(ptx: str):
-    return [ln.strip() for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith("//")]
 
 
 @pytest.mark.parametrize("key", ALL_VARIANTS, ids=lambda k: k[0] + "-" + "-".join(str(int(x)) for x in k[1:]))
@@ -776,20 +694,6 @@ def test_tmem_teardown_fences_and_drained_commits(key, tmp_path_factory):
     they exit (producer_tail): Q (1 stage), V3.2's RoPE (3) and K (2) stages. Those tail waits are
     the only mbarrier waits outside every loop."""
     ptx = _any_ptx(key, tmp_path_factory)
-    ins = _instructions(ptx)
-    tmem_bar = f"bar.sync \t{sd.Bar.TMEM}, {sd.WARPS.softmax_threads + 32};"
-    bars = [i for i, s in enumerate(ins) if s == tmem_bar]
-    dealloc = [i for i, s in enumerate(ins) if s.startswith("tcgen05.dealloc")]
-    assert len(dealloc) == 1
-    before = max(i for i in bars if i < dealloc[0])
-    assert [s for s in ins[before:dealloc[0]] if s.startswith("tcgen05.")] == ["tcgen05.fence::after_thread_sync;"]
-    # the softmax warpgroup's arrival: the fence is the instruction right before its barrier
-    fenced = [i for i in bars if ins[i - 1] == "tcgen05.fence::before_thread_sync;"]
-    assert len(fenced) == 1 and fenced[0] > dealloc[0]
-    assert not [s for s in ins[fenced[0]:] if s.startswith("tcgen05.")], "TMEM used after the teardown barrier"
-    # the tails: waits in blocks outside every cycle of the control-flow graph
-    blocks, succ = _cfg(ptx)
-    in_loops = set().union(*_cycles(blocks, succ, set(range(len(blocks)))))
-    tails = sum(line.count(_WAIT) for v, b in enumerate(blocks) if v not in in_loops for line in b)
+    check_tmem_teardown(ptx, sd.Bar.TMEM, sd.WARPS.softmax_threads + 32)
     v32 = key[0] == "v32"
-    assert tails == STAGES.q + (STAGES.gather if v32 else 0) + STAGES.kbuf
+    assert waits_outside_loops(ptx) == STAGES.q + (STAGES.gather if v32 else 0) + STAGES.kbuf

@@ -18,14 +18,11 @@ request), the split variant on FlashMLA's greedy schedule for this GPU's SM coun
 results merged here in float64 torch (the combine kernel has its own tests; the public-API test
 below runs the real launcher, combine included).
 
-Every launch waits through :func:`finish_or_exit`: a kernel that does not finish within a minute
-stops the whole session with a message naming the test (a hung kernel keeps the GPU, so nothing
-after it could run).
+Every launch waits through ``finish_or_exit`` (tests/_sm100_helpers.py): a kernel that does not
+finish within a minute stops the whole session with a message naming the test (a hung kernel keeps
+the GPU, so nothing after it could run).
 
 """
-
-import os
-import time
 
 import pytest
 import torch
@@ -37,6 +34,8 @@ from cute_mla.reference import sparse_decode_reference
 from cute_mla.scheduler import accum_offsets, blocks_per_request, per_request_rows, plan_splits_host
 from cute_mla.scheduler.partition import HostSchedule
 from cute_mla.testing import check_out_lse, make_inputs, diagnose, merge_splits, v4_sweep_inputs
+
+from _sm100_helpers import finish_or_exit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm100]
 
@@ -76,21 +75,6 @@ def _schedule(topk, topk_length, b, split, s_q, h_q, device, extra_topk=0, extra
     tile_md = torch.tensor(s.rows, dtype=torch.int32, device=device).reshape(len(s.rows), 8)
     offsets = torch.tensor(accum_offsets(s.num_splits), dtype=torch.int32, device=device)
     return s, tile_md, offsets
-
-
-def finish_or_exit(what: str) -> None:
-    """Wait for the GPU work queued so far; if it has not finished after 60 s (SM100_HANG_TIMEOUT_S:
-    more under compute-sanitizer), stop the test session (pytest.exit): a hung kernel keeps the
-    GPU, every later test would hang too."""
-    timeout_s = float(os.environ.get("SM100_HANG_TIMEOUT_S", "60"))
-    done = torch.cuda.Event()
-    done.record()
-    deadline = time.monotonic() + timeout_s
-    while not done.query():
-        if time.monotonic() > deadline:
-            pytest.exit(f"{what}: the SM100 kernel did not finish in {timeout_s:.0f} s (a hang; docs/sm100.md, "
-                        "first run on a B200)", returncode=3)
-        time.sleep(0.005)
 
 
 def run_kernel(inp, split, schedule=None):

@@ -10,7 +10,6 @@ formulas are the decode kernel's, also checked in tests/test_sm100_compile.py.
 
 import glob
 import os
-import re
 import subprocess
 import sys
 
@@ -25,10 +24,13 @@ from cute_mla.kernels import SparsePrefillTensors  # noqa: E402
 from cute_mla.kernels.sm100 import prefill_config as pc  # noqa: E402
 from cute_mla.kernels.sm100 import prefill_roles as pr  # noqa: E402
 from cute_mla.kernels.sm100 import sparse_prefill as sp  # noqa: E402
-from cute_mla.kernels.sm100.sparse_decode import k_tile_byte, swizzle_bytes, tiled_mmas  # noqa: E402
+from cute_mla.kernels.sm100.config import Bar  # noqa: E402
+from cute_mla.kernels.sm100.cta import k_tile_byte, p_tile_byte, swizzle_bytes, tiled_mmas  # noqa: E402
 from cute_mla.plan.sparse_prefill import kernel_variants, plan_sparse_prefill  # noqa: E402
 from cute_mla.playground.inspect import (find_artifacts, find_tool, local_memory_ops, read_ptx,  # noqa: E402
                                          resource_usage, sass, tensor_map_params)
+
+from _sm100_helpers import check_tmem_teardown, waits_outside_loops  # noqa: E402
 
 ARCH = "sm_100a"
 # A representative subset of kernel_variants("sm_100a") (16 configs; CI has 2 cores): every head
@@ -248,7 +250,7 @@ def test_v_view_is_the_k_stage(facts, d_qk):
 
 def test_p_and_staging_formulas_match_layouts(facts):
     f = facts[576]
-    bad = [(r, t) for r, t, e in f["p"] if swizzle_bytes(2 * e, 2) != pr.p_tile_byte(r, t - t % 8) + 2 * (t % 8)]
+    bad = [(r, t) for r, t, e in f["p"] if swizzle_bytes(2 * e, 2) != p_tile_byte(r, t - t % 8) + 2 * (t % 8)]
     assert not bad, bad[:5]
     tile = pc.TILE
     for b in range(tile.out_boxes):   # box b of the staging holds out columns [32 b, 32 b + 32)
@@ -262,56 +264,6 @@ def test_p_and_staging_formulas_match_layouts(facts):
 # Control flow: producer tail, TMEM teardown (on the PTX's control-flow graph)
 # ------------------------------------------------------------------------------------------------
 
-_LABEL = re.compile(r"^(\$L__\w+):")
-_BRA = re.compile(r"^(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);")
-
-
-def _blocks(ptx: str):
-    """(blocks, successors) of the kernel body (mbarrier spin loops are inline asm with local labels
-    inside one block)."""
-    blocks, labels = [[]], {}
-    for raw in ptx[ptx.index(".entry"):].splitlines():
-        line = raw.strip()
-        m = _LABEL.match(line)
-        if m:
-            if blocks[-1]:
-                blocks.append([])
-            labels[m.group(1)] = len(blocks) - 1
-            continue
-        if not line or line.startswith("//"):
-            continue
-        blocks[-1].append(line)
-        if _BRA.match(line) or line.startswith(("ret;", "exit;", "trap;")):
-            blocks.append([])
-    succ = []
-    for i, b in enumerate(blocks):
-        last = b[-1] if b else ""
-        m = _BRA.match(last)
-        if m:
-            succ.append([labels[m.group(2)]] + ([i + 1] if m.group(1) else []))
-        elif last.startswith(("ret;", "exit;", "trap;")) or i + 1 == len(blocks):
-            succ.append([])
-        else:
-            succ.append([i + 1])
-    return blocks, succ
-
-
-def _in_cycles(succ) -> set:
-    """Blocks on some cycle: v is when v reaches itself."""
-    n = len(succ)
-    out = set()
-    for v in range(n):
-        seen, todo = set(), list(succ[v])
-        while todo:
-            x = todo.pop()
-            if x == v:
-                out.add(v)
-                break
-            if x not in seen:
-                seen.add(x)
-                todo.extend(succ[x])
-    return out
-
 
 @pytest.mark.parametrize("v", VARIANTS[:2], ids=_id)
 def test_producer_tail_and_tmem_teardown(v, tmp_path_factory):
@@ -322,19 +274,8 @@ def test_producer_tail_and_tmem_teardown(v, tmp_path_factory):
     tcgen05.fence::after_thread_sync as the only tcgen05 instruction between them, and the softmax
     warpgroup's last instruction before that barrier is tcgen05.fence::before_thread_sync."""
     _, _, ptx, _ = _compile(v, tmp_path_factory)
-    blocks, succ = _blocks(ptx)
-    loops = _in_cycles(succ)
-    tails = sum(line.count("mbarrier.try_wait") for i, b in enumerate(blocks) if i not in loops for line in b)
-    assert tails == pc.STAGES.k + 4
-    ins = [ln.strip() for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith("//")]
-    tmem_bar = f"bar.sync \t{int(sp.Bar.TMEM)}, {pc.WARPS.softmax_threads + 32};"
-    bars = [i for i, s in enumerate(ins) if s == tmem_bar]
-    dealloc = [i for i, s in enumerate(ins) if s.startswith("tcgen05.dealloc")]
-    assert len(dealloc) == 1
-    before = max(i for i in bars if i < dealloc[0])
-    assert [s for s in ins[before:dealloc[0]] if s.startswith("tcgen05.")] == ["tcgen05.fence::after_thread_sync;"]
-    fenced = [i for i in bars if ins[i - 1] == "tcgen05.fence::before_thread_sync;"]
-    assert len(fenced) == 1 and not [s for s in ins[fenced[0]:] if s.startswith("tcgen05.")]
+    assert waits_outside_loops(ptx) == pc.STAGES.k + 4
+    check_tmem_teardown(ptx, Bar.TMEM, pc.WARPS.softmax_threads + 32)
 
 
 # ------------------------------------------------------------------------------------------------

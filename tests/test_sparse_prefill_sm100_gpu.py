@@ -10,45 +10,30 @@ smoke case, FlashMLA's correctness / with-features / corner lists at h_q 64 and 
 row no valid position reads, ``out=`` (a strided head slice too), CUDA graph replay with new
 indices, and FlashMLA's s_q = 70000 grid case.
 
-Every launch of the smoke and list cases waits through :func:`finish_or_exit`: a kernel that does
-not finish within a minute stops the session with a message naming the case (a hung kernel keeps
-the GPU, so nothing after it could run).
+Every launch of the smoke and list cases waits through ``finish_or_exit`` (tests/_sm100_helpers.py):
+a kernel that does not finish within a minute stops the session with a message naming the case (a
+hung kernel keeps the GPU, so nothing after it could run).
 """
 
 from __future__ import annotations
 
-import os
-import time
 import zlib
 
 import pytest
 import torch
 
 import test_sparse_prefill_gpu as base
+from _sm100_helpers import finish_or_exit
 from cute_mla.testing import check_prefill, make_prefill_inputs, prefill_corner_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm100]
-
-
-def finish_or_exit(what: str) -> None:
-    """Wait for the GPU work queued so far; if it has not finished after 60 s (SM100_HANG_TIMEOUT_S),
-    stop the test session: every later test would hang on the same GPU."""
-    timeout_s = float(os.environ.get("SM100_HANG_TIMEOUT_S", "60"))
-    done = torch.cuda.Event()
-    done.record()
-    deadline = time.monotonic() + timeout_s
-    while not done.query():
-        if time.monotonic() > deadline:
-            pytest.exit(f"{what}: the SM100 prefill kernel did not finish in {timeout_s:.0f} s (a hang; "
-                        "docs/sm100.md, sparse prefill)", returncode=3)
-        time.sleep(0.005)
 
 
 def run_and_check(x, what: str) -> None:
     """The op on inputs ``x``, waited for under the watchdog, then FlashMLA's layout and tolerances
     against the reference."""
     out, max_logits, lse = base.run(x)
-    finish_or_exit(what)
+    finish_or_exit(what, "SM100 prefill kernel", "sparse prefill")
     base.check_layout(x, out, max_logits, lse)
     check_prefill(out, max_logits, lse, *x.reference())
 

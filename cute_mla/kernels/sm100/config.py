@@ -115,6 +115,8 @@ class Warp(IntEnum):
 
 @dataclass(frozen=True)
 class WarpSchedule:
+    """Warps per role (the prefill kernel's schedule is one too, with no dequant warps)."""
+
     softmax_warps: int = 4
     dequant_warps: int = 4
     num_warps: int = 12
@@ -285,7 +287,9 @@ class Stages:
 
 @dataclass(frozen=True)
 class TmemPlan:
-    """Tensor-memory columns (32-bit cells, 128 lanes). See the module docstring for the lanes."""
+    """Tensor-memory columns (32-bit cells, 128 lanes), the decode and the prefill kernel's: O (64 x
+    512 fp32) as two M = 64, N = 256 accumulators sharing columns [0, 256) in the two 16-lane halves
+    of each 32-lane slab, then the S stages of 32 columns (lanes 0-15 of each slab)."""
 
     o_col: int = 0
     o_cols: int = 256  # 64 x 512 fp32 = two M=64 N=256 accumulators sharing columns (lane halves)

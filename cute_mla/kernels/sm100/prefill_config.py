@@ -1,6 +1,7 @@
 """The SM100 sparse prefill kernel's configuration: what a compile depends on (the frozen config and
 the protocol's ``kernel_config`` / ``config_for`` / ``tensor_maps``) and the facts its roles read
-(tile geometry, warp roles, pipeline stages, the tensor-memory plan).
+(tile geometry, warp roles, pipeline stages; the tensor-memory plan, the warp counts' type and the
+MMA side's geometry are the decode kernel's, read from ``config.py``).
 
 A prefill CTA is the decode kernel's MMA side (``config.py``: M = 64 heads, tcgen05 accumulators in
 tensor memory, lazy rescale) fed with bf16 rows: no dequant warps, the TMA gathers each K row
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ... import archs
-from .config import TMEM_COLUMNS
+from .config import TILE as DECODE_TILE
+from .config import TMEM, TMEM_COLUMNS, WarpSchedule
 
 HEADS = (64, 128)        # per call; 128 = the token's two 64-head CTAs side by side in grid x
 WIDTHS = (576, 512)      # d_qk: 512 latent + 64 RoPE (V3.2), or the shared 512-wide K/V row (V4)
@@ -58,15 +60,20 @@ class PrefillTile:
     PV(i - 1), so PV(i - 1) waits for gather(i), which needs the stage PV(i - 4) freed)."""
 
     d_qk: int
-    heads: int = 64          # M of both MMAs: query heads per CTA
-    tokens: int = 32         # top-k positions per tile: N of QK, K of PV
-    chunk: int = 64          # bf16 dims per 128-B swizzle row (one K column block, one gather4 box width)
+    # the decode kernel's MMA side (its tiled MMAs, P tile and output box): its tile's geometry
+    heads: int = DECODE_TILE.heads          # M of both MMAs: query heads per CTA
+    tokens: int = DECODE_TILE.tokens        # top-k positions per tile: N of QK, K of PV
+    chunk: int = DECODE_TILE.chunk          # bf16 dims per 128-B swizzle row (a K column block, a gather4 box width)
     d_v: int = D_V
-    epi_cols: int = 32       # output columns per epilogue box (one tcgen05.ld 32x32b.x32)
+    epi_cols: int = DECODE_TILE.epi_cols    # output columns per epilogue box (one tcgen05.ld 32x32b.x32)
 
     @property
     def chunks(self) -> int:
         return self.d_qk // self.chunk          # 9 (576) or 8 (512) column blocks
+
+    @property
+    def k_dims(self) -> int:
+        return self.d_qk                        # a K row is the whole gathered row (V: its first 512 dims)
 
     @property
     def qk_steps(self) -> int:
@@ -134,20 +141,6 @@ class Warp(IntEnum):
 
 
 @dataclass(frozen=True)
-class WarpSchedule:
-    softmax_warps: int = 4
-    num_warps: int = 7
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def softmax_threads(self) -> int:
-        return 32 * self.softmax_warps
-
-
-@dataclass(frozen=True)
 class Stages:
     index: int = 6   # coordinate / validity-mask ring (tiles; deeper than k, so INDEX runs ahead)
     k: int = 4       # gathered K tiles (36 KiB each at d_qk 576: four fit next to Q)
@@ -156,30 +149,9 @@ class Stages:
     q: int = 1
 
 
-@dataclass(frozen=True)
-class TmemPlan:
-    """Tensor-memory columns (32-bit cells, 128 lanes): O (64 x 512 fp32) as two M = 64, N = 256
-    accumulators sharing columns [0, 256) in the two 16-lane halves of each 32-lane slab, then the
-    S stages of 32 columns (lanes 0-15 of each slab): the decode kernel's plan."""
-
-    o_col: int = 0
-    o_cols: int = 256
-    s_col: int = 256
-    s_cols: int = 32
-    alloc: int = TMEM_COLUMNS
-
-    def used(self, s_stages: int) -> int:
-        return self.s_col + s_stages * self.s_cols
-
-    @property
-    def o_upper_lane_offset(self) -> int:
-        return 16 << 16   # TMEM address of lane + 16 (address = lane << 16 | column)
-
-
 TILE = tile_of_width(576)
 STAGES = Stages()
-WARPS = WarpSchedule()
-TMEM = TmemPlan()
+WARPS = WarpSchedule(dequant_warps=0, num_warps=7)
 assert TMEM.used(STAGES.s) <= TMEM.alloc <= TMEM_COLUMNS and TMEM.s_cols == TILE.tokens
 
 

@@ -36,23 +36,21 @@ GATHER waits for the last ``k`` commits before it exits (``producer_tail``). Nam
 ``Bar.EPILOGUE`` (SOFTMAX, 128: O staged before the TMA stores).
 """
 
-# No "from __future__ import annotations": cute.struct reads its field annotations as objects.
 import functools
 from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ...dsl.compat import tcgen05_fence_after_thread_sync, tcgen05_fence_before_thread_sync
 from . import ptx
-from .config import LAZY_RESCALE_LOG2, LN2, LOG2E, MAX_INIT, Bar
-from .prefill_config import GATHER_L2, STAGES, TILE, TMEM, WARPS, PrefillTile, Sm100SparsePrefillConfig, Warp
-# the decode kernel's byte formulas of P and of an output box (its compile test checks them)
-from .sparse_decode import out_box_byte, p_tile_byte
+from .config import LAZY_RESCALE_LOG2, LN2, LOG2E, MAX_INIT, TMEM, Bar
+# the decode kernel's MMA side: its operand layouts, P tile, output box and struct layout
+from .cta import commit_p, cta_storage, operand_layouts, out_box_byte, smem_buffer, store_p_row
+from .prefill_config import GATHER_L2, STAGES, TILE, WARPS, PrefillTile, Sm100SparsePrefillConfig, Warp
 
 # --------------------------------------------------------------------------------------------------
 # Layouts. The MMAs (the decode kernel's: M = 64, N = 32 QK; M = 64, N = 256, K = 32 PV) and the TMAs
@@ -69,27 +67,12 @@ def staging_box_byte(tile: PrefillTile, r, col):
 
 
 def smem_layouts(qk, pv, tile: PrefillTile = TILE) -> dict:
-    """Every shared-memory layout of the kernel (call inside a DSL trace)."""
-    L = {}
-    L["q"] = sm100_utils.make_smem_layout_a(qk, (tile.heads, tile.tokens, tile.d_qk), BFloat16, STAGES.q)
-    L["k"] = sm100_utils.make_smem_layout_b(qk, (tile.heads, tile.tokens, tile.d_qk), BFloat16, STAGES.k)
-    L["p"] = sm100_utils.make_smem_layout_a(pv, (tile.heads, tile.half_v, tile.tokens), BFloat16, STAGES.p)
-    # V of one PV half: the MN-major B layout over the K stage's bytes (dim d at element
-    # (d % 64) + 2048 (d // 64), position t at 64 t); two more modes address the O half (+ 4 column
-    # blocks) and the K stage.
-    v_one = sm100_utils.make_smem_layout_b(pv, (tile.heads, tile.half_v, tile.tokens), BFloat16, 1)
-    L["v_swizzle"] = v_one.inner
-    L["v_outer"] = cute.append(
-        cute.append(cute.select(v_one.outer, mode=[0, 1, 2]),
-                    cute.make_layout(2, stride=(tile.half_v // tile.chunk) * tile.k_block_elems)),
-        cute.make_layout(STAGES.k, stride=tile.k_stage_elems),
-    )
-    # What the TMA copies see: one gather4 destination (32 rows x 64 dims, SW128: a K column block)
-    # and one output box (64 heads x 32 dims, bf16 SW64).
+    """Every shared-memory layout of the kernel (call inside a DSL trace): the MMA side's (Q, the
+    K stages of d_qk dims, P, the V view over the K stages' first 512 dims, the output box) and
+    one gather4 destination (32 rows x 64 dims, SW128: a K column block)."""
+    L = operand_layouts(qk, pv, tile, STAGES, STAGES.k)
     L["kv_box"] = cute.tile_to_shape(
         tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, BFloat16), (tile.tokens, tile.chunk), (0, 1))
-    L["out_box"] = cute.tile_to_shape(
-        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW64, BFloat16), (tile.heads, tile.epi_cols), (0, 1))
     return L
 
 
@@ -115,24 +98,11 @@ def kv_tiles(t: cute.Tensor, tile: PrefillTile) -> cute.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def shared_storage(tile: PrefillTile = TILE):
-    """The CTA's shared memory, one struct (its size is what the launch requests): Q (later O's
-    staging), four K stages, P, the barriers and the coordinate / validity ring."""
-
-    @cute.struct
-    class SharedStorage:
-        q_bar: cute.struct.MemRange[Int64, 2 * STAGES.q]
-        index_bar: cute.struct.MemRange[Int64, 2 * STAGES.index]
-        k_bar: cute.struct.MemRange[Int64, 2 * STAGES.k]
-        s_bar: cute.struct.MemRange[Int64, 2 * STAGES.s]
-        p_bar: cute.struct.MemRange[Int64, 2 * STAGES.p]
-        tmem_holding: Int32
-        valid: cute.struct.MemRange[Uint32, STAGES.index]
-        coord: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.index * tile.tokens], 16]
-        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
-        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.k * tile.k_stage_elems], 1024]
-        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.p_elems], 1024]
-
-    return SharedStorage
+    """The CTA's shared memory (:func:`cta_storage`): the barriers, the coordinate / validity ring,
+    then Q (later O's staging), four K stages and P."""
+    buffers = {"sQ": smem_buffer(BFloat16, tile.q_elems), "sK": smem_buffer(BFloat16, STAGES.k * tile.k_stage_elems),
+               "sP": smem_buffer(BFloat16, tile.p_elems)}
+    return cta_storage(dict(q=STAGES.q, index=STAGES.index, k=STAGES.k, s=STAGES.s, p=STAGES.p), STAGES.index, buffers)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -493,15 +463,10 @@ def softmax_role(cfg: Sm100SparsePrefillConfig, g: Gmem, w: Work, smem: Smem, pi
                     io.rO[j] = io.rO[j] * factor_row
                 io.store(io.rO, TMEM.o_col + c * TILE.epi_cols)
             cute.arch.fence_view_async_tmem_store()
-        # ---- P (bf16) -> sP row r (SW64 K-major)
+        # ---- P (bf16) -> sP row r (SW64 K-major), to the MMA warp
         if lane < 16:
-            row = 16 * (cute.arch.thread_idx()[0] // 32) + lane
-            for c in cutlass.range_constexpr(TILE.tokens // 8):
-                v = [ptx.pack_bf16x2(io.rS[8 * c + 2 * e], io.rS[8 * c + 2 * e + 1]) for e in range(4)]
-                ptx.st_shared_v4(p_base + p_tile_byte(row, 8 * c), v[0], v[1], v[2], v[3])
-        cute.arch.fence_view_async_shared()
-        tcgen05_fence_before_thread_sync()
-        p_pipe.producer_commit(p_state)
+            store_p_row(p_base, 16 * (cute.arch.thread_idx()[0] // 32) + lane, io.rS)
+        commit_p(p_pipe, p_state)
         p_state.advance()
 
     # ---- the last PV: the phase the next P would wait on (an empty list: passes at once)

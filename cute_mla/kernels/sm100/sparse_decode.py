@@ -85,9 +85,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from ... import archs
 from ...dsl.compat import (
-    OperandMajorMode,
     SmemAllocator,
-    TmemAllocator,
     setmaxregister_decrease,
     setmaxregister_increase,
     tcgen05_fence_after_thread_sync,
@@ -97,6 +95,21 @@ from ...dsl.compile import CompiledKernel, compile_cached, compile_options
 from ...scheduler.partition import SCHED_ROW_INTS, SchedField, blocks_of_length, extra_blocks_of_length
 from .. import SparseDecodeTensors, entry_getter, fake_entry
 from . import ptx
+from .cta import (  # the MMA side both SM100 kernels share
+    allocate_tmem,
+    commit_p,
+    cta_storage,
+    free_tmem,
+    k_tile_byte,
+    operand_layouts,
+    out_box_byte,
+    permuted,
+    release_tmem,
+    smem_buffer,
+    store_p_row,
+    take_tmem,
+    tiled_mmas,
+)
 from .config import (  # noqa: F401  (the protocol and the facts the roles read)
     LOG2E,
     LN2,
@@ -129,22 +142,9 @@ from .config import (  # noqa: F401  (the protocol and the facts the roles read)
 
 
 # --------------------------------------------------------------------------------------------------
-# Layouts. The MMAs and TMAs read CuTe layouts; the warps that write shared memory with plain 16-B
-# stores use the byte formulas below. tests/test_sm100_compile.py checks every formula against the
-# CuTe layout it stands for, element by element (swizzles act on byte addresses: S<B,4,3> XORs
-# address bits [4, 4+B) with bits [7, 7+B); every tile base is 1024-B aligned).
+# Layouts: the decode kernel's own (the MMA side's layouts and byte formulas are in cta.py; the
+# same swizzle rules, checked the same way by tests/test_sm100_compile.py).
 # --------------------------------------------------------------------------------------------------
-
-
-def swizzle_bytes(b: int, bits: int) -> int:
-    """CuTe's ``Swizzle<bits, 4, 3>`` applied to a byte offset (SW64: bits=2, SW128: bits=3)."""
-    return b ^ (((b >> 7) & ((1 << bits) - 1)) << 4)
-
-
-def k_tile_byte(t, d):
-    """Byte offset of bf16 K[t, d] (d % 8 == 0) in one SW128 K-major K stage: 64-dim column blocks
-    of 4 KiB (32 tokens x 128 B), 16-B chunk j = (d % 64) / 8 of row t at j ^ (t % 8)."""
-    return 4096 * (d // 64) + 128 * t + 16 * (((d % 64) // 8) ^ (t % 8))
 
 
 def rope_row_byte(tile: Tile, t):
@@ -161,59 +161,21 @@ def scale_row_byte(tile: Tile, blk, row, page, stride0):
     return blk * stride0 + page * tile.data_row_bytes + row * tile.fmt.scale_row_bytes + tile.scale_offset
 
 
-def p_tile_byte(r, tok):
-    """Byte offset of bf16 P[r, tok] (tok % 8 == 0) in the SW64 K-major P tile (64-B rows)."""
-    return 64 * r + 16 * ((tok // 8) ^ ((r // 2) % 4))
-
-
-def out_box_byte(r, col):
-    """Byte offset of bf16 out[r, col] (col % 8 == 0) in one 64 x 32 SW64 staging box."""
-    return 64 * r + 16 * ((col // 8) ^ ((r // 2) % 4))
-
-
 def oacc_box_byte(r, col):
     """Byte offset of fp32 o_accum[r, col] (col % 4 == 0) in one 64 x 32 SW128 staging box."""
     return 128 * r + 16 * ((col // 4) ^ (r % 8))
 
 
-def tiled_mmas():
-    """(QK, PV) tiled MMAs (call inside a DSL trace). Both 1-CTA, M = 64 heads (data-path layout F);
-    the same for every format (only the number of k-steps differs)."""
-    cta = tcgen05.CtaGroup.ONE
-    # QK: S (64 heads x 32 tokens) = Q (K-major) . K (K-major), d_qk / 16 k-steps (36 V3.2, 32 V4).
-    qk = sm100_utils.make_trivial_tiled_mma(
-        BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, cta, (TILE.heads, TILE.tokens)
-    )
-    # PV: O_half (64 x 256) += P (64 x 32, K-major) . V_half; V = the K tile read MN-major.
-    pv = sm100_utils.make_trivial_tiled_mma(
-        BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, cta, (TILE.heads, TILE.half_v)
-    )
-    return qk, pv
-
-
 def smem_layouts(qk, pv, tile: Tile = TILE) -> dict:
-    """Every shared-memory layout of the kernel for ``tile``'s format (call inside a DSL trace)."""
-    L = {}
-    L["q"] = sm100_utils.make_smem_layout_a(qk, (tile.heads, tile.tokens, tile.d_qk), BFloat16, STAGES.q)
-    L["k"] = sm100_utils.make_smem_layout_b(qk, (tile.heads, tile.tokens, tile.k_dims), BFloat16, STAGES.kbuf)
+    """Every shared-memory layout of the kernel for ``tile``'s format (call inside a DSL trace): the
+    MMA side's (Q, the dequantized K stages, P, the V view over them (+8192 elements = the O half,
+    +16384 the K stage), the out box), the RoPE tile, and the TMA views below."""
+    L = operand_layouts(qk, pv, tile, STAGES, STAGES.kbuf)
     L["rope"] = sm100_utils.make_smem_layout_b(qk, (tile.heads, tile.tokens, tile.d_rope), BFloat16, STAGES.gather)
-    L["p"] = sm100_utils.make_smem_layout_a(pv, (tile.heads, tile.half_v, tile.tokens), BFloat16, STAGES.p)
-    # V of one PV half: the MN-major B layout over the same bytes as the K-major K tile (same SW128
-    # atoms: dim d at element (d % 64) + 2048 (d // 64), token t at 64 t). Two more modes address
-    # the O half (+8192 elements = 4 column blocks) and the K stage (+16384).
-    v_one = sm100_utils.make_smem_layout_b(pv, (tile.heads, tile.half_v, tile.tokens), BFloat16, 1)
-    L["v_swizzle"] = v_one.inner
-    L["v_outer"] = cute.append(
-        cute.append(cute.select(v_one.outer, mode=[0, 1, 2]), cute.make_layout(2, stride=tile.k_stage_elems // 2)),
-        cute.make_layout(STAGES.kbuf, stride=tile.k_stage_elems),
-    )
-    # The 2-D (row, column) views the TMA copies see: RoPE tile (32 x 64 bf16, SW128), output boxes
-    # (64 heads x 32 dims): bf16 SW64 for out, fp32 SW128 for o_accum; raw rows (no swizzle).
+    # The 2-D (row, column) views the TMA copies see: RoPE tile (32 x 64 bf16, SW128), the fp32
+    # SW128 o_accum box (64 heads x 32 dims; out's bf16 SW64 box is the MMA side's); raw rows (no swizzle).
     L["rope_tma"] = cute.tile_to_shape(
         tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, BFloat16), (tile.tokens, tile.d_rope), (0, 1)
-    )
-    L["out_box"] = cute.tile_to_shape(
-        tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW64, BFloat16), (tile.heads, tile.epi_cols), (0, 1)
     )
     L["oacc_box"] = cute.tile_to_shape(
         tcgen05.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, Float32), (tile.heads, tile.epi_cols), (0, 1)
@@ -224,31 +186,22 @@ def smem_layouts(qk, pv, tile: Tile = TILE) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _shared_storage(tile: Tile = TILE):
-    """The CTA's shared memory, one struct (its size is what the launch requests). V4 adds the
-    per-token scale ring the INDEX warp fills (one scale row per token and index stage) at the end."""
-
-    @cute.struct
-    class SharedStorage:
-        q_bar: cute.struct.MemRange[Int64, 2 * STAGES.q]
-        index_bar: cute.struct.MemRange[Int64, 2 * STAGES.index]
-        raw_bar: cute.struct.MemRange[Int64, 2 * STAGES.gather]
-        rope_bar: cute.struct.MemRange[Int64, 2 * STAGES.gather]
-        kbuf_bar: cute.struct.MemRange[Int64, 2 * STAGES.kbuf]
-        s_bar: cute.struct.MemRange[Int64, 2 * STAGES.s]
-        p_bar: cute.struct.MemRange[Int64, 2 * STAGES.p]
-        tmem_holding: Int32
-        valid: cute.struct.MemRange[Uint32, STAGES.index]
-        coord: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.index * tile.tokens], 16]
-        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
-        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.kbuf * tile.k_stage_elems], 1024]
-        sRope: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES.gather * tile.rope_stage_elems], 1024]
-        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.p_elems], 1024]
-        sEpi: cute.struct.Align[cute.struct.MemRange[Uint8, tile.epi_stage_bytes], 1024]
-        sRaw: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.gather * tile.raw_stage_bytes // 4], 128]
-        if tile.scales_in_index:
-            scales: cute.struct.Align[cute.struct.MemRange[Int32, STAGES.index * tile.tokens * tile.scale_words], 16]
-
-    return SharedStorage
+    """The CTA's shared memory (:func:`cta_storage`): the pipelines' barriers, the index ring, then
+    Q, the K stages, RoPE, P, the output staging and the raw rows. V4 adds the per-token scale ring
+    the INDEX warp fills (one scale row per token and index stage) at the end."""
+    buffers = {
+        "sQ": smem_buffer(BFloat16, tile.q_elems),
+        "sK": smem_buffer(BFloat16, STAGES.kbuf * tile.k_stage_elems),
+        "sRope": smem_buffer(BFloat16, STAGES.gather * tile.rope_stage_elems),
+        "sP": smem_buffer(BFloat16, tile.p_elems),
+        "sEpi": smem_buffer(Uint8, tile.epi_stage_bytes),
+        "sRaw": smem_buffer(Int32, STAGES.gather * tile.raw_stage_bytes // 4, 128),
+    }
+    if tile.scales_in_index:
+        buffers["scales"] = smem_buffer(Int32, STAGES.index * tile.tokens * tile.scale_words, 16)
+    pipelines = dict(q=STAGES.q, index=STAGES.index, raw=STAGES.gather, rope=STAGES.gather, kbuf=STAGES.kbuf,
+                     s=STAGES.s, p=STAGES.p)
+    return cta_storage(pipelines, STAGES.index, buffers)
 
 
 def smem_bytes(cfg: Optional[Sm100SparseDecodeConfig]) -> int:
@@ -417,13 +370,8 @@ class Sm100SparseDecodeKernel:
 
         # ---- TMA atoms (tensor maps): q, kv_nope, kv_rope, out (+ o_accum in the split variant)
         # (+ extra_nope, extra_rope with the extra pool)
-        q_t = cute.make_tensor(
-            q.iterator,
-            cute.make_layout((q.shape[2], q.shape[3], q.shape[1], q.shape[0]),
-                             stride=(q.stride[2], q.stride[3], q.stride[1], q.stride[0])),
-        )
         tma_q, q_tma = cute.nvgpu.make_tiled_tma_atom_A(
-            cpasync.CopyBulkTensorTileG2SOp(cta), q_t, cute.select(q_layout, mode=[0, 1, 2]),
+            cpasync.CopyBulkTensorTileG2SOp(cta), permuted(q, (2, 3, 1, 0)), cute.select(q_layout, mode=[0, 1, 2]),
             (tile.heads, tile.tokens, tile.d_qk), qk_mma,
         )
         rows_per_block = Int32(k_cache.stride[0] // tile.tma_row_bytes)
@@ -432,25 +380,16 @@ class Sm100SparseDecodeKernel:
         if cutlass.const_expr(cfg.has_extra):
             tma_enope, enope_tma, tma_erope, erope_tma = _gather_maps(tile, extra_k_cache, extra_indices, raw_layout,
                                                                       rope_tma_layout)
-        out_t = cute.make_tensor(
-            out.iterator,
-            cute.make_layout((out.shape[2], out.shape[3], out.shape[1], out.shape[0]),
-                             stride=(out.stride[2], out.stride[3], out.stride[1], out.stride[0])),
-        )
         tma_out, out_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), out_t, out_box_layout, (tile.heads, tile.epi_cols)
+            cpasync.CopyBulkTensorTileS2GOp(), permuted(out, (2, 3, 1, 0)), out_box_layout, (tile.heads, tile.epi_cols)
         )
         tma_oacc = None
         oacc_tma = None
         if cutlass.const_expr(cfg.split):
             # The accumulator tensor map exists only in the split variant.
-            oacc_t = cute.make_tensor(
-                o_accum.iterator,
-                cute.make_layout((o_accum.shape[2], o_accum.shape[3], o_accum.shape[1], o_accum.shape[0]),
-                                 stride=(o_accum.stride[2], o_accum.stride[3], o_accum.stride[1], o_accum.stride[0])),
-            )
             tma_oacc, oacc_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), oacc_t, oacc_box_layout, (tile.heads, tile.epi_cols)
+                cpasync.CopyBulkTensorTileS2GOp(), permuted(o_accum, (2, 3, 1, 0)), oacc_box_layout,
+                (tile.heads, tile.epi_cols),
             )
 
         scale_log2 = softmax_scale * Float32(LOG2E)
@@ -591,12 +530,7 @@ class Sm100SparseDecodeKernel:
             if cutlass.const_expr(self.cfg.split):
                 cpasync.prefetch_descriptor(tma_oacc)
 
-        tmem = TmemAllocator(
-            storage.tmem_holding.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Bar.TMEM, num_threads=WARPS.softmax_threads + 32),
-            allocator_warp_id=Warp.MMA,
-        )
-        tmem.allocate(TMEM.alloc)
+        tmem = allocate_tmem(storage, Warp.MMA)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -622,16 +556,9 @@ class Sm100SparseDecodeKernel:
             setmaxregister_decrease(REGS.producers)
             cta = Cta(_Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2]), s_idx, hg)
             if warp == Warp.MMA:
-                tmem.wait_for_alloc()
-                tmem_ptr = tmem.retrieve_ptr(Float32)
-                tmem.relinquish_alloc_permit()
+                tmem_ptr = take_tmem(tmem, allocator=True)
                 self.mma_role(cta, g, sm, pipes, qk_mma, pv_mma, tmem_ptr)
-                # Every tcgen05 op has completed once the softmax warpgroup (which waits for the
-                # last PV and reads O last) reaches this barrier; the fence orders the dealloc after
-                # the softmax's tcgen05.ld / st (its before_thread_sync pairs with this one).
-                cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
-                tcgen05_fence_after_thread_sync()
-                tmem.free(tmem_ptr)
+                free_tmem(tmem, tmem_ptr)
             if warp == Warp.GATHER:
                 self.gather_role(cta, g, sm, pipes, qk_mma, boxes)
             if warp == Warp.INDEX:
@@ -649,12 +576,9 @@ class Sm100SparseDecodeKernel:
         else:
             setmaxregister_increase(REGS.softmax)
             cta = Cta(_Sched.load(mTileMd, part, mIdx.shape[0], mIdx.shape[2]), s_idx, hg)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
+            tmem_ptr = take_tmem(tmem, allocator=False)
             self.softmax_role(cta, g, sm, pipes, boxes, tmem_ptr)
-            # This warpgroup's last tcgen05.ld / st before the MMA warp deallocates TMEM.
-            tcgen05_fence_before_thread_sync()
-            cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
+            release_tmem()
 
     # ------------------------------------------------------------------------------ INDEX warp
     @cute.jit
@@ -1161,14 +1085,10 @@ class Sm100SparseDecodeKernel:
                             rO[j] = rO[j] * factor_row
                         cute.copy(st_copy, rO, cute.make_tensor(tSt.iterator + TMEM.o_col + c * TILE.epi_cols, tSt.layout))
                     cute.arch.fence_view_async_tmem_store()
-                # ---- P (bf16) -> sP row r (SW64 K-major)
+                # ---- P (bf16) -> sP row r (SW64 K-major), to the MMA warp
                 if lane < 16:
-                    for c in cutlass.range_constexpr(TILE.tokens // 8):
-                        w = [ptx.pack_bf16x2(rS[8 * c + 2 * e], rS[8 * c + 2 * e + 1]) for e in range(4)]
-                        ptx.st_shared_v4(p_base + p_tile_byte(row, 8 * c), w[0], w[1], w[2], w[3])
-                cute.arch.fence_view_async_shared()
-                tcgen05_fence_before_thread_sync()
-                p_pipe.producer_commit(p_state)
+                    store_p_row(p_base, row, rS)
+                commit_p(p_pipe, p_state)
                 p_state.advance()
 
             # ---- epilogue: wait for the last PV (same phase the next request's first P waits on)

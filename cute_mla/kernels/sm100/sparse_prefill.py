@@ -23,31 +23,24 @@ from __future__ import annotations
 from typing import Optional
 
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from ...dsl.compat import (SmemAllocator, TmemAllocator, tcgen05_fence_after_thread_sync,
-                           tcgen05_fence_before_thread_sync)
+from ...dsl.compat import SmemAllocator
 from ...dsl.compile import CompiledKernel, compile_cached, compile_options
-from .. import SparsePrefillTensors, entry_getter, fake_entry
-from .config import LOG2E, SMEM_LIMIT, TMEM_COLUMNS, Bar
-from .prefill_config import (DEFAULT_TUNING, STAGES, TILE, TMEM, WARPS, Config, PrefillTile, Sm100PrefillTuning,
+from .. import SparsePrefillTensors, prefill_entry
+from .config import LOG2E, SMEM_LIMIT, TMEM, TMEM_COLUMNS
+# the decode kernel's MMAs (M = 64, N = 32 QK; M = 64, N = 256, K = 32 PV) and TMEM hand-over
+from .cta import allocate_tmem, free_tmem, permuted, release_tmem, take_tmem, tiled_mmas
+from .prefill_config import (DEFAULT_TUNING, STAGES, TILE, WARPS, Config, PrefillTile, Sm100PrefillTuning,
                              Sm100SparsePrefillConfig, Tuning, Warp, config_for, kernel_config, tensor_maps,
                              tile_of_width)
 from .prefill_roles import (Gmem, Smem, Work, gather_role, index_role, make_gather_atom, make_pipes, mma_role,
                             shared_storage, smem_layouts, softmax_role, tiles_of)
-from .sparse_decode import tiled_mmas   # the decode kernel's MMAs: M = 64, N = 32 QK; M = 64, N = 256, K = 32 PV
 
 __all__ = ["Config", "Tuning", "Kernel", "Sm100SparsePrefillConfig", "Sm100PrefillTuning", "DEFAULT_TUNING",
            "PrefillTile", "TILE", "tile_of_width", "kernel_config", "config_for", "tensor_maps", "compile", "launch",
            "ENTRY", "smem_bytes", "tmem_columns"]
-
-
-def _view(t: cute.Tensor, order) -> cute.Tensor:
-    """``t`` with its modes in ``order`` (the TMA boxes tile heads x dims of a (s_q, h, d) tensor)."""
-    return cute.make_tensor(t.iterator, cute.make_layout(tuple(t.shape[i] for i in order),
-                                                         stride=tuple(t.stride[i] for i in order)))
 
 
 class Sm100SparsePrefill:
@@ -78,12 +71,12 @@ class Sm100SparsePrefill:
 
         # ---- TMA atoms (tensor maps): q, kv (gather4), out
         tma_q, q_tma = cute.nvgpu.make_tiled_tma_atom_A(
-            cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE), _view(q, (1, 2, 0)),
+            cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE), permuted(q, (1, 2, 0)),
             cute.select(L["q"], mode=[0, 1, 2]), (tile.heads, tile.tokens, tile.d_qk), qk_mma,
         )
         tma_kv, kv_tma = make_gather_atom(kv, indices.iterator, tile, L["kv_box"])
         tma_out, out_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), _view(out, (1, 2, 0)), L["out_box"], (tile.heads, tile.epi_cols)
+            cpasync.CopyBulkTensorTileS2GOp(), permuted(out, (1, 2, 0)), L["out_box"], (tile.heads, tile.epi_cols)
         )
         scale_log2 = softmax_scale * Float32(LOG2E)
         grid = (q.shape[0] * self.cfg.n_hblk, 1, 1)
@@ -133,12 +126,7 @@ class Sm100SparsePrefill:
             cpasync.prefetch_descriptor(tma_kv)
         if warp == Warp.SOFTMAX:
             cpasync.prefetch_descriptor(tma_out)
-        tmem = TmemAllocator(
-            storage.tmem_holding.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Bar.TMEM, num_threads=WARPS.softmax_threads + 32),
-            allocator_warp_id=Warp.MMA,
-        )
-        tmem.allocate(TMEM.alloc)
+        tmem = allocate_tmem(storage, Warp.MMA)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -154,27 +142,17 @@ class Sm100SparsePrefill:
         w = Work(s_idx, hblk, length, n_tiles)
 
         if warp == Warp.MMA:
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            tmem.relinquish_alloc_permit()
+            tmem_ptr = take_tmem(tmem, allocator=True)
             mma_role(cfg, w, smem, pipes, qk_mma, pv_mma, tmem_ptr)
-            # Every tcgen05 op has completed once the softmax warpgroup (which waits for the last
-            # PV and reads O last) reaches this barrier; the fence orders the dealloc after its
-            # tcgen05.ld / st (its before_thread_sync pairs with this one).
-            cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
-            tcgen05_fence_after_thread_sync()
-            tmem.free(tmem_ptr)
+            free_tmem(tmem, tmem_ptr)
         if warp == Warp.GATHER:
             gather_role(cfg, g, w, smem, pipes, qk_mma)
         if warp == Warp.INDEX:
             index_role(cfg, g, w, smem, pipes)
         if warp < Warp.MMA:
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
+            tmem_ptr = take_tmem(tmem, allocator=False)
             softmax_role(cfg, g, w, smem, pipes, tmem_ptr)
-            # this warpgroup's last tcgen05.ld before the MMA warp deallocates TMEM
-            tcgen05_fence_before_thread_sync()
-            cute.arch.barrier(barrier_id=Bar.TMEM, number_of_threads=WARPS.softmax_threads + 32)
+            release_tmem()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,34 +162,13 @@ class Sm100SparsePrefill:
 Kernel = Sm100SparsePrefill   # the registry's protocol: the object compiled, whose __call__ is the host entry
 
 # The compiled entry's tensor parameters (SparsePrefillTensors fields), in order.
-ENTRY = ("q", "kv", "indices", "topk_length", "attn_sink", "out", "max_logits", "lse")
-_entry_of = entry_getter(ENTRY, SparsePrefillTensors)
+ENTRY = prefill_entry.ENTRY
 
 
 def _fake_arguments(cfg: Sm100SparsePrefillConfig) -> list:
-    """Fake tensors with symbolic dims/strides (one compile serves every shape; no GPU needed), in
-    ``ENTRY`` order, then the scale and the stream."""
-    rt = cute.runtime
-    s_q, s_kv = cute.sym_int(), cute.sym_int()
-    topk = cute.sym_int(divisibility=64)
-
-    def s64(div):
-        return cute.sym_int64(divisibility=div)
-
-    d_qk = cfg.tile.d_qk
-    f = {}
-    f["q"] = rt.make_fake_tensor(BFloat16, (s_q, cfg.h_q, d_qk), stride=(s64(8), s64(8), 1), assumed_align=16)
-    f["kv"] = rt.make_fake_tensor(BFloat16, (s_kv, d_qk), stride=(s64(8), 1), assumed_align=16)
-    f["indices"] = rt.make_fake_tensor(Int32, (s_q, topk), stride=(s64(1), 1), assumed_align=4)
-    if cfg.has_topk_length:
-        f["topk_length"] = rt.make_fake_compact_tensor(Int32, (s_q,), assumed_align=4)
-    if cfg.has_attn_sink:
-        f["attn_sink"] = rt.make_fake_compact_tensor(Float32, (cfg.h_q,), assumed_align=4)
-    f["out"] = rt.make_fake_tensor(BFloat16, (s_q, cfg.h_q, cfg.tile.d_v), stride=(s64(8), s64(8), 1), assumed_align=16)
-    f["max_logits"] = rt.make_fake_compact_tensor(Float32, (s_q, cfg.h_q), stride_order=(1, 0), assumed_align=4)
-    f["lse"] = rt.make_fake_compact_tensor(Float32, (s_q, cfg.h_q), stride_order=(1, 0), assumed_align=4)
-    stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return fake_entry(ENTRY, f) + [Float32(1.0), stream]
+    """The compile's arguments: the entry's fake tensors, the scale and the stream."""
+    return (prefill_entry.fake_tensors(cfg.h_q, cfg.tile.d_qk, cfg.tile.d_v, cfg.has_topk_length, cfg.has_attn_sink)
+            + [Float32(1.0), prefill_entry.fake_stream()])
 
 
 def smem_bytes(cfg: Optional[Sm100SparsePrefillConfig]) -> int:
@@ -244,4 +201,4 @@ def launch(compiled: CompiledKernel, cfg: Sm100SparsePrefillConfig, t: SparsePre
     if kv.shape[0] == 1 and kv.stride(0) % 8:
         # one row: its stride is free to the caller, but the gather4 tensor map takes it (16-B multiple)
         t = t._replace(kv=kv.as_strided(tuple(kv.shape), (kv.shape[1], 1)))
-    compiled.fn(*_entry_of(t), float(t.softmax_scale))
+    compiled.fn(*prefill_entry.entry_of(t), float(t.softmax_scale))

@@ -33,9 +33,7 @@ def tile_of_width(d_qk: int) -> Tile:
 class Sm90PrefillTuning:
     """The prefill kernel's variant knobs (part of the compile key; none changes results)."""
 
-    # WG0 holds two S accumulators (the next tile's QK runs during the softmax); the cp.async
-    # producer needs few registers.
-    registers: RegisterBudget = field(default_factory=lambda: RegisterBudget(softmax=240, pv_right=160, producer=104))
+    registers: RegisterBudget = field(default_factory=RegisterBudget)
     # L2 hint of the cp.async row gather ("" = none): the rows are re-read by the token's other
     # head-half CTA and by neighbouring tokens whose top-k sets overlap.
     gather_l2: str = "L2::256B"

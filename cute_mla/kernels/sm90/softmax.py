@@ -95,14 +95,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                                                           scale_log2, m0, m1, l0, l1)
                 tOrP_as_c.store(acc_s.load().to(BFloat16))
 
-                # ---- hand P and the row factors to WG1
-                cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-                if quad == 0:
-                    s_row_scale[row0] = sc0
-                    s_row_scale[row0 + 8] = sc1
-                cute.autovec_copy(tOrP_as_c, tSsP)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
+                hand_p_over(s_row_scale, row0, quad, sc0, sc1, tOrP_as_c, tSsP)
                 stamp(cta, Stamp.P_READY, wtid == 0)
 
                 # ---- O_left = O_left * sc + P V[:, left], then the next tile's QK behind it
@@ -151,6 +144,19 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
     cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
     stamp(cta, Stamp.EXIT_NS, wtid == 0)
+
+
+@cute.jit
+def hand_p_over(s_row_scale, row0, quad, sc0: Float32, sc1: Float32, tOrP_as_c, tSsP):
+    """P (bf16, this thread's fragment) and the rows' O factors to WG1 (``Role.PV_RIGHT``): once
+    WG1 has freed the buffers (``P_FREE``), written and fenced for its SS wgmma, then ``P_READY``."""
+    cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
+    if quad == 0:
+        s_row_scale[row0] = sc0
+        s_row_scale[row0 + 8] = sc1
+    cute.autovec_copy(tOrP_as_c, tSsP)
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
 
 
 @cute.jit

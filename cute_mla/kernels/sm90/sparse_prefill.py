@@ -1,9 +1,12 @@
 """SM90 (Hopper, sm_90a) sparse MLA prefill over bf16 rows (``flash_mla_sparse_fwd``): the kernel's
 host side, its entry, compile and launch.
 
-One CTA = 64 query heads of one query token; grid x = s_q * h_q / 64 (the token's two head-half
-CTAs of h_q = 128 are neighbours, so the second one's gathers hit L2). No schedule, no split: a
-CTA walks its token's whole top-k list. Roles, pipelines and arrive counts: ``prefill_roles.py``.
+A work item = 64 query heads of one query token, walking its token's whole top-k list (no
+schedule, no split). The grid is persistent: one CTA per SM walks items ``blockIdx.x + k *
+gridDim.x`` (a token's head blocks consecutive, so the two head halves of h_q = 128 run side by
+side and the second one's rows come from L2), and the producer gathers the next item's first
+tiles while the MMA warp groups finish an item. Roles, pipelines and arrive counts:
+``prefill_roles.py``.
 """
 
 from __future__ import annotations
@@ -12,31 +15,27 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from ...dsl.compat import SmemAllocator, setmaxregister_decrease, setmaxregister_increase
+from ...archs import device_num_sms
 from ...dsl.compile import CompiledKernel, compile_cached, compile_options
-from .. import SparsePrefillTensors, entry_getter, fake_entry
+from .. import SparsePrefillTensors, prefill_entry
 from .config import TILE, Role
 from .epilogue import LOG2E, bf16_block_layout
 from .mma import Ops, make_mmas, smem_layouts
 from .prefill_config import (DEFAULT_TUNING, Config, Sm90PrefillTuning, Sm90SparsePrefillConfig,  # noqa: F401
                              Tuning, config_for, kernel_config, tensor_maps)
-from .prefill_roles import K_FULL_ARRIVALS, Gmem, Smem, Work, producer, pv_right_wg, shared_storage, softmax_wg, tiles_of
+from .prefill_roles import K_FULL_ARRIVALS, Gmem, Smem, producer, pv_right_wg, shared_storage, softmax_wg
 
 __all__ = ["Config", "Tuning", "Kernel", "Sm90SparsePrefillConfig", "Sm90PrefillTuning", "DEFAULT_TUNING",
            "kernel_config", "config_for", "tensor_maps", "compile", "launch", "ENTRY"]
 
 
-def heads_dims_tokens(t: cute.Tensor) -> cute.Tensor:
-    """A (s_q, h, d) tensor viewed as (h, d, s_q): the TMA boxes tile heads x dims."""
-    return cute.make_tensor(t.iterator, cute.make_layout((t.shape[1], t.shape[2], t.shape[0]),
-                                                         stride=(t.stride[1], t.stride[2], t.stride[0])))
-
-
 def heads_dims_tokens_rows(t: cute.Tensor) -> cute.Tensor:
-    """out (s_q, h, d_v) as the decode epilogue's (h, d_v, s_q, rows) with one row."""
+    """q or out (s_q, h, d) as the decode kernel's (h, d, s_q, b) with one request (its Q load
+    and output stores take them so): the TMA boxes tile heads x dims."""
     return cute.make_tensor(t.iterator, cute.make_layout((t.shape[1], t.shape[2], t.shape[0], 1),
                                                          stride=(t.stride[1], t.stride[2], t.stride[0], t.stride[0])))
 
@@ -59,6 +58,7 @@ class Sm90SparsePrefill:
         out: cute.Tensor,          # (s_q, h_q, 512) bf16
         max_logits: cute.Tensor,   # (s_q, h_q) fp32
         lse: cute.Tensor,          # (s_q, h_q) fp32
+        ctas: Int32,               # the persistent grid: at most s_q * h_q / 64, even (head halves side by side)
         softmax_scale: Float32,
         stream,
     ):
@@ -69,14 +69,14 @@ class Sm90SparsePrefill:
         chunk_layout = bf16_block_layout(TILE.chunk)
 
         tma_q, q_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), heads_dims_tokens(q), cute.slice_(q_layout, (None, None, 0)),
+            cpasync.CopyBulkTensorTileG2SOp(), heads_dims_tokens_rows(q), cute.slice_(q_layout, (None, None, 0)),
             (TILE.heads, tile.d_qk)
         )
         tma_out, out_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), heads_dims_tokens_rows(out), chunk_layout, (TILE.heads, TILE.chunk)
         )
         scale_log2 = softmax_scale * Float32(LOG2E)
-        grid = (q.shape[0] * cfg.n_hblk, 1, 1)
+        grid = (ctas, 1, 1)
         self.kernel(
             qk_mma, pv_rs_mma, pv_ss_mma, tma_q, q_tma, tma_out, out_tma, kv, indices, topk_length, attn_sink,
             max_logits, lse, scale_log2, q_layout, k_layout, p_layout, chunk_layout,
@@ -106,10 +106,7 @@ class Sm90SparsePrefill:
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // TILE.threads_per_wg)
-        s_idx = bidx // cfg.n_hblk
-        hblk = bidx % cfg.n_hblk
 
         storage = SmemAllocator().allocate(shared_storage(cfg.tile))
         if tidx == 0:
@@ -127,18 +124,16 @@ class Sm90SparsePrefill:
                     storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner),
                     storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner))
         g = Gmem(tma_q, mQ, tma_out, mOut, mKV, mIdx, mTopkLen, mSink, mMax, mLse)
-        length, n_tiles = tiles_of(cfg, g, s_idx)
-        w = Work(s_idx, hblk, length, n_tiles)
         regs = cfg.tuning.registers
         if wg == Role.PRODUCER:
             setmaxregister_decrease(regs.producer)
-            producer(cfg, g, w, smem)
+            producer(cfg, g, smem)
         elif wg == Role.SOFTMAX:
             setmaxregister_increase(regs.softmax)
-            softmax_wg(cfg, g, w, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
+            softmax_wg(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
         else:
             setmaxregister_decrease(regs.pv_right)
-            pv_right_wg(cfg, g, w, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout))
+            pv_right_wg(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,35 +142,14 @@ class Sm90SparsePrefill:
 
 Kernel = Sm90SparsePrefill   # the registry's protocol: the object compiled, whose __call__ is the host entry
 
-# The compiled entry's tensor parameters (SparsePrefillTensors fields), in order.
-ENTRY = ("q", "kv", "indices", "topk_length", "attn_sink", "out", "max_logits", "lse")
-_entry_of = entry_getter(ENTRY, SparsePrefillTensors)
+# The compiled entry's tensor parameters (SparsePrefillTensors fields), in order, then the grid.
+ENTRY = prefill_entry.ENTRY
 
 
 def _fake_arguments(cfg: Sm90SparsePrefillConfig) -> list:
-    """Fake tensors with symbolic dims/strides (one compile serves every shape; no GPU needed), in
-    ``ENTRY`` order, then the scale and the stream."""
-    rt = cute.runtime
-    s_q, s_kv = cute.sym_int(), cute.sym_int()
-    topk = cute.sym_int(divisibility=64)
-
-    def s64(div):
-        return cute.sym_int64(divisibility=div)
-
-    d_qk = cfg.tile.d_qk
-    f = {}
-    f["q"] = rt.make_fake_tensor(BFloat16, (s_q, cfg.h_q, d_qk), stride=(s64(8), s64(8), 1), assumed_align=16)
-    f["kv"] = rt.make_fake_tensor(BFloat16, (s_kv, d_qk), stride=(s64(8), 1), assumed_align=16)
-    f["indices"] = rt.make_fake_tensor(Int32, (s_q, topk), stride=(s64(1), 1), assumed_align=4)
-    if cfg.has_topk_length:
-        f["topk_length"] = rt.make_fake_compact_tensor(Int32, (s_q,), assumed_align=4)
-    if cfg.has_attn_sink:
-        f["attn_sink"] = rt.make_fake_compact_tensor(Float32, (cfg.h_q,), assumed_align=4)
-    f["out"] = rt.make_fake_tensor(BFloat16, (s_q, cfg.h_q, TILE.d_v), stride=(s64(8), s64(8), 1), assumed_align=16)
-    f["max_logits"] = rt.make_fake_compact_tensor(Float32, (s_q, cfg.h_q), stride_order=(1, 0), assumed_align=4)
-    f["lse"] = rt.make_fake_compact_tensor(Float32, (s_q, cfg.h_q), stride_order=(1, 0), assumed_align=4)
-    stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return fake_entry(ENTRY, f) + [Float32(1.0), stream]
+    """The compile's arguments: the entry's fake tensors, the grid, the scale and the stream."""
+    return (prefill_entry.fake_tensors(cfg.h_q, cfg.tile.d_qk, TILE.d_v, cfg.has_topk_length, cfg.has_attn_sink)
+            + [Int32(1), Float32(1.0), prefill_entry.fake_stream()])
 
 
 def smem_bytes(cfg: Sm90SparsePrefillConfig) -> int:
@@ -192,8 +166,15 @@ def compile(cfg: Sm90SparsePrefillConfig, dump_dir: Optional[str] = None) -> Com
     return compile_cached(("sm90_sparse_prefill", cfg), build, dump_dir)
 
 
+def grid_ctas(cfg: Sm90SparsePrefillConfig, s_q: int, num_sms: int) -> int:
+    """The persistent grid: one CTA per SM (its shared memory allows one), an even count so the
+    head halves of a token run side by side, never more than the s_q * h_q / 64 items."""
+    return max(1, min(s_q * cfg.n_hblk, num_sms // 2 * 2))
+
+
 def launch(compiled: CompiledKernel, cfg: Sm90SparsePrefillConfig, t: SparsePrefillTensors) -> None:
     """Launch on torch's current stream: no host sync, no allocation. ``t``: the call's
-    :class:`~cute_mla.kernels.SparsePrefillTensors`, its optional fields None exactly where the
-    config takes none. Grid x = s_q * h_q / 64."""
-    compiled.fn(*_entry_of(t), float(t.softmax_scale))
+    :class:`~cute_mla.kernels.SparsePrefillTensors` (s_q >= 1), its optional fields None exactly
+    where the config takes none. Grid: :func:`grid_ctas` of the device's SMs."""
+    ctas = grid_ctas(cfg, t.q.shape[0], device_num_sms(t.q.device))
+    compiled.fn(*prefill_entry.entry_of(t), ctas, float(t.softmax_scale))
