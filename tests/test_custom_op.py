@@ -268,9 +268,14 @@ def test_compiled_equals_eager(seed, b, s_q, h_q, topk, d_qk, extra_topk, length
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b, s_q, h_q, topk, d_qk, extra_topk, lengths", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[5]])
-def test_compiled_under_cuda_graphs_follows_new_lengths(seed, b, s_q, h_q, topk, d_qk, extra_topk, lengths):
+def test_compiled_under_cuda_graphs_follows_new_lengths(monkeypatch, seed, b, s_q, h_q, topk, d_qk, extra_topk, lengths):
     """``mode="reduce-overhead"`` replays a CUDA graph: the schedule made in the graph reads the
-    lengths of each replay (the metadata object is not what a graph reads)."""
+    lengths of each replay (the metadata object is not what a graph reads). The schedule cache
+    starts empty, so its entries (the balanced cut's tables) are first made inside the cudagraph
+    trees' warm-up, whatever ran before: they must stay out of the trees' memory pool."""
+    from cute_mla.plan import schedule
+
+    monkeypatch.setattr(schedule, "_host_schedules", {})
     torch._dynamo.reset()
     # no NaN in the slots the first lengths leave unused: the new lengths make them valid
     args = _gpu_inputs(b, s_q, h_q, topk, d_qk, extra_topk, lengths, nan_unused=False)
@@ -285,3 +290,31 @@ def test_compiled_under_cuda_graphs_follows_new_lengths(seed, b, s_q, h_q, topk,
         torch.cuda.synchronize()
         assert not o.isnan().any()
         assert torch.equal(o, eager_o) and torch.equal(l, eager_l), f"replay {step}"
+
+
+@pytest.mark.gpu
+def test_schedule_cache_buffers_stay_out_of_graph_pools():
+    """A schedule cache entry's device buffer is allocated outside the pool that this thread's
+    allocations are routed to: a memory pool in use (as during a cudagraph tree's warm-up, which
+    routes them without capturing) or a capture's private pool (a global-mode capture, where the
+    allocation may need a cudaMalloc: the large buffer)."""
+    from cute_mla.plan import schedule
+
+    def pool_of(t):
+        for seg in torch.cuda.memory_snapshot():
+            if seg["address"] <= t.data_ptr() < seg["address"] + seg["total_size"]:
+                return tuple(seg["segment_pool_id"])
+        raise AssertionError("not in the caching allocator")
+
+    dev = torch.device("cuda")
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        routed = torch.empty(16, dtype=torch.int32, device=dev)
+        kept = [schedule._device_buffer(n, dev) for n in (16, 1 << 24)]
+    assert pool_of(routed) == tuple(pool.id)
+    assert all(pool_of(t) != tuple(pool.id) for t in kept)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [schedule._device_buffer(n, dev) for n in (16, 1 << 24)]
+    assert all(pool_of(t) != tuple(graph.pool()) for t in captured)
+    assert all(t.device == torch.device("cuda", torch.cuda.current_device()) for t in kept + captured)

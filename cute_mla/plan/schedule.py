@@ -18,6 +18,7 @@ A balanced schedule also holds a request order (b,): its rows index positions in
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -121,23 +122,66 @@ def _capture_id(device: torch.device) -> Optional[int]:
     return -1
 
 
-def _pinned(host: torch.Tensor) -> torch.Tensor:
-    """``host`` in pinned memory. During a global-mode capture the pinned allocator's driver calls
-    (cudaHostAlloc, event queries) are not permitted, so they run in relaxed capture mode for
-    this thread (the allocation is not a stream operation: nothing is captured)."""
-    if not torch.cuda.is_current_stream_capturing():
-        return host.pin_memory()
+@contextmanager
+def _relaxed_capture_mode():
+    """This thread's CUDA stream-capture mode relaxed for the block: the driver calls that a
+    global-mode capture forbids (cudaMalloc, cudaHostAlloc, event queries) are then permitted to it;
+    none of them is a stream operation, so nothing is captured. Without the driver bindings, the
+    mode stays as it is."""
     try:
         from cuda.bindings import driver
 
         err, previous = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-    except Exception:  # noqa: BLE001
-        return host.pin_memory()
+    except Exception:  # noqa: BLE001  (bindings missing or of another signature)
+        driver = None
     try:
-        return host.pin_memory()
+        yield
     finally:
-        if err == driver.CUresult.CUDA_SUCCESS:
+        if driver is not None and err == driver.CUresult.CUDA_SUCCESS:
             driver.cuThreadExchangeStreamCaptureMode(previous)
+
+
+def _pinned(host: torch.Tensor) -> torch.Tensor:
+    """``host`` in pinned memory; during a capture, in relaxed capture mode (the pinned allocator's
+    driver calls are not permitted under a global-mode capture)."""
+    if not torch.cuda.is_current_stream_capturing():
+        return host.pin_memory()
+    with _relaxed_capture_mode():
+        return host.pin_memory()
+
+
+def _device_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """An empty int32 (n,) tensor on ``device`` for a cache entry, in no CUDA graph's memory pool.
+
+    The caching allocator puts an allocation in a graph's private pool when it is made on a
+    stream capturing that graph, and puts every allocation of a thread there while torch.compile's
+    cudagraph trees warm a graph up on that thread (nothing is captured then). An entry made there
+    would live in the graph's pool, which the trees account for as their outputs only: they report
+    such a live tensor ("not tracked as outputs"), and may hand its memory out again when they
+    reset the pool's state. Routing the allocation to a dedicated ``torch.cuda.MemPool`` cannot
+    escape, since the routing begun first takes precedence. So the buffer is allocated on a
+    short-lived thread, on its own default stream (not capturing), in the general pool; relaxed
+    capture mode lets its cudaMalloc run while a global-mode capture is under way. It is never
+    freed (cache entries are never evicted), so its allocating stream does not matter. The join
+    waits for the allocation, not for the device."""
+    if device.type != "cuda":
+        return torch.empty(n, dtype=torch.int32, device=device)
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    made = []
+
+    def allocate():
+        try:
+            with _relaxed_capture_mode(), torch.cuda.device(device):
+                made.append(torch.empty(n, dtype=torch.int32, device=device))
+        except BaseException as e:  # noqa: BLE001  (raised again in the calling thread)
+            made.append(e)
+
+    helper = threading.Thread(target=allocate, name="cute-mla-schedule-alloc", daemon=True)
+    helper.start()
+    helper.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def schedule_sizes(plan: "SparseDecodePlan") -> Tuple[int, int]:
@@ -194,7 +238,7 @@ def _cached_upload(key, device: torch.device, host_ints, views_of) -> UploadedSc
             host = torch.tensor(host_ints(), dtype=torch.int32, device="cpu")
             if device.type == "cuda":
                 host = _pinned(host)
-            dev = torch.empty_like(host, device=device)
+            dev = _device_buffer(host.numel(), device)   # outside any graph's pool
             entry = _host_schedules[key] = UploadedSchedule(host, dev, views_of(dev))
     entry.ensure_uploaded()
     return entry
