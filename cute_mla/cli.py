@@ -170,10 +170,16 @@ def cmd_warmup(args) -> int:
         formats = tuple(dict.fromkeys(f.name for f in named))   # each once
     progress = sys.stdout.isatty() if args.progress is None else args.progress
     t0 = time.time()
-    n = warmup.warmup(args.arch, h_qs=args.h_q, formats=formats, kinds=args.kinds, jobs=args.jobs, op=args.op,
-                      progress=(lambda line: print(line, flush=True)) if progress else None)
+    ops = tuple(op for op in registry.OPS if args.arch in registry.op(op).kernels) if args.op == ALL_OPS else (args.op,)
+    if args.op == ALL_OPS and args.kinds is not None:
+        raise ValueError("--kinds: names one op's kernels; give it with --op OP, not --op all")
+    n = sum(warmup.warmup(args.arch, h_qs=args.h_q, formats=formats, kinds=args.kinds, jobs=args.jobs, op=op,
+                          progress=(lambda line: print(line, flush=True)) if progress else None) for op in ops)
     print(f"{n} kernels for {args.arch} in the compile cache {cache_dir()} ({time.time() - t0:.0f} s)")
     return 0
+
+
+ALL_OPS = "all"   # warmup --op all: every op registered for the arch
 
 
 def _int_list(text: str):
@@ -279,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, the GPU, supported archs").set_defaults(fn=cmd_info)
     sub.add_parser("ops", help="the op registry: each op's API, plan and kernel per arch").set_defaults(fn=cmd_ops)
 
-    def op_arg(sp):
-        sp.add_argument("--op", default=registry.DEFAULT_OP, choices=ops, help=f"the op (default {registry.DEFAULT_OP})")
+    def op_arg(sp, all_ops=False):
+        sp.add_argument("--op", default=registry.DEFAULT_OP, choices=ops + ((ALL_OPS,) if all_ops else ()),
+                        help=f"the op (default {registry.DEFAULT_OP}" + (f"; {ALL_OPS}: every op" if all_ops else "") + ")")
 
     def format_args(sp, many=False):
         if many:
@@ -334,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_compile)
 
     sp = sub.add_parser("warmup", help="precompile every kernel variant the plans can pick into the disk cache (no GPU)")
-    op_arg(sp)
+    op_arg(sp, all_ops=True)
     sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS, help="the compile target")
     sp.add_argument("--h-q", type=_int_list, default=warmup.SUPPORTED_H_Q, help="head counts, e.g. 64,128 (default all)")
     format_args(sp, many=True)

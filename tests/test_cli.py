@@ -195,3 +195,16 @@ def test_compile_a_variant(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "sm100_sparse_decode kernel (sm_100a) has no variant knobs" in err[0], err
     assert "unknown key 'bogus'" in err[1], err
+
+
+def test_warmup_all_ops_warms_every_op_of_the_arch(monkeypatch, capsys):
+    """``warmup --op all``: each op registered for the arch, once; ``--kinds`` needs one op."""
+    from cute_mla import registry, warmup
+
+    seen = []
+    monkeypatch.setattr(warmup, "warmup", lambda arch, op, **kw: seen.append((arch, op)) or 1)
+    assert main(["warmup", "--op", "all", "--arch", "sm_90a"]) == 0
+    assert seen == [("sm_90a", op) for op in registry.OPS]
+    assert f"{len(registry.OPS)} kernels for sm_90a" in capsys.readouterr().out
+    assert main(["warmup", "--op", "all", "--arch", "sm_90a", "--kinds", "combine"]) == 2
+    assert "--kinds: names one op's kernels" in capsys.readouterr().err
