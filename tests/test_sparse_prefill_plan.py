@@ -30,7 +30,7 @@ def test_plan_runs_small_heads_padded_and_never_splits(h_q, d_qk):
     plan = plan_sparse_prefill(4096, h_q, d_qk, 2048, arch="sm_90a", has_topk_length=True)
     assert plan.kernel_h_q == max(h_q, 64) and plan.padded == (h_q < 64)
     assert not plan.split and plan.workspace_bytes == 0
-    assert plan.ctas == 4096 * plan.kernel_h_q // 64
+    assert plan.items == 4096 * plan.kernel_h_q // 64
     expected = 4096 * 64 * (d_qk * 2 + 512 * 2 + 8) if h_q < 64 else 0
     assert plan.padding_bytes == expected
     assert plan.kernel == "sm90_sparse_prefill" and plan.tensor_maps == ("q", "out")

@@ -64,8 +64,9 @@ class SparsePrefillPlan:
         return self.s_q * self.kernel_h_q * (self.d_qk * 2 + self.d_v * 2 + 4 + 4)
 
     @property
-    def ctas(self) -> int:
-        return self.s_q * (self.kernel_h_q // 64)
+    def items(self) -> int:
+        """Work items: (query token, 64-head block) pairs, walked by a persistent grid."""
+        return self.s_q * -(-self.kernel_h_q // 64)
 
     @property
     def tensor_maps(self) -> tuple:
@@ -75,8 +76,8 @@ class SparsePrefillPlan:
         pad = (f"; {self.h_q} heads run as {self.kernel_h_q} (zero heads padded: {self.padding_bytes / 2**20:.1f} MiB "
                "transient)") if self.padded else ""
         return (f"{self.kernel} on {self.arch}: s_q={self.s_q} h_q={self.h_q} d_qk={self.d_qk} topk={self.topk}"
-                f"{' with topk_length' if self.has_topk_length else ''}; {self.ctas} CTAs (one query token x 64 heads "
-                f"each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 bytes{pad}")
+                f"{' with topk_length' if self.has_topk_length else ''}; {self.items} work items (one query token x 64 "
+                f"heads each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 bytes{pad}")
 
 
 def check_problem(s_q: int, h_q: int, d_qk: int, topk: int) -> None:
