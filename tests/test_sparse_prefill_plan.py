@@ -43,6 +43,7 @@ def test_plan_runs_small_heads_padded_and_never_splits(h_q, d_qk):
     ((16, 64, 576, 100), "topk: got 100"),
     ((16, 64, 576, 0), "topk: got 0"),
     ((2**31, 128, 576, 64), "s_q: got"),
+    ((2**24, 128, 576, 64), "int32-indexed"),
 ])
 def test_plan_refuses_by_name(args, message):
     with pytest.raises(ValueError, match=message):
