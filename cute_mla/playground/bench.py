@@ -221,7 +221,7 @@ def roof_tflops(intensity: float) -> float:
 
 def row_work(row: dict, meta: dict) -> Tuple[float, float]:
     """(FLOPs, bytes) of a results row: its own (``cute-mla bench``) or, for the committed results
-    of the benchmarks, from their inputs: ``bench_v4`` rows (an ``extra_topk`` column) give both
+    of the benchmarks, from their inputs: ``bench_sparse_decode --v4`` rows (an ``extra_topk`` column) give both
     lists uniform lengths in [1, k] (expected (k + 1) / 2 positions each), ``bench_sparse_decode``
     rows the whole V3.2 list of ``meta["topk"]``."""
     if "flop" in row:
