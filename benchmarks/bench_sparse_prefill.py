@@ -301,6 +301,17 @@ def fwd_call(fn, x: dict, kv: Optional[torch.Tensor] = None):
               attn_sink=x["attn_sink"], topk_length=x["topk_length"])
 
 
+def timed_or_errors(runners: Dict[str, List[Tuple[str, Callable]]], args, row: dict) -> Dict[str, dict]:
+    """:func:`alternating_us` of ``runners`` (none: {}); a failure is written into ``row`` as each
+    runner's ``<name>_error`` and gives {}."""
+    try:
+        return alternating_us(runners, args.iters, args.warmup) if runners else {}
+    except Exception as e:  # noqa: BLE001
+        for name in runners:
+            row[f"{name}_error"] = "timing: " + one_line(e)
+        return {}
+
+
 def alternating_us(runners: Dict[str, List[Tuple[str, Callable]]], iters: int, warmup: int) -> Dict[str, dict]:
     """Each runner is a list of stages (name, fn); per iteration every runner in turn, an event before
     and after each stage, synchronized after each runner. Returns {runner: {stage: [µs...], "total": [µs...]}}."""
@@ -358,12 +369,7 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
         fin = torch.isfinite(mf) & torch.isfinite(mc)
         row["max_abs_diff_max_logits"] = (mc[fin] - mf[fin]).abs().max().item() if fin.any() else 0.0
     del outs
-    try:
-        times = alternating_us(runners, args.iters, args.warmup) if runners else {}
-    except Exception as e:  # noqa: BLE001
-        times = {}
-        for key in runners:
-            row[f"{key}_error"] = "timing: " + one_line(e)
+    times = timed_or_errors(runners, args, row)
     for key, t in times.items():
         s = summary(t["call"])
         row.update({f"{key}_{k}": v for k, v in s.items()})
@@ -533,12 +539,7 @@ def run_route_case(c, fm, args) -> dict:
     for k in [k for k in row if k.endswith("_a_out")]:
         del row[k]
     torch.cuda.empty_cache()
-    try:
-        times = alternating_us(runners, args.iters, args.warmup) if runners else {}
-    except Exception as e:  # noqa: BLE001
-        times = {}
-        for name in runners:
-            row[f"{name}_error"] = "timing: " + one_line(e)
+    times = timed_or_errors(runners, args, row)
     for name, t in times.items():
         for stage, samples in t.items():
             s = summary(samples)

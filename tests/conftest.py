@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from _trace_helpers import fake_sm90  # noqa: F401  (a fixture of the traced-op tests)
 
 
 def _gpu_capability():

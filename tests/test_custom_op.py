@@ -20,19 +20,7 @@ from cute_mla.interface import ops
 from cute_mla.plan import plan_sparse_decode
 from cute_mla.plan.schedule import make_schedule, order_view, schedule_sizes, schedule_views
 
-
-@torch.compiler.assume_constant_result
-def _h200(device):
-    return "sm_90a", 132
-
-
-@pytest.fixture
-def fake_h200(monkeypatch):
-    """A trace's device facts without a GPU; a fresh dynamo state per test."""
-    monkeypatch.setattr(ops, "device_facts", _h200)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+from _trace_helpers import Recorder, fake_cuda
 
 
 def _call(q, cache, idx, topk_length=None, sink=None, xcache=None, xidx=None, xlen=None, out=None, scale=None):
@@ -40,25 +28,6 @@ def _call(q, cache, idx, topk_length=None, sink=None, xcache=None, xidx=None, xl
     return cute_mla.flash_mla_with_kvcache(q, cache, None, None, 512, sched, softmax_scale=scale, is_fp8_kvcache=True,
                                            indices=idx, topk_length=topk_length, attn_sink=sink, extra_k_cache=xcache,
                                            extra_indices_in_kvcache=xidx, extra_topk_length=xlen, out=out)
-
-
-class _Recorder:
-    """A dynamo backend that keeps the graphs and runs them as traced (on fake tensors: fake impls)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def targets(self):
-        return [str(n.target) for g in self.graphs for n in g.graph.nodes if n.op == "call_function"]
-
-
-def _fake(shape, dtype, mode):
-    with mode:
-        return torch.empty(shape, dtype=dtype, device="cuda")
 
 
 CASES = {
@@ -71,22 +40,22 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_traced_call_has_flashmla_shapes(fake_h200, case):
+def test_traced_call_has_flashmla_shapes(fake_sm90, case):
     b, s_q, h_q, d_qk, row, topk, lengths, sink, extra_topk, with_out = CASES[case]
     mode = FakeTensorMode()
     i32, u8 = torch.int32, torch.uint8
-    args = dict(q=_fake((b, s_q, h_q, d_qk), torch.bfloat16, mode), cache=_fake((100, 64, 1, row), u8, mode),
-                idx=_fake((b, s_q, topk), i32, mode))
+    args = dict(q=fake_cuda((b, s_q, h_q, d_qk), torch.bfloat16, mode), cache=fake_cuda((100, 64, 1, row), u8, mode),
+                idx=fake_cuda((b, s_q, topk), i32, mode))
     if lengths:
-        args["topk_length"] = _fake((b,), i32, mode)
+        args["topk_length"] = fake_cuda((b,), i32, mode)
     if sink:
-        args["sink"] = _fake((h_q,), torch.float32, mode)
+        args["sink"] = fake_cuda((h_q,), torch.float32, mode)
     if extra_topk:
-        args.update(xcache=_fake((50, 2, 1, row), u8, mode), xidx=_fake((b, s_q, extra_topk), i32, mode),
-                    xlen=_fake((b,), i32, mode))
+        args.update(xcache=fake_cuda((50, 2, 1, row), u8, mode), xidx=fake_cuda((b, s_q, extra_topk), i32, mode),
+                    xlen=fake_cuda((b,), i32, mode))
     if with_out:
-        args["out"] = _fake((b, s_q, h_q, 512), torch.bfloat16, mode)
-    rec = _Recorder()
+        args["out"] = fake_cuda((b, s_q, h_q, 512), torch.bfloat16, mode)
+    rec = Recorder()
     compiled = torch.compile(_call, fullgraph=True, backend=rec)
     with mode:
         out, lse = compiled(**args)
@@ -99,14 +68,14 @@ def test_traced_call_has_flashmla_shapes(fake_h200, case):
     assert rec.targets().count("cute_mla.sparse_decode") == 1
 
 
-def test_traced_call_with_dynamic_shapes(fake_h200):
+def test_traced_call_with_dynamic_shapes(fake_sm90):
     """A dynamic-shape trace specializes the plan's sizes (the fake implementations guard them)."""
-    rec = _Recorder()
+    rec = Recorder()
     compiled = torch.compile(_call, fullgraph=True, backend=rec, dynamic=True)
     for b in (2, 3, 5):
         mode = FakeTensorMode()
-        q = _fake((b, 1, 64, 576), torch.bfloat16, mode)
-        cache, idx = _fake((100, 64, 1, 656), torch.uint8, mode), _fake((b, 1, 128), torch.int32, mode)
+        q = fake_cuda((b, 1, 64, 576), torch.bfloat16, mode)
+        cache, idx = fake_cuda((100, 64, 1, 656), torch.uint8, mode), fake_cuda((b, 1, 128), torch.int32, mode)
         with mode:
             out, lse = compiled(q, cache, idx)
         assert out.shape == (b, 1, 64, 512) and lse.shape == (b, 64, 1)
@@ -117,13 +86,13 @@ def test_traced_call_with_dynamic_shapes(fake_h200):
     (dict(idx_dtype=torch.int64), "indices: got dtype torch.int64"),
     (dict(row=600), "k_cache"),
 ])
-def test_traced_call_refuses_bad_input(fake_h200, bad, message):
+def test_traced_call_refuses_bad_input(fake_sm90, bad, message):
     """Under fullgraph the API's checks run in the trace: the error names the argument."""
     mode = FakeTensorMode()
-    q = _fake((2, 1, 64, 576), bad.get("q_dtype", torch.bfloat16), mode)
-    cache = _fake((100, 64, 1, bad.get("row", 656)), torch.uint8, mode)
-    idx = _fake((2, 1, 128), bad.get("idx_dtype", torch.int32), mode)
-    compiled = torch.compile(_call, fullgraph=True, backend=_Recorder())
+    q = fake_cuda((2, 1, 64, 576), bad.get("q_dtype", torch.bfloat16), mode)
+    cache = fake_cuda((100, 64, 1, bad.get("row", 656)), torch.uint8, mode)
+    idx = fake_cuda((2, 1, 128), bad.get("idx_dtype", torch.int32), mode)
+    compiled = torch.compile(_call, fullgraph=True, backend=Recorder())
     with mode, pytest.raises(Exception, match=message):
         compiled(q, cache, idx)
 

@@ -17,8 +17,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cute_mla
-from cute_mla.interface import ops
 from cute_mla.plan.sparse_prefill import SUPPORTED_H_Q, kernel_variants, plan_sparse_prefill
+
+from _trace_helpers import Recorder, fake_cuda
 
 
 # ------------------------------------------------------------------------------------------- plan
@@ -131,50 +132,20 @@ def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, tmp_
 # ------------------------------------------------------------------------------------ traced form
 
 
-@torch.compiler.assume_constant_result
-def _h100(device):
-    return "sm_90a", 132
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    monkeypatch.setattr(ops, "device_facts", _h100)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-class _Recorder:
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def targets(self):
-        return [str(n.target) for g in self.graphs for n in g.graph.nodes if n.op == "call_function"]
-
-
-def _fake(shape, dtype, mode):
-    with mode:
-        return torch.empty(shape, dtype=dtype, device="cuda")
-
-
 def _call(q, kv, idx, sink=None, tl=None, out=None):
     return cute_mla.flash_mla_sparse_fwd(q, kv, idx, 0.5, 512, sink, tl, out)
 
 
 @pytest.mark.parametrize("h_q, with_out", [(128, False), (64, True), (16, False), (8, True)])
-def test_traced_call_has_flashmla_shapes(fake_gpu, h_q, with_out):
+def test_traced_call_has_flashmla_shapes(fake_sm90, h_q, with_out):
     mode = FakeTensorMode()
     s_q, d_qk = 37, 576
-    args = dict(q=_fake((s_q, h_q, d_qk), torch.bfloat16, mode), kv=_fake((300, 1, d_qk), torch.bfloat16, mode),
-                idx=_fake((s_q, 1, 128), torch.int32, mode), sink=_fake((h_q,), torch.float32, mode),
-                tl=_fake((s_q,), torch.int32, mode))
+    args = dict(q=fake_cuda((s_q, h_q, d_qk), torch.bfloat16, mode), kv=fake_cuda((300, 1, d_qk), torch.bfloat16, mode),
+                idx=fake_cuda((s_q, 1, 128), torch.int32, mode), sink=fake_cuda((h_q,), torch.float32, mode),
+                tl=fake_cuda((s_q,), torch.int32, mode))
     if with_out:
-        args["out"] = _fake((s_q, h_q, 512), torch.bfloat16, mode)
-    rec = _Recorder()
+        args["out"] = fake_cuda((s_q, h_q, 512), torch.bfloat16, mode)
+    rec = Recorder()
     compiled = torch.compile(_call, fullgraph=True, backend=rec)
     with mode:
         out, max_logits, lse = compiled(**args)
@@ -186,12 +157,12 @@ def test_traced_call_has_flashmla_shapes(fake_gpu, h_q, with_out):
         assert out is args["out"]
 
 
-def test_traced_call_refuses_bad_input_by_name(fake_gpu):
+def test_traced_call_refuses_bad_input_by_name(fake_sm90):
     mode = FakeTensorMode()
-    q = _fake((4, 64, 576), torch.bfloat16, mode)
-    kv = _fake((300, 1, 512), torch.bfloat16, mode)
-    idx = _fake((4, 1, 128), torch.int32, mode)
-    compiled = torch.compile(_call, fullgraph=True, backend=_Recorder())
+    q = fake_cuda((4, 64, 576), torch.bfloat16, mode)
+    kv = fake_cuda((300, 1, 512), torch.bfloat16, mode)
+    idx = fake_cuda((4, 1, 128), torch.int32, mode)
+    compiled = torch.compile(_call, fullgraph=True, backend=Recorder())
     with mode, pytest.raises(Exception, match="kv: expected shape"):
         compiled(q, kv, idx)
 

@@ -22,10 +22,9 @@ from ..plan.schedule import Schedule, make_schedule
 from . import ops
 from ..kernels import SparseDecodeTensors, cache_bytes
 from .launcher import Launcher, allocate_workspace, launcher_of, on_device_of
-from .validate import (CACHE_BASE, KV_CACHE_DTYPES, check_aligned_strides, check_distinct_elements,
+from .validate import (CACHE_BASE, FP32_MAX, KV_CACHE_DTYPES, check_aligned_strides, check_distinct_elements,
                        check_out_apart, check_pointer, check_tensor, span_bytes)
 
-FP32_MAX = torch.finfo(torch.float32).max   # softmax_scale reaches the kernels as a float32
 _NO_WORKSPACE = (None, None)
 
 

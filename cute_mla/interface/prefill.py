@@ -24,10 +24,9 @@ from ..plan.sparse_prefill import D_V, SparsePrefillPlan, check_problem, plan_sp
 from .launcher import on_device_of
 from . import ops
 from .ops import NAMESPACE
-from .validate import (check_aligned_strides, check_apart, check_deferred, check_distinct_elements, check_not_neg,
-                       check_tensor)
+from .validate import (FP32_MAX, check_aligned_strides, check_apart, check_deferred, check_distinct_elements,
+                       check_not_neg, check_tensor)
 
-FP32_MAX = torch.finfo(torch.float32).max
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -70,13 +69,13 @@ def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tu
         if not padded:      # written by TMA; a padded call copies into it
             check_aligned_strides("out", out, tma=True)
         if not torch.compiler.is_compiling():
-            check_out_apart(out, q, kv, indices, attn_sink, topk_length)
+            check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length)
     if q.device.type != "cuda":
         raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90); got tensors on {q.device}")
     return s_q, h_q, d_qk, topk
 
 
-def check_out_apart(out, q, kv, indices, attn_sink, topk_length) -> None:
+def check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length) -> None:
     """out shares no bytes with an input (the kernel reads them while it writes out)."""
     for name, t in (("q", q), ("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
         check_apart("out", out, name, t)
@@ -172,17 +171,19 @@ _lib.define("sparse_prefill(" + ", ".join(f"Tensor{'?' if n in SPARSE_PREFILL_OP
 def _op_impl(q, kv, indices, topk_length, attn_sink, out, softmax_scale, arch):
     # what a trace cannot check (neg bits, base pointers, out apart from the inputs), on the real
     # tensors; q and out are read and written by TMA only when the heads are not padded
-    aligned = (("q", q), ("out", out)) if q.shape[1] >= 64 else ()
-    for name, t in (("q", q), ("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink),
-                    ("out", out)):
+    tma = (("q", q), ("out", out))
+    padded = q.shape[1] < 64
+    neg_only = (("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink)) + (tma if padded else ())
+    for name, t in neg_only:
         if t is not None:
             check_not_neg(name, t)
-    check_deferred(aligned + (("kv", kv),), ())
-    check_out_apart(out, q, kv, indices, attn_sink, topk_length)
+    check_deferred((() if padded else tma) + (("kv", kv),), ())      # their neg bits and base pointers
+    check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length)
     s_q, h, d_qk = q.shape
     plan = plan_sparse_prefill(s_q, h, d_qk, indices.shape[-1], arch=arch, has_topk_length=topk_length is not None)
     with on_device_of(q):
-        return _run(plan, SparsePrefillTensors(q, kv, indices, topk_length, attn_sink, out, softmax_scale=softmax_scale))
+        return _run(plan, SparsePrefillTensors(q, kv, indices, topk_length, attn_sink, out,
+                                               softmax_scale=softmax_scale))
 
 
 def _op_fake(q, kv, indices, topk_length, attn_sink, out, softmax_scale, arch):

@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+FP32_MAX = torch.finfo(torch.float32).max   # a softmax scale reaches the kernels as a float32
 
 
 def _desc(t) -> str:
