@@ -1,18 +1,19 @@
 """The SM90 sparse prefill kernel's configuration: what a compile depends on and the facts its roles
-read. The K tile, the MMA atoms, the named barriers and the warp-group roles are the sparse decode
-kernel's (``config.py``): a prefill CTA is a decode CTA whose rows come in bf16, one query token
-per CTA, one tile walk, no schedule and no split.
+read. The K tile and the MMA atoms are the sparse decode kernel's (``config.py``); the MMA side is
+FlashMLA's ping-pong (``prefill_roles.py``): its named barriers are :class:`PrefillBar` and its
+register split :data:`PINGPONG_REGISTERS` (both MMA warp groups do QK, softmax and PV).
 
 Plain Python (no DSL import): the API, the plan and the tests read it on any machine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import IntEnum
 
 from ... import archs
 from ...formats import V4, V32
-from .config import TILE, RegisterBudget, Tile, tile_of
+from .config import TILE, Bar, RegisterBudget, Tile, tile_of
 
 # Key widths the kernel takes (bf16 rows, V = the first 512 dims): 576 = 512 latent + 64 RoPE
 # (V3.2), 512 = the shared K/V row (V4). The K tile of a width is the decode tile of the cache
@@ -29,11 +30,38 @@ def tile_of_width(d_qk: int) -> Tile:
     return tile_of(fmt)
 
 
+class PrefillBar(IntEnum):
+    """Named-barrier ids of the prefill kernel (0 is __syncthreads; 16 ids in all).
+
+    ``Q_FREE`` and the two epilogue ids are :class:`~.config.Bar`'s, with the same use; the
+    ping-pong's own ids follow the last one of ``Bar`` (``INDEX_SCAN``, the decode producer's), so
+    no id of the sm90 package means two things. Each is a 256-thread barrier between WG0 and WG1
+    (one side ``bar.arrive``, the other ``bar.sync``, once each per use) but ``L_SUM`` (both sync)
+    and the epilogue ids (one warp group, 128 threads); ``prefill_roles.py`` has the table.
+    """
+
+    Q_FREE = Bar.Q_FREE              # WG1 -> WG0, per item: its output staging (in sQ) read
+    EPI_WG0 = Bar.EPI_SOFTMAX        # WG0 only: a staged output chunk written
+    EPI_WG1 = Bar.EPI_PV_RIGHT       # WG1 only: the same
+    MAX_A = max(Bar) + 1             # WG0 -> WG1, per pair: mA = max(M, rowmax S0) in s_max[0]
+    MAX_B = max(Bar) + 2             # WG1 -> WG0, per pair with an odd tile: mB in s_max[1]
+    P0_READY = max(Bar) + 3          # WG0 -> WG1, per pair: bf16 P0 (at mB) in its P buffer
+    P1_READY = max(Bar) + 4          # WG1 -> WG0, per pair with an odd tile: bf16 P1 in its P buffer
+    L_SUM = max(Bar) + 5             # WG0 <-> WG1 (both sync), per item: the row sums exchanged
+
+
+assert max(PrefillBar) < 16 and len({int(b) for b in PrefillBar}) == len(PrefillBar)
+
+# setmaxnreg targets (FlashMLA's): WG0 (``RegisterBudget.softmax``) and WG1 (``.pv_right``) each hold a
+# 64 x 256 fp32 O, S / P of a tile and its bf16 copy; the producer only addresses and indices.
+PINGPONG_REGISTERS = RegisterBudget(softmax=216, pv_right=216, producer=72)
+
+
 @dataclass(frozen=True)
 class Sm90PrefillTuning:
     """The prefill kernel's variant knobs (part of the compile key; none changes results)."""
 
-    registers: RegisterBudget = field(default_factory=RegisterBudget)
+    registers: RegisterBudget = PINGPONG_REGISTERS
     # L2 hint of the cp.async row gather ("" = none): the rows are re-read by the token's other
     # head-half CTA and by neighbouring tokens whose top-k sets overlap.
     gather_l2: str = "L2::256B"
@@ -56,8 +84,8 @@ DEFAULT_TUNING = Sm90PrefillTuning()
 class Sm90SparsePrefillConfig:
     """Everything a compiled SM90 sparse prefill kernel depends on; shapes are runtime values.
 
-    The MMA roles it shares with the decode kernel read the decode facts below (one column block
-    per warp group, no column pair, no split, out through the Q staging).
+    The decode helpers it reuses (``mma.py``, ``epilogue.py``) read the decode facts below (one
+    column block of 256 per MMA warp group, no column pair, no split, out through the Q staging).
     """
 
     h_q: int   # 64 or 128 (128 = the token's two 64-head CTAs side by side in grid x)

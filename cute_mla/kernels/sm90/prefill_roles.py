@@ -1,23 +1,82 @@
-"""The SM90 sparse prefill kernel's warp-group roles and the bundles they take.
+"""The SM90 sparse prefill kernel's warp-group roles and the bundles they take: FlashMLA's
+ping-pong of two MMA warp groups over pairs of K tiles.
 
-A CTA is one query token x 64 heads. It walks its token's top-k list in 64-position K tiles
-(``ceil(length / 64)`` of them, ``length`` = top-k or the token's clamped ``topk_length``; none for
-an empty list) with the decode kernel's MMA side:
+A work item is one query token x 64 heads walking its token's top-k list in 64-position K tiles
+(``ceil(length / 64)``, ``length`` = top-k or the token's clamped ``topk_length``; none for an
+empty list), two at a time: tile 2i of the item in K buffer 0, tile 2i+1 (if any) in buffer 1.
+O is split by columns: WG0 owns O[:, :256], WG1 O[:, 256:].
 
-* WG0 ``Role.SOFTMAX``: QK, the online softmax (masked by the tile's validity bits), PV of O's left
-  256 columns with the next tile's QK behind it, P and the row factors handed to WG1, the
-  epilogue's lse and max_logits;
-* WG1 ``Role.PV_RIGHT``: PV of O's right 256 columns from P in shared memory;
-* WG2 ``Role.PRODUCER``: the row gather. Each position of a tile is gathered where it sits (no
-  compaction: a prefill token's list is mostly valid), 16 B per ``cp.async`` straight into the
-  swizzled K tile, zero-filled for an invalid position (negative, ``>= s_kv`` or past the length),
-  whose bit in the tile's validity mask is clear.
+* WG0 (``Role.SOFTMAX``): per item Q by TMA; per pair S0 = Q K0^T, mA = max(M, rowmax S0) to
+  WG1, P0 = exp2(S0 - mA), the RS wgmma P0 V0[:, left] from registers; then mB from WG1, O_left,
+  its row sums and P0 rescaled by exp2(mA - mB), bf16 P0 to WG1, the SS wgmma P1 V1[:, left]
+  with WG1's P from shared memory; the item's lse and max_logits.
+* WG1 (``Role.PV_RIGHT``): per pair S1 = Q K1^T, mB = max(mA, rowmax S1) to WG0, O_right and its
+  row sums rescaled by exp2(M - mB), P1 = exp2(S1 - mB), the RS wgmma P1 V1[:, right], bf16 P1
+  to WG0, the SS wgmma P0 V0[:, right].
+* WG2 (``Role.PRODUCER``): the row gather with ``cp.async`` straight into the swizzled K tile
+  (zero fill for an invalid position: negative, ``>= s_kv`` or past the length), the tile's
+  validity mask, in half tiles with their own barriers (below).
 
-Pipelines (producer -> consumers, arrive counts): ``q_full`` (WG0's TMA of Q, 1 + tx);
-``k_full[2]``: 128 ``cp.async.mbarrier.arrive.noinc`` (each producer thread's copies landed) + 4
-(one lane per producer warp, after storing its 16 bits of the tile's mask) -> WG0 and WG1;
-``k_free[2]``: 256 (WG0 + WG1, once the tile's PVs retired) -> producer. Named barriers
-``P_READY`` / ``P_FREE`` (WG0 <-> WG1, the decode kernel's) and each MMA warp group's ``EPI_*``.
+The last pair of an item with an odd tile count has no odd tile: WG1 skips its QK, its P and its
+RS PV (mB = mA), WG0 skips MAX_B, P1_READY and its SS PV, and buffer 1 is not filled. That pair
+runs after the pair loop as its own straight-line code (``odd=False``): every dynamic loop
+iteration and branch retires its wgmmas before it ends (ptxas serializes every wgmma of the
+kernel otherwise).
+
+Half tiles. A K buffer's 64-dim chunks split in an early half, the V columns its own tile's RS
+PV reads (buffer 0: chunks 0-3, buffer 1: chunks 4-7), and a late half, the rest (V columns the
+other warp group's SS PV reads, the RoPE chunk, and P of d_qk 576, below). The early half is free
+once its owner's RS PV retired, mid-pair, so the producer gathers the next pair's early halves
+while the current pair's SS PVs run; QK waits for the early half, issues its chunks, then waits
+for the late half.
+
+mbarriers (producer -> consumers; ``slot = 2 * buffer + half``):
+
+========================  =========================================  ===================================
+barrier                   arrivals per phase                         waited by
+========================  =========================================  ===================================
+``q_full``                1 + tx (WG0 warp 0's TMA of Q)             WG0 and WG1 (parity: items)
+``k_full[b, early]``      128 ``cp.async...arrive.noinc``            the owner (QK); b = 0: WG0, 1: WG1
+``k_full[b, late]``       128 noinc + 4 (lane 0 of each producer     both: the owner (QK, mask), the
+                          warp after its mask word)                  other (its SS PV reads V there)
+``k_free[b, early]``      128: the owner, its RS PV retired          producer
+``k_free[b, late]``       256: the owner once its QK retired and     producer
+                          its P stored, the other once its SS PV
+                          retired
+========================  =========================================  ===================================
+
+Phases: buffer 0's barriers flip once per pair (``c0``), buffer 1's once per odd tile (``c1``),
+counted across the CTA's items by every role.
+
+Named barriers (:class:`~.prefill_config.PrefillBar`; 256 threads unless noted; per use one
+side arrives and the other syncs, once each):
+
+===========  ===========  =========================================================  ==============
+id           direction    what it hands over                                         uses
+===========  ===========  =========================================================  ==============
+MAX_A (7)    WG0 -> WG1   mA in ``row_max[0:64]``                                    every pair
+MAX_B (8)    WG1 -> WG0   mB in ``row_max[64:128]``                                  pairs with an odd tile
+P0_READY (9) WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
+P1_READY(10) WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
+L_SUM (11)   both sync    the item's row sums in ``row_sum``                         every item
+Q_FREE (3)   WG1 -> WG0   WG1's output staging (in sQ) read by its TMA stores        every item (WG0
+                                                                                     syncs before the
+                                                                                     next Q, and once
+                                                                                     at the end)
+EPI_WG0/1    one WG, 128  a staged output chunk written (``store_block``)            per chunk
+===========  ===========  =========================================================  ==============
+
+No arrive can lap its sync: WG0 arrives MAX_A again only after syncing MAX_B (or, after an
+item's last pair, L_SUM), WG1 arrives MAX_B / P1_READY again only after syncing MAX_A, WG0
+arrives P0_READY again only after waiting ``k_full[0, late]``, which WG1 released after its SS
+PV of the last P0. Buffer reuse follows from the same chain: a P buffer is rewritten only after
+the ``k_full[b, late]`` phase that the reader's release opened, ``row_max`` halves only after
+the reader passed the next barrier, ``row_sum`` only after ``Q_FREE`` / ``q_full`` of the next
+item. ``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under
+random interleavings (deadlock, lapping and race checks; keep it in step with the roles).
+
+P buffers: for d_qk 576 P of buffer b is the RoPE chunk of K buffer b (free once the tile's QK
+retired; no room for a separate 16 KiB), for d_qk 512 a 2 x 8 KiB ``sP``.
 """
 
 # No "from __future__ import annotations": cute.struct reads its field annotations as objects.
@@ -32,20 +91,49 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...dsl import ptx as common_ptx
 from . import ptx
-from .config import TILE, Bar, Tile
+from .config import TILE, Tile
 from .cta import Cta
 from .epilogue import BlockStore, finalize_row, q_staging, store_block
-from .mma import Ops, c_layout_to_a_layout, issue_qk, k_tensors_for_pv, scale_rows
-from .prefill_config import Sm90SparsePrefillConfig
-from .softmax import hand_p_over, load_q, next_qk_behind_pv, online_softmax
+from .mma import Ops, c_layout_to_a_layout, k_tensors_for_pv, scale_rows
+from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
+from .softmax import load_q
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 TOKENS_PER_PASS = 4                      # rows a producer warp gathers per pass: 8 lanes x 16 B per 128-B chunk
 PASSES = TILE.tokens // (4 * TOKENS_PER_PASS)   # passes per tile: 4 warps x 4 rows x 4 passes = 64 rows
 MASK_BYTES = 16                          # per K buffer: one 32-bit word of mask bits per producer warp
-K_FULL_ARRIVALS = TILE.threads_per_wg + TILE.threads_per_wg // 32
+EARLY, LATE = 0, 1                       # the halves of a K buffer (module docstring)
+HALVES = 2
+V_CHUNKS_PER_WG = TILE.half_v // TILE.chunk   # 4: the 64-dim chunks of one warp group's O columns
+# Arrivals per phase, indexed by half: k_full (the producer's noinc arrives, + one per warp after
+# its mask word in the late half), k_free (the owner alone in the early half, both MMA groups late).
+K_FULL_ARRIVALS = (TILE.threads_per_wg, TILE.threads_per_wg + TILE.threads_per_wg // 32)
+K_FREE_ARRIVALS = (TILE.threads_per_wg, 2 * TILE.threads_per_wg)
 LN2 = math.log(2.0)
 assert TILE.chunk_row_bytes == 8 * 16, "a K tile row of one 64-dim chunk is eight 16-B units, one per lane of a group"
+assert TILE.k_bufs == 2, "tiles go in pairs: 2i in buffer 0, 2i+1 in buffer 1"
+
+
+def slot(buf: int, half: int) -> int:
+    """Index of K buffer ``buf``'s ``half`` in the k_full / k_free arrays."""
+    return buf * HALVES + half
+
+
+def half_chunks(tile: Tile, buf: int, half: int) -> tuple:
+    """The 64-dim chunks of K buffer ``buf``'s ``half`` (compile time). Early: the V columns of the
+    warp group whose tile sits in the buffer (buffer b's tile is WG b's, which owns O column block
+    b); late: the other V columns, then the RoPE chunk (d_qk 576)."""
+    own = tuple(range(buf * V_CHUNKS_PER_WG, (buf + 1) * V_CHUNKS_PER_WG))
+    if half == EARLY:
+        return own
+    v_chunks = TILE.d_v // TILE.chunk
+    return tuple(c for c in range(v_chunks) if c not in own) + tuple(range(v_chunks, tile.chunks))
+
+
+def p_in_k(tile: Tile) -> bool:
+    """Whether P of buffer b lives in K buffer b's RoPE chunk (d_qk 576: no room for 2 x 8 KiB
+    more; the chunk is read only by the tile's QK, which retired before P is written)."""
+    return tile.chunks > TILE.d_v // TILE.chunk
 
 
 class Gmem(NamedTuple):
@@ -88,31 +176,63 @@ def work_of(cfg: Sm90SparsePrefillConfig, g: Gmem, item: Int32) -> Work:
 
 
 class Smem(NamedTuple):
-    """The shared-memory struct and the tensors the MMAs read (the decode kernel's buffers)."""
+    """The shared-memory struct and the tensors the MMAs read: Q, the two K tiles, and the P
+    buffers of K buffers 0 and 1 (:func:`p_tensors`)."""
 
     storage: object
     sQ: cute.Tensor
     sK: cute.Tensor
-    sP: cute.Tensor
+    sP0: cute.Tensor
+    sP1: cute.Tensor
 
 
 @functools.lru_cache(maxsize=None)
 def shared_storage(tile: Tile):
-    """The CTA's shared memory, one struct: Q (also the output staging), two K tiles, P, the
-    barriers, the tiles' masks and the row factors (V3.2 widths: 229,888 B of 232,448)."""
+    """The CTA's shared memory, one struct: the barriers, the tiles' masks, the row maxima and
+    sums the MMA warp groups exchange, Q (also the output staging), two K tiles, and for d_qk 512
+    the two P buffers (d_qk 576 keeps P in the K tiles' RoPE chunks): 223,232 B for d_qk 576, 215,040 B for 512,
+    of 232,448."""
+    n_bar = TILE.k_bufs * HALVES
 
-    @cute.struct
-    class SharedStorage:
-        q_full: cute.struct.MemRange[Int64, 1]
-        k_full: cute.struct.MemRange[Int64, TILE.k_bufs]
-        k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
-        tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
-        row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
-        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
-        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
-        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.p_elems], 1024]
+    if p_in_k(tile):
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[Int64, 1]
+            k_full: cute.struct.MemRange[Int64, n_bar]
+            k_free: cute.struct.MemRange[Int64, n_bar]
+            tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
+            row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]   # mA (WG0), mB (WG1)
+            row_sum: cute.struct.MemRange[Float32, 2 * TILE.heads]   # an item's row sums of WG0, WG1
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
+    else:
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[Int64, 1]
+            k_full: cute.struct.MemRange[Int64, n_bar]
+            k_free: cute.struct.MemRange[Int64, n_bar]
+            tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
+            row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]
+            row_sum: cute.struct.MemRange[Float32, 2 * TILE.heads]
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.k_bufs * TILE.p_elems], 1024]
 
     return SharedStorage
+
+
+def p_tensors(tile: Tile, storage, p_layout: cute.ComposedLayout):
+    """(P of buffer 0, P of buffer 1): 64 heads x 64 tokens bf16 in the SW128 K-major layout of
+    ``p_layout``, at the RoPE chunk of each K tile (d_qk 576; chunk-aligned, so 1 KiB aligned) or
+    in ``sP``. A plain function, traced inline."""
+    out = []
+    for b in range(TILE.k_bufs):
+        if p_in_k(tile):
+            base = storage.sK.data_ptr() + (b * tile.k_tile_elems + (tile.chunks - 1) * TILE.tokens * TILE.chunk)
+        else:
+            base = storage.sP.data_ptr() + b * TILE.p_elems
+        out.append(cute.make_tensor(cute.recast_ptr(base, p_layout.inner, dtype=BFloat16), p_layout.outer))
+    return tuple(out)
 
 
 @cute.jit
@@ -129,80 +249,132 @@ def tiles_of(cfg: Sm90SparsePrefillConfig, g: Gmem, s_idx: Int32):
 # ------------------------------------------------------------------------------------- producer
 
 
+class GatherLane(NamedTuple):
+    """A producer thread's fixed part of the gather (see :func:`producer`)."""
+
+    warp: Int32
+    lane: Int32
+    unit: Int32         # its 16-B unit of a 128-B chunk row
+    first_row: Int32    # its tile row in pass 0
+    s_kv: Int32
+    kv_base: Int64      # kv's address + this lane's unit offset
+    row_bytes: Int64    # kv's row stride in bytes
+    sk_base: Int32      # shared address of K buffer 0
+    mask_base: Int32    # shared address of the tiles' mask words
+
+
+@cute.jit
+def load_tile_indices(gl: GatherLane, idx_row: cute.Tensor, dst: cute.Tensor, first: cutlass.Constexpr, t: Int32,
+                      n_tiles: Int32):
+    """Tile ``t``'s indices of this lane's rows into ``dst[first:first + PASSES]`` (where the
+    tile exists)."""
+    if t < n_tiles:
+        for i in cutlass.range_constexpr(PASSES):
+            dst[first + i] = idx_row[t * TILE.tokens + gl.first_row + i * TOKENS_PER_PASS]
+
+
+@cute.jit
+def gather_half(cfg: Sm90SparsePrefillConfig, gl: GatherLane, cur: cute.Tensor, first: cutlass.Constexpr, t: Int32,
+                length: Int32, k_full, k_free, phase, buf: cutlass.Constexpr, half: cutlass.Constexpr):
+    """Tile ``t`` (indices ``cur[first:first + PASSES]``) into ``half`` of K buffer ``buf``:
+    wait for the half to be free, one ``cp.async`` of 16 B per pass and chunk of the half (zero
+    fill for an invalid position), then the noinc arrive on its ``k_full``; the late half also
+    stores the warp's 16 mask bits and arrives once more from lane 0."""
+    tile = cfg.tile
+    cute.arch.mbarrier_wait(k_free + slot(buf, half), phase ^ 1)
+    tile_base = gl.sk_base + buf * tile.k_tile_bytes
+    chunks = half_chunks(tile, buf, half)
+    bits = Uint32(0)
+    for i in cutlass.range_constexpr(PASSES):
+        row = gl.first_row + i * TOKENS_PER_PASS
+        idx = cur[first + i]
+        ok = (t * TILE.tokens + row < length) & (idx >= 0) & (idx < gl.s_kv)
+        src = gl.kv_base + Int64(common_ptx.select_i32(ok, idx, 0)) * gl.row_bytes
+        dst = tile_base + row * TILE.chunk_row_bytes + ((gl.unit ^ (row % 8)) << 4)
+        n_bytes = common_ptx.select_i32(ok, 16, 0)
+        for j in cutlass.range_constexpr(len(chunks)):
+            c = chunks[j]
+            ptx.cp_async_16(dst + c * tile.chunk_bytes, src + c * TILE.chunk_row_bytes, n_bytes, cfg.tuning.gather_l2)
+        if cutlass.const_expr(half == LATE):
+            ballot = Uint32(cute.arch.vote_ballot_sync(ok))
+            for j in cutlass.range_constexpr(TOKENS_PER_PASS):
+                bits = bits | (((ballot >> Uint32(8 * j)) & Uint32(1)) << Uint32(i * TOKENS_PER_PASS + j))
+    ptx.cp_async_arrive_noinc((k_full + slot(buf, half)).toint())
+    if cutlass.const_expr(half == LATE):
+        if gl.lane == 0:
+            common_ptx.st_shared_i32(gl.mask_base + buf * MASK_BYTES + gl.warp * 4, bits)
+            cute.arch.mbarrier_arrive(k_full + slot(buf, half))
+
+
+@cute.jit
+def prefetch_tile_rows(gl: GatherLane, nxt: cute.Tensor, first: cutlass.Constexpr, t: Int32, w: Work,
+                       chunks: cutlass.Constexpr):
+    """Tile ``t``'s rows of this lane into L2 (where the tile exists): lane ``unit`` takes the
+    row's 128-B line ``unit`` (and lane 0 the ninth of a 576-wide row)."""
+    if t < w.n_tiles:
+        for i in cutlass.range_constexpr(PASSES):
+            idx = nxt[first + i]
+            pos = t * TILE.tokens + gl.first_row + i * TOKENS_PER_PASS
+            if (pos < w.length) & (idx >= 0) & (idx < gl.s_kv):
+                line = gl.kv_base + Int64(idx) * gl.row_bytes + Int64(gl.unit * (TILE.chunk_row_bytes - 16))
+                ptx.prefetch_l2_line(line)
+                if cutlass.const_expr(chunks > 8):
+                    if gl.unit == 0:
+                        ptx.prefetch_l2_line(line + 8 * TILE.chunk_row_bytes)
+
+
 @cute.jit
 def producer(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem):
-    """The row gather (WG2). Lane ``l`` of warp ``p`` copies 16-B unit ``l % 8`` of every 64-dim
-    chunk of tile rows ``16 p + 4 i + l // 8`` (pass i); a row's unit j of chunk c lands at
-    ``c * 8192 + row * 128 + ((j ^ (row & 7)) << 4)`` (the K tile's SW128 layout). The next
-    tile's indices are loaded before this tile's buffer is waited for; the tiles of the CTA's
-    items follow each other through the two buffers, so the next item's first tiles are gathered
-    while the MMA warp groups finish the last one."""
+    """The row gather (WG2), a pair of tiles at a time. Lane ``l`` of warp ``p`` copies 16-B unit
+    ``l % 8`` of the 64-dim chunks of tile rows ``16 p + 4 i + l // 8`` (pass i); a row's unit j
+    of chunk c lands at ``c * 8192 + row * 128 + ((j ^ (row & 7)) << 4)`` (the K tile's SW128
+    layout). Per pair: tile 2i's early half (buffer 0), tile 2i+1's early half (buffer 1), then
+    the late halves in the same order (the early halves are released mid-pair, the late ones at
+    its end); the next pair's indices are loaded first and its rows prefetched into L2 after.
+    The pairs of the CTA's items follow each other through the buffers, so the next item's first
+    tiles are gathered while the MMA warp groups finish an item."""
     tile = cfg.tile
     ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
     warp = cute.arch.make_warp_uniform(ptid // 32)
     lane = ptid % 32
-    sub = lane // 8
     unit = lane % 8
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
-    mask_base = smem.storage.tile_mask.data_ptr().toint()
-    sk_base = smem.storage.sK.data_ptr().toint()
-    s_kv = g.mKV.shape[0]
-    kv_base = g.mKV.iterator.toint() + Int64(unit * 16)
-    row_bytes = Int64(g.mKV.stride[0]) * Int64(2)
-    first_row = warp * (TILE.tokens // 4) + sub   # this lane's row in pass 0
+    gl = GatherLane(warp, lane, unit, warp * (TILE.tokens // 4) + lane // 8, g.mKV.shape[0],
+                    g.mKV.iterator.toint() + Int64(unit * 16), Int64(g.mKV.stride[0]) * Int64(2),
+                    smem.storage.sK.data_ptr().toint(), smem.storage.tile_mask.data_ptr().toint())
 
-    n = Int32(0)   # tiles handed over so far: buffer n % 2, phase n // 2
+    c0 = Int32(0)   # pairs handed over: buffer 0's phase
+    c1 = Int32(0)   # odd tiles handed over: buffer 1's phase
     begin, end, step = items(cfg, g)
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
         idx_row = cute.make_tensor(g.mIdx.iterator + Int64(w.s_idx) * Int64(g.mIdx.stride[0]),
                                    cute.make_layout(g.mIdx.shape[1]))
-        nxt = cute.make_rmem_tensor(cute.make_layout(PASSES), Int32)
-        for i in cutlass.range_constexpr(PASSES):
-            if w.n_tiles > 0:
-                nxt[i] = idx_row[first_row + i * TOKENS_PER_PASS]
-        for t in cutlass.range(0, w.n_tiles, unroll=1):
-            buf = n % TILE.k_bufs
-            cur = cute.make_rmem_tensor(cute.make_layout(PASSES), Int32)
+        nxt = cute.make_rmem_tensor(cute.make_layout(2 * PASSES), Int32)   # a pair's indices: tile 2i, then 2i+1
+        load_tile_indices(gl, idx_row, nxt, 0, Int32(0), w.n_tiles)
+        load_tile_indices(gl, idx_row, nxt, PASSES, Int32(1), w.n_tiles)
+        for pr in cutlass.range(0, (w.n_tiles + 1) // 2, unroll=1):
+            t0 = 2 * pr
+            has_odd = t0 + 1 < w.n_tiles
+            cur = cute.make_rmem_tensor(cute.make_layout(2 * PASSES), Int32)
             cur.store(nxt.load())
-            if t + 1 < w.n_tiles:
-                for i in cutlass.range_constexpr(PASSES):
-                    nxt[i] = idx_row[(t + 1) * TILE.tokens + first_row + i * TOKENS_PER_PASS]
-            cute.arch.mbarrier_wait(k_free + buf, ((n // TILE.k_bufs) & 1) ^ 1)
-            tile_base = sk_base + buf * tile.k_tile_bytes
-            bits = Uint32(0)
-            for i in cutlass.range_constexpr(PASSES):
-                row = first_row + i * TOKENS_PER_PASS
-                idx = cur[i]
-                ok = (t * TILE.tokens + row < w.length) & (idx >= 0) & (idx < s_kv)
-                src = kv_base + Int64(common_ptx.select_i32(ok, idx, 0)) * row_bytes
-                dst = tile_base + row * TILE.chunk_row_bytes + ((unit ^ (row % 8)) << 4)
-                n_bytes = common_ptx.select_i32(ok, 16, 0)
-                for c in cutlass.range_constexpr(tile.chunks):
-                    ptx.cp_async_16(dst + c * tile.chunk_bytes, src + c * TILE.chunk_row_bytes, n_bytes,
-                                    cfg.tuning.gather_l2)
-                ballot = Uint32(cute.arch.vote_ballot_sync(ok))
-                for j in cutlass.range_constexpr(TOKENS_PER_PASS):
-                    bits = bits | (((ballot >> Uint32(8 * j)) & Uint32(1)) << Uint32(i * TOKENS_PER_PASS + j))
-            ptx.cp_async_arrive_noinc((k_full + buf).toint())
-            if lane == 0:
-                common_ptx.st_shared_i32(mask_base + buf * MASK_BYTES + warp * 4, bits)
-                cute.arch.mbarrier_arrive(k_full + buf)
+            load_tile_indices(gl, idx_row, nxt, 0, t0 + 2, w.n_tiles)
+            load_tile_indices(gl, idx_row, nxt, PASSES, t0 + 3, w.n_tiles)
+            ph0 = c0 & 1
+            ph1 = c1 & 1
+            gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, EARLY)
+            if has_odd:
+                gather_half(cfg, gl, cur, PASSES, t0 + 1, w.length, k_full, k_free, ph1, 1, EARLY)
+            gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, LATE)
+            if has_odd:
+                gather_half(cfg, gl, cur, PASSES, t0 + 1, w.length, k_full, k_free, ph1, 1, LATE)
+                c1 += 1
+            c0 += 1
             if cutlass.const_expr(cfg.tuning.prefetch_rows):
-                # Tile t+1's rows into L2 while this lane waits for its buffer: lane ``unit`` takes
-                # the row's 128-B line ``unit`` (and lane 0 the ninth of a 576-wide row).
-                if t + 1 < w.n_tiles:
-                    for i in cutlass.range_constexpr(PASSES):
-                        idx = nxt[i]
-                        pos = (t + 1) * TILE.tokens + first_row + i * TOKENS_PER_PASS
-                        if (pos < w.length) & (idx >= 0) & (idx < s_kv):
-                            line = kv_base + Int64(idx) * row_bytes + Int64(unit * (TILE.chunk_row_bytes - 16))
-                            ptx.prefetch_l2_line(line)
-                            if cutlass.const_expr(tile.chunks > 8):
-                                if unit == 0:
-                                    ptx.prefetch_l2_line(line + 8 * TILE.chunk_row_bytes)
-            n += 1
+                # The next pair's rows into L2 while this lane waits for the next free half.
+                prefetch_tile_rows(gl, nxt, 0, t0 + 2, w, tile.chunks)
+                prefetch_tile_rows(gl, nxt, PASSES, t0 + 3, w, tile.chunks)
 
 
 @cute.jit
@@ -218,152 +390,336 @@ def tile_mask(mask_base: Int32, buf):
 # ------------------------------------------------------------------------------ the MMA warp groups
 
 
-@cute.jit
-def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
-    """WG0, per item: Q by TMA (once WG1's previous output left the staging in sQ), then per
-    tile QK, the masked online softmax, P and the row factors to WG1, PV of the left columns with
-    the next tile's QK issued behind it (the decode kernel's ``next_qk_behind_pv``: the next
-    tile's rows get this tile's softmax to land); then the epilogue."""
+class MmaWg(NamedTuple):
+    """An MMA warp group's fixed state: its thread's rows, the barriers, and the MMA fragments
+    (``wg`` = 0 or 1: O column block ``wg``, own tiles in K buffer ``wg``)."""
+
+    warp: Int32
+    quad: Int32
+    row0: Int32               # accumulator rows of this thread: row0 and row0 + 8
+    k_full: object
+    k_free: object
+    mask_base: Int32
+    s_max: cute.Tensor        # row_max: [0, 64) mA, [64, 128) mB
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrV_rs: cute.Tensor      # V[:, own columns] of both buffers, B of the RS PV
+    tOrV_ss: cute.Tensor      # the same, B of the SS PV
+    acc_o: cute.Tensor        # 64 x 256 fp32
+    acc_s: cute.Tensor        # 64 x 64 fp32: S, then P
+    tOrP: cute.Tensor         # bf16 P as the RS PV's A operand
+    tOrP_as_c: cute.Tensor    # the same registers in the accumulator layout
+    rP: cute.Tensor           # a second bf16 P (accumulator layout): stored while the RS PV reads tOrP
+    tSsP_own: cute.Tensor     # P buffer ``wg`` in the accumulator layout (stores)
+    tOrP_other: cute.Tensor   # P buffer ``1 - wg`` as the SS PV's A operand
+    thr_pv: object            # the RS PV's thread slice (the epilogue's partition of O)
+
+
+def mma_wg(cfg: Sm90SparsePrefillConfig, smem: Smem, ops: Ops, wg: int) -> MmaWg:
+    """The fixed state of MMA warp group ``wg`` (a plain function, traced inline)."""
     wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
     warp = cute.arch.make_warp_uniform(wtid // 32)
     lane = wtid % 32
-    quad = lane % 4
-    row0 = warp * 16 + lane // 4  # accumulator rows of this thread: row0 and row0 + 8
-    q_full = smem.storage.q_full.data_ptr()
-    k_full = smem.storage.k_full.data_ptr()
-    k_free = smem.storage.k_free.data_ptr()
-    mask_base = smem.storage.tile_mask.data_ptr().toint()
-    s_row_scale = smem.storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
+    thr_qk = ops.qk.get_slice(wtid)
+    thr_rs = ops.pv_rs.get_slice(wtid)
+    thr_ss = ops.pv_ss.get_slice(wtid)
+    sV = k_tensors_for_pv(cfg, smem.sK, wg)
+    acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE.heads, TILE.tokens)))
+    tOrP = cute.make_rmem_tensor(c_layout_to_a_layout(acc_s.layout, ops.pv_rs.tv_layout_A.shape[1]), BFloat16)
+    own, other = (smem.sP0, smem.sP1) if wg == 0 else (smem.sP1, smem.sP0)
+    return MmaWg(
+        warp, lane % 4, warp * 16 + lane // 4,
+        smem.storage.k_full.data_ptr(), smem.storage.k_free.data_ptr(), smem.storage.tile_mask.data_ptr().toint(),
+        smem.storage.row_max.get_tensor(cute.make_layout(2 * TILE.heads)),
+        thr_qk.make_fragment_A(thr_qk.partition_A(smem.sQ)), thr_qk.make_fragment_B(thr_qk.partition_B(smem.sK)),
+        thr_rs.make_fragment_B(thr_rs.partition_B(sV)), thr_ss.make_fragment_B(thr_ss.partition_B(sV)),
+        thr_rs.make_fragment_C(thr_rs.partition_shape_C((TILE.heads, cfg.pv_cols))), acc_s,
+        tOrP, cute.make_tensor(tOrP.iterator, acc_s.layout), cute.make_rmem_tensor(acc_s.layout, BFloat16),
+        thr_qk.partition_C(own[None, None, 0]), thr_ss.make_fragment_A(thr_ss.partition_A(other)), thr_rs)
 
+
+def qk_tile(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, buf: int, phase):
+    """S = Q K^T over K buffer ``buf``: the early half's chunks once that half landed, then the
+    late half's (d_qk / 16 SS wgmma 64x64x16 in all), retired before it returns. A plain
+    function: its loops unroll at trace time."""
+    tSrK_b = v.tSrK[None, None, None, buf]
+    v.acc_s.fill(0.0)
+    for half in range(HALVES):
+        cute.arch.mbarrier_wait(v.k_full + slot(buf, half), phase)
+        if half == EARLY:
+            warpgroup.fence()
+        for c in half_chunks(cfg.tile, buf, half):
+            for k in range(c * (TILE.chunk // 16), (c + 1) * (TILE.chunk // 16)):
+                cute.gemm(ops.qk, v.acc_s, v.tSrQ[None, None, k, 0], tSrK_b[None, None, k], v.acc_s)
+        warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@cute.jit
+def masked_row_max(acc_s: cute.Tensor, mask_lo, mask_hi, quad, scale_log2: Float32):
+    """S -> S * scale_log2 in place, -inf where the tile's 64-bit validity mask (``mask_lo``:
+    tokens 0-31, ``mask_hi``: 32-63) is clear; returns the row maxima of this thread's two rows
+    (reduced over the quad)."""
+    w_lo = Uint32(mask_lo) >> Uint32(2 * quad)
+    w_hi = Uint32(mask_hi) >> Uint32(2 * quad)
+    mx0 = -Float32.inf
+    mx1 = -Float32.inf
+    for v in cutlass.range_constexpr(cute.size(acc_s)):
+        group = v // 4  # 8-column group
+        bit = (v % 2) + 8 * (group % 4)
+        word = w_lo if group < 4 else w_hi
+        ok = ((word >> bit) & Uint32(1)) != Uint32(0)
+        t = Float32(cutlass.select_(ok, acc_s[v] * scale_log2, -Float32.inf))
+        acc_s[v] = t
+        if cutlass.const_expr((v // 2) % 2 == 0):
+            mx0 = cute.arch.fmax(mx0, t)
+        else:
+            mx1 = cute.arch.fmax(mx1, t)
+    mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=1))
+    mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=2))
+    mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=1))
+    mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=2))
+    return mx0, mx1
+
+
+@cute.jit
+def exp_rows(acc_s: cute.Tensor, m0: Float32, m1: Float32):
+    """P = exp2(S - m) in place (S already scaled and masked); returns this thread's partial row
+    sums of its two rows (fp32 P)."""
+    sum0 = Float32(0.0)
+    sum1 = Float32(0.0)
+    for v in cutlass.range_constexpr(cute.size(acc_s)):
+        if cutlass.const_expr((v // 2) % 2 == 0):
+            p = cute.math.exp2(acc_s[v] - m0, fastmath=True)
+            sum0 += p
+            acc_s[v] = p
+        else:
+            p = cute.math.exp2(acc_s[v] - m1, fastmath=True)
+            sum1 += p
+            acc_s[v] = p
+    return sum0, sum1
+
+
+@cute.jit
+def put_rows(s: cute.Tensor, base: cutlass.Constexpr, row0, quad, v0: Float32, v1: Float32):
+    """``s[base + row0] = v0``, ``s[base + row0 + 8] = v1`` from one lane of the quad."""
+    if quad == 0:
+        s[base + row0] = v0
+        s[base + row0 + 8] = v1
+
+
+def exp2(x):
+    return cute.math.exp2(x, fastmath=True)
+
+
+def hand_p(src: cute.Tensor, v: MmaWg, bar: int):
+    """bf16 ``src`` (this thread's P fragment, accumulator layout) into this warp group's P
+    buffer, fenced for the other group's SS wgmma, then ``bar`` arrived."""
+    cute.autovec_copy(src, v.tSsP_own)
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=PAIR_THREADS)
+
+
+def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0, l1,
+             odd: bool):
+    """WG0's part of one pair (``odd``: the pair has tile 2i+1). Straight-line code (a plain
+    function: ``odd`` is a trace-time flag) that retires its wgmmas before it returns. Returns
+    the rows' new running max (mB, or mA without an odd tile) and WG0's row sums at that max."""
+    qk_tile(cfg, ops, v, 0, ph0)
+    lo, hi = tile_mask(v.mask_base, 0)
+    mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
+    ma0 = cute.arch.fmax(m0, mx0)
+    ma1 = cute.arch.fmax(m1, mx1)
+    put_rows(v.s_max, 0, v.row0, v.quad, ma0, ma1)
+    cute.arch.barrier_arrive(barrier_id=PrefillBar.MAX_A, number_of_threads=PAIR_THREADS)
+    sc0 = exp2(m0 - ma0)
+    sc1 = exp2(m1 - ma1)
+    s0, s1 = exp_rows(v.acc_s, ma0, ma1)
+    l0 = l0 * sc0 + s0
+    l1 = l1 * sc1 + s1
+    scale_rows(v.acc_o, sc0, sc1)
+    v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
+    if not odd:
+        # mB = mA: P0 is final; handed over before the RS PV reads its registers.
+        hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
+    warpgroup.fence()
+    cute.gemm(ops.pv_rs, v.acc_o, v.tOrP, v.tOrV_rs[None, None, None, 0], v.acc_o)
+    warpgroup.commit_group()
+    if not odd:
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))
+        cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))
+        return ma0, ma1, l0, l1
+
+    cute.arch.barrier(barrier_id=PrefillBar.MAX_B, number_of_threads=PAIR_THREADS)
+    mb0 = v.s_max[TILE.heads + v.row0]
+    mb1 = v.s_max[TILE.heads + v.row0 + 8]
+    f0 = exp2(ma0 - mb0)
+    f1 = exp2(ma1 - mb1)
+    warpgroup.wait_group(0)
+    cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
+    scale_rows(v.acc_o, f0, f1)
+    scale_rows(v.acc_s, f0, f1)
+    v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
+    hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
+    cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
+    cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
+    cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
+    warpgroup.fence()
+    cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 1], v.acc_o)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))    # V1[:, left] and P1 read
+    return mb0, mb1, l0 * f0, l1 * f1
+
+
+def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0, l1,
+             odd: bool):
+    """WG1's part of one pair (``odd``: the pair has tile 2i+1, else no QK, no P, no RS PV, and
+    mB = mA). Straight-line code that retires its wgmmas before it returns. Returns the rows' new
+    running max and WG1's row sums at that max."""
+    mx0 = -Float32.inf
+    mx1 = -Float32.inf
+    if odd:
+        qk_tile(cfg, ops, v, 1, ph1)
+        lo, hi = tile_mask(v.mask_base, 1)
+        mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
+    cute.arch.barrier(barrier_id=PrefillBar.MAX_A, number_of_threads=PAIR_THREADS)
+    mb0 = v.s_max[v.row0]
+    mb1 = v.s_max[v.row0 + 8]
+    if odd:
+        mb0 = cute.arch.fmax(mb0, mx0)
+        mb1 = cute.arch.fmax(mb1, mx1)
+        put_rows(v.s_max, TILE.heads, v.row0, v.quad, mb0, mb1)
+        cute.arch.barrier_arrive(barrier_id=PrefillBar.MAX_B, number_of_threads=PAIR_THREADS)
+    sc0 = exp2(m0 - mb0)
+    sc1 = exp2(m1 - mb1)
+    scale_rows(v.acc_o, sc0, sc1)
+    l0 = l0 * sc0
+    l1 = l1 * sc1
+    if odd:
+        s0, s1 = exp_rows(v.acc_s, mb0, mb1)
+        l0 = l0 + s0
+        l1 = l1 + s1
+        v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
+        warpgroup.fence()
+        cute.gemm(ops.pv_rs, v.acc_o, v.tOrP, v.tOrV_rs[None, None, None, 1], v.acc_o)
+        warpgroup.commit_group()
+        v.rP.store(v.acc_s.load().to(BFloat16))
+        hand_p(v.rP, v, PrefillBar.P1_READY)
+    cute.arch.barrier(barrier_id=PrefillBar.P0_READY, number_of_threads=PAIR_THREADS)
+    cute.arch.mbarrier_wait(v.k_full + slot(0, LATE), ph0)
+    warpgroup.fence()
+    cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 0], v.acc_o)
+    warpgroup.commit_group()
+    if odd:
+        warpgroup.wait_group(1)
+        cute.arch.mbarrier_arrive(v.k_free + slot(1, EARLY))   # V1[:, right] read
+    warpgroup.wait_group(0)
+    cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))       # V0[:, right] and P0 read
+    if odd:
+        cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))   # QK1 retired, P1 written
+    return mb0, mb1, l0, l1
+
+
+@cute.jit
+def finish_item(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: MmaWg, w: Work,
+                wg: cutlass.Constexpr, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
+    """An item's epilogue in MMA warp group ``wg``: the row sums summed over the quad and over
+    both groups (``L_SUM``), the final factors (the sink folded in), this group's O half staged
+    in its half of sQ and stored by TMA; WG0 also writes lse and max_logits."""
+    l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
+    l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
+    l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
+    l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
+    s_sum = smem.storage.row_sum.get_tensor(cute.make_layout(2 * TILE.heads))
+    put_rows(s_sum, wg * TILE.heads, v.row0, v.quad, l0, l1)
+    cute.arch.barrier(barrier_id=PrefillBar.L_SUM, number_of_threads=PAIR_THREADS)
+    l0 = l0 + s_sum[(1 - wg) * TILE.heads + v.row0]
+    l1 = l1 + s_sum[(1 - wg) * TILE.heads + v.row0 + 8]
+    head0 = w.hblk * TILE.heads + v.row0
+    o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
+    o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
+    scale_rows(v.acc_o, o_scale0, o_scale1)
+    store_block(cfg, cta_of(w), v.acc_o, v.thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout),
+                q_staging(cfg, smem.sQ, wg), wg, v.warp, 0, PrefillBar.EPI_WG1 if wg else PrefillBar.EPI_WG0, False)
+    if cutlass.const_expr(wg == 0):
+        if v.quad == 0:
+            g.mLse[w.s_idx, head0] = lse0
+            g.mLse[w.s_idx, head0 + 8] = lse1
+            g.mMax[w.s_idx, head0] = max_logit(l0, m0)
+            g.mMax[w.s_idx, head0 + 8] = max_logit(l1, m1)
+
+
+@cute.jit
+def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
+    """WG0, per item: Q by TMA (once WG1's previous output left the staging in sQ, ``Q_FREE``),
+    the item's full pairs, then its last tile alone where the count is odd, then the epilogue."""
+    v = mma_wg(cfg, smem, ops, 0)
+    q_full = smem.storage.q_full.data_ptr()
     gQ = cute.flat_divide(g.mQ, (TILE.heads, cfg.tile.d_qk))
     tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(smem.sQ[None, None, 0], 0, 2),
                                        cute.group_modes(gQ, 0, 2))
-    ops.qk.set(warpgroup.Field.ACCUMULATE, True)
-    ops.pv_rs.set(warpgroup.Field.ACCUMULATE, True)
-    thr_qk = ops.qk.get_slice(wtid)
-    tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(smem.sQ))
-    tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sK))
-    thr_pv = ops.pv_rs.get_slice(wtid)
-    tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(k_tensors_for_pv(cfg, smem.sK, 0)))
-    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, cfg.pv_cols)))
-    acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE.heads, TILE.tokens)))
-    # P (bf16) in the A-operand register layout of the RS wgmma, viewed with the accumulator layout.
-    tOrP = cute.make_rmem_tensor(c_layout_to_a_layout(acc_s.layout, ops.pv_rs.tv_layout_A.shape[1]), BFloat16)
-    tOrP_as_c = cute.make_tensor(tOrP.iterator, acc_s.layout)
-    tSsP = thr_qk.partition_C(smem.sP[None, None, 0])
-
-    n = Int32(0)    # tiles consumed so far (the producer's count)
-    rq = Int32(0)   # items done so far
+    c0 = Int32(0)   # pairs consumed: buffer 0's phase
+    c1 = Int32(0)   # odd tiles consumed: buffer 1's phase
+    rq = Int32(0)   # items done
     begin, end, step = items(cfg, g)
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
         if rq > 0:
             # WG1's output store of the previous item no longer reads its staging (in sQ).
-            cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-        load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, warp, 0)
+            cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
+        load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, v.warp, 0)
         m0 = Float32(-1e30)
         m1 = Float32(-1e30)
         l0 = Float32(0.0)
         l1 = Float32(0.0)
-        acc_o.fill(0.0)
+        v.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
-        if w.n_tiles > 0:
-            cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
-            issue_qk(cfg, ops.qk, acc_s, tSrQ, tSrK, n % TILE.k_bufs)
-            warpgroup.wait_group(0)
-        for t in cutlass.range(0, w.n_tiles, unroll=1):
-            buf = n % TILE.k_bufs
-            lo, hi = tile_mask(mask_base, buf)
-            m0, m1, l0, l1, sc0, sc1 = online_softmax(acc_s, lo, hi, quad, scale_log2, m0, m1, l0, l1)
-            tOrP_as_c.store(acc_s.load().to(BFloat16))
-
-            hand_p_over(s_row_scale, row0, quad, sc0, sc1, tOrP_as_c, tSsP)
-
-            scale_rows(acc_o, sc0, sc1)
-            warpgroup.fence()
-            cute.gemm(ops.pv_rs, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
-            warpgroup.commit_group()
-            next_qk_behind_pv(cfg, ops, acc_s, tSrQ, tSrK, k_full, k_free, n, t + 1 == w.n_tiles)
-            n += 1
-
-        # ---- epilogue: row sums over the quad, factors to WG1, O, lse and max_logits
-        l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
-        l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
-        l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
-        l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
-        head0 = w.hblk * TILE.heads + row0
-        o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
-        o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
-        cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-        if quad == 0:
-            s_row_scale[row0] = o_scale0
-            s_row_scale[row0 + 8] = o_scale1
-        cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-        scale_rows(acc_o, o_scale0, o_scale1)
-        store_block(cfg, cta_of(w), acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout),
-                    q_staging(cfg, smem.sQ, 0), 0, warp, 0, Bar.EPI_SOFTMAX, False)
-        if quad == 0:
-            g.mLse[w.s_idx, head0] = lse0
-            g.mLse[w.s_idx, head0 + 8] = lse1
-            g.mMax[w.s_idx, head0] = max_logit(l0, m0)
-            g.mMax[w.s_idx, head0 + 8] = max_logit(l1, m1)
+        for _ in cutlass.range(0, w.n_tiles // 2, unroll=1):
+            m0, m1, l0, l1 = wg0_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
+            c0 += 1
+            c1 += 1
+        if w.n_tiles % 2 == 1:
+            m0, m1, l0, l1 = wg0_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
+            c0 += 1
+        finish_item(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1)
         rq += 1
-    # Balance the barriers WG1 arrived on once more than WG0 synced.
-    cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
+    # WG1 arrived on Q_FREE once per item; WG0 synced once per item but the first.
     if rq > 0:
-        cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+        cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
 
 
 @cute.jit
-def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops):
-    """WG1: per tile, P and the row factors from WG0, then the SS wgmma P V[:, right]; per item,
-    its half of O with the final factors, then ``Q_FREE`` (its staging in sQ is free)."""
-    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
-    warp = cute.arch.make_warp_uniform(wtid // 32)
-    lane = wtid % 32
-    row0 = warp * 16 + lane // 4
-    k_full = smem.storage.k_full.data_ptr()
-    k_free = smem.storage.k_free.data_ptr()
-    s_row_scale = smem.storage.row_scale.get_tensor(cute.make_layout(TILE.heads))
-
-    ops.pv_ss.set(warpgroup.Field.ACCUMULATE, True)
-    thr_pv = ops.pv_ss.get_slice(wtid)
-    tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(smem.sP))
-    tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(k_tensors_for_pv(cfg, smem.sK, 1)))
-    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.heads, cfg.pv_cols)))
-    # sP / row_scale start out free.
-    cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-    n = Int32(0)
+def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
+    """WG1, per item: Q landed (``q_full``), the item's full pairs, its last tile's PV where the
+    count is odd, the epilogue, then ``Q_FREE`` (its staging in sQ is free)."""
+    v = mma_wg(cfg, smem, ops, 1)
+    q_full = smem.storage.q_full.data_ptr()
+    c0 = Int32(0)
+    c1 = Int32(0)
+    rq = Int32(0)
     begin, end, step = items(cfg, g)
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
-        acc_o.fill(0.0)
-        for t in cutlass.range(0, w.n_tiles, unroll=1):
-            buf = n % TILE.k_bufs
-            cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-            sc0 = s_row_scale[row0]
-            sc1 = s_row_scale[row0 + 8]
-            # WG0 already waited for this buffer; waiting on the same phase gives WG1 its own acquire
-            # of the gathered rows (the producer cannot refill the buffer before WG1 releases it).
-            cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
-            scale_rows(acc_o, sc0, sc1)
-            warpgroup.fence()
-            cute.gemm(ops.pv_ss, acc_o, tOrP[None, None, None, 0], tOrV[None, None, None, buf], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-            cute.arch.mbarrier_arrive(k_free + buf)
-            n += 1
-
-        cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-        o_scale0 = s_row_scale[row0]
-        o_scale1 = s_row_scale[row0 + 8]
-        cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-        scale_rows(acc_o, o_scale0, o_scale1)
-        store_block(cfg, cta_of(w), acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout),
-                    q_staging(cfg, smem.sQ, 1), 1, warp, 0, Bar.EPI_PV_RIGHT, False)
+        m0 = Float32(-1e30)
+        m1 = Float32(-1e30)
+        l0 = Float32(0.0)
+        l1 = Float32(0.0)
+        v.acc_o.fill(0.0)
+        # Q landed: this group's QKs read it, and its staging (which aliases Q) waits for it.
+        cute.arch.mbarrier_wait(q_full, rq & 1)
+        for _ in cutlass.range(0, w.n_tiles // 2, unroll=1):
+            m0, m1, l0, l1 = wg1_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
+            c0 += 1
+            c1 += 1
+        if w.n_tiles % 2 == 1:
+            m0, m1, l0, l1 = wg1_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
+            c0 += 1
+        finish_item(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1)
         # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
-        cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+        cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
+        rq += 1
 
 
 def cta_of(w: Work) -> Cta:

@@ -5,8 +5,9 @@ A work item = 64 query heads of one query token, walking its token's whole top-k
 schedule, no split). The grid is persistent: one CTA per SM walks items ``blockIdx.x + k *
 gridDim.x`` (a token's head blocks consecutive, so the two head halves of h_q = 128 run side by
 side and the second one's rows come from L2), and the producer gathers the next item's first
-tiles while the MMA warp groups finish an item. Roles, pipelines and arrive counts:
-``prefill_roles.py``.
+tiles while the MMA warp groups finish an item. The MMA side is FlashMLA's ping-pong: the two MMA
+warp groups take the even and odd tiles of a pair, each owns half of O's columns and they exchange
+the running max and P. Roles, pipelines, barriers and arrive counts: ``prefill_roles.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...dsl.compat import SmemAllocator, setmaxregister_decrease, setmaxregister_increase
 from ...archs import device_num_sms
@@ -27,7 +28,8 @@ from .epilogue import LOG2E, bf16_block_layout
 from .mma import Ops, make_mmas, smem_layouts
 from .prefill_config import (DEFAULT_TUNING, Config, Sm90PrefillTuning, Sm90SparsePrefillConfig,  # noqa: F401
                              Tuning, config_for, kernel_config, tensor_maps)
-from .prefill_roles import K_FULL_ARRIVALS, Gmem, Smem, producer, pv_right_wg, shared_storage, softmax_wg
+from .prefill_roles import (HALVES, K_FREE_ARRIVALS, K_FULL_ARRIVALS, Gmem, Smem, mma_wg0, mma_wg1, p_tensors, producer,
+                            shared_storage, slot)
 
 __all__ = ["Config", "Tuning", "Kernel", "Sm90SparsePrefillConfig", "Sm90PrefillTuning", "DEFAULT_TUNING",
            "kernel_config", "config_for", "tensor_maps", "compile", "launch", "ENTRY"]
@@ -111,29 +113,35 @@ class Sm90SparsePrefill:
         storage = SmemAllocator().allocate(shared_storage(cfg.tile))
         if tidx == 0:
             cute.arch.mbarrier_init(storage.q_full.data_ptr(), 1)
-            for i in cutlass.range_constexpr(TILE.k_bufs):
-                cute.arch.mbarrier_init(storage.k_full.data_ptr() + i, K_FULL_ARRIVALS)
-                cute.arch.mbarrier_init(storage.k_free.data_ptr() + i, 2 * TILE.threads_per_wg)
+            for b in cutlass.range_constexpr(TILE.k_bufs):
+                for h in cutlass.range_constexpr(HALVES):
+                    cute.arch.mbarrier_init(storage.k_full.data_ptr() + slot(b, h), K_FULL_ARRIVALS[h])
+                    cute.arch.mbarrier_init(storage.k_free.data_ptr() + slot(b, h), K_FREE_ARRIVALS[h])
         cute.arch.mbarrier_init_fence()
         if tidx < 32:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_out)
         cute.arch.sync_threads()
 
+        sP0, sP1 = p_tensors(cfg.tile, storage, p_layout)
         smem = Smem(storage, storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner),
-                    storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner),
-                    storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner))
+                    storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner), sP0, sP1)
         g = Gmem(tma_q, mQ, tma_out, mOut, mKV, mIdx, mTopkLen, mSink, mMax, mLse)
-        regs = cfg.tuning.registers
+        # Every wgmma accumulates (S is zeroed before its QK); set here, above the role branches,
+        # since both MMA warp groups issue all three.
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_ss_mma.set(warpgroup.Field.ACCUMULATE, True)
+        regs = cfg.tuning.registers   # softmax: WG0, pv_right: WG1
         if wg == Role.PRODUCER:
             setmaxregister_decrease(regs.producer)
             producer(cfg, g, smem)
         elif wg == Role.SOFTMAX:
             setmaxregister_increase(regs.softmax)
-            softmax_wg(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
+            mma_wg0(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
         else:
-            setmaxregister_decrease(regs.pv_right)
-            pv_right_wg(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout))
+            setmaxregister_increase(regs.pv_right)
+            mma_wg1(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
 
 
 # --------------------------------------------------------------------------------------------------

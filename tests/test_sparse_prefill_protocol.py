@@ -1,0 +1,385 @@
+"""CPU models of the SM90 sparse prefill kernel's ping-pong (``kernels/sm90/prefill_roles.py``).
+
+These check the design, not the compiled kernel: each is a hand transcription of the roles and
+must be kept in step with them.
+
+* The barrier protocol: the producer, WG0, WG1 and the Q TMA as generators that perform the
+  roles' mbarrier and named-barrier operations and shared-memory accesses in program order, run
+  under random interleavings with vector clocks. Checked: no deadlock, no named-barrier arrive
+  lapping its sync, no ambiguous parity wait, every barrier generation complete at the end, and
+  every pair of conflicting accesses ordered (a wgmma's reads last from its issue to its retiring
+  wait; a write while one is pending is a race). Items of 0 to 7 tiles (odd counts end with a
+  pair without tile 2i+1), P in the K tiles' RoPE chunks (d_qk 576) or in ``sP`` (512); known
+  protocol bugs must be caught.
+* The arithmetic: the per-row order of operations of ``wg0_pair`` / ``wg1_pair`` /
+  ``finish_item`` (fp32, bf16 P) in numpy against float64 softmax attention.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+AGENTS = ("P", "A", "B", "T")   # producer, WG0, WG1, the Q TMA
+
+
+def _vc():
+    return {a: 0 for a in AGENTS}
+
+
+def _join(x, y):
+    return {a: max(x[a], y[a]) for a in AGENTS}
+
+
+def _leq(x, y):
+    return all(x[a] <= y[a] for a in AGENTS)
+
+
+class Race(Exception):
+    pass
+
+
+class World:
+    def __init__(self, p_in_k: bool, bug: str):
+        self.clock = {a: _vc() for a in AGENTS}
+        self.mbar, self.nbar, self.acc, self.pending = {}, {}, {}, {}
+        self.p_in_k, self.bug = p_in_k, bug
+
+    def tick(self, a):
+        self.clock[a][a] += 1
+
+    def access(self, a, res, kind):
+        self.tick(a)
+        c = dict(self.clock[a])
+        if kind == "w" and self.pending.get(res):
+            raise Race(f"{a} writes {res} while a wgmma still reads it")
+        for b, k, cb in self.acc.get(res, []):
+            if b != a and "w" in (k, kind) and not _leq(cb, c):
+                raise Race(f"{a} {kind} {res} unordered with {b} {k}")
+        self.acc.setdefault(res, []).append((a, kind, c))
+
+    def wgmma_issue(self, a, res, tok):
+        for r in res:
+            self.access(a, r, "r")
+            self.pending.setdefault(r, set()).add(tok)
+
+    def wgmma_retire(self, a, res, tok):
+        for r in res:
+            self.pending[r].discard(tok)
+            self.access(a, r, "r")
+
+    def mb_init(self, name, count):
+        self.mbar[name] = dict(count=count, arrived=0, done=0, cur=_vc(), clocks=[])
+
+    def mb_arrive(self, a, name, n):
+        m = self.mbar[name]
+        self.tick(a)
+        m["cur"] = _join(m["cur"], self.clock[a])
+        m["arrived"] += n
+        assert m["arrived"] <= m["count"], name
+        if m["arrived"] == m["count"]:
+            m["clocks"].append(m["cur"])
+            m["done"], m["arrived"], m["cur"] = m["done"] + 1, 0, _vc()
+
+    def mb_ready(self, a, name, phase):
+        """A parity wait for phase ``phase`` (-1: a fresh barrier's "previous" phase, passes)."""
+        if phase < 0:
+            return True
+        m = self.mbar[name]
+        if m["done"] > phase + 1:
+            raise Race(f"{a}: parity wait on {name} phase {phase} is ambiguous ({m['done']} done)")
+        if m["done"] > phase:
+            self.clock[a] = _join(self.clock[a], m["clocks"][phase])
+            self.tick(a)
+            return True
+        return False
+
+    def nb_arrive(self, a, bar):
+        """One warp group's 128 arrivals on a 256-thread named barrier; returns its generation."""
+        b = self.nbar.setdefault(bar, dict(members=[], clock=_vc(), gen=0, gen_clock={}))
+        if a in b["members"]:
+            raise Race(f"{a} laps named barrier {bar}")
+        self.tick(a)
+        b["members"].append(a)
+        b["clock"] = _join(b["clock"], self.clock[a])
+        g = b["gen"]
+        if len(b["members"]) == 2:
+            b["gen_clock"][g] = b["clock"]
+            b["gen"], b["members"], b["clock"] = g + 1, [], _vc()
+        return g
+
+    def nb_done(self, a, bar, g):
+        b = self.nbar[bar]
+        if g in b["gen_clock"]:
+            self.clock[a] = _join(self.clock[a], b["gen_clock"][g])
+            self.tick(a)
+            return True
+        return False
+
+
+def _sync(w, a, bar):
+    g = w.nb_arrive(a, bar)
+    yield ("named", bar, g)
+
+
+def _p(w, b):   # the P buffer of K buffer b
+    return f"K{b}rope" if w.p_in_k else f"P{b}"
+
+
+def producer(w, items):
+    c0 = c1 = 0
+    for n in items:
+        for pr in range((n + 1) // 2):
+            odd = 2 * pr + 1 < n
+            for b, h in [(0, "E")] + [(1, "E")] * odd + [(0, "L")] + [(1, "L")] * odd:
+                yield ("mbar", f"free{b}{h}", (c0 if b == 0 else c1) - 1)
+                if h == "E":
+                    w.access("P", f"K{b}E", "w")
+                else:
+                    for r in (f"K{b}Lv", f"K{b}rope", f"mask{b}"):
+                        w.access("P", r, "w")
+                w.mb_arrive("P", f"full{b}{h}", 132 if h == "L" else 128)
+            c0, c1 = c0 + 1, c1 + odd
+
+
+def _qk(w, a, b, c):
+    tok = object()
+    yield ("mbar", f"full{b}E", c)
+    w.wgmma_issue(a, ["Qlo", "Qhi", f"K{b}E"], tok)
+    yield ("mbar", f"full{b}L", c)
+    w.wgmma_issue(a, [f"K{b}Lv", f"K{b}rope"], tok)
+    w.wgmma_retire(a, ["Qlo", "Qhi", f"K{b}E", f"K{b}Lv", f"K{b}rope"], tok)
+    w.access(a, f"mask{b}", "r")
+
+
+def wg0_pair(w, c0, c1, odd):
+    yield from _qk(w, "A", 0, c0)
+    w.access("A", "maxA", "w")
+    w.nb_arrive("A", "MAX_A")
+    if not odd:
+        w.access("A", _p(w, 0), "w")
+        w.nb_arrive("A", "P0_READY")
+    rs = object()
+    w.wgmma_issue("A", ["K0E"], rs)
+    if not odd:
+        w.wgmma_retire("A", ["K0E"], rs)
+        w.mb_arrive("A", "free0E", 128)
+        w.mb_arrive("A", "free0L", 128)
+        return
+    if w.bug != "no MAX_B sync":
+        yield from _sync(w, "A", "MAX_B")
+    w.access("A", "maxB", "r")
+    w.wgmma_retire("A", ["K0E"], rs)
+    w.mb_arrive("A", "free0E", 128)
+    w.access("A", _p(w, 0), "w")
+    w.nb_arrive("A", "P0_READY")
+    w.mb_arrive("A", "free0L", 128)
+    yield from _sync(w, "A", "P1_READY")
+    yield ("mbar", "full1L", c1)
+    ss = object()
+    w.wgmma_issue("A", [_p(w, 1), "K1Lv"], ss)
+    w.wgmma_retire("A", [_p(w, 1), "K1Lv"], ss)
+    w.mb_arrive("A", "free1L", 128)
+
+
+def wg1_pair(w, c0, c1, odd):
+    if odd:
+        yield from _qk(w, "B", 1, c1)
+    yield from _sync(w, "B", "MAX_A")
+    w.access("B", "maxA", "r")
+    if odd or w.bug == "P1_READY in the tail":
+        if odd:
+            w.access("B", "maxB", "w")
+            w.nb_arrive("B", "MAX_B")
+            rs = object()
+            w.wgmma_issue("B", ["K1E"], rs)
+            w.access("B", _p(w, 1), "w")
+        w.nb_arrive("B", "P1_READY")
+    if odd or w.bug != "tail skips P0_READY":
+        yield from _sync(w, "B", "P0_READY")
+    yield ("mbar", "full0L", c0)
+    ss = object()
+    w.wgmma_issue("B", [_p(w, 0), "K0Lv"], ss)
+    if w.bug == "free0L before the SS PV retired":
+        w.mb_arrive("B", "free0L", 128)
+    if odd:
+        w.wgmma_retire("B", ["K1E"], rs)
+        w.mb_arrive("B", "free1E", 128)
+    w.wgmma_retire("B", [_p(w, 0), "K0Lv"], ss)
+    if w.bug != "free0L before the SS PV retired":
+        w.mb_arrive("B", "free0L", 128)
+    if odd:
+        w.mb_arrive("B", "free1L", 128)
+
+
+def _epilogue(w, a, half):
+    w.access(a, f"sum{half}", "w")
+    yield from _sync(w, a, "L_SUM")
+    w.access(a, f"sum{1 - half}", "r")
+    staging = "Qlo" if half == 0 else "Qhi"
+    w.access(a, staging, "w")     # stmatrix
+    w.access(a, staging, "r")     # its TMA stores, waited for (read) by warp 0
+
+
+def wg0(w, items):
+    c0 = c1 = 0
+    for rq, n in enumerate(items):
+        if rq > 0:
+            yield from _sync(w, "A", "Q_FREE")
+        w.tick("A")                                   # the Q TMA: issued by WG0, written by T
+        w.clock["T"] = _join(w.clock["T"], w.clock["A"])
+        w.access("T", "Qlo", "w")
+        w.access("T", "Qhi", "w")
+        w.mb_arrive("T", "q_full", 1)
+        yield ("mbar", "q_full", rq)
+        for _ in range(n // 2):
+            yield from wg0_pair(w, c0, c1, True)
+            c0, c1 = c0 + 1, c1 + 1
+        if n % 2:
+            yield from wg0_pair(w, c0, c1, False)
+            c0 += 1
+        yield from _epilogue(w, "A", 0)
+    if items:
+        yield from _sync(w, "A", "Q_FREE")
+
+
+def wg1(w, items):
+    c0 = c1 = 0
+    for rq, n in enumerate(items):
+        if w.bug != "WG1 skips q_full":
+            yield ("mbar", "q_full", rq)
+        for _ in range(n // 2):
+            yield from wg1_pair(w, c0, c1, True)
+            c0, c1 = c0 + 1, c1 + 1
+        if n % 2:
+            yield from wg1_pair(w, c0, c1, False)
+            c0 += 1
+        yield from _epilogue(w, "B", 1)
+        w.nb_arrive("B", "Q_FREE")
+
+
+def run_protocol(items, p_in_k: bool, seed: int, bug: str = ""):
+    rnd = random.Random(seed)
+    w = World(p_in_k, bug)
+    w.mb_init("q_full", 1)
+    for b in range(2):
+        w.mb_init(f"full{b}E", 128)
+        w.mb_init(f"full{b}L", 132)
+        w.mb_init(f"free{b}E", 128)
+        w.mb_init(f"free{b}L", 256)
+    roles = {"P": producer(w, items), "A": wg0(w, items), "B": wg1(w, items)}
+    waiting = {a: None for a in roles}
+    while roles:
+        ready = []
+        for a in roles:
+            op = waiting[a]
+            if op is None or (op[0] == "mbar" and w.mb_ready(a, op[1], op[2])) or (
+                    op[0] == "named" and w.nb_done(a, op[1], op[2])):
+                waiting[a] = None
+                ready.append(a)
+        if not ready:
+            raise Race(f"deadlock: {waiting}")
+        a = rnd.choice(ready)
+        try:
+            waiting[a] = next(roles[a])
+        except StopIteration:
+            del roles[a]
+    for bar, b in w.nbar.items():
+        if b["members"]:
+            raise Race(f"named barrier {bar} left half arrived by {b['members']}")
+
+
+def _items(seed):
+    rnd = random.Random(seed)
+    return [rnd.choice(range(8)) for _ in range(rnd.randint(0, 5))]
+
+
+@pytest.mark.parametrize("p_in_k", [True, False], ids=["p_in_rope_chunk", "p_in_sP"])
+def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k):
+    for seed in range(1500):
+        run_protocol(_items(seed), p_in_k, seed)
+
+
+@pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
+                                 "free0L before the SS PV retired", "WG1 skips q_full"])
+def test_the_protocol_model_catches_known_bugs(bug):
+    with pytest.raises(Race):
+        for seed in range(1500):
+            run_protocol(_items(seed), True, seed, bug)
+
+
+# ------------------------------------------------------------------------------------ arithmetic
+
+
+def _bf16(x):
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+    return b.astype(np.uint32).view(np.float32)
+
+
+def _pingpong_row(s, v, valid, scale_log2, sink):
+    """One row through the kernel's order of operations; returns (out, lse, max_logit)."""
+    tiles = len(s) // 64
+    m, l0, l1 = np.float32(-1e30), np.float32(0), np.float32(0)
+    o = np.zeros(512, np.float32)
+    masked = np.where(valid, s * scale_log2, -np.inf).astype(np.float32)
+    for pr in range((tiles + 1) // 2):
+        t0, odd = 2 * pr, 2 * pr + 1 < tiles
+        s0 = masked[t0 * 64:(t0 + 1) * 64]
+        ma = np.float32(max(m, s0.max()))                       # WG0: MAX_A
+        p0 = np.exp2(s0 - ma).astype(np.float32)
+        l0 = l0 * np.float32(np.exp2(m - ma)) + p0.sum(dtype=np.float32)
+        o[:256] = o[:256] * np.float32(np.exp2(m - ma)) + _bf16(p0) @ v[t0 * 64:(t0 + 1) * 64, :256]
+        mb = ma
+        if odd:                                                 # WG1: MAX_B
+            s1 = masked[(t0 + 1) * 64:(t0 + 2) * 64]
+            mb = np.float32(max(ma, s1.max()))
+        sc = np.float32(np.exp2(m - mb))
+        o[256:] *= sc
+        l1 = l1 * sc
+        if odd:
+            p1 = np.exp2(s1 - mb).astype(np.float32)
+            l1 += p1.sum(dtype=np.float32)
+            o[256:] += _bf16(p1) @ v[(t0 + 1) * 64:(t0 + 2) * 64, 256:]
+            f = np.float32(np.exp2(ma - mb))                    # WG0 after MAX_B
+            o[:256] *= f
+            p0, l0 = p0 * f, l0 * f
+            o[:256] += _bf16(p1) @ v[(t0 + 1) * 64:(t0 + 2) * 64, :256]
+        o[256:] += _bf16(p0) @ v[t0 * 64:(t0 + 1) * 64, 256:]
+        m = mb
+    l_sum = l0 + l1                                             # L_SUM
+    if l_sum == 0:
+        return np.zeros(512), np.inf, -np.inf
+    denom = l_sum + (np.exp2(sink * np.log2(np.e) - m) if sink is not None else 0)
+    return o / denom, np.log(l_sum) + m * np.log(2), m * np.log(2)
+
+
+def _reference_row(s, v, valid, scale, sink):
+    z = np.where(valid, s.astype(np.float64) * scale, -np.inf)
+    if not valid.any():
+        return np.zeros(512), np.inf, -np.inf
+    mx = z.max()
+    lse = np.log(np.exp(z - mx).sum()) + mx
+    lse_o = np.logaddexp(lse, sink) if sink is not None else lse
+    return np.exp(z - lse_o) @ v.astype(np.float64), lse, mx
+
+
+def test_pingpong_arithmetic_is_softmax_attention():
+    rng = np.random.default_rng(0)
+    scale = 0.5
+    for _ in range(200):
+        n = 64 * int(rng.integers(1, 8))
+        s = (rng.standard_normal(n) * rng.choice([1, 5, 30])).astype(np.float32)
+        v = _bf16(rng.standard_normal((n, 512)).astype(np.float32))
+        valid = rng.random(n) < rng.choice([1.0, 0.5, 0.05, 0.0])
+        if rng.random() < 0.3:
+            k = int(rng.integers(0, n // 64))
+            valid[k * 64:(k + 1) * 64] = False                  # a fully masked tile
+        sink = None if rng.random() < 0.5 else float(rng.standard_normal())
+        out, lse, mx = _pingpong_row(s, v, valid, np.float32(scale * np.log2(np.e)), sink)
+        ref_out, ref_lse, ref_mx = _reference_row(s, v, valid, scale, sink)
+        for got, want in ((lse, ref_lse), (mx, ref_mx)):
+            assert (np.isinf(got) and got == want) or abs(got - want) <= 1e-4 * max(1.0, abs(want))
+        assert np.abs(out - ref_out).max() <= 2e-2 * max(1e-6, np.abs(ref_out).max())
