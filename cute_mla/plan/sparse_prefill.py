@@ -1,10 +1,11 @@
 """The plan of one sparse prefill call (``flash_mla_sparse_fwd``): which kernel, with how many heads,
 and what memory beyond the outputs it needs.
 
-A prefill CTA is one query token x 64 heads walking its token's whole top-k list: there is no
-schedule and no split, so no workspace. A call with 8, 16 or 32 heads runs the 64-head kernel on a
-copy of q padded with zero heads (and a padded out, max_logits and lse, whose first h_q heads are
-copied back): the plan names those transient bytes.
+A prefill work item is one query token x 64 heads walking its token's whole top-k list: there is
+no schedule and no split, so no workspace. 8, 16 or 32 heads run in a 64-row tile: on SM90 natively
+(TMA zero-fills the missing heads of Q and clips them from out, no copy), on an arch whose kernel
+takes 64 or 128 only on a copy of q padded with zero heads (and a padded out, max_logits and lse,
+whose first h_q heads are copied back): the plan names those transient bytes.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 from .. import archs, registry
 
 OP = "sparse_prefill"
-KERNEL_H_Q = (64, 128)              # heads the kernel runs natively
-PADDED_H_Q = (8, 16, 32)            # heads padded to 64
-SUPPORTED_H_Q = PADDED_H_Q + KERNEL_H_Q
+KERNEL_H_Q = (64, 128)              # heads every arch's kernel runs natively
+SMALL_H_Q = (8, 16, 32)             # native on SM90, padded to 64 where the arch's kernel has no small tile
+SUPPORTED_H_Q = SMALL_H_Q + KERNEL_H_Q
 SUPPORTED_D_QK = (576, 512)
 D_V = 512
 BLOCK_TOPK = 64                     # top-k positions per K tile
@@ -37,7 +38,7 @@ class SparsePrefillPlan:
     d_qk: int
     topk: int
     has_topk_length: bool
-    kernel_h_q: int             # heads the kernel runs: h_q, or 64 for 8/16/32 (zero heads padded)
+    kernel_h_q: int             # heads the kernel runs: h_q, or 64 where the arch pads 8/16/32 (config module's kernel_heads)
     kernel: str                 # the arch's kernel name (registry.OpSpec.kernels)
     d_v: int = D_V
     op: str = OP
@@ -64,8 +65,9 @@ class SparsePrefillPlan:
         return self.s_q * self.kernel_h_q * (self.d_qk * 2 + self.d_v * 2 + 4 + 4)
 
     @property
-    def ctas(self) -> int:
-        return self.s_q * (self.kernel_h_q // 64)
+    def items(self) -> int:
+        """Work items: (query token, 64-head block) pairs, walked by a persistent grid."""
+        return self.s_q * -(-self.kernel_h_q // 64)
 
     @property
     def tensor_maps(self) -> tuple:
@@ -75,24 +77,24 @@ class SparsePrefillPlan:
         pad = (f"; {self.h_q} heads run as {self.kernel_h_q} (zero heads padded: {self.padding_bytes / 2**20:.1f} MiB "
                "transient)") if self.padded else ""
         return (f"{self.kernel} on {self.arch}: s_q={self.s_q} h_q={self.h_q} d_qk={self.d_qk} topk={self.topk}"
-                f"{' with topk_length' if self.has_topk_length else ''}; {self.ctas} CTAs (one query token x 64 heads "
-                f"each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 bytes{pad}")
+                f"{' with topk_length' if self.has_topk_length else ''}; {self.items} work items (one query token x 64 "
+                f"heads each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 bytes{pad}")
 
 
 def check_problem(s_q: int, h_q: int, d_qk: int, topk: int) -> None:
     """The shapes a call may have, each refused by name."""
     if h_q not in SUPPORTED_H_Q:
-        raise ValueError(f"h_q: got {h_q}, accepted: {', '.join(map(str, SUPPORTED_H_Q))} (8, 16 and 32 run padded to 64; "
-                         "pad other head counts to one of these)")
+        raise ValueError(f"h_q: got {h_q}, accepted: {', '.join(map(str, SUPPORTED_H_Q))} (pad other head counts to one "
+                         "of these)")
     if d_qk not in SUPPORTED_D_QK:
         raise ValueError(f"d_qk: got {d_qk}, accepted: 576 (V3.2: 512 latent + 64 RoPE) or 512 (V4)")
     if topk <= 0 or topk % BLOCK_TOPK or topk > MAX_TOPK:
         raise ValueError(f"topk: got {topk}, accepted: a positive multiple of {BLOCK_TOPK} up to {MAX_TOPK}")
     if s_q < 0:
         raise ValueError(f"s_q: got {s_q}, accepted: >= 0")
-    kernel_h_q = max(h_q, 64)
-    if s_q * (kernel_h_q // 64) > MAX_CTAS:
-        raise ValueError(f"s_q: got {s_q}, accepted: at most {MAX_CTAS // (kernel_h_q // 64)} tokens per call at "
+    blocks = -(-h_q // 64)
+    if s_q * blocks > MAX_CTAS:
+        raise ValueError(f"s_q: got {s_q}, accepted: at most {MAX_CTAS // blocks} tokens per call at "
                          f"h_q={h_q} (one CTA per token and 64 heads in grid x); split the call")
 
 
@@ -105,7 +107,7 @@ def plan_sparse_prefill(s_q: int, h_q: int, d_qk: int, topk: int, *, arch: str, 
     check_problem(s_q, h_q, d_qk, topk)
     kernel = registry.op(OP).kernel(arch).name
     return SparsePrefillPlan(arch=arch, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=topk, has_topk_length=has_topk_length,
-                             kernel_h_q=max(h_q, 64), kernel=kernel)
+                             kernel_h_q=registry.config_module(OP, arch).kernel_heads(h_q), kernel=kernel)
 
 
 def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
@@ -118,6 +120,6 @@ def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
         return []
     widths = SUPPORTED_D_QK if formats is None else tuple(dict.fromkeys(format_named(f).d_qk for f in formats))
     mod = registry.config_module(OP, arch)
-    kernel_hs = tuple(dict.fromkeys(max(h, 64) for h in h_qs))
+    kernel_hs = tuple(dict.fromkeys(mod.kernel_heads(h) for h in h_qs))
     return [(spec.name, mod.kernel_config(h_q=h, d_qk=d, has_topk_length=tl, has_attn_sink=sink))
             for h, d, tl, sink in itertools.product(kernel_hs, widths, (False, True), (False, True))]

@@ -18,7 +18,7 @@ from .config import TILE, RegisterBudget, Tile, tile_of
 # (V3.2), 512 = the shared K/V row (V4). The K tile of a width is the decode tile of the cache
 # format with that key width: same smem geometry, only the gather differs.
 WIDTHS = {V32.d_qk: V32, V4.d_qk: V4}
-HEADS = (64, 128)   # per kernel; the API pads 8, 16 and 32 heads to 64
+HEADS = (8, 16, 32, 64, 128)   # a small head count runs in a 64-row tile, Q and out clipped by TMA
 
 
 def tile_of_width(d_qk: int) -> Tile:
@@ -60,7 +60,7 @@ class Sm90SparsePrefillConfig:
     per warp group, no column pair, no split, out through the Q staging).
     """
 
-    h_q: int   # 64 or 128 (128 = the token's two 64-head CTAs side by side in grid x)
+    h_q: int   # 8, 16, 32 or 64 (one 64-row head block) or 128 (two)
     d_qk: int  # 576 or 512
     has_topk_length: bool
     has_attn_sink: bool
@@ -89,11 +89,17 @@ class Sm90SparsePrefillConfig:
 
     @property
     def n_hblk(self) -> int:
-        """64-head CTAs per token."""
-        return self.h_q // TILE.heads
+        """64-head blocks per token (one for 8, 16, 32 or 64 heads)."""
+        return -(-self.h_q // TILE.heads)
 
 
 Config = Sm90SparsePrefillConfig   # the registry's protocol (cute_mla.registry)
+
+
+def kernel_heads(h_q: int) -> int:
+    """The heads a call's kernel runs: every supported count natively (8, 16 and 32 in a 64-row
+    tile whose missing heads TMA zero-fills on the Q load and clips on the output store)."""
+    return h_q
 Tuning = Sm90PrefillTuning
 
 

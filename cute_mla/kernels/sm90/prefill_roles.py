@@ -292,8 +292,10 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scal
         l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
         l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
         head0 = w.hblk * TILE.heads + row0
-        o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
-        o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
+        # rows past a small head count (8, 16, 32) are the tile's padding: the sink of a real head
+        # (never used), no lse or max_logits, no out (TMA clips them)
+        o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, cutlass.min(head0, cfg.h_q - 1))
+        o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, cutlass.min(head0 + 8, cfg.h_q - 1))
         cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
         if quad == 0:
             s_row_scale[row0] = o_scale0
@@ -302,10 +304,11 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scal
         scale_rows(acc_o, o_scale0, o_scale1)
         store_block(cfg, cta_of(w), acc_o, thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout),
                     q_staging(cfg, smem.sQ, 0), 0, warp, 0, Bar.EPI_SOFTMAX, False)
-        if quad == 0:
+        if (quad == 0) & (head0 < cfg.h_q):
             g.mLse[w.s_idx, head0] = lse0
-            g.mLse[w.s_idx, head0 + 8] = lse1
             g.mMax[w.s_idx, head0] = max_logit(l0, m0)
+        if (quad == 0) & (head0 + 8 < cfg.h_q):
+            g.mLse[w.s_idx, head0 + 8] = lse1
             g.mMax[w.s_idx, head0 + 8] = max_logit(l1, m1)
         rq += 1
     # Balance the barriers WG1 arrived on once more than WG0 synced.
