@@ -46,6 +46,7 @@ def test_plan_never_splits_and_pads_small_heads_only_where_the_arch_must(h_q, d_
     ((16, 64, 576, 100), "topk: got 100"),
     ((16, 64, 576, 0), "topk: got 0"),
     ((2**31, 128, 576, 64), "s_q: got"),
+    ((2**24, 128, 576, 64), "int32-indexed"),
 ])
 def test_plan_refuses_by_name(args, message):
     with pytest.raises(ValueError, match=message):

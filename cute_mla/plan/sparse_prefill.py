@@ -24,7 +24,7 @@ SUPPORTED_D_QK = (576, 512)
 D_V = 512
 BLOCK_TOPK = 64                     # top-k positions per K tile
 MAX_TOPK = 2**31 - BLOCK_TOPK       # list positions are int32
-MAX_CTAS = 2**31 - 1                # s_q * h_q / 64: grid x
+MAX_ITEMS = 2**31 - 1               # s_q * h_q / 64 work items, s_q * h_q lse entries: int32 indices
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,9 @@ def check_problem(s_q: int, h_q: int, d_qk: int, topk: int) -> None:
     if s_q < 0:
         raise ValueError(f"s_q: got {s_q}, accepted: >= 0")
     blocks = -(-h_q // 64)
-    if s_q * blocks > MAX_CTAS:
-        raise ValueError(f"s_q: got {s_q}, accepted: at most {MAX_CTAS // blocks} tokens per call at "
-                         f"h_q={h_q} (one CTA per token and 64 heads in grid x); split the call")
+    if s_q * blocks > MAX_ITEMS or s_q * h_q > MAX_ITEMS:
+        raise ValueError(f"s_q: got {s_q}, accepted: at most {MAX_ITEMS // max(blocks, h_q)} tokens per call at "
+                         f"h_q={h_q} (work items and lse / max_logits entries are int32-indexed); split the call")
 
 
 @functools.lru_cache(maxsize=4096)
