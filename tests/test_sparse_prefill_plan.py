@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import subprocess
 import sys
 
@@ -31,11 +32,13 @@ def test_plan_never_splits_and_pads_small_heads_only_where_the_arch_must(h_q, d_
     pads there and the plan names the transient bytes."""
     sm90 = plan_sparse_prefill(4096, h_q, d_qk, 2048, arch="sm_90a", has_topk_length=True)
     assert sm90.kernel_h_q == h_q and not sm90.padded and sm90.padding_bytes == 0
+    assert sm90.tile == ("heads on N (swap-AB)" if h_q < 64 else "heads on M")
+    assert ("swap-AB" in sm90.describe()) == (h_q < 64)
     assert not sm90.split and sm90.workspace_bytes == 0
     assert sm90.items == 4096 * -(-h_q // 64)
     assert sm90.kernel == "sm90_sparse_prefill" and sm90.tensor_maps == ("q", "out")
     sm100 = plan_sparse_prefill(4096, h_q, d_qk, 2048, arch="sm_100a", has_topk_length=True)
-    assert sm100.kernel_h_q == max(h_q, 64) and sm100.padded == (h_q < 64)
+    assert sm100.kernel_h_q == max(h_q, 64) and sm100.padded == (h_q < 64) and sm100.tile == "heads on M"
     assert sm100.padding_bytes == (4096 * 64 * (d_qk * 2 + 512 * 2 + 8) if h_q < 64 else 0)
     assert ("padded" in sm100.describe()) == (h_q < 64)
 
@@ -111,18 +114,26 @@ def test_cli_compile_writes_ptx_cubin_and_resources(tmp_path):
 # ---------------------------------------------------------------------------------------- compile
 
 
-@pytest.mark.parametrize("h_q, d_qk", [(64, 576), (128, 512), (16, 576)])
-def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, tmp_path):
+@pytest.mark.parametrize("h_q, d_qk, swap_ab", [(64, 576, True), (128, 512, True), (8, 576, True), (16, 576, True),
+                                                 (16, 512, True), (32, 576, True), (32, 512, True),
+                                                 (16, 576, False)])
+def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, swap_ab, tmp_path):
     """Every wgmma pipelined (ptxas serializes them all when a pending accumulator crosses a
-    branch merge), no local memory, the gather as cp.async with zero fill."""
+    branch merge), no local memory, the gather as cp.async with zero fill. 8, 16 and 32 heads in
+    the swap-AB tile: wgmma m64n{h_q}k16 only (QK twice in the code: before an item's first tile
+    and behind each PV; PV 4 chunks x 4 k-steps per MMA warp group), P^T and out leaving the
+    fragments by stmatrix.trans; ``swap_ab=False``: the 64-row tile (TMA-padded heads)."""
     from cute_mla.kernels.sm90 import sparse_prefill as m
     from cute_mla.playground import inspect as ki
 
-    cfg = m.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=True, has_attn_sink=True)
+    tuning = m.Sm90PrefillTuning(swap_ab=swap_ab)
+    cfg = m.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=True, has_attn_sink=True, tuning=tuning)
+    assert cfg.swapped == (swap_ab and h_q < 64)
     m.compile(cfg, dump_dir=str(tmp_path))
     ptx, cubin = ki.find_artifacts(str(tmp_path), "sm_90a")
     text = open(ptx).read()
     assert "cp.async.cg.shared.global" in text and "cp.async.mbarrier.arrive.noinc" in text
+    assert ("stmatrix.sync.aligned.m8n8" in text and ".trans.shared.b16" in text) == cfg.swapped
     assert m.smem_bytes(cfg) <= 227 * 1024
     if ki.find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not installed")
@@ -130,6 +141,12 @@ def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, tmp_
     stats = ki.hgmma_stats(sass)
     assert stats.total > 0 and stats.with_gsb0 <= 16, stats
     assert ki.local_memory_ops(sass) == 0
+    shapes = set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))
+    if cfg.swapped:
+        assert shapes == {f"64x{h_q}x16"}, shapes
+        assert stats.total == 2 * (d_qk // 16) + 2 * 16, stats
+    else:
+        assert shapes == {"64x64x16", "64x256x16"}, shapes   # QK over 64 rows, PV over 256 columns
 
 
 # ------------------------------------------------------------------------------------ traced form

@@ -2,10 +2,11 @@
 and what memory beyond the outputs it needs.
 
 A prefill work item is one query token x 64 heads walking its token's whole top-k list: there is
-no schedule and no split, so no workspace. 8, 16 or 32 heads run in a 64-row tile: on SM90 natively
-(TMA zero-fills the missing heads of Q and clips them from out, no copy), on an arch whose kernel
-takes 64 or 128 only on a copy of q padded with zero heads (and a padded out, max_logits and lse,
-whose first h_q heads are copied back): the plan names those transient bytes.
+no schedule and no split, so no workspace. 8, 16 or 32 heads: on SM90 natively in the swap-AB tile
+(the top-k rows on the MMA's M side, the heads on N: the MMAs do the heads' work only; the config
+module's ``kernel_tile``), on an arch whose kernel takes 64 or 128 only on a copy of q padded with
+zero heads (and a padded out, max_logits and lse, whose first h_q heads are copied back): the plan
+names those transient bytes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class SparsePrefillPlan:
     has_topk_length: bool
     kernel_h_q: int             # heads the kernel runs: h_q, or 64 where the arch pads 8/16/32 (config module's kernel_heads)
     kernel: str                 # the arch's kernel name (registry.OpSpec.kernels)
+    tile: str = "heads on M"    # the MMA tile (config module's kernel_tile): "heads on N (swap-AB)" for SM90's 8/16/32
     d_v: int = D_V
     op: str = OP
 
@@ -76,9 +78,13 @@ class SparsePrefillPlan:
     def describe(self) -> str:
         pad = (f"; {self.h_q} heads run as {self.kernel_h_q} (zero heads padded: {self.padding_bytes / 2**20:.1f} MiB "
                "transient)") if self.padded else ""
+        heads = min(self.kernel_h_q, 64)
+        tile = (f"; MMA tile: the {self.h_q} heads on N, the top-k rows on M (swap-AB)"
+                if self.tile != SparsePrefillPlan.tile else "")
         return (f"{self.kernel} on {self.arch}: s_q={self.s_q} h_q={self.h_q} d_qk={self.d_qk} topk={self.topk}"
-                f"{' with topk_length' if self.has_topk_length else ''}; {self.items} work items (one query token x 64 "
-                f"heads each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 bytes{pad}")
+                f"{' with topk_length' if self.has_topk_length else ''}; {self.items} work items (one query token x "
+                f"{heads} heads each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 "
+                f"bytes{pad}{tile}")
 
 
 def check_problem(s_q: int, h_q: int, d_qk: int, topk: int) -> None:
@@ -106,8 +112,9 @@ def plan_sparse_prefill(s_q: int, h_q: int, d_qk: int, topk: int, *, arch: str, 
     archs.get(arch)
     check_problem(s_q, h_q, d_qk, topk)
     kernel = registry.op(OP).kernel(arch).name
+    mod = registry.config_module(OP, arch)
     return SparsePrefillPlan(arch=arch, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=topk, has_topk_length=has_topk_length,
-                             kernel_h_q=registry.config_module(OP, arch).kernel_heads(h_q), kernel=kernel)
+                             kernel_h_q=mod.kernel_heads(h_q), kernel=kernel, tile=mod.kernel_tile(h_q))
 
 
 def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):

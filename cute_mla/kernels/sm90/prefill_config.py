@@ -18,7 +18,8 @@ from .config import TILE, RegisterBudget, Tile, tile_of
 # (V3.2), 512 = the shared K/V row (V4). The K tile of a width is the decode tile of the cache
 # format with that key width: same smem geometry, only the gather differs.
 WIDTHS = {V32.d_qk: V32, V4.d_qk: V4}
-HEADS = (8, 16, 32, 64, 128)   # a small head count runs in a 64-row tile, Q and out clipped by TMA
+HEADS = (8, 16, 32, 64, 128)
+SMALL_HEADS = (8, 16, 32)      # the swap-AB tile's head counts (``Sm90PrefillTuning.swap_ab``): heads on N
 
 
 def tile_of_width(d_qk: int) -> Tile:
@@ -40,10 +41,17 @@ class Sm90PrefillTuning:
     # Each producer lane prefetches its next-tile rows into L2 once this tile's copies are issued,
     # a tile ahead of their cp.async (rows of a large context come from HBM).
     prefetch_rows: bool = True
+    # 8, 16 and 32 heads in the swap-AB tile (prefill_small_roles.py: the 64 top-k rows of a K
+    # tile on the MMA's M side, the heads on N, S^T = K Q^T and O^T = V^T P^T), which does the
+    # heads' MMA work only. False: they run in the 64-row head tile (TMA zero-fills the missing
+    # heads of Q and clips them from out), which does 64 heads' work.
+    swap_ab: bool = True
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
             raise ValueError(f"Sm90PrefillTuning: registers takes a RegisterBudget, got {self.registers!r}")
+        if not isinstance(self.swap_ab, bool):
+            raise ValueError(f"Sm90PrefillTuning: swap_ab takes a bool, got {self.swap_ab!r}")
         if self.gather_l2 not in ("", "L2::64B", "L2::128B", "L2::256B"):
             raise ValueError(f"Sm90PrefillTuning: gather_l2 takes '', 'L2::64B', 'L2::128B' or 'L2::256B', "
                              f"got {self.gather_l2!r}")
@@ -60,7 +68,7 @@ class Sm90SparsePrefillConfig:
     per warp group, no column pair, no split, out through the Q staging).
     """
 
-    h_q: int   # 8, 16, 32 or 64 (one 64-row head block) or 128 (two)
+    h_q: int   # 8, 16 or 32 (the swap-AB tile, or one 64-row head block without swap_ab), 64 (one) or 128 (two)
     d_qk: int  # 576 or 512
     has_topk_length: bool
     has_attn_sink: bool
@@ -92,14 +100,27 @@ class Sm90SparsePrefillConfig:
         """64-head blocks per token (one for 8, 16, 32 or 64 heads)."""
         return -(-self.h_q // TILE.heads)
 
+    @property
+    def swapped(self) -> bool:
+        """The swap-AB tile (:func:`kernel_tile`): 8, 16 or 32 heads on the MMA's N side."""
+        return self.h_q in SMALL_HEADS and self.tuning.swap_ab
+
 
 Config = Sm90SparsePrefillConfig   # the registry's protocol (cute_mla.registry)
 
 
 def kernel_heads(h_q: int) -> int:
-    """The heads a call's kernel runs: every supported count natively (8, 16 and 32 in a 64-row
-    tile whose missing heads TMA zero-fills on the Q load and clips on the output store)."""
+    """The heads a call's kernel runs: every supported count natively (no padded copies)."""
     return h_q
+
+
+def kernel_tile(h_q: int) -> str:
+    """The MMA tile a head count takes with the default tuning (the plan's rule): 8, 16 and 32
+    heads the swap-AB tile (``"heads on N (swap-AB)"``: a K tile's 64 top-k rows on the wgmma's M
+    side, the heads on N), 64 and 128 the 64-head tile (``"heads on M"``, one per 64-head block)."""
+    return "heads on N (swap-AB)" if h_q in SMALL_HEADS and DEFAULT_TUNING.swap_ab else "heads on M"
+
+
 Tuning = Sm90PrefillTuning
 
 

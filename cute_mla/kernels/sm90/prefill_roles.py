@@ -1,4 +1,6 @@
-"""The SM90 sparse prefill kernel's warp-group roles and the bundles they take.
+"""The SM90 sparse prefill kernel's warp-group roles and the bundles they take (the MMA warp
+groups of the 64-head tile; 8, 16 and 32 heads run the swap-AB tile's, ``prefill_small_roles.py``,
+with this producer).
 
 A CTA is one query token x 64 heads. It walks its token's top-k list in 64-position K tiles
 (``ceil(length / 64)`` of them, ``length`` = top-k or the token's clamped ``topk_length``; none for
