@@ -59,6 +59,12 @@ and ``--install DIR/FILE.json`` (any machine) then puts them into ``benchmarks/r
 ``--cases``: all (default) or quick, or selectors ``key=value,...`` (keys d_qk, h_q, topk,
 s_kv; a case matches when every key does) joined by ``;``; a selector naming all four keys that
 matches no listed case adds that case (e.g. FlashMLA's ``d_qk=576,h_q=128,topk=2048,s_kv=98304``).
+
+``--variant KEY=VALUE`` (repeatable; cases mode): a third runner, cute-mla's kernel compiled with
+that ``Tuning`` (the plan's own launcher, ``interface.prefill.launch``, on the same inputs, outputs
+allocated as the public call does), checked on the sample rows and timed alternating with the two
+libraries; a second table gives its µs against the default's (e.g. ``swap_ab=false``: 8, 16 and 32
+heads in the 64-row tile instead of the swap-AB tile).
 """
 
 from __future__ import annotations
@@ -341,6 +347,31 @@ def summary(samples: List[float]) -> dict:
 
 # ---- the cases mode --------------------------------------------------------------------------------
 
+def variant_fwd(tuning) -> Callable:
+    """A ``flash_mla_sparse_fwd``-like call (the signature :func:`fwd_call` uses) that launches
+    cute-mla's kernel compiled with ``tuning`` through the plan's launcher (no padding: the arch's
+    kernel must take the call's heads, as SM90's takes every supported count)."""
+    from cute_mla.archs import device_arch
+    from cute_mla.interface import prefill as api
+    from cute_mla.kernels import SparsePrefillTensors
+    from cute_mla.plan.sparse_prefill import plan_sparse_prefill
+
+    def fwd(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
+        s_q, h_q, d_qk = q.shape
+        plan = plan_sparse_prefill(s_q, h_q, d_qk, indices.shape[-1], arch=device_arch(q.device),
+                                   has_topk_length=topk_length is not None)
+        if plan.padded:
+            raise ValueError(f"--variant: {plan.arch} pads {h_q} heads; the variant runner takes unpadded plans only")
+        out = torch.empty(s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+        ml = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+        lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+        api.launch(plan, SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out, ml,
+                                              lse, softmax_scale=float(sm_scale)), tuning)
+        return out, ml, lse
+
+    return fwd
+
+
 def run_case(c, libs: Dict[str, Callable], args) -> dict:
     d_qk, h_q, topk, s_kv = c
     x = make_case(c, args.s_q, args.contiguous, args.topk_length, DEVICE)
@@ -361,7 +392,9 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
             runners[key] = [("call", lambda fn=fn: fwd_call(fn, x))]
         except Exception as e:  # noqa: BLE001 -- a library's failure is a result of the case
             row[f"{key}_error"] = one_line(e)
-    if len(outs) == 2:
+    if "cute" in outs and "variant" in outs:
+        row["variant_max_abs_diff_out"] = (outs["cute"][0].float() - outs["variant"][0].float()).abs().max().item()
+    if "cute" in outs and "flashmla" in outs:
         (oc, mc, lc), (of, mf, lf) = outs["cute"], outs["flashmla"]
         row["max_abs_diff_out"] = (oc.float() - of.float()).abs().max().item()
         fin = torch.isfinite(lf) & torch.isfinite(lc)
@@ -377,6 +410,8 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
         row[f"{key}_tbps"] = nbytes / s["us"] * 1e-6
     if "cute_us" in row and "flashmla_us" in row:
         row["ratio"] = row["flashmla_us"] / row["cute_us"]
+    if "cute_us" in row and "variant_us" in row:
+        row["variant_speedup"] = row["variant_us"] / row["cute_us"]
     return row
 
 
@@ -400,6 +435,18 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
                 cells += ["-"] * 4
         cells.append(f"{r['ratio']:.3f}" if "ratio" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    if meta.get("variant"):
+        lines += ["", f"cute-mla's default kernel against the variant `{meta['variant']}` (same run, same inputs); "
+                  "speedup = variant µs / default µs", "",
+                  "| d_qk/h_q/topk/s_kv | default µs | variant µs | TFLOP/s | check | speedup |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            if "variant_us" in r:
+                check = r.get("variant_check", "-")
+                lines.append(f"| {r['case']} | {r.get('cute_us', float('nan')):.1f} | {r['variant_us']:.1f} | "
+                             f"{r['variant_tflops']:.1f} | {check if check in ('ok', 'not checked') else 'FAIL: ' + check} | "
+                             f"{r.get('variant_speedup', float('nan')):.3f} |")
+            else:
+                lines.append(f"| {r['case']} | - | error: {r.get('variant_error', '-')} | - | - | - |".replace("\n", " "))
     return "\n".join(lines)
 
 
@@ -409,6 +456,13 @@ def cases_main(args) -> dict:
     libs = libraries(fm)
     if not libs:
         raise SystemExit("bench_sparse_prefill: neither cute_mla nor FlashMLA has flash_mla_sparse_fwd")
+    variant = None
+    if args.variant:
+        from cute_mla.archs import device_arch
+        from cute_mla.playground.bench import parse_variant, variant_text
+        tuning = parse_variant(args.variant, arch=device_arch(torch.device("cuda")), op="sparse_prefill")
+        libs["variant"] = variant_fwd(tuning)
+        variant = variant_text(tuning)
     warm_up(args.warmup_s)
     results = []
     for i, c in enumerate(cases):
@@ -418,7 +472,7 @@ def cases_main(args) -> dict:
         results.append(r)
         print(json.dumps(r), flush=True)
     meta = run_meta(args, mode="cases", s_q=args.s_q, layout="packed" if args.contiguous else "strided (FlashMLA's)",
-                    topk_length=args.topk_length, sm_scale=PERF_SM_SCALE, flashmla=fm is not None)
+                    topk_length=args.topk_length, sm_scale=PERF_SM_SCALE, flashmla=fm is not None, variant=variant)
     print()
     print(cases_table(meta, results))
     return dict(meta=meta, results=results)
@@ -741,6 +795,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-s", type=float, default=2.0, help="seconds of bf16 matmuls first (clocks up)")
     ap.add_argument("--save", nargs="?", const=RESULTS, default=None, metavar="DIR",
                     help="write JSON and markdown into benchmarks/results (the index updated), or into DIR")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                    help="cases mode: also time cute-mla's kernel with this Tuning field (repeatable), e.g. swap_ab=false")
     ap.add_argument("--install", default=None, metavar="FILE.json",
                     help="put a run saved elsewhere (--save DIR) into benchmarks/results and its index (no GPU)")
     args = ap.parse_args(argv)
@@ -748,6 +804,8 @@ def parse_args(argv=None):
         args.iters = 5 if args.quick else 10
     if args.iters < 1 or args.warmup < 0 or args.s_q < 1 or args.sample < 0:
         ap.error("--iters and --s-q take a positive int, --warmup and --sample a non-negative one")
+    if args.variant and args.routes:
+        ap.error("--variant: cases mode only")
     quick = ROUTE_CASES[:1] if args.routes else QUICK
     base = quick if args.quick else (ROUTE_CASES if args.routes else CASES)
     try:

@@ -104,7 +104,8 @@ def cmd_plan(args) -> int:
     plan = _plan_from_args(args)
     if args.json and plan.op == registry.SPARSE_PREFILL.name:
         d = {k: getattr(plan, k) for k in ("op", "arch", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "kernel",
-                                           "kernel_h_q", "padded", "split", "workspace_bytes", "padding_bytes", "items")}
+                                           "kernel_h_q", "tile", "padded", "split", "workspace_bytes", "padding_bytes",
+                                           "items")}
         d["tensor_maps"] = list(plan.tensor_maps)
         print(json.dumps(d, indent=2))
     elif args.json:

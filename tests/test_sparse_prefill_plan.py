@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import subprocess
 import sys
 
@@ -27,15 +28,20 @@ from _trace_helpers import Recorder, fake_cuda
 
 @pytest.mark.parametrize("h_q", SUPPORTED_H_Q)
 @pytest.mark.parametrize("d_qk", [576, 512])
-def test_plan_runs_small_heads_padded_and_never_splits(h_q, d_qk):
-    plan = plan_sparse_prefill(4096, h_q, d_qk, 2048, arch="sm_90a", has_topk_length=True)
-    assert plan.kernel_h_q == max(h_q, 64) and plan.padded == (h_q < 64)
-    assert not plan.split and plan.workspace_bytes == 0
-    assert plan.items == 4096 * plan.kernel_h_q // 64
-    expected = 4096 * 64 * (d_qk * 2 + 512 * 2 + 8) if h_q < 64 else 0
-    assert plan.padding_bytes == expected
-    assert plan.kernel == "sm90_sparse_prefill" and plan.tensor_maps == ("q", "out")
-    assert ("padded" in plan.describe()) == (h_q < 64)
+def test_plan_never_splits_and_pads_small_heads_only_where_the_arch_must(h_q, d_qk):
+    """SM90 runs 8, 16 and 32 heads natively (no copy); SM100's kernel takes 64 or 128, so the call
+    pads there and the plan names the transient bytes."""
+    sm90 = plan_sparse_prefill(4096, h_q, d_qk, 2048, arch="sm_90a", has_topk_length=True)
+    assert sm90.kernel_h_q == h_q and not sm90.padded and sm90.padding_bytes == 0
+    assert sm90.tile == ("heads on N (swap-AB)" if h_q < 64 else "heads on M")
+    assert ("swap-AB" in sm90.describe()) == (h_q < 64)
+    assert not sm90.split and sm90.workspace_bytes == 0
+    assert sm90.items == 4096 * -(-h_q // 64)
+    assert sm90.kernel == "sm90_sparse_prefill" and sm90.tensor_maps == ("q", "out")
+    sm100 = plan_sparse_prefill(4096, h_q, d_qk, 2048, arch="sm_100a", has_topk_length=True)
+    assert sm100.kernel_h_q == max(h_q, 64) and sm100.padded == (h_q < 64) and sm100.tile == "heads on M"
+    assert sm100.padding_bytes == (4096 * 64 * (d_qk * 2 + 512 * 2 + 8) if h_q < 64 else 0)
+    assert ("padded" in sm100.describe()) == (h_q < 64)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -69,7 +75,7 @@ def test_variants_cover_every_kernel_config_a_plan_takes():
                 plan = plan_sparse_prefill(8, h_q, d_qk, 128, arch="sm_90a", has_topk_length=tl)
                 for sink in (False, True):
                     assert mod.config_for(plan, sink) in configs
-    assert len(configs) == 16
+    assert len(configs) == 40   # 8, 16, 32, 64, 128 heads x 2 widths x topk_length x sink
 
 
 # -------------------------------------------------------------------------------------------- CLI
@@ -80,7 +86,8 @@ def _cli(*args):
 
 
 def test_cli_plan_names_the_padding_and_no_workspace():
-    r = _cli("plan", "--op", "sparse_prefill", "--s-q", "4096", "--h-q", "16", "--d-qk", "576", "--topk", "2048")
+    r = _cli("plan", "--op", "sparse_prefill", "--s-q", "4096", "--h-q", "16", "--d-qk", "576", "--topk", "2048",
+             "--arch", "sm_100a")
     assert r.returncode == 0, r.stderr
     assert "workspace 0 bytes" in r.stdout and "16 heads run as 64" in r.stdout
     r = _cli("plan", "--op", "sparse_prefill", "--s-q", "100", "--h-q", "128", "--d-qk", "512", "--topk", "512",
@@ -108,18 +115,23 @@ def test_cli_compile_writes_ptx_cubin_and_resources(tmp_path):
 # ---------------------------------------------------------------------------------------- compile
 
 
-@pytest.mark.parametrize("h_q, d_qk", [(64, 576), (128, 512)])
+@pytest.mark.parametrize("h_q, d_qk", [(64, 576), (128, 512), (8, 576), (16, 576), (16, 512), (32, 576), (32, 512)])
 def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, tmp_path):
     """Every wgmma pipelined (ptxas serializes them all when a pending accumulator crosses a
-    branch merge), no local memory, the gather as cp.async with zero fill."""
+    branch merge), no local memory, the gather as cp.async with zero fill. 8, 16 and 32 heads in
+    the swap-AB tile: wgmma m64n{h_q}k16 only (QK twice in the code: before an item's first tile
+    and behind each PV; PV 4 chunks x 4 k-steps per MMA warp group), P^T and out leaving the
+    fragments by stmatrix.trans; 64 and 128 heads in the ping-pong's 64-head tile."""
     from cute_mla.kernels.sm90 import sparse_prefill as m
     from cute_mla.playground import inspect as ki
 
     cfg = m.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=True, has_attn_sink=True)
+    assert cfg.swapped == (h_q < 64)
     m.compile(cfg, dump_dir=str(tmp_path))
     ptx, cubin = ki.find_artifacts(str(tmp_path), "sm_90a")
     text = open(ptx).read()
     assert "cp.async.cg.shared.global" in text and "cp.async.mbarrier.arrive.noinc" in text
+    assert ("stmatrix.sync.aligned.m8n8" in text and ".trans.shared.b16" in text) == cfg.swapped
     assert m.smem_bytes(cfg) <= 227 * 1024
     if ki.find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not installed")
@@ -127,6 +139,12 @@ def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, tmp_
     stats = ki.hgmma_stats(sass)
     assert stats.total > 0 and stats.with_gsb0 <= 16, stats
     assert ki.local_memory_ops(sass) == 0
+    shapes = set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))
+    if cfg.swapped:
+        assert shapes == {f"64x{h_q}x16"}, shapes
+        assert stats.total == 2 * (d_qk // 16) + 2 * 16, stats
+    else:
+        assert shapes == {"64x64x16", "64x256x16"}, shapes   # QK over 64 rows, PV over 256 columns
 
 
 # ------------------------------------------------------------------------------------ traced form

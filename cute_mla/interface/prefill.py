@@ -2,7 +2,8 @@
 launches and its ``torch.library`` op.
 
 Every bad argument is refused before any launch, naming it. A call plans (``plan_sparse_prefill``:
-no schedule, no split, no workspace), pads 8, 16 or 32 heads to the kernel's 64 where it must
+no schedule, no split, no workspace), pads 8, 16 or 32 heads to the kernel's 64 where the arch's
+kernel has no small tile
 (``SparsePrefillPlan.padded``), and launches the registry's kernel for the device's arch on the
 current stream: no host synchronization, nothing read back, ``out`` at the caller's address when
 given. Eager calls run :func:`_run` directly; a call being traced goes through
@@ -51,10 +52,9 @@ def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tu
         raise ValueError(f"indices: expected shape ({s_q}, 1, topk) (q's s_q, one KV head), got {tuple(indices.shape)}")
     topk = indices.shape[2]
     check_problem(s_q, h_q, d_qk, topk)
-    padded = h_q < 64
-    # the kernel reads q by TMA and kv rows in 16-B pieces; a padded call reads a copy of q
-    if not padded:
-        check_aligned_strides("q", q, tma=True)
+    # the kernels read q by TMA and kv rows in 16-B pieces (a call the arch pads reads a copy of
+    # q, but the check does not depend on the arch)
+    check_aligned_strides("q", q, tma=True)
     check_aligned_strides("kv", kv)
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), dim=1, shape=(h_q,), device=q.device,
@@ -66,8 +66,7 @@ def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tu
         check_tensor("out", out, dtypes=(torch.bfloat16,), dim=3, shape=(s_q, h_q, D_V), device=q.device,
                      shape_doc=f"(s_q, h_q, {D_V})")
         check_distinct_elements("out", out)
-        if not padded:      # written by TMA; a padded call copies into it
-            check_aligned_strides("out", out, tma=True)
+        check_aligned_strides("out", out, tma=True)     # written by TMA
         if not torch.compiler.is_compiling():
             check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length)
     if q.device.type != "cuda":
@@ -146,8 +145,7 @@ def flash_mla_sparse_fwd(
     t = SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
                              softmax_scale=float(sm_scale))
     if torch.compiler.is_compiling():
-        arch, _ = ops.device_facts(q.device)
-        plan_sparse_prefill(int(s_q), int(h_q), int(d_qk), int(topk), arch=arch)   # refuses what no kernel runs
+        arch, _ = ops.device_facts(q.device)    # (the shapes were checked by check_call; the op plans)
         max_logits, lse = torch.ops.cute_mla.sparse_prefill(*t[:_N_INPUTS], out, t.softmax_scale, arch)
         return out, max_logits, lse
     with on_device_of(q):
@@ -170,14 +168,11 @@ _lib.define("sparse_prefill(" + ", ".join(f"Tensor{'?' if n in SPARSE_PREFILL_OP
 
 def _op_impl(q, kv, indices, topk_length, attn_sink, out, softmax_scale, arch):
     # what a trace cannot check (neg bits, base pointers, out apart from the inputs), on the real
-    # tensors; q and out are read and written by TMA only when the heads are not padded
-    tma = (("q", q), ("out", out))
-    padded = q.shape[1] < 64
-    neg_only = (("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink)) + (tma if padded else ())
-    for name, t in neg_only:
+    # tensors (q and out are read and written by TMA on every arch: a padded call checks them too)
+    for name, t in (("indices", indices), ("topk_length", topk_length), ("attn_sink", attn_sink)):
         if t is not None:
             check_not_neg(name, t)
-    check_deferred((() if padded else tma) + (("kv", kv),), ())      # their neg bits and base pointers
+    check_deferred((("q", q), ("out", out), ("kv", kv)), ())      # their neg bits and base pointers
     check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length)
     s_q, h, d_qk = q.shape
     plan = plan_sparse_prefill(s_q, h, d_qk, indices.shape[-1], arch=arch, has_topk_length=topk_length is not None)

@@ -1,10 +1,12 @@
 """The plan of one sparse prefill call (``flash_mla_sparse_fwd``): which kernel, with how many heads,
 and what memory beyond the outputs it needs.
 
-A prefill CTA is one query token x 64 heads walking its token's whole top-k list: there is no
-schedule and no split, so no workspace. A call with 8, 16 or 32 heads runs the 64-head kernel on a
-copy of q padded with zero heads (and a padded out, max_logits and lse, whose first h_q heads are
-copied back): the plan names those transient bytes.
+A prefill work item is one query token x 64 heads walking its token's whole top-k list: there is
+no schedule and no split, so no workspace. 8, 16 or 32 heads: on SM90 natively in the swap-AB tile
+(the top-k rows on the MMA's M side, the heads on N: the MMAs do the heads' work only; the config
+module's ``kernel_tile``), on an arch whose kernel takes 64 or 128 only on a copy of q padded with
+zero heads (and a padded out, max_logits and lse, whose first h_q heads are copied back): the plan
+names those transient bytes.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from dataclasses import dataclass
 from .. import archs, registry
 
 OP = "sparse_prefill"
-KERNEL_H_Q = (64, 128)              # heads the kernel runs natively
-PADDED_H_Q = (8, 16, 32)            # heads padded to 64
-SUPPORTED_H_Q = PADDED_H_Q + KERNEL_H_Q
+KERNEL_H_Q = (64, 128)              # heads every arch's kernel runs natively
+SMALL_H_Q = (8, 16, 32)             # native on SM90, padded to 64 where the arch's kernel has no small tile
+SUPPORTED_H_Q = SMALL_H_Q + KERNEL_H_Q
 SUPPORTED_D_QK = (576, 512)
 D_V = 512
 BLOCK_TOPK = 64                     # top-k positions per K tile
@@ -37,8 +39,9 @@ class SparsePrefillPlan:
     d_qk: int
     topk: int
     has_topk_length: bool
-    kernel_h_q: int             # heads the kernel runs: h_q, or 64 for 8/16/32 (zero heads padded)
+    kernel_h_q: int             # heads the kernel runs: h_q, or 64 where the arch pads 8/16/32 (config module's kernel_heads)
     kernel: str                 # the arch's kernel name (registry.OpSpec.kernels)
+    tile: str = "heads on M"    # the MMA tile (config module's kernel_tile): "heads on N (swap-AB)" for SM90's 8/16/32
     d_v: int = D_V
     op: str = OP
 
@@ -75,16 +78,20 @@ class SparsePrefillPlan:
     def describe(self) -> str:
         pad = (f"; {self.h_q} heads run as {self.kernel_h_q} (zero heads padded: {self.padding_bytes / 2**20:.1f} MiB "
                "transient)") if self.padded else ""
+        heads = min(self.kernel_h_q, 64)
+        tile = (f"; MMA tile: the {self.h_q} heads on N, the top-k rows on M (swap-AB)"
+                if self.tile != SparsePrefillPlan.tile else "")
         return (f"{self.kernel} on {self.arch}: s_q={self.s_q} h_q={self.h_q} d_qk={self.d_qk} topk={self.topk}"
-                f"{' with topk_length' if self.has_topk_length else ''}; {self.items} work items (one query token x 64 "
-                f"heads each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 bytes{pad}")
+                f"{' with topk_length' if self.has_topk_length else ''}; {self.items} work items (one query token x "
+                f"{heads} heads each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 "
+                f"bytes{pad}{tile}")
 
 
 def check_problem(s_q: int, h_q: int, d_qk: int, topk: int) -> None:
     """The shapes a call may have, each refused by name."""
     if h_q not in SUPPORTED_H_Q:
-        raise ValueError(f"h_q: got {h_q}, accepted: {', '.join(map(str, SUPPORTED_H_Q))} (8, 16 and 32 run padded to 64; "
-                         "pad other head counts to one of these)")
+        raise ValueError(f"h_q: got {h_q}, accepted: {', '.join(map(str, SUPPORTED_H_Q))} (pad other head counts to one "
+                         "of these)")
     if d_qk not in SUPPORTED_D_QK:
         raise ValueError(f"d_qk: got {d_qk}, accepted: 576 (V3.2: 512 latent + 64 RoPE) or 512 (V4)")
     if topk <= 0 or topk % BLOCK_TOPK or topk > MAX_TOPK:
@@ -105,8 +112,9 @@ def plan_sparse_prefill(s_q: int, h_q: int, d_qk: int, topk: int, *, arch: str, 
     archs.get(arch)
     check_problem(s_q, h_q, d_qk, topk)
     kernel = registry.op(OP).kernel(arch).name
+    mod = registry.config_module(OP, arch)
     return SparsePrefillPlan(arch=arch, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=topk, has_topk_length=has_topk_length,
-                             kernel_h_q=max(h_q, 64), kernel=kernel)
+                             kernel_h_q=mod.kernel_heads(h_q), kernel=kernel, tile=mod.kernel_tile(h_q))
 
 
 def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
@@ -119,6 +127,6 @@ def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
         return []
     widths = SUPPORTED_D_QK if formats is None else tuple(dict.fromkeys(format_named(f).d_qk for f in formats))
     mod = registry.config_module(OP, arch)
-    kernel_hs = tuple(dict.fromkeys(max(h, 64) for h in h_qs))
+    kernel_hs = tuple(dict.fromkeys(mod.kernel_heads(h) for h in h_qs))
     return [(spec.name, mod.kernel_config(h_q=h, d_qk=d, has_topk_length=tl, has_attn_sink=sink))
             for h, d, tl, sink in itertools.product(kernel_hs, widths, (False, True), (False, True))]

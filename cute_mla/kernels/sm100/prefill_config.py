@@ -193,6 +193,17 @@ Config = Sm100SparsePrefillConfig   # the registry's protocol (cute_mla.registry
 Tuning = Sm100PrefillTuning
 
 
+def kernel_heads(h_q: int) -> int:
+    """The heads a call's kernel runs: 64 or 128 (the API pads 8, 16 and 32 heads to 64)."""
+    return max(h_q, 64)
+
+
+def kernel_tile(h_q: int) -> str:
+    """The MMA tile a head count takes (the plan's rule): the heads on the MMA's M side for every
+    count (no swap-AB tile on SM100 yet)."""
+    return "heads on M"
+
+
 def kernel_config(*, h_q: int, d_qk: int, has_topk_length: bool, has_attn_sink: bool,
                   tuning=None) -> Sm100SparsePrefillConfig:
     """Any valid config by keyword; ``tuning`` None is the default."""

@@ -19,7 +19,8 @@ from .config import TILE, Bar, RegisterBudget, Tile, tile_of
 # (V3.2), 512 = the shared K/V row (V4). The K tile of a width is the decode tile of the cache
 # format with that key width: same smem geometry, only the gather differs.
 WIDTHS = {V32.d_qk: V32, V4.d_qk: V4}
-HEADS = (64, 128)   # per kernel; the API pads 8, 16 and 32 heads to 64
+HEADS = (8, 16, 32, 64, 128)
+SMALL_HEADS = (8, 16, 32)      # the swap-AB tile's head counts: heads on N (``prefill_small_roles.py``)
 
 
 def tile_of_width(d_qk: int) -> Tile:
@@ -35,7 +36,8 @@ class PrefillBar(IntEnum):
 
     ``Q_FREE`` and the two epilogue ids are :class:`~.config.Bar`'s, with the same use; the
     ping-pong's own ids follow the last one of ``Bar`` (``INDEX_SCAN``, the decode producer's), so
-    no id of the sm90 package means two things. Each is a 256-thread barrier between WG0 and WG1
+    no id of the sm90 package means two things; the swap-AB tile's two are the decode kernel's P
+    hand-over ids, with the same use. Each is a 256-thread barrier between WG0 and WG1
     (one side ``bar.arrive``, the other ``bar.sync``, once each per use) but ``L_SUM`` (both sync)
     and the epilogue ids (one warp group, 128 threads); ``prefill_roles.py`` has the table.
     """
@@ -48,6 +50,9 @@ class PrefillBar(IntEnum):
     P0_READY = max(Bar) + 3          # WG0 -> WG1, per pair: bf16 P0 (at mB) in its P buffer
     P1_READY = max(Bar) + 4          # WG1 -> WG0, per pair with an odd tile: bf16 P1 in its P buffer
     L_SUM = max(Bar) + 5             # WG0 <-> WG1 (both sync), per item: the row sums exchanged
+    # the swap-AB tile (8, 16, 32 heads; ``prefill_small_roles.py``):
+    PT_FREE = Bar.P_FREE             # WG1 -> WG0, per tile: P^T and the heads' factors read
+    PT_READY = Bar.P_READY           # WG0 -> WG1 (both sync per tile), P^T and the factors written
 
 
 assert max(PrefillBar) < 16 and len({int(b) for b in PrefillBar}) == len(PrefillBar)
@@ -88,7 +93,7 @@ class Sm90SparsePrefillConfig:
     column block of 256 per MMA warp group, no column pair, no split, out through the Q staging).
     """
 
-    h_q: int   # 64 or 128 (128 = the token's two 64-head CTAs side by side in grid x)
+    h_q: int   # 8, 16 or 32 (the swap-AB tile), 64 (one 64-head block) or 128 (two)
     d_qk: int  # 576 or 512
     has_topk_length: bool
     has_attn_sink: bool
@@ -117,11 +122,30 @@ class Sm90SparsePrefillConfig:
 
     @property
     def n_hblk(self) -> int:
-        """64-head CTAs per token."""
-        return self.h_q // TILE.heads
+        """64-head blocks per token (one for 8, 16, 32 or 64 heads)."""
+        return -(-self.h_q // TILE.heads)
+
+    @property
+    def swapped(self) -> bool:
+        """The swap-AB tile (:func:`kernel_tile`): 8, 16 or 32 heads on the MMA's N side."""
+        return self.h_q in SMALL_HEADS
 
 
 Config = Sm90SparsePrefillConfig   # the registry's protocol (cute_mla.registry)
+
+
+def kernel_heads(h_q: int) -> int:
+    """The heads a call's kernel runs: every supported count natively (no padded copies)."""
+    return h_q
+
+
+def kernel_tile(h_q: int) -> str:
+    """The MMA tile a head count takes with the default tuning (the plan's rule): 8, 16 and 32
+    heads the swap-AB tile (``"heads on N (swap-AB)"``: a K tile's 64 top-k rows on the wgmma's M
+    side, the heads on N), 64 and 128 the 64-head tile (``"heads on M"``, one per 64-head block)."""
+    return "heads on N (swap-AB)" if h_q in SMALL_HEADS else "heads on M"
+
+
 Tuning = Sm90PrefillTuning
 
 

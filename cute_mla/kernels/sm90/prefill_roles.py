@@ -1,5 +1,6 @@
 """The SM90 sparse prefill kernel's warp-group roles and the bundles they take: FlashMLA's
-ping-pong of two MMA warp groups over pairs of K tiles.
+ping-pong of two MMA warp groups over pairs of K tiles (64 and 128 heads; 8, 16 and 32 heads run
+the swap-AB tile's MMA warp groups, ``prefill_small_roles.py``, with this producer and its barriers).
 
 A work item is one query token x 64 heads walking its token's top-k list in 64-position K tiles
 (``ceil(length / 64)``, ``length`` = top-k or the token's clamped ``topk_length``; none for an

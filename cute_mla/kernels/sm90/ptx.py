@@ -169,3 +169,25 @@ def cp_async_arrive_noinc(mbar: Int32) -> None:
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+def stmatrix_trans(addr: Int32, regs) -> None:
+    """``stmatrix.sync.aligned.m8n8.x{1,2,4}.trans.shared.b16``: ``len(regs)`` 8x8 bf16 matrices,
+    warp-wide, each stored transposed. Register i of lane l holds its fragment of matrix i (row
+    l // 4, columns 2 (l % 4) and + 1: the MMA accumulator's fragment of an 8x8 block); lane l
+    gives the shared address of memory row l % 8 of matrix l // 8 (lanes 0-7 for x1, 0-15 for
+    x2), which receives the fragment's *column* l % 8 (8 contiguous bf16, 16 B). An accumulator
+    block of 8 rows x 8 columns lands as 8 columns x 8 rows: the swapped MMA's S^T / O^T
+    fragments leave as P^T / O rows (heads) this way."""
+    n = len(regs)
+    assert n in (1, 2, 4)
+    operands = ", ".join(f"${i + 1}" for i in range(n))
+    llvm.inline_asm(
+        None,
+        [Int32(addr).ir_value()] + [Int32(r).ir_value() for r in regs],
+        f"stmatrix.sync.aligned.m8n8.x{n}.trans.shared.b16 [$0], {{{operands}}};",
+        ",".join(["r"] * (n + 1)),
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

@@ -5,9 +5,11 @@ A work item = 64 query heads of one query token, walking its token's whole top-k
 schedule, no split). The grid is persistent: one CTA per SM walks items ``blockIdx.x + k *
 gridDim.x`` (a token's head blocks consecutive, so the two head halves of h_q = 128 run side by
 side and the second one's rows come from L2), and the producer gathers the next item's first
-tiles while the MMA warp groups finish an item. The MMA side is FlashMLA's ping-pong: the two MMA
-warp groups take the even and odd tiles of a pair, each owns half of O's columns and they exchange
-the running max and P. Roles, pipelines, barriers and arrive counts: ``prefill_roles.py``.
+tiles while the MMA warp groups finish an item. The MMA side of 64 and 128 heads is FlashMLA's
+ping-pong: the two MMA warp groups take the even and odd tiles of a pair, each owns half of O's
+columns and they exchange the running max and P. Roles, pipelines, barriers and arrive counts:
+``prefill_roles.py``; 8, 16 and 32 heads (``cfg.swapped``) run the swap-AB tile, whose MMA warp
+groups are ``prefill_small_roles.py`` (the producer, its barriers and the item walk are the same).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .prefill_config import (DEFAULT_TUNING, Config, Sm90PrefillTuning, Sm90Spar
                              Tuning, config_for, kernel_config, tensor_maps)
 from .prefill_roles import (HALVES, K_FREE_ARRIVALS, K_FULL_ARRIVALS, Gmem, Smem, mma_wg0, mma_wg1, p_tensors, producer,
                             shared_storage, slot)
+from . import prefill_small_roles as small
 
 __all__ = ["Config", "Tuning", "Kernel", "Sm90SparsePrefillConfig", "Sm90PrefillTuning", "DEFAULT_TUNING",
            "kernel_config", "config_for", "tensor_maps", "compile", "launch", "ENTRY"]
@@ -66,16 +69,25 @@ class Sm90SparsePrefill:
     ):
         cfg = self.cfg
         tile = cfg.tile
-        qk_mma, pv_rs_mma, pv_ss_mma = make_mmas(cfg.pv_cols)
-        q_layout, k_layout, p_layout = smem_layouts(tile)
-        chunk_layout = bf16_block_layout(TILE.chunk)
+        heads = TILE.heads   # rows of the Q and out TMA boxes
+        if cutlass.const_expr(cfg.swapped):
+            # The swap-AB tile: QK and PV with the heads on N (both groups' PV is SS: WG0 takes
+            # the first PV object, WG1 the second).
+            heads = cfg.h_q
+            qk_mma, pv_rs_mma, pv_ss_mma = small.make_swapped_mmas(cfg.h_q)
+            q_layout, k_layout, p_layout = small.swapped_smem_layouts(tile, cfg.h_q)
+            chunk_layout = small.out_chunk_layout(cfg.h_q)
+        else:
+            qk_mma, pv_rs_mma, pv_ss_mma = make_mmas(cfg.pv_cols)
+            q_layout, k_layout, p_layout = smem_layouts(tile)
+            chunk_layout = bf16_block_layout(TILE.chunk)
 
         tma_q, q_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), heads_dims_tokens_rows(q), cute.slice_(q_layout, (None, None, 0)),
-            (TILE.heads, tile.d_qk)
+            cpasync.CopyBulkTensorTileG2SOp(), heads_dims_tokens_rows(q),
+            q_layout if cfg.swapped else cute.slice_(q_layout, (None, None, 0)), (heads, tile.d_qk)
         )
         tma_out, out_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), heads_dims_tokens_rows(out), chunk_layout, (TILE.heads, TILE.chunk)
+            cpasync.CopyBulkTensorTileS2GOp(), heads_dims_tokens_rows(out), chunk_layout, (heads, TILE.chunk)
         )
         scale_log2 = softmax_scale * Float32(LOG2E)
         grid = (ctas, 1, 1)
@@ -110,20 +122,25 @@ class Sm90SparsePrefill:
         tidx, _, _ = cute.arch.thread_idx()
         wg = cute.arch.make_warp_uniform(tidx // TILE.threads_per_wg)
 
-        storage = SmemAllocator().allocate(shared_storage(cfg.tile))
+        storage = SmemAllocator().allocate(small.swapped_storage(cfg.tile, cfg.h_q) if cfg.swapped
+                                           else shared_storage(cfg.tile))
+        k_free_arrivals = small.K_FREE_ARRIVALS if cfg.swapped else K_FREE_ARRIVALS
         if tidx == 0:
             cute.arch.mbarrier_init(storage.q_full.data_ptr(), 1)
             for b in cutlass.range_constexpr(TILE.k_bufs):
                 for h in cutlass.range_constexpr(HALVES):
                     cute.arch.mbarrier_init(storage.k_full.data_ptr() + slot(b, h), K_FULL_ARRIVALS[h])
-                    cute.arch.mbarrier_init(storage.k_free.data_ptr() + slot(b, h), K_FREE_ARRIVALS[h])
+                    cute.arch.mbarrier_init(storage.k_free.data_ptr() + slot(b, h), k_free_arrivals[h])
         cute.arch.mbarrier_init_fence()
         if tidx < 32:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_out)
         cute.arch.sync_threads()
 
-        sP0, sP1 = p_tensors(cfg.tile, storage, p_layout)
+        if cutlass.const_expr(cfg.swapped):   # one P^T buffer (h x 64), read by both groups' PV
+            sP0 = sP1 = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        else:
+            sP0, sP1 = p_tensors(cfg.tile, storage, p_layout)
         smem = Smem(storage, storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner),
                     storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner), sP0, sP1)
         g = Gmem(tma_q, mQ, tma_out, mOut, mKV, mIdx, mTopkLen, mSink, mMax, mLse)
@@ -138,10 +155,16 @@ class Sm90SparsePrefill:
             producer(cfg, g, smem)
         elif wg == Role.SOFTMAX:
             setmaxregister_increase(regs.softmax)
-            mma_wg0(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
+            if cutlass.const_expr(cfg.swapped):
+                small.softmax_wg(cfg, g, smem, small.SwappedOps(qk_mma, pv_rs_mma, chunk_layout), scale_log2)
+            else:
+                mma_wg0(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
         else:
             setmaxregister_increase(regs.pv_right)
-            mma_wg1(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
+            if cutlass.const_expr(cfg.swapped):
+                small.pv_right_wg(cfg, g, smem, small.SwappedOps(qk_mma, pv_ss_mma, chunk_layout))
+            else:
+                mma_wg1(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,6 +185,8 @@ def _fake_arguments(cfg: Sm90SparsePrefillConfig) -> list:
 
 def smem_bytes(cfg: Sm90SparsePrefillConfig) -> int:
     """Dynamic shared memory of one CTA."""
+    if cfg.swapped:
+        return small.swapped_storage(cfg.tile, cfg.h_q).size_in_bytes()
     return shared_storage(cfg.tile).size_in_bytes()
 
 

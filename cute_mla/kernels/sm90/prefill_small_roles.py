@@ -1,0 +1,493 @@
+"""The SM90 sparse prefill kernel's swap-AB tile: 8, 16 and 32 heads (``cfg.swapped``) with the
+64 top-k rows of a K tile on the wgmma's M side and the heads on N, so the MMAs do the heads'
+work only (the 64-head tile pads M: 8x / 4x / 2x the work).
+
+Per K tile (64 rows), with h = ``cfg.h_q`` and d_qk 576 (512):
+
+* QK: S^T (64 rows x h) = K (64 x d_qk) Q^T: d_qk / 16 SS wgmma m64nhk16 (36, or 32), A = the K
+  buffer (K-major, the 64-head tile's K tile unchanged), B = Q (h x d_qk, K-major SW128, by TMA).
+* PV: O^T (512 x h) = V^T (512 x 64 rows) P^T (64 rows x h): A = V^T, the K buffer read MN-major
+  (d on M; bf16 in shared memory allows it), in 64-dim chunks; B = P^T (h x 64 rows, K-major
+  SW128), written from the S^T fragment by ``stmatrix.trans``. WG0 owns O^T's dims 0-255 (4
+  chunks x 4 k-steps = 16 wgmma m64nhk16), WG1 dims 256-511 (16 more): 2h fp32 of O^T per
+  thread (16 / 32 / 64).
+* Softmax over M: a thread holds rows ``16 warp + lane / 4`` and ``+ 8`` of heads
+  ``8 j + 2 (lane % 4) + c`` (h / 4 heads: its *slots*); a head's tile max is its two rows, then
+  lanes XOR 4, 8, 16, then the four warps through a shared-memory exchange (one 128-thread
+  barrier per tile). O^T's fragment holds the same heads per thread as S^T's (both are m64nh
+  accumulators with the heads on N), so WG0 rescales its O^T from registers; WG1 reads the
+  heads' factors from shared memory. The row sums stay per thread (over its two rows) until the
+  item's end, where they are reduced the same way. Masks: MMA warp w reads producer warp w's word
+  (rows 16 w .. 16 w + 15). Log2 domain, running max from -1e30, lse / max_logits / sink / empty
+  rows by the 64-head tile's rules (``finalize_row``, ``max_logit``).
+* Output: O^T's 8 x 8 blocks leave by ``stmatrix.trans`` as rows of out (heads x 64 dims, SW128)
+  into the Q buffer (free after the item's last QK), one TMA store of h x 64 per chunk.
+
+Roles, pipelines and counts are the 64-head tile's (``prefill_roles.py``): the producer (WG2)
+unchanged, ``k_full[2]`` 128 + 4, ``k_free[2]`` 256 (WG0 + WG1 after their PV of the tile
+retired), ``q_full`` 1 + tx (h x d_qk bf16). Named barriers: ``P_FREE`` (WG1 -> WG0: P^T and the
+factors read), ``P_READY`` (256: a sync for both groups per tile, so it also orders WG0's own
+P^T writes before its SS wgmma; WG0 arrives only at an item's end), ``Q_FREE`` (WG1 -> WG0: its
+staging left the Q buffer), ``EPI_SOFTMAX`` (WG0: the max / sum exchange and its output chunks),
+``EPI_PV_RIGHT`` (WG1's output chunks). No wgmma is left pending at a loop edge or branch merge.
+"""
+
+# No "from __future__ import annotations": cute.struct reads its field annotations as objects.
+import functools
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ...dsl import ptx as common_ptx
+from ...dsl.compat import LayoutEnum, OperandMajorMode, sm90_utils
+from . import ptx
+from .config import TILE, Tile
+from .epilogue import finalize_row
+from .mma import k_tensors_for_pv
+from .prefill_config import SMALL_HEADS, PrefillBar, Sm90SparsePrefillConfig
+from .prefill_roles import EARLY, HALVES, LATE, MASK_BYTES, Gmem, Smem, items, max_logit, slot, work_of
+
+PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
+WARPS = TILE.threads_per_wg // 32        # warps of an MMA warp group: 16 of the 64 rows each
+XCHG_BUFS = 3                            # exchange buffers: the tiles' max (by tile parity), the item's sums
+SUM_BUF = 2
+OUT_CHUNKS = TILE.half_v // TILE.chunk   # 64-dim chunks of O^T per MMA warp group (4)
+# The producer's K buffer halves (``prefill_roles.py``) are released together here: each MMA warp
+# group arrives on both halves of a tile's buffer once its PV of the tile retired (QK reads every
+# chunk, the two PVs half of the V columns each).
+K_FREE_ARRIVALS = (2 * TILE.threads_per_wg,) * HALVES
+assert TILE.tokens == WARPS * 16, "an MMA warp holds 16 of the tile's rows (the producer's mask word of its warp)"
+
+
+class SwappedOps(NamedTuple):
+    """The swap-AB tile's tiled MMAs and its output chunk layout (compile-time objects)."""
+
+    qk: cute.TiledMma               # S^T = K Q^T: SS m64nhk16, K-major K tile and Q
+    pv: cute.TiledMma               # O^T += V^T P^T: SS m64nhk16, MN-major V^T (the K tile), K-major P^T
+    chunk_layout: cute.ComposedLayout   # h heads x 64 dims of out, SW128 rows (one TMA box)
+
+
+def make_swapped_mmas(h: int):
+    """(QK, PV of WG0, PV of WG1) tiled MMAs of the swap-AB tile (host side). The two PVs are the
+    same op as two objects: each warp group sets its own ACCUMULATE field (a field set inside one
+    role's branch would not dominate the other role's use)."""
+    assert h in SMALL_HEADS
+    qk = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                           (1, 1, 1), (TILE.tokens, h))
+    pv = [sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.MN, OperandMajorMode.K, Float32,
+                                            (1, 1, 1), (TILE.chunk, h)) for _ in range(2)]
+    return qk, pv[0], pv[1]
+
+
+def swapped_smem_layouts(tile: Tile, h: int):
+    """(Q, K tiles, P^T) shared-memory layouts (host side): Q as QK's B operand (h x d_qk, K-major
+    SW128: one 128-B row per head and 64-dim chunk, chunks h x 128 B apart), the two K tiles of the
+    64-head tile (64 rows x d_qk, K-major SW128), P^T as PV's B operand (h x 64 rows, K-major SW128:
+    head n's 16-B unit u of rows 8u .. 8u + 7 at ``n * 128 + ((u ^ (n % 8)) << 4)``)."""
+    # Q without a stage mode (as (h, d_qk)): make_smem_layout_b's staged layout for h = 8, d_qk 576
+    # ((8,1),(64,9),(1,1)) aborts the DSL's slice of its stage (4.8.1); this is its first stage.
+    q = cute.tile_to_shape(warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+                           (h, tile.d_qk), (0, 1))
+    k = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE.heads, TILE.tokens, tile.d_qk), BFloat16,
+                                      TILE.k_bufs)
+    p = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE.chunk, h, TILE.tokens), BFloat16, 1)
+    assert cute.cosize(q) == h * tile.d_qk and cute.cosize(p) == h * TILE.tokens
+    assert cute.cosize(k) == TILE.k_bufs * tile.k_tile_elems
+    return q, k, p
+
+
+def out_chunk_layout(h: int):
+    """h heads x 64 dims of out, bf16 in SW128 K-major atoms (one 128-B row per head): the staging
+    of one output chunk and its TMA box."""
+    return cute.tile_to_shape(warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+                              (h, TILE.chunk), (0, 1))
+
+
+@functools.lru_cache(maxsize=None)
+def swapped_storage(tile: Tile, h: int):
+    """The CTA's shared memory in the swap-AB tile: Q (h x d_qk, also the output staging: h x 512
+    bf16 fits), the 64-head tile's two K tiles and barriers / masks (the producer's), P^T, the
+    heads' O factors (WG0 -> WG1) and the exchange buffers (V3.2 widths, h = 32: 188,928 B)."""
+
+    @cute.struct
+    class SwappedStorage:
+        q_full: cute.struct.MemRange[Int64, 1]
+        k_full: cute.struct.MemRange[Int64, TILE.k_bufs * HALVES]
+        k_free: cute.struct.MemRange[Int64, TILE.k_bufs * HALVES]
+        tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
+        head_scale: cute.struct.Align[cute.struct.MemRange[Float32, h], 16]
+        exchange: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_BUFS * WARPS * h], 16]
+        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, h * tile.d_qk], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, h * TILE.tokens], 1024]
+
+    return SwappedStorage
+
+
+# --------------------------------------------------------------- the fragment's heads (trace time)
+
+
+def slot_of(v: int) -> int:
+    """The head slot of value ``v`` of an m64nh accumulator fragment (v = c + 2 r + 4 j: column
+    8 j + 2 (lane % 4) + c, row + 8 r): 2 j + c."""
+    return 2 * (v // 4) + v % 2
+
+
+def head_of(slot: int, quad):
+    """The head of a thread's slot (``quad`` = lane % 4)."""
+    return 8 * (slot // 2) + 2 * quad + slot % 2
+
+
+def scale_heads(acc: cute.Tensor, factors: cute.Tensor, h: int):
+    """acc *= the factor of each value's head (``factors``: one per slot); acc is one or more
+    m64nh fragments back to back (h / 2 values each)."""
+    for i in range(cute.size(acc)):
+        acc[i] = acc[i] * factors[slot_of(i % (h // 2))]
+
+
+def rows_max(x: Float32) -> Float32:
+    """Max over the 8 lanes of a warp that hold the same heads (lanes XOR 4, 8, 16)."""
+    for off in (4, 8, 16):
+        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=off))
+    return x
+
+
+def rows_sum(x: Float32) -> Float32:
+    """Sum over the 8 lanes of a warp that hold the same heads (lanes XOR 4, 8, 16)."""
+    for off in (4, 8, 16):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
+    return x
+
+
+@cute.jit
+def exchange(vals: cute.Tensor, s_x: cute.Tensor, buf, warp, lane, is_max: cutlass.Constexpr):
+    """Each slot of ``vals`` (already reduced over the warp's rows) reduced over the warp group's
+    four warps: lanes 0-3 of each warp write their heads' values into exchange buffer ``buf``,
+    the warp group syncs (``EPI_SOFTMAX``), every thread combines the four for its heads.
+
+    Buffer reuse: buffer b is written again only after another exchange's barrier, which every
+    thread passes after reading b (tile parities alternate; the sums have their own buffer, and
+    the output chunks' barriers separate two items' sums)."""
+    quad = lane % 4
+    if lane < 4:
+        for s in cutlass.range_constexpr(cute.size(vals)):
+            s_x[head_of(s, quad), warp, buf] = vals[s]
+    cute.arch.barrier(barrier_id=PrefillBar.EPI_WG0, number_of_threads=TILE.threads_per_wg)
+    for s in cutlass.range_constexpr(cute.size(vals)):
+        head = head_of(s, quad)
+        x = s_x[head, 0, buf]
+        for w in cutlass.range_constexpr(1, WARPS):
+            if cutlass.const_expr(is_max):
+                x = cute.arch.fmax(x, s_x[head, w, buf])
+            else:
+                x = x + s_x[head, w, buf]
+        vals[s] = x
+
+
+@cute.jit
+def swapped_softmax(acc_s: cute.Tensor, word: Uint32, scale_log2: Float32, m: cute.Tensor, l: cute.Tensor,
+                    sc: cute.Tensor, s_x: cute.Tensor, buf, warp, lane):
+    """One online-softmax step over the M axis of S^T (in place: S^T becomes P^T, fp32). ``word``:
+    this thread's rows' validity (bit 0: row ``16 warp + lane / 4``, bit 8: that row + 8). Per slot:
+    ``m`` the running max (log2 units, from -1e30), ``l`` this thread's share of the running sum
+    (its two rows), ``sc`` the step's O factor."""
+    mx = cute.make_rmem_tensor(cute.make_layout(cute.size(m)), Float32)
+    for v in cutlass.range_constexpr(cute.size(acc_s)):
+        r = (v // 2) % 2
+        ok = ((word >> Uint32(8 * r)) & Uint32(1)) != Uint32(0)
+        t = Float32(cutlass.select_(ok, acc_s[v] * scale_log2, -Float32.inf))
+        acc_s[v] = t
+        if cutlass.const_expr(r == 0):
+            mx[slot_of(v)] = t
+        else:
+            mx[slot_of(v)] = cute.arch.fmax(mx[slot_of(v)], t)
+    for s in cutlass.range_constexpr(cute.size(m)):
+        mx[s] = rows_max(mx[s])
+    exchange(mx, s_x, buf, warp, lane, True)
+    for s in cutlass.range_constexpr(cute.size(m)):
+        new_m = cute.arch.fmax(m[s], mx[s])
+        sc[s] = cute.math.exp2(m[s] - new_m, fastmath=True)
+        m[s] = new_m
+    sums = cute.make_rmem_tensor(cute.make_layout(cute.size(m)), Float32)
+    for v in cutlass.range_constexpr(cute.size(acc_s)):
+        p = cute.math.exp2(acc_s[v] - m[slot_of(v)], fastmath=True)
+        acc_s[v] = p
+        if cutlass.const_expr((v // 2) % 2 == 0):
+            sums[slot_of(v)] = p
+        else:
+            sums[slot_of(v)] = sums[slot_of(v)] + p
+    for s in cutlass.range_constexpr(cute.size(m)):
+        l[s] = l[s] * sc[s] + sums[s]
+
+
+def store_transposed(base: Int32, acc: cute.Tensor, first: int, h: int, warp, lane):
+    """One m64nh fragment (``acc[first : first + h / 2]``: 64 rows x h heads, fp32) as bf16 into an
+    h x 64 K-major SW128 block at shared address ``base`` (1024-B aligned): head n's rows 8u ..
+    8u + 7 at ``base + n * 128 + ((u ^ (n % 8)) << 4)``. The fragment's 8 x 8 blocks (r, j) (rows
+    16 warp + 8 r .., heads 8 j ..) leave by ``stmatrix.trans``, four (two at h = 8) per
+    instruction: matrix i of group g is block (r, j) = (i % 2, 2 g + i // 2); lane l addresses
+    memory row l % 8 (head 8 j + l % 8) of matrix l // 8. A plain function, inlined at trace time."""
+    blocks = h // 4                    # 8x8 blocks in a warp's 16 rows x h heads
+    per = min(4, blocks)               # matrices per stmatrix
+    b = lane % 8
+    mm = (lane // 8) % per
+    for g in range(blocks // per):
+        regs = []
+        for i in range(per):
+            v = first + 4 * (per * g // 2 + i // 2) + 2 * (i % 2)
+            regs.append(common_ptx.pack_bf16x2(acc[v], acc[v + 1]))
+        head = 8 * (per * g // 2 + mm // 2) + b
+        unit = 2 * warp + mm % 2
+        ptx.stmatrix_trans(base + head * TILE.chunk_row_bytes + ((unit ^ b) << 4), regs)
+
+
+def issue_qk_swapped(cfg: Sm90SparsePrefillConfig, qk_mma, acc_s, tSrK, tSrQ, buf):
+    """S^T = K Q^T over K buffer ``buf``: d_qk / 16 chained SS wgmma m64nhk16 (committed, not
+    waited). ``qk_mma`` accumulates (set once, outside every staged region), so S^T is zeroed."""
+    tSrK_b = tSrK[None, None, None, buf]
+    acc_s.fill(0.0)
+    warpgroup.fence()
+    for k in range(cfg.tile.d_qk // 16):  # plain function: a trace-time (unrolled) loop
+        cute.gemm(qk_mma, acc_s, tSrK_b[None, None, k], tSrQ[None, None, k], acc_s)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def tile_slot(c0: Int32, c1: Int32, t: Int32):
+    """(K buffer, phase) of an item's tile ``t``: the producer puts tile 2i in buffer 0 and 2i+1
+    in buffer 1; ``c0`` / ``c1`` are the tiles each buffer held before the item."""
+    buf = t % TILE.k_bufs
+    return buf, (c0 + (c1 - c0) * buf + t // TILE.k_bufs) & 1
+
+
+@cute.jit
+def wait_tile(k_full, buf, phase):
+    """Both halves of K buffer ``buf`` gathered (the late one also carries the tile's mask)."""
+    cute.arch.mbarrier_wait(k_full + slot(buf, EARLY), phase)
+    cute.arch.mbarrier_wait(k_full + slot(buf, LATE), phase)
+
+
+@cute.jit
+def release_tile(k_free, buf):
+    """This warp group is done with K buffer ``buf``: both halves (:data:`K_FREE_ARRIVALS`)."""
+    cute.arch.mbarrier_arrive(k_free + slot(buf, EARLY))
+    cute.arch.mbarrier_arrive(k_free + slot(buf, LATE))
+
+
+@cute.jit
+def next_qk_behind_pv(cfg: Sm90SparsePrefillConfig, ops: SwappedOps, acc_s, tSrK, tSrQ, k_full, k_free, c0: Int32,
+                      c1: Int32, t: Int32, last):
+    """After tile ``t``'s PV is committed: tile t+1's QK behind it (unless ``t`` is the item's last
+    tile), tile t's K buffer released once its PV retired; every wgmma retired on both branches."""
+    buf, _ = tile_slot(c0, c1, t)
+    if last:
+        warpgroup.wait_group(0)
+        release_tile(k_free, buf)
+    else:
+        nbuf, nphase = tile_slot(c0, c1, t + 1)
+        wait_tile(k_full, nbuf, nphase)
+        issue_qk_swapped(cfg, ops.qk, acc_s, tSrK, tSrQ, nbuf)
+        warpgroup.wait_group(1)
+        release_tile(k_free, buf)
+        warpgroup.wait_group(0)
+
+
+@cute.jit
+def store_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOps, acc_o, col_half: cutlass.Constexpr,
+              s_idx, warp, lane, bar_id: cutlass.Constexpr):
+    """This warp group's O^T (dims 256 col_half .., already scaled) as out[s_idx, :, dims]: each
+    64-dim chunk staged transposed (h x 64, :func:`store_transposed`) in the warp group's part of
+    the Q buffer, then stored by one TMA box (warp 0), overlapping the next chunk's staging; warp 0
+    waits for the reads at the end."""
+    h = cfg.h_q
+    block_elems = h * TILE.chunk
+    stage_base = smem.storage.sQ.data_ptr().toint()
+    g_o = cute.flat_divide(g.mOut, (h, TILE.chunk))
+    for k in cutlass.range_constexpr(OUT_CHUNKS):
+        elem = (col_half * OUT_CHUNKS + k) * block_elems
+        store_transposed(stage_base + elem * 2, acc_o, k * (h // 2), h, warp, lane)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+        if warp == 0:
+            staged = cute.make_tensor(cute.recast_ptr(smem.sQ.iterator + elem, ops.chunk_layout.inner, BFloat16),
+                                      ops.chunk_layout.outer)
+            t_s, t_g = cpasync.tma_partition(g.tma_out, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2),
+                                             cute.group_modes(g_o, 0, 2))
+            with cute.arch.elect_one():
+                cute.copy(g.tma_out, t_s, t_g[None, 0, col_half * OUT_CHUNKS + k, s_idx, 0])
+                cute.arch.cp_async_bulk_commit_group()
+    if warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.sync_warp()
+
+
+# ------------------------------------------------------------------------------ the MMA warp groups
+
+
+@cute.jit
+def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOps, scale_log2: Float32):
+    """WG0 of the swap-AB tile, per item: Q by TMA (after WG1's previous output left the staging),
+    then per tile QK, the softmax over the rows, P^T and the heads' factors handed over, PV of
+    O^T's dims 0-255 with the next tile's QK behind it; then the epilogue (sums, factors to WG1,
+    its half of out, lse and max_logits of the h heads)."""
+    h = cfg.h_q
+    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+    warp = cute.arch.make_warp_uniform(wtid // 32)
+    lane = wtid % 32
+    quad = lane % 4
+    q_full = smem.storage.q_full.data_ptr()
+    k_full = smem.storage.k_full.data_ptr()
+    k_free = smem.storage.k_free.data_ptr()
+    mask_base = smem.storage.tile_mask.data_ptr().toint()
+    p_base = smem.sP0.iterator.toint()
+    s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
+    s_x = smem.storage.exchange.get_tensor(cute.make_layout((h, WARPS, XCHG_BUFS)))
+
+    gQ = cute.flat_divide(g.mQ, (h, cfg.tile.d_qk))
+    tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(smem.sQ, 0, 2),
+                                       cute.group_modes(gQ, 0, 2))
+    ops.qk.set(warpgroup.Field.ACCUMULATE, True)
+    ops.pv.set(warpgroup.Field.ACCUMULATE, True)
+    thr_qk = ops.qk.get_slice(wtid)
+    tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(smem.sK))
+    tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
+    acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE.tokens, h)))
+    thr_pv = ops.pv.get_slice(wtid)
+    tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(k_tensors_for_pv(cfg, smem.sK, 0)))
+    tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(smem.sP0))
+    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.half_v, h)))
+    slots = h // 4
+    m = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    l = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    sc = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    lse = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+
+    c0 = Int32(0)   # tiles K buffer 0 held so far (the producer's count)
+    c1 = Int32(0)   # the same for buffer 1
+    rq = Int32(0)   # items done so far
+    begin, end, step = items(cfg, g)
+    for item in cutlass.range(begin, end, step, unroll=1):
+        w = work_of(cfg, g, item)
+        if rq > 0:
+            # WG1's output store of the previous item no longer reads its staging (in sQ).
+            cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(q_full, h * cfg.tile.d_qk * 2)
+            cute.copy(g.tma_q, tQgQ[None, 0, 0, w.s_idx, 0], tQsQ, tma_bar_ptr=q_full)
+        m.fill(-1e30)
+        l.fill(0.0)
+        acc_o.fill(0.0)
+        cute.arch.mbarrier_wait(q_full, rq & 1)
+        if w.n_tiles > 0:
+            wait_tile(k_full, 0, c0 & 1)
+            issue_qk_swapped(cfg, ops.qk, acc_s, tSrK, tSrQ, 0)
+            warpgroup.wait_group(0)
+        for t in cutlass.range(0, w.n_tiles, unroll=1):
+            buf, _ = tile_slot(c0, c1, t)
+            # Producer warp `warp` wrote this warp's 16 rows as bits 0-15 of its word.
+            word = Uint32(common_ptx.ld_shared_i32(mask_base + buf * MASK_BYTES + warp * 4)) >> Uint32(lane // 4)
+            swapped_softmax(acc_s, word, scale_log2, m, l, sc, s_x, buf, warp, lane)
+
+            # P^T and the heads' factors to WG1 once it has read the last ones; the 256-thread
+            # sync also orders every WG0 thread's P^T writes before WG0's own SS wgmma reads them.
+            cute.arch.barrier(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
+            if (warp == 0) & (lane < 4):
+                for s in cutlass.range_constexpr(slots):
+                    s_scale[head_of(s, quad)] = sc[s]
+            store_transposed(p_base, acc_s, 0, h, warp, lane)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
+
+            scale_heads(acc_o, sc, h)
+            warpgroup.fence()
+            cute.gemm(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP[None, None, None, 0], acc_o)
+            warpgroup.commit_group()
+            next_qk_behind_pv(cfg, ops, acc_s, tSrK, tSrQ, k_full, k_free, c0, c1, t, t + 1 == w.n_tiles)
+        c0 += (w.n_tiles + 1) // TILE.k_bufs
+        c1 += w.n_tiles // TILE.k_bufs
+
+        # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, out, lse, max_logits
+        for s in cutlass.range_constexpr(slots):
+            l[s] = rows_sum(l[s])
+        exchange(l, s_x, SUM_BUF, warp, lane, False)
+        for s in cutlass.range_constexpr(slots):
+            o_scale, row_lse = finalize_row(cfg, g.mSink, l[s], m[s], False, head_of(s, quad))
+            sc[s] = o_scale
+            lse[s] = row_lse
+        cute.arch.barrier(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
+        if (warp == 0) & (lane < 4):
+            for s in cutlass.range_constexpr(slots):
+                s_scale[head_of(s, quad)] = sc[s]
+        cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
+        scale_heads(acc_o, sc, h)
+        store_out(cfg, g, smem, ops, acc_o, 0, w.s_idx, warp, lane, PrefillBar.EPI_WG0)
+        if (warp == 0) & (lane < 4):
+            for s in cutlass.range_constexpr(slots):
+                g.mLse[w.s_idx, head_of(s, quad)] = lse[s]
+                g.mMax[w.s_idx, head_of(s, quad)] = max_logit(l[s], m[s])
+        rq += 1
+    # Balance the barriers WG1 arrived on once more than WG0 synced.
+    cute.arch.barrier(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
+    if rq > 0:
+        cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
+
+
+@cute.jit
+def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOps):
+    """WG1 of the swap-AB tile: per tile, P^T and the heads' factors from WG0, then the SS wgmma
+    O^T[256:] += V^T[256:] P^T; per item, its half of out with the final factors, then ``Q_FREE``."""
+    h = cfg.h_q
+    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+    warp = cute.arch.make_warp_uniform(wtid // 32)
+    lane = wtid % 32
+    quad = lane % 4
+    k_full = smem.storage.k_full.data_ptr()
+    k_free = smem.storage.k_free.data_ptr()
+    s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
+
+    ops.pv.set(warpgroup.Field.ACCUMULATE, True)
+    thr_pv = ops.pv.get_slice(wtid)
+    tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(k_tensors_for_pv(cfg, smem.sK, 1)))
+    tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(smem.sP0))
+    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.half_v, h)))
+    slots = h // 4
+    sc = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    # sP / head_scale start out free.
+    cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
+    c0 = Int32(0)   # tiles K buffers 0 and 1 held so far
+    c1 = Int32(0)
+    begin, end, step = items(cfg, g)
+    for item in cutlass.range(begin, end, step, unroll=1):
+        w = work_of(cfg, g, item)
+        acc_o.fill(0.0)
+        for t in cutlass.range(0, w.n_tiles, unroll=1):
+            buf, phase = tile_slot(c0, c1, t)
+            cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
+            for s in cutlass.range_constexpr(slots):
+                sc[s] = s_scale[head_of(s, quad)]
+            # WG0 already waited for this buffer; waiting on the same phase gives WG1 its own acquire
+            # of the gathered rows (the producer cannot refill the buffer before WG1 releases it).
+            wait_tile(k_full, buf, phase)
+            scale_heads(acc_o, sc, h)
+            warpgroup.fence()
+            cute.gemm(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP[None, None, None, 0], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
+            release_tile(k_free, buf)
+        c0 += (w.n_tiles + 1) // TILE.k_bufs
+        c1 += w.n_tiles // TILE.k_bufs
+
+        cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
+        for s in cutlass.range_constexpr(slots):
+            sc[s] = s_scale[head_of(s, quad)]
+        cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
+        scale_heads(acc_o, sc, h)
+        store_out(cfg, g, smem, ops, acc_o, 1, w.s_idx, warp, lane, PrefillBar.EPI_WG1)
+        # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
+        cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
