@@ -344,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("warmup", help="precompile every kernel variant the plans can pick into the disk cache (no GPU)")
     op_arg(sp, all_ops=True)
     sp.add_argument("--arch", required=True, choices=archs.SUPPORTED_ARCHS, help="the compile target")
-    sp.add_argument("--h-q", type=_int_list, default=warmup.SUPPORTED_H_Q, help="head counts, e.g. 64,128 (default all)")
+    sp.add_argument("--h-q", type=_int_list, default=None,
+                    help="head counts, e.g. 64,128 (default: every head count the op takes)")
     format_args(sp, many=True)
     sp.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=None,
                     help="the op's kernels to warm, comma-separated (sparse_decode: sparse_decode or decode, combine, "

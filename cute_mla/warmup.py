@@ -18,7 +18,6 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 from . import archs, registry
 from .dsl.compile import cache_dir, compile_cached_state
-from .plan.sparse_decode import SUPPORTED_H_Q
 
 Variant = Tuple[str, object]   # (kernel name, config)
 DECODE_ALIAS = "decode"        # what ``--kinds`` called the sparse decode kernel before ops had names
@@ -37,12 +36,14 @@ def kernel_names(op: str, kinds: Optional[Iterable[str]]) -> Tuple[str, ...]:
     return names
 
 
-def variants(arch: str, h_qs: Iterable[int] = SUPPORTED_H_Q, formats: Optional[Iterable[str]] = None,
+def variants(arch: str, h_qs: Optional[Iterable[int]] = None, formats: Optional[Iterable[str]] = None,
              kinds: Optional[Iterable[str]] = None, op: str = registry.DEFAULT_OP) -> List[Variant]:
-    """Every (kernel name, config) ``warmup`` compiles for ``op`` on ``arch``."""
+    """Every (kernel name, config) ``warmup`` compiles for ``op`` on ``arch`` (``h_qs`` None: every
+    head count the op takes)."""
     archs.check_arch(arch)
-    return registry.variants(op, arch, h_qs=tuple(h_qs), formats=None if formats is None else tuple(formats),
-                             kernels=kernel_names(op, kinds))
+    heads = {} if h_qs is None else {"h_qs": tuple(h_qs)}
+    return registry.variants(op, arch, formats=None if formats is None else tuple(formats),
+                             kernels=kernel_names(op, kinds), **heads)
 
 
 def describe(variant: Variant) -> str:
@@ -84,7 +85,7 @@ def check_cache_writable() -> str:
     return str(where)
 
 
-def warmup(arch: str, *, h_qs: Iterable[int] = SUPPORTED_H_Q, formats: Optional[Iterable[str]] = None,
+def warmup(arch: str, *, h_qs: Optional[Iterable[int]] = None, formats: Optional[Iterable[str]] = None,
            kinds: Optional[Iterable[str]] = None, jobs: int = 1, op: str = registry.DEFAULT_OP,
            progress: Optional[Callable[[str], None]] = None) -> int:
     """Compile every variant into the disk cache in ``jobs`` fresh worker processes (spawned: a

@@ -45,6 +45,13 @@ def test_kinds_are_checked():
     assert decode and all(k == "sparse_decode" and cfg.format == "V4" and cfg.h_q == 64 for k, cfg in decode)
 
 
+def test_default_heads_are_each_ops_own():
+    """Without ``h_qs`` each op warms every head count it takes natively: the prefill kernel's 8,
+    16 and 32 heads on SM90 too (its swap-AB tile), the decode kernel 64 and 128."""
+    assert {cfg.h_q for _, cfg in warmup.variants("sm_90a", op="sparse_prefill")} == {8, 16, 32, 64, 128}
+    assert {cfg.h_q for _, cfg in warmup.variants("sm_90a", kinds=("sparse_decode",))} == {64, 128}
+
+
 def test_warmup_command_fills_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(dc.CACHE_ENV, str(tmp_path))
     assert main(["warmup", "--arch", "sm_90a", "--kinds", "scheduler", "--progress"]) == 0

@@ -364,13 +364,24 @@ def producer(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem):
             load_tile_indices(gl, idx_row, nxt, PASSES, t0 + 3, w.n_tiles)
             ph0 = c0 & 1
             ph1 = c1 & 1
-            gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, EARLY)
-            if has_odd:
-                gather_half(cfg, gl, cur, PASSES, t0 + 1, w.length, k_full, k_free, ph1, 1, EARLY)
-            gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, LATE)
-            if has_odd:
-                gather_half(cfg, gl, cur, PASSES, t0 + 1, w.length, k_full, k_free, ph1, 1, LATE)
-                c1 += 1
+            if cutlass.const_expr(cfg.swapped):
+                # Whole tiles in order: the swap-AB tile's WG0 waits for all of tile t+1 (its QK
+                # behind tile t's PV) before it releases tile t's buffer, so tile 2i+1's early half
+                # cannot come before tile 2i's late half.
+                gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, EARLY)
+                gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, LATE)
+                if has_odd:
+                    gather_half(cfg, gl, cur, PASSES, t0 + 1, w.length, k_full, k_free, ph1, 1, EARLY)
+                    gather_half(cfg, gl, cur, PASSES, t0 + 1, w.length, k_full, k_free, ph1, 1, LATE)
+                    c1 += 1
+            else:
+                gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, EARLY)
+                if has_odd:
+                    gather_half(cfg, gl, cur, PASSES, t0 + 1, w.length, k_full, k_free, ph1, 1, EARLY)
+                gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, LATE)
+                if has_odd:
+                    gather_half(cfg, gl, cur, PASSES, t0 + 1, w.length, k_full, k_free, ph1, 1, LATE)
+                    c1 += 1
             c0 += 1
             if cutlass.const_expr(cfg.tuning.prefetch_rows):
                 # The next pair's rows into L2 while this lane waits for the next free half.

@@ -343,7 +343,7 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
     mask_base = smem.storage.tile_mask.data_ptr().toint()
-    p_base = smem.sP0.iterator.toint()
+    p_base = smem.storage.sP.data_ptr().toint()
     s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
     s_x = smem.storage.exchange.get_tensor(cute.make_layout((h, WARPS, XCHG_BUFS)))
 
