@@ -85,6 +85,31 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "cute_mla.cli", *args], capture_output=True, text=True)
 
 
+def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
+    """The SM90 gather's L2 knobs follow the shape (128 heads: the 256-B fill, and the row prefetch at
+    d_qk 576; fewer heads: neither); a knob the tuning sets is kept; the config compiles concrete
+    values, so two spellings of one kernel are one cache entry."""
+    from cute_mla.kernels.sm90 import prefill_config as pc
+
+    def knobs(h_q, d_qk, tuning=None):
+        t = pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True, tuning=tuning).tuning
+        return t.gather_l2, t.prefetch_rows
+
+    assert knobs(128, 576) == ("L2::256B", True)
+    assert knobs(128, 512) == ("L2::256B", False)
+    for h_q in (8, 16, 32, 64):
+        for d_qk in (576, 512):
+            assert knobs(h_q, d_qk) == ("", False)
+    assert knobs(64, 576, pc.Sm90PrefillTuning(prefetch_rows=True)) == ("", True)
+    assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True)
+    explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False)
+    a = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False)
+    b = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False, tuning=explicit)
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(ValueError, match="prefetch_rows takes a bool"):
+        pc.Sm90PrefillTuning(prefetch_rows="yes")
+
+
 def test_cli_plan_names_the_padding_and_no_workspace():
     r = _cli("plan", "--op", "sparse_prefill", "--s-q", "4096", "--h-q", "16", "--d-qk", "576", "--topk", "2048",
              "--arch", "sm_100a")

@@ -126,7 +126,13 @@ def variant_fields(arch: str = SM90.name, op: str = registry.DEFAULT_OP) -> Dict
     """The tuning fields a variant may set, with their types."""
     tp = tuning_type(arch, op)
     hints = typing.get_type_hints(tp)
-    return {f.name: hints[f.name] for f in dataclasses.fields(tp) if f.name not in NOT_VARIANTS}
+    return {f.name: _plain(hints[f.name]) for f in dataclasses.fields(tp) if f.name not in NOT_VARIANTS}
+
+
+def _plain(tp):
+    """``Optional[X]`` -> ``X`` (a knob whose None default means "the shape's rule")."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
 
 
 def _spelling(tp) -> str:
@@ -142,6 +148,8 @@ def variant_keys_help(arch: str = SM90.name, op: str = registry.DEFAULT_OP) -> s
     default = tuning_type(arch, op)()
 
     def shown(v):
+        if v is None:
+            return "per shape"
         if dataclasses.is_dataclass(v):
             return "/".join(str(getattr(v, f.name)) for f in dataclasses.fields(v))
         return repr(v) if isinstance(v, str) else str(v).lower()

@@ -8,8 +8,9 @@ Plain Python (no DSL import): the API, the plan and the tests read it on any mac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
+from typing import Optional
 
 from ... import archs
 from ...formats import V4, V32
@@ -64,22 +65,37 @@ PINGPONG_REGISTERS = RegisterBudget(softmax=216, pv_right=216, producer=72)
 
 @dataclass(frozen=True)
 class Sm90PrefillTuning:
-    """The prefill kernel's variant knobs (part of the compile key; none changes results)."""
+    """The prefill kernel's variant knobs (part of the compile key; none changes results). A field
+    left None takes the shape's rule (:func:`resolve_tuning`) when a config is made."""
 
     registers: RegisterBudget = PINGPONG_REGISTERS
-    # L2 hint of the cp.async row gather ("" = none): the rows are re-read by the token's other
-    # head-half CTA and by neighbouring tokens whose top-k sets overlap.
-    gather_l2: str = "L2::256B"
-    # Each producer lane prefetches its next-tile rows into L2 once this tile's copies are issued,
-    # a tile ahead of their cp.async (rows of a large context come from HBM).
-    prefetch_rows: bool = True
+    # L2 hint of the cp.async row gather ("" = none).
+    gather_l2: Optional[str] = None
+    # Each producer lane prefetches the next tiles' rows into L2 once this tile's copies are
+    # issued, a tile ahead of their cp.async.
+    prefetch_rows: Optional[bool] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
             raise ValueError(f"Sm90PrefillTuning: registers takes a RegisterBudget, got {self.registers!r}")
-        if self.gather_l2 not in ("", "L2::64B", "L2::128B", "L2::256B"):
+        if self.gather_l2 not in (None, "", "L2::64B", "L2::128B", "L2::256B"):
             raise ValueError(f"Sm90PrefillTuning: gather_l2 takes '', 'L2::64B', 'L2::128B' or 'L2::256B', "
                              f"got {self.gather_l2!r}")
+        if self.prefetch_rows not in (None, True, False):
+            raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
+
+
+def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90PrefillTuning:
+    """``tuning`` with its None fields set by the shape's rule (the plan's; docs/performance.md,
+    section 8, has the measurements). 128 heads: a row is read by the token's two head blocks side by
+    side, so the gather keeps the 256-B L2 fill (the second block's copy hits the whole line) and,
+    at d_qk 576 (eighteen 64-B sectors a row, the MMA side longest), the next tiles' rows are
+    prefetched into L2 to keep HBM busy through the ping-pong's steps. Fewer heads: each row is
+    read once, the walk is bound by the gather itself, and both hints only add L2 traffic."""
+    pair = h_q > TILE.heads
+    rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk}
+    given = {k: v for k, v in rule.items() if getattr(tuning, k) is None}
+    return replace(tuning, **given) if given else tuning
 
 
 DEFAULT_TUNING = Sm90PrefillTuning()
@@ -113,6 +129,8 @@ class Sm90SparsePrefillConfig:
         tile_of_width(self.d_qk)
         if not isinstance(self.tuning, Sm90PrefillTuning):
             raise ValueError(f"tuning: expected an Sm90PrefillTuning, got {type(self.tuning).__name__}")
+        # a config compiles concrete knobs: the shape's rule fills what the tuning left open
+        object.__setattr__(self, "tuning", resolve_tuning(self.tuning, self.h_q, self.d_qk))
         if self.arch != archs.SM90.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
 
