@@ -214,27 +214,25 @@ def wg1_pair(w, c0, c1, odd):
         w.mb_arrive("B", "free1L", 128)
 
 
-def _sums(w, a, half, rq):
-    """The row sums through ``row_sum[item parity]`` and L_SUM; out then leaves from registers."""
-    par = "" if w.bug == "one row_sum buffer" else rq % 2
-    w.access(a, f"sum{half}{par}", "w")
+def _epilogue(w, a, half):
+    w.access(a, f"sum{half}", "w")
     yield from _sync(w, a, "L_SUM")
-    w.access(a, f"sum{1 - half}{par}", "r")
-
-
-def _load_q(w, a="A"):
-    w.tick(a)                                     # the Q TMA: issued by WG0, written by T
-    w.clock["T"] = _join(w.clock["T"], w.clock[a])
-    w.access("T", "Qlo", "w")
-    w.access("T", "Qhi", "w")
-    w.mb_arrive("T", "q_full", 1)
+    w.access(a, f"sum{1 - half}", "r")
+    staging = "Qlo" if half == 0 else "Qhi"
+    w.access(a, staging, "w")     # stmatrix
+    w.access(a, staging, "r")     # its TMA stores, waited for (read) by warp 0
 
 
 def wg0(w, items):
     c0 = c1 = 0
-    if items:
-        _load_q(w)
     for rq, n in enumerate(items):
+        if rq > 0:
+            yield from _sync(w, "A", "Q_FREE")
+        w.tick("A")                                   # the Q TMA: issued by WG0, written by T
+        w.clock["T"] = _join(w.clock["T"], w.clock["A"])
+        w.access("T", "Qlo", "w")
+        w.access("T", "Qhi", "w")
+        w.mb_arrive("T", "q_full", 1)
         yield ("mbar", "q_full", rq)
         for _ in range(n // 2):
             yield from wg0_pair(w, c0, c1, True)
@@ -242,11 +240,9 @@ def wg0(w, items):
         if n % 2:
             yield from wg0_pair(w, c0, c1, False)
             c0 += 1
-        if w.bug == "next Q before L_SUM" and rq + 1 < len(items):
-            _load_q(w)
-        yield from _sums(w, "A", 0, rq)
-        if w.bug != "next Q before L_SUM" and rq + 1 < len(items):
-            _load_q(w)
+        yield from _epilogue(w, "A", 0)
+    if items:
+        yield from _sync(w, "A", "Q_FREE")
 
 
 def wg1(w, items):
@@ -260,7 +256,8 @@ def wg1(w, items):
         if n % 2:
             yield from wg1_pair(w, c0, c1, False)
             c0 += 1
-        yield from _sums(w, "B", 1, rq)
+        yield from _epilogue(w, "B", 1)
+        w.nb_arrive("B", "Q_FREE")
 
 
 def run_protocol(items, p_in_k: bool, seed: int, bug: str = ""):
@@ -306,8 +303,7 @@ def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k):
 
 
 @pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
-                                 "free0L before the SS PV retired", "WG1 skips q_full", "one row_sum buffer",
-                                 "next Q before L_SUM"])
+                                 "free0L before the SS PV retired", "WG1 skips q_full"])
 def test_the_protocol_model_catches_known_bugs(bug):
     with pytest.raises(Race):
         for seed in range(1500):

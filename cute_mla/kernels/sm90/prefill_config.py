@@ -43,10 +43,9 @@ class PrefillBar(IntEnum):
     and the epilogue ids (one warp group, 128 threads); ``prefill_roles.py`` has the table.
     """
 
-    # the swap-AB tile's item boundary and epilogue (the 64-head tile stores from registers):
     Q_FREE = Bar.Q_FREE              # WG1 -> WG0, per item: its output staging (in sQ) read
-    EPI_WG0 = Bar.EPI_SOFTMAX        # WG0 only: the max / sum exchange, a staged output chunk written
-    EPI_WG1 = Bar.EPI_PV_RIGHT       # WG1 only: a staged output chunk written
+    EPI_WG0 = Bar.EPI_SOFTMAX        # WG0 only: a staged output chunk written
+    EPI_WG1 = Bar.EPI_PV_RIGHT       # WG1 only: the same
     MAX_A = max(Bar) + 1             # WG0 -> WG1, per pair: mA = max(M, rowmax S0) in s_max[0]
     MAX_B = max(Bar) + 2             # WG1 -> WG0, per pair with an odd tile: mB in s_max[1]
     P0_READY = max(Bar) + 3          # WG0 -> WG1, per pair: bf16 P0 (at mB) in its P buffer

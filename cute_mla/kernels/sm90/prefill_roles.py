@@ -59,22 +59,21 @@ MAX_A (7)    WG0 -> WG1   mA in ``row_max[0:64]``                               
 MAX_B (8)    WG1 -> WG0   mB in ``row_max[64:128]``                                  pairs with an odd tile
 P0_READY (9) WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
 P1_READY(10) WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
-L_SUM (11)   both sync    the item's row sums in ``row_sum[item parity]``; also      every item
-                          both groups' last QK of the item retired, so WG0 loads
-                          the next item's Q right after it
+L_SUM (11)   both sync    the item's row sums in ``row_sum``                         every item
+Q_FREE (3)   WG1 -> WG0   WG1's output staging (in sQ) read by its TMA stores        every item (WG0
+                                                                                     syncs before the
+                                                                                     next Q, and once
+                                                                                     at the end)
+EPI_WG0/1    one WG, 128  a staged output chunk written (``store_block``)            per chunk
 ===========  ===========  =========================================================  ==============
-
-The epilogue stores O from registers (no staging in sQ), so the next item's Q lands while both
-groups finish the item and the producer never waits on an item boundary for more than its two
-K buffers.
 
 No arrive can lap its sync: WG0 arrives MAX_A again only after syncing MAX_B (or, after an
 item's last pair, L_SUM), WG1 arrives MAX_B / P1_READY again only after syncing MAX_A, WG0
 arrives P0_READY again only after waiting ``k_full[0, late]``, which WG1 released after its SS
 PV of the last P0. Buffer reuse follows from the same chain: a P buffer is rewritten only after
 the ``k_full[b, late]`` phase that the reader's release opened, ``row_max`` halves only after
-the reader passed the next barrier, ``row_sum[parity]`` only two items later, after both
-groups passed the next item's ``L_SUM``. ``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under
+the reader passed the next barrier, ``row_sum`` only after ``Q_FREE`` / ``q_full`` of the next
+item. ``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under
 random interleavings (deadlock, lapping and race checks; keep it in step with the roles).
 
 P buffers: for d_qk 576 P of buffer b is the RoPE chunk of K buffer b (free once the tile's QK
@@ -95,7 +94,7 @@ from ...dsl import ptx as common_ptx
 from . import ptx
 from .config import TILE, Tile
 from .cta import Cta
-from .epilogue import finalize_row
+from .epilogue import BlockStore, finalize_row, q_staging, store_block
 from .mma import Ops, c_layout_to_a_layout, k_tensors_for_pv, scale_rows
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
 from .softmax import load_q
@@ -144,9 +143,7 @@ class Gmem(NamedTuple):
     tma_q: cute.CopyAtom
     mQ: cute.Tensor              # Q as (h, d_qk, s_q, 1): TMA boxes of 64 heads x d_qk dims
     tma_out: cute.CopyAtom
-    # out as (h, d_v, s_q, 1): the swap-AB tile's TMA boxes of h heads x 64 columns, or the global
-    # tensor itself, which the 64-head tile's stores from registers address (``tma_out`` unused)
-    mOut: cute.Tensor
+    mOut: cute.Tensor            # out as (h, d_v, s_q, 1): TMA boxes of 64 heads x 64 columns
     mKV: cute.Tensor             # (s_kv, d_qk) bf16
     mIdx: cute.Tensor            # (s_q, topk) int32
     mTopkLen: Optional[cute.Tensor]
@@ -206,7 +203,7 @@ def shared_storage(tile: Tile):
             k_free: cute.struct.MemRange[Int64, n_bar]
             tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
             row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]   # mA (WG0), mB (WG1)
-            row_sum: cute.struct.MemRange[Float32, 2 * 2 * TILE.heads]   # row sums of WG0, WG1, by item parity
+            row_sum: cute.struct.MemRange[Float32, 2 * TILE.heads]   # an item's row sums of WG0, WG1
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
     else:
@@ -217,7 +214,7 @@ def shared_storage(tile: Tile):
             k_free: cute.struct.MemRange[Int64, n_bar]
             tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
             row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]
-            row_sum: cute.struct.MemRange[Float32, 2 * 2 * TILE.heads]
+            row_sum: cute.struct.MemRange[Float32, 2 * TILE.heads]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.k_bufs * TILE.p_elems], 1024]
@@ -638,35 +635,26 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
 
 
 @cute.jit
-def item_sums(smem: Smem, v: MmaWg, wg: cutlass.Constexpr, l0: Float32, l1: Float32, parity):
-    """The item's row sums: this thread's over its quad, then both groups' (``row_sum[parity]``
-    and ``L_SUM``). After the sync neither group reads Q again for this item."""
+def finish_item(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: MmaWg, w: Work,
+                wg: cutlass.Constexpr, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
+    """An item's epilogue in MMA warp group ``wg``: the row sums summed over the quad and over
+    both groups (``L_SUM``), the final factors (the sink folded in), this group's O half staged
+    in its half of sQ and stored by TMA; WG0 also writes lse and max_logits."""
     l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
     l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
     l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
     l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
-    s_sum = smem.storage.row_sum.get_tensor(cute.make_layout((2 * TILE.heads, 2)))
-    if v.quad == 0:
-        s_sum[wg * TILE.heads + v.row0, parity] = l0
-        s_sum[wg * TILE.heads + v.row0 + 8, parity] = l1
+    s_sum = smem.storage.row_sum.get_tensor(cute.make_layout(2 * TILE.heads))
+    put_rows(s_sum, wg * TILE.heads, v.row0, v.quad, l0, l1)
     cute.arch.barrier(barrier_id=PrefillBar.L_SUM, number_of_threads=PAIR_THREADS)
-    return (l0 + s_sum[(1 - wg) * TILE.heads + v.row0, parity],
-            l1 + s_sum[(1 - wg) * TILE.heads + v.row0 + 8, parity])
-
-
-@cute.jit
-def store_item(cfg: Sm90SparsePrefillConfig, g: Gmem, v: MmaWg, w: Work, wg: cutlass.Constexpr, m0: Float32,
-               m1: Float32, l0: Float32, l1: Float32):
-    """The item's output in MMA warp group ``wg``: the final factors (the sink folded in), this
-    group's O half stored from registers as bf16; WG0 also writes lse and max_logits."""
+    l0 = l0 + s_sum[(1 - wg) * TILE.heads + v.row0]
+    l1 = l1 + s_sum[(1 - wg) * TILE.heads + v.row0 + 8]
     head0 = w.hblk * TILE.heads + v.row0
     o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
     o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
     scale_rows(v.acc_o, o_scale0, o_scale1)
-    r_o = cute.make_rmem_tensor(v.acc_o.layout, BFloat16)
-    r_o.store(v.acc_o.load().to(BFloat16))
-    g_o = cute.local_tile(g.mOut[None, None, w.s_idx, 0], (TILE.heads, cfg.pv_cols), (w.hblk, wg))
-    cute.autovec_copy(r_o, v.thr_pv.partition_C(g_o))
+    store_block(cfg, cta_of(w), v.acc_o, v.thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout),
+                q_staging(cfg, smem.sQ, wg), wg, v.warp, 0, PrefillBar.EPI_WG1 if wg else PrefillBar.EPI_WG0, False)
     if cutlass.const_expr(wg == 0):
         if v.quad == 0:
             g.mLse[w.s_idx, head0] = lse0
@@ -677,9 +665,8 @@ def store_item(cfg: Sm90SparsePrefillConfig, g: Gmem, v: MmaWg, w: Work, wg: cut
 
 @cute.jit
 def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
-    """WG0, per item: the item's full pairs, then its last tile alone where the count is odd, the
-    row sums, the next item's Q by TMA (both groups are done with this one's), then the output.
-    The first item's Q is loaded before the walk."""
+    """WG0, per item: Q by TMA (once WG1's previous output left the staging in sQ, ``Q_FREE``),
+    the item's full pairs, then its last tile alone where the count is odd, then the epilogue."""
     v = mma_wg(cfg, smem, ops, 0)
     q_full = smem.storage.q_full.data_ptr()
     gQ = cute.flat_divide(g.mQ, (TILE.heads, cfg.tile.d_qk))
@@ -689,10 +676,12 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
     c1 = Int32(0)   # odd tiles consumed: buffer 1's phase
     rq = Int32(0)   # items done
     begin, end, step = items(cfg, g)
-    if begin < end:
-        load_q(cfg, g, cta_of_item(cfg, begin), q_full, tQgQ, tQsQ, v.warp, 0)
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
+        if rq > 0:
+            # WG1's output store of the previous item no longer reads its staging (in sQ).
+            cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
+        load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, v.warp, 0)
         m0 = Float32(-1e30)
         m1 = Float32(-1e30)
         l0 = Float32(0.0)
@@ -706,17 +695,17 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         if w.n_tiles % 2 == 1:
             m0, m1, l0, l1 = wg0_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
             c0 += 1
-        l0, l1 = item_sums(smem, v, 0, l0, l1, rq & 1)
-        if item + step < end:
-            load_q(cfg, g, cta_of_item(cfg, item + step), q_full, tQgQ, tQsQ, v.warp, 0)
-        store_item(cfg, g, v, w, 0, m0, m1, l0, l1)
+        finish_item(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1)
         rq += 1
+    # WG1 arrived on Q_FREE once per item; WG0 synced once per item but the first.
+    if rq > 0:
+        cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
 
 
 @cute.jit
 def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
     """WG1, per item: Q landed (``q_full``), the item's full pairs, its last tile's PV where the
-    count is odd, the row sums, the output."""
+    count is odd, the epilogue, then ``Q_FREE`` (its staging in sQ is free)."""
     v = mma_wg(cfg, smem, ops, 1)
     q_full = smem.storage.q_full.data_ptr()
     c0 = Int32(0)
@@ -730,7 +719,8 @@ def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         l0 = Float32(0.0)
         l1 = Float32(0.0)
         v.acc_o.fill(0.0)
-        cute.arch.mbarrier_wait(q_full, rq & 1)   # this group's QKs read Q
+        # Q landed: this group's QKs read it, and its staging (which aliases Q) waits for it.
+        cute.arch.mbarrier_wait(q_full, rq & 1)
         for _ in cutlass.range(0, w.n_tiles // 2, unroll=1):
             m0, m1, l0, l1 = wg1_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
             c0 += 1
@@ -738,15 +728,15 @@ def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         if w.n_tiles % 2 == 1:
             m0, m1, l0, l1 = wg1_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
             c0 += 1
-        l0, l1 = item_sums(smem, v, 1, l0, l1, rq & 1)
-        store_item(cfg, g, v, w, 1, m0, m1, l0, l1)
+        finish_item(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1)
+        # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
+        cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
         rq += 1
 
 
-def cta_of_item(cfg: Sm90SparsePrefillConfig, item) -> Cta:
-    """The decode helpers' view of work item ``item`` (its token and head block; no schedule, no
-    timeline), without reading the token's length."""
-    return Cta(Int32(0), item // cfg.n_hblk, item % cfg.n_hblk, None, None, None)
+def cta_of(w: Work) -> Cta:
+    """The decode epilogue's view of this CTA (its token and head block; no schedule, no timeline)."""
+    return Cta(Int32(0), w.s_idx, w.hblk, None, None, None)
 
 
 @cute.jit

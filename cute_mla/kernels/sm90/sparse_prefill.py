@@ -89,9 +89,6 @@ class Sm90SparsePrefill:
         tma_out, out_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), heads_dims_tokens_rows(out), chunk_layout, (heads, TILE.chunk)
         )
-        if cutlass.const_expr(not cfg.swapped):
-            # the 64-head tile stores out from registers (its Q buffer holds the next item's Q by then)
-            out_tma = heads_dims_tokens_rows(out)
         scale_log2 = softmax_scale * Float32(LOG2E)
         grid = (ctas, 1, 1)
         self.kernel(
