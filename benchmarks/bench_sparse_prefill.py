@@ -63,8 +63,8 @@ matches no listed case adds that case (e.g. FlashMLA's ``d_qk=576,h_q=128,topk=2
 ``--variant KEY=VALUE`` (repeatable; cases mode): a third runner, cute-mla's kernel compiled with
 that ``Tuning`` (the plan's own launcher, ``interface.prefill.launch``, on the same inputs, outputs
 allocated as the public call does), checked on the sample rows and timed alternating with the two
-libraries; a second table gives its µs against the default's (e.g. ``swap_ab=false``: 8, 16 and 32
-heads in the 64-row tile instead of the swap-AB tile).
+libraries; a second table gives its µs against the default's (e.g. ``prefetch_rows=true``: the
+row prefetch on shapes whose rule leaves it off; a field not given keeps the shape's rule).
 """
 
 from __future__ import annotations
@@ -796,7 +796,7 @@ def parse_args(argv=None):
     ap.add_argument("--save", nargs="?", const=RESULTS, default=None, metavar="DIR",
                     help="write JSON and markdown into benchmarks/results (the index updated), or into DIR")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
-                    help="cases mode: also time cute-mla's kernel with this Tuning field (repeatable), e.g. swap_ab=false")
+                    help="cases mode: also time cute-mla's kernel with this Tuning field (repeatable), e.g. prefetch_rows=true")
     ap.add_argument("--install", default=None, metavar="FILE.json",
                     help="put a run saved elsewhere (--save DIR) into benchmarks/results and its index (no GPU)")
     args = ap.parse_args(argv)
