@@ -9,6 +9,7 @@ kernels are found through the registry.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import tempfile
@@ -53,10 +54,16 @@ def describe(variant: Variant) -> str:
     parts = []
     for name in fields:
         v = getattr(cfg, name)
-        if name in ("arch",) or v is False or v is None or (name == "tuning" and type(v)() == v):
+        if name in ("arch",) or v is False or v is None or (name == "tuning" and _default_tuning(cfg) == v):
             continue
         parts.append(name if v is True else f"{name}={v}")
     return " ".join([kernel] + parts)
+
+
+def _default_tuning(cfg):
+    """The tuning ``cfg`` would hold with a default one (a config may resolve its tuning's open
+    fields for its shape when it is made)."""
+    return dataclasses.replace(cfg, tuning=type(cfg.tuning)()).tuning
 
 
 def compile_variant(variant: Variant, op: str = registry.DEFAULT_OP) -> Tuple[float, bool]:

@@ -1,4 +1,5 @@
-"""CPU models of the SM90 sparse prefill kernel's ping-pong (``kernels/sm90/prefill_roles.py``).
+"""CPU models of the SM90 sparse prefill kernel's ping-pong (``kernels/sm90/prefill_roles.py``)
+and of its swap-AB tile's protocol (``prefill_small_roles.py``).
 
 These check the design, not the compiled kernel: each is a hand transcription of the roles and
 must be kept in step with them.
@@ -260,16 +261,20 @@ def wg1(w, items):
         w.nb_arrive("B", "Q_FREE")
 
 
-def run_protocol(items, p_in_k: bool, seed: int, bug: str = ""):
+def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False):
+    """One interleaving of the ping-pong's roles (or, ``swapped``, the swap-AB tile's)."""
     rnd = random.Random(seed)
     w = World(p_in_k, bug)
     w.mb_init("q_full", 1)
     for b in range(2):
         w.mb_init(f"full{b}E", 128)
         w.mb_init(f"full{b}L", 132)
-        w.mb_init(f"free{b}E", 128)
+        w.mb_init(f"free{b}E", 256 if swapped else 128)
         w.mb_init(f"free{b}L", 256)
-    roles = {"P": producer(w, items), "A": wg0(w, items), "B": wg1(w, items)}
+    if swapped:
+        roles = {"P": swapped_producer(w, items), "A": swapped_wg0(w, items), "B": swapped_wg1(w, items)}
+    else:
+        roles = {"P": producer(w, items), "A": wg0(w, items), "B": wg1(w, items)}
     waiting = {a: None for a in roles}
     while roles:
         ready = []
@@ -311,6 +316,137 @@ def test_the_protocol_model_catches_known_bugs(bug):
 
 
 # ------------------------------------------------------------------------------------ arithmetic
+
+# ---------------------------------------------------------------- the swap-AB tile (8, 16, 32 heads)
+# ``prefill_small_roles.py``: WG0 does every QK (behind the previous tile's PV), the softmax and P^T;
+# both groups do a PV per tile on their V columns (WG0 chunks 0-3, WG1 chunks 4-7) and release both
+# halves of the tile's buffer; out is staged in the Q buffer (WG0 "Qa", WG1 "Qb").
+
+def _v(b, h):
+    """The resources of K buffer b's half h: early = the V chunks of WG b's O block, late = the
+    other V chunks, the RoPE chunk and the mask."""
+    own, other = f"K{b}v{b}", f"K{b}v{1 - b}"
+    return [own] if h == "E" else [other, f"K{b}rope", f"mask{b}"]
+
+
+def swapped_producer(w, items):
+    c0 = c1 = 0
+    for n in items:
+        for pr in range((n + 1) // 2):
+            odd = 2 * pr + 1 < n
+            if w.bug == "ping-pong gather order":
+                order = [(0, "E")] + [(1, "E")] * odd + [(0, "L")] + [(1, "L")] * odd
+            else:
+                order = [(0, "E"), (0, "L")] + [(1, "E"), (1, "L")] * odd
+            for b, h in order:
+                yield ("mbar", f"free{b}{h}", (c0 if b == 0 else c1) - 1)
+                for r in _v(b, h):
+                    w.access("P", r, "w")
+                w.mb_arrive("P", f"full{b}{h}", 132 if h == "L" else 128)
+            c0, c1 = c0 + 1, c1 + odd
+
+
+def _tile(c0, c1, t):
+    b = t % 2
+    return b, (c0 if b == 0 else c1) + t // 2
+
+
+def _swapped_qk(w, b, ph):
+    yield ("mbar", f"full{b}E", ph)
+    yield ("mbar", f"full{b}L", ph)
+    tok = object()
+    res = ["Qa", "Qb", f"K{b}v0", f"K{b}v1", f"K{b}rope"]
+    w.wgmma_issue("A", res, tok)
+    return tok, res
+
+
+def _release(w, a, b):
+    w.mb_arrive(a, f"free{b}E", 128)
+    w.mb_arrive(a, f"free{b}L", 128)
+
+
+def swapped_wg0(w, items):
+    c0 = c1 = 0
+    for rq, n in enumerate(items):
+        if rq > 0:
+            yield from _sync(w, "A", "Q_FREE")
+        w.tick("A")
+        w.clock["T"] = _join(w.clock["T"], w.clock["A"])
+        w.access("T", "Qa", "w")
+        w.access("T", "Qb", "w")
+        w.mb_arrive("T", "q_full", 1)
+        yield ("mbar", "q_full", rq)
+        if n:
+            tok, res = yield from _swapped_qk(w, 0, c0)
+            w.wgmma_retire("A", res, tok)
+        for t in range(n):
+            b, _ = _tile(c0, c1, t)
+            w.access("A", f"mask{b}", "r")
+            yield from _sync(w, "A", "PT_FREE")
+            w.access("A", "scale", "w")
+            w.access("A", "PT", "w")
+            yield from _sync(w, "A", "PT_READY")
+            pv = object()
+            w.wgmma_issue("A", [f"K{b}v0", "PT"], pv)
+            if t + 1 == n:
+                w.wgmma_retire("A", [f"K{b}v0", "PT"], pv)
+                _release(w, "A", b)
+            else:
+                nb, nph = _tile(c0, c1, t + 1)
+                tok, res = yield from _swapped_qk(w, nb, nph)
+                w.wgmma_retire("A", [f"K{b}v0", "PT"], pv)
+                _release(w, "A", b)
+                w.wgmma_retire("A", res, tok)
+        c0, c1 = c0 + (n + 1) // 2, c1 + n // 2
+        yield from _sync(w, "A", "PT_FREE")
+        w.access("A", "scale", "w")
+        w.nb_arrive("A", "PT_READY")
+        w.access("A", "Qa", "w")      # stmatrix.trans staging
+        w.access("A", "Qa", "r")      # its TMA stores, waited for (read)
+    yield from _sync(w, "A", "PT_FREE")
+    if items:
+        yield from _sync(w, "A", "Q_FREE")
+
+
+def swapped_wg1(w, items):
+    c0 = c1 = 0
+    w.nb_arrive("B", "PT_FREE")
+    for n in items:
+        for t in range(n):
+            b, ph = _tile(c0, c1, t)
+            yield from _sync(w, "B", "PT_READY")
+            w.access("B", "scale", "r")
+            yield ("mbar", f"full{b}E", ph)
+            yield ("mbar", f"full{b}L", ph)
+            pv = object()
+            w.wgmma_issue("B", [f"K{b}v1", "PT"], pv)
+            if w.bug == "WG1 releases before its PV retired":
+                _release(w, "B", b)
+            w.wgmma_retire("B", [f"K{b}v1", "PT"], pv)
+            w.nb_arrive("B", "PT_FREE")
+            if w.bug != "WG1 releases before its PV retired":
+                _release(w, "B", b)
+        c0, c1 = c0 + (n + 1) // 2, c1 + n // 2
+        yield from _sync(w, "B", "PT_READY")
+        w.access("B", "scale", "r")
+        w.nb_arrive("B", "PT_FREE")
+        w.access("B", "Qb", "w")
+        w.access("B", "Qb", "r")
+        w.nb_arrive("B", "Q_FREE")
+
+
+def test_swap_ab_protocol_has_no_deadlock_lap_or_race():
+    for seed in range(1500):
+        run_protocol(_items(seed), False, seed, swapped=True)
+
+
+@pytest.mark.parametrize("bug", ["ping-pong gather order", "WG1 releases before its PV retired"])
+def test_the_swap_ab_model_catches_known_bugs(bug):
+    """The first is the deadlock the GPU found when the swap-AB roles first ran on the ping-pong's
+    producer; the second lets the producer refill a buffer WG1's PV still reads."""
+    with pytest.raises(Race):
+        for seed in range(1500):
+            run_protocol(_items(seed), False, seed, bug, swapped=True)
 
 
 def _bf16(x):

@@ -25,7 +25,7 @@ SUPPORTED_D_QK = (576, 512)
 D_V = 512
 BLOCK_TOPK = 64                     # top-k positions per K tile
 MAX_TOPK = 2**31 - BLOCK_TOPK       # list positions are int32
-MAX_ITEMS = 2**31 - 1               # s_q * h_q / 64 work items, s_q * h_q lse entries: int32 indices
+MAX_ITEMS = 2**31 - 1               # s_q * ceil(h_q / 64) work items, s_q * h_q lse entries: int32 indices
 
 
 @dataclass(frozen=True)

@@ -37,14 +37,16 @@ class PrefillBar(IntEnum):
 
     ``Q_FREE`` and the two epilogue ids are :class:`~.config.Bar`'s, with the same use; the
     ping-pong's own ids follow the last one of ``Bar`` (``INDEX_SCAN``, the decode producer's), so
-    no id of the sm90 package means two things; the swap-AB tile's two are the decode kernel's P
-    hand-over ids, with the same use. Each is a 256-thread barrier between WG0 and WG1
-    (one side ``bar.arrive``, the other ``bar.sync``, once each per use) but ``L_SUM`` (both sync)
-    and the epilogue ids (one warp group, 128 threads); ``prefill_roles.py`` has the table.
+    no id of the sm90 package means two things; the swap-AB tile's two reuse the ids of the decode
+    kernel's P hand-over. Each is a 256-thread barrier between WG0 and WG1 (one side
+    ``bar.arrive``, the other ``bar.sync``, once each per use) but ``L_SUM`` and ``PT_READY``
+    (both groups sync; WG0 only arrives at an item's end) and the epilogue ids (one warp group,
+    128 threads). ``prefill_roles.py`` has the ping-pong's table, ``prefill_small_roles.py`` the
+    swap-AB tile's protocol.
     """
 
     Q_FREE = Bar.Q_FREE              # WG1 -> WG0, per item: its output staging (in sQ) read
-    EPI_WG0 = Bar.EPI_SOFTMAX        # WG0 only: a staged output chunk written
+    EPI_WG0 = Bar.EPI_SOFTMAX        # WG0 only: a staged output chunk written (swap-AB: also its exchange)
     EPI_WG1 = Bar.EPI_PV_RIGHT       # WG1 only: the same
     MAX_A = max(Bar) + 1             # WG0 -> WG1, per pair: mA = max(M, rowmax S0) in s_max[0]
     MAX_B = max(Bar) + 2             # WG1 -> WG0, per pair with an odd tile: mB in s_max[1]
@@ -81,7 +83,7 @@ class Sm90PrefillTuning:
         if self.gather_l2 not in (None, "", "L2::64B", "L2::128B", "L2::256B"):
             raise ValueError(f"Sm90PrefillTuning: gather_l2 takes '', 'L2::64B', 'L2::128B' or 'L2::256B', "
                              f"got {self.gather_l2!r}")
-        if self.prefetch_rows not in (None, True, False):
+        if self.prefetch_rows is not None and not isinstance(self.prefetch_rows, bool):
             raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
 
 
@@ -105,8 +107,9 @@ DEFAULT_TUNING = Sm90PrefillTuning()
 class Sm90SparsePrefillConfig:
     """Everything a compiled SM90 sparse prefill kernel depends on; shapes are runtime values.
 
-    The decode helpers it reuses (``mma.py``, ``epilogue.py``) read the decode facts below (one
-    column block of 256 per MMA warp group, no column pair, no split, out through the Q staging).
+    The tuning is resolved for the shape when the config is made (:func:`resolve_tuning`), so a
+    config made with ``dataclasses.replace(cfg, h_q=...)`` keeps the old shape's knobs: make
+    configs with :func:`kernel_config` or :func:`config_for`.
     """
 
     h_q: int   # 8, 16 or 32 (the swap-AB tile), 64 (one 64-head block) or 128 (two)
@@ -116,12 +119,9 @@ class Sm90SparsePrefillConfig:
     tuning: Sm90PrefillTuning = DEFAULT_TUNING
     arch: str = archs.SM90.name
 
-    # The decode roles' facts, fixed for prefill.
-    column_pair = False
-    split = False
-    n_cblk = 1
+    # Output columns per MMA warp group, as the decode helpers the prefill kernel reuses
+    # (``mma.k_tensors_for_pv``, ``epilogue.store_block``) read them.
     pv_cols = TILE.half_v
-    out_from_registers = False
 
     def __post_init__(self):
         if self.h_q not in HEADS:
@@ -158,7 +158,7 @@ def kernel_heads(h_q: int) -> int:
 
 
 def kernel_tile(h_q: int) -> str:
-    """The MMA tile a head count takes with the default tuning (the plan's rule): 8, 16 and 32
+    """The MMA tile a head count takes (the plan's rule): 8, 16 and 32
     heads the swap-AB tile (``"heads on N (swap-AB)"``: a K tile's 64 top-k rows on the wgmma's M
     side, the heads on N), 64 and 128 the 64-head tile (``"heads on M"``, one per 64-head block)."""
     return "heads on N (swap-AB)" if h_q in SMALL_HEADS else "heads on M"

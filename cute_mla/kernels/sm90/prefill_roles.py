@@ -46,6 +46,9 @@ barrier                   arrivals per phase                         waited by
                           retired
 ========================  =========================================  ===================================
 
+(The swap-AB tile, ``prefill_small_roles.py``, counts 256 on both ``k_free`` halves and takes
+the tiles whole, in order.)
+
 Phases: buffer 0's barriers flip once per pair (``c0``), buffer 1's once per odd tile (``c1``),
 counted across the CTA's items by every role.
 
@@ -163,7 +166,7 @@ class Work(NamedTuple):
 
 def items(cfg: Sm90SparsePrefillConfig, g: Gmem):
     """(begin, end, step) of the walk every role of a CTA takes: items ``blockIdx.x, + gridDim.x,
-    ...`` of the s_q * h_q / 64 (token, 64-head block) items, a token's head blocks consecutive
+    ...`` of the s_q * ceil(h_q / 64) (token, head block) items, a token's head blocks consecutive
     (so with an even grid the two head halves of h_q = 128 run side by side and the second one's
     rows come from L2)."""
     return cute.arch.block_idx()[0], g.mIdx.shape[0] * cfg.n_hblk, cute.arch.grid_dim()[0]
@@ -331,7 +334,8 @@ def producer(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem):
     of chunk c lands at ``c * 8192 + row * 128 + ((j ^ (row & 7)) << 4)`` (the K tile's SW128
     layout). Per pair: tile 2i's early half (buffer 0), tile 2i+1's early half (buffer 1), then
     the late halves in the same order (the early halves are released mid-pair, the late ones at
-    its end); the next pair's indices are loaded first and its rows prefetched into L2 after.
+    its end), or for the swap-AB tile whole tiles in order; the next pair's indices are loaded
+    first and, with ``prefetch_rows``, its rows prefetched into L2 after.
     The pairs of the CTA's items follow each other through the buffers, so the next item's first
     tiles are gathered while the MMA warp groups finish an item."""
     tile = cfg.tile

@@ -23,13 +23,20 @@ Per K tile (64 rows), with h = ``cfg.h_q`` and d_qk 576 (512):
 * Output: O^T's 8 x 8 blocks leave by ``stmatrix.trans`` as rows of out (heads x 64 dims, SW128)
   into the Q buffer (free after the item's last QK), one TMA store of h x 64 per chunk.
 
-Roles, pipelines and counts are the 64-head tile's (``prefill_roles.py``): the producer (WG2)
-unchanged, ``k_full[2]`` 128 + 4, ``k_free[2]`` 256 (WG0 + WG1 after their PV of the tile
-retired), ``q_full`` 1 + tx (h x d_qk bf16). Named barriers: ``P_FREE`` (WG1 -> WG0: P^T and the
-factors read), ``P_READY`` (256: a sync for both groups per tile, so it also orders WG0's own
-P^T writes before its SS wgmma; WG0 arrives only at an item's end), ``Q_FREE`` (WG1 -> WG0: its
-staging left the Q buffer), ``EPI_SOFTMAX`` (WG0: the max / sum exchange and its output chunks),
-``EPI_PV_RIGHT`` (WG1's output chunks). No wgmma is left pending at a loop edge or branch merge.
+Pipelines: the 64-head tile's producer (``prefill_roles.py``) and its K barriers, per K buffer b
+an early and a late half: ``k_full[b, early]`` 128 noinc arrives, ``k_full[b, late]`` 128 + 4
+(the mask words); tile 2i in buffer 0, 2i+1 in buffer 1, phases counted per buffer (``c0``,
+``c1``, :func:`tile_slot`). Two differences from the 64-head tile: the producer gathers whole
+tiles in order (``Sm90PrefillTuning.whole_tiles``: WG0 waits for all of tile t+1, its QK behind
+tile t's PV, before it releases tile t), and ``k_free`` counts 256 on both halves
+(:data:`K_FREE_ARRIVALS_SWAPPED`: each MMA group releases both once its PV of the tile retired).
+``q_full``: 1 + tx (h x d_qk bf16), waited by WG0 only (WG1's reads of the Q buffer, its output
+staging, follow ``PT_READY``). Named barriers (:class:`~.prefill_config.PrefillBar`): ``PT_FREE``
+(WG1 -> WG0: P^T and the factors read), ``PT_READY`` (256: a sync for both groups per tile, so it
+also orders WG0's own P^T writes before its SS wgmma; WG0 arrives only at an item's end),
+``Q_FREE`` (WG1 -> WG0: its staging left the Q buffer), ``EPI_WG0`` (WG0: the max / sum exchange
+and its output chunks), ``EPI_WG1`` (WG1's output chunks). No wgmma is left pending at a loop
+edge or branch merge.
 """
 
 # No "from __future__ import annotations": cute.struct reads its field annotations as objects.
@@ -48,17 +55,17 @@ from .config import TILE, Tile
 from .epilogue import finalize_row
 from .mma import k_tensors_for_pv
 from .prefill_config import SMALL_HEADS, PrefillBar, Sm90SparsePrefillConfig
-from .prefill_roles import EARLY, HALVES, LATE, MASK_BYTES, Gmem, Smem, items, max_logit, slot, work_of
+from .prefill_roles import (EARLY, HALVES, LATE, MASK_BYTES, PAIR_THREADS, Gmem, Smem, items, max_logit, slot,
+                            work_of)
 
-PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 WARPS = TILE.threads_per_wg // 32        # warps of an MMA warp group: 16 of the 64 rows each
-XCHG_BUFS = 3                            # exchange buffers: the tiles' max (by tile parity), the item's sums
+XCHG_BUFS = 3                            # exchange buffers: the tiles' max (by the tile's K buffer), the item's sums
 SUM_BUF = 2
 OUT_CHUNKS = TILE.half_v // TILE.chunk   # 64-dim chunks of O^T per MMA warp group (4)
 # The producer's K buffer halves (``prefill_roles.py``) are released together here: each MMA warp
 # group arrives on both halves of a tile's buffer once its PV of the tile retired (QK reads every
 # chunk, the two PVs half of the V columns each).
-K_FREE_ARRIVALS = (2 * TILE.threads_per_wg,) * HALVES
+K_FREE_ARRIVALS_SWAPPED = (2 * TILE.threads_per_wg,) * HALVES
 assert TILE.tokens == WARPS * 16, "an MMA warp holds 16 of the tile's rows (the producer's mask word of its warp)"
 
 
@@ -110,7 +117,7 @@ def out_chunk_layout(h: int):
 def swapped_storage(tile: Tile, h: int):
     """The CTA's shared memory in the swap-AB tile: Q (h x d_qk, also the output staging: h x 512
     bf16 fits), the 64-head tile's two K tiles and barriers / masks (the producer's), P^T, the
-    heads' O factors (WG0 -> WG1) and the exchange buffers (V3.2 widths, h = 32: 188,928 B)."""
+    heads' O factors (WG0 -> WG1) and the exchange buffers (V3.2 widths, h = 32: 190,464 B)."""
 
     @cute.struct
     class SwappedStorage:
@@ -166,11 +173,12 @@ def rows_sum(x: Float32) -> Float32:
 def exchange(vals: cute.Tensor, s_x: cute.Tensor, buf, warp, lane, is_max: cutlass.Constexpr):
     """Each slot of ``vals`` (already reduced over the warp's rows) reduced over the warp group's
     four warps: lanes 0-3 of each warp write their heads' values into exchange buffer ``buf``,
-    the warp group syncs (``EPI_SOFTMAX``), every thread combines the four for its heads.
+    the warp group syncs (``EPI_WG0``), every thread combines the four for its heads.
 
     Buffer reuse: buffer b is written again only after another exchange's barrier, which every
-    thread passes after reading b (tile parities alternate; the sums have their own buffer, and
-    the output chunks' barriers separate two items' sums)."""
+    thread passes after reading b. Within an item the tiles' K buffers alternate; an item's last
+    tile and the next item's first may take the same buffer, with the item's sums exchange (its own
+    buffer) and the output chunks' barriers between them, which also separate two items' sums."""
     quad = lane % 4
     if lane < 4:
         for s in cutlass.range_constexpr(cute.size(vals)):
@@ -272,7 +280,7 @@ def wait_tile(k_full, buf, phase):
 
 @cute.jit
 def release_tile(k_free, buf):
-    """This warp group is done with K buffer ``buf``: both halves (:data:`K_FREE_ARRIVALS`)."""
+    """This warp group is done with K buffer ``buf``: both halves (:data:`K_FREE_ARRIVALS_SWAPPED`)."""
     cute.arch.mbarrier_arrive(k_free + slot(buf, EARLY))
     cute.arch.mbarrier_arrive(k_free + slot(buf, LATE))
 

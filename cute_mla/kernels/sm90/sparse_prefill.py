@@ -1,7 +1,8 @@
 """SM90 (Hopper, sm_90a) sparse MLA prefill over bf16 rows (``flash_mla_sparse_fwd``): the kernel's
 host side, its entry, compile and launch.
 
-A work item = 64 query heads of one query token, walking its token's whole top-k list (no
+A work item = one query token's block of 64 heads (8, 16 or 32 heads: all of them), walking its
+token's whole top-k list (no
 schedule, no split). The grid is persistent: one CTA per SM walks items ``blockIdx.x + k *
 gridDim.x`` (a token's head blocks consecutive, so the two head halves of h_q = 128 run side by
 side and the second one's rows come from L2), and the producer gathers the next item's first
@@ -9,7 +10,8 @@ tiles while the MMA warp groups finish an item. The MMA side of 64 and 128 heads
 ping-pong: the two MMA warp groups take the even and odd tiles of a pair, each owns half of O's
 columns and they exchange the running max and P. Roles, pipelines, barriers and arrive counts:
 ``prefill_roles.py``; 8, 16 and 32 heads (``cfg.swapped``) run the swap-AB tile, whose MMA warp
-groups are ``prefill_small_roles.py`` (the producer, its barriers and the item walk are the same).
+groups are ``prefill_small_roles.py`` (the same producer and item walk; the producer gathers whole
+tiles in order for it, and its K buffers are released by both groups).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Sm90SparsePrefill:
         out: cute.Tensor,          # (s_q, h_q, 512) bf16
         max_logits: cute.Tensor,   # (s_q, h_q) fp32
         lse: cute.Tensor,          # (s_q, h_q) fp32
-        ctas: Int32,               # the persistent grid: at most s_q * h_q / 64, even (head halves side by side)
+        ctas: Int32,               # the persistent grid: at most the items, even (head halves side by side)
         softmax_scale: Float32,
         stream,
     ):
@@ -124,7 +126,7 @@ class Sm90SparsePrefill:
 
         storage = SmemAllocator().allocate(small.swapped_storage(cfg.tile, cfg.h_q) if cfg.swapped
                                            else shared_storage(cfg.tile))
-        k_free_arrivals = small.K_FREE_ARRIVALS if cfg.swapped else K_FREE_ARRIVALS
+        k_free_arrivals = small.K_FREE_ARRIVALS_SWAPPED if cfg.swapped else K_FREE_ARRIVALS
         if tidx == 0:
             cute.arch.mbarrier_init(storage.q_full.data_ptr(), 1)
             for b in cutlass.range_constexpr(TILE.k_bufs):
@@ -201,7 +203,7 @@ def compile(cfg: Sm90SparsePrefillConfig, dump_dir: Optional[str] = None) -> Com
 
 def grid_ctas(cfg: Sm90SparsePrefillConfig, s_q: int, num_sms: int) -> int:
     """The persistent grid: one CTA per SM (its shared memory allows one), an even count so the
-    head halves of a token run side by side, never more than the s_q * h_q / 64 items."""
+    head halves of a token run side by side, never more than the s_q * ceil(h_q / 64) items."""
     return max(1, min(s_q * cfg.n_hblk, num_sms // 2 * 2))
 
 
