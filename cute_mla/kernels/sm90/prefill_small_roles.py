@@ -27,8 +27,8 @@ Pipelines: the 64-head tile's producer (``prefill_roles.py``) and its K barriers
 an early and a late half: ``k_full[b, early]`` 128 noinc arrives, ``k_full[b, late]`` 128 + 4
 (the mask words); tile 2i in buffer 0, 2i+1 in buffer 1, phases counted per buffer (``c0``,
 ``c1``, :func:`tile_slot`). Two differences from the 64-head tile: the producer gathers whole
-tiles in order (``Sm90PrefillTuning.whole_tiles``: WG0 waits for all of tile t+1, its QK behind
-tile t's PV, before it releases tile t), and ``k_free`` counts 256 on both halves
+tiles in order (the producer's ``cfg.swapped`` branch: WG0 waits for all of tile t+1, its QK
+behind tile t's PV, before it releases tile t), and ``k_free`` counts 256 on both halves
 (:data:`K_FREE_ARRIVALS_SWAPPED`: each MMA group releases both once its PV of the tile retired).
 ``q_full``: 1 + tx (h x d_qk bf16), waited by WG0 only (WG1's reads of the Q buffer, its output
 staging, follow ``PT_READY``). Named barriers (:class:`~.prefill_config.PrefillBar`): ``PT_FREE``
