@@ -23,7 +23,7 @@ from . import ops
 from ..kernels import SparseDecodeTensors, cache_bytes
 from .launcher import Launcher, allocate_workspace, launcher_of, on_device_of
 from .validate import (CACHE_BASE, FP32_MAX, KV_CACHE_DTYPES, check_aligned_strides, check_distinct_elements,
-                       check_out_apart, check_pointer, check_tensor, span_bytes)
+                       check_out_apart, check_pointer, check_tensor, check_vector, span_bytes)
 
 _NO_WORKSPACE = (None, None)
 
@@ -339,15 +339,9 @@ def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, o
         if extra_fmt is not fmt:
             raise ValueError(f"extra_k_cache: the {extra_fmt.name} format ({extra_fmt.row_bytes} bytes/token) differs from "
                              f"k_cache's {fmt.name} ({fmt.row_bytes} bytes/token); the extra pool takes k_cache's format")
-    if extra_topk_length is not None:
-        check_tensor("extra_topk_length", extra_topk_length, dtypes=(torch.int32,), dim=1, shape=(b,), device=q.device,
-                     contiguous=True, shape_doc="(b,)")
-    if attn_sink is not None:
-        check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), dim=1, shape=(h_q,), device=q.device,
-                     contiguous=True, shape_doc="(h_q,)")
-    if topk_length is not None:
-        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), dim=1, shape=(b,), device=q.device,
-                     contiguous=True, shape_doc="(b,)")
+    check_vector("extra_topk_length", extra_topk_length, torch.int32, b, "b", q.device)
+    check_vector("attn_sink", attn_sink, torch.float32, h_q, "h_q", q.device)
+    check_vector("topk_length", topk_length, torch.int32, b, "b", q.device)
     if out is not None:
         check_tensor("out", out, dtypes=(torch.bfloat16,), dim=4, shape=(b, s_q, h_q, fmt.d_v), device=q.device,
                      shape_doc=f"(b, s_q, h_q, {fmt.d_v})")

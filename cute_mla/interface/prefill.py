@@ -26,7 +26,7 @@ from .launcher import on_device_of
 from . import ops
 from .ops import NAMESPACE
 from .validate import (FP32_MAX, check_aligned_strides, check_apart, check_deferred, check_distinct_elements,
-                       check_not_neg, check_tensor)
+                       check_not_neg, check_tensor, check_vector)
 
 
 
@@ -56,12 +56,8 @@ def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tu
     # q, but the check does not depend on the arch)
     check_aligned_strides("q", q, tma=True)
     check_aligned_strides("kv", kv)
-    if attn_sink is not None:
-        check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), dim=1, shape=(h_q,), device=q.device,
-                     contiguous=True, shape_doc="(h_q,)")
-    if topk_length is not None:
-        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), dim=1, shape=(s_q,), device=q.device,
-                     contiguous=True, shape_doc="(s_q,)")
+    check_vector("attn_sink", attn_sink, torch.float32, h_q, "h_q", q.device)
+    check_vector("topk_length", topk_length, torch.int32, s_q, "s_q", q.device)
     if out is not None:
         check_tensor("out", out, dtypes=(torch.bfloat16,), dim=3, shape=(s_q, h_q, D_V), device=q.device,
                      shape_doc=f"(s_q, h_q, {D_V})")

@@ -51,6 +51,14 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], dim: Optional[i
     return t
 
 
+def check_vector(name: str, t, dtype: torch.dtype, length: int, length_doc: str, device: torch.device) -> None:
+    """An optional per-head or per-row argument (``attn_sink``, ``topk_length``): None, or a
+    contiguous 1-D ``dtype`` tensor of ``length`` (``length_doc`` names it) on ``device``."""
+    if t is not None:
+        check_tensor(name, t, dtypes=(dtype,), dim=1, shape=(length,), device=device, contiguous=True,
+                     shape_doc=f"({length_doc},)")
+
+
 def check_aligned_strides(name: str, t: torch.Tensor, align_bytes: int = 16, tma: bool = False) -> None:
     """TMA and 16-byte vector accesses need every outer stride (in bytes) and the base 16-byte aligned
     (the base: not in a trace, which has no data pointer; :func:`check_deferred` checks it on the

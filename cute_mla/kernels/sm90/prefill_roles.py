@@ -100,7 +100,7 @@ from .cta import Cta
 from .epilogue import BlockStore, finalize_row, q_staging, store_block
 from .mma import Ops, c_layout_to_a_layout, k_tensors_for_pv, scale_rows
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
-from .softmax import load_q
+from .softmax import exp_rows, load_q, masked_row_max
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 TOKENS_PER_PASS = 4                      # rows a producer warp gathers per pass: 8 lanes x 16 B per 128-B chunk
@@ -472,51 +472,6 @@ def qk_tile(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, buf: int, phase):
 
 
 @cute.jit
-def masked_row_max(acc_s: cute.Tensor, mask_lo, mask_hi, quad, scale_log2: Float32):
-    """S -> S * scale_log2 in place, -inf where the tile's 64-bit validity mask (``mask_lo``:
-    tokens 0-31, ``mask_hi``: 32-63) is clear; returns the row maxima of this thread's two rows
-    (reduced over the quad)."""
-    w_lo = Uint32(mask_lo) >> Uint32(2 * quad)
-    w_hi = Uint32(mask_hi) >> Uint32(2 * quad)
-    mx0 = -Float32.inf
-    mx1 = -Float32.inf
-    for v in cutlass.range_constexpr(cute.size(acc_s)):
-        group = v // 4  # 8-column group
-        bit = (v % 2) + 8 * (group % 4)
-        word = w_lo if group < 4 else w_hi
-        ok = ((word >> bit) & Uint32(1)) != Uint32(0)
-        t = Float32(cutlass.select_(ok, acc_s[v] * scale_log2, -Float32.inf))
-        acc_s[v] = t
-        if cutlass.const_expr((v // 2) % 2 == 0):
-            mx0 = cute.arch.fmax(mx0, t)
-        else:
-            mx1 = cute.arch.fmax(mx1, t)
-    mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=1))
-    mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=2))
-    mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=1))
-    mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=2))
-    return mx0, mx1
-
-
-@cute.jit
-def exp_rows(acc_s: cute.Tensor, m0: Float32, m1: Float32):
-    """P = exp2(S - m) in place (S already scaled and masked); returns this thread's partial row
-    sums of its two rows (fp32 P)."""
-    sum0 = Float32(0.0)
-    sum1 = Float32(0.0)
-    for v in cutlass.range_constexpr(cute.size(acc_s)):
-        if cutlass.const_expr((v // 2) % 2 == 0):
-            p = cute.math.exp2(acc_s[v] - m0, fastmath=True)
-            sum0 += p
-            acc_s[v] = p
-        else:
-            p = cute.math.exp2(acc_s[v] - m1, fastmath=True)
-            sum1 += p
-            acc_s[v] = p
-    return sum0, sum1
-
-
-@cute.jit
 def put_rows(s: cute.Tensor, base: cutlass.Constexpr, row0, quad, v0: Float32, v1: Float32):
     """``s[base + row0] = v0``, ``s[base + row0 + 8] = v1`` from one lane of the quad."""
     if quad == 0:
@@ -668,6 +623,27 @@ def finish_item(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: 
 
 
 @cute.jit
+def item_tiles(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, wg: cutlass.Constexpr, scale_log2: Float32,
+               n_tiles: Int32, c0: Int32, c1: Int32):
+    """MMA warp group ``wg``'s part of an item's tiles: its full pairs, then the last tile alone
+    where the count is odd (straight-line code after the loop, module docstring). ``c0`` / ``c1``:
+    buffer 0's / 1's phase counts, returned advanced with the item's running max and row sums."""
+    pair = wg0_pair if cutlass.const_expr(wg == 0) else wg1_pair
+    m0 = Float32(-1e30)
+    m1 = Float32(-1e30)
+    l0 = Float32(0.0)
+    l1 = Float32(0.0)
+    for _ in cutlass.range(0, n_tiles // 2, unroll=1):
+        m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
+        c0 += 1
+        c1 += 1
+    if n_tiles % 2 == 1:
+        m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
+        c0 += 1
+    return m0, m1, l0, l1, c0, c1
+
+
+@cute.jit
 def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
     """WG0, per item: Q by TMA (once WG1's previous output left the staging in sQ, ``Q_FREE``),
     the item's full pairs, then its last tile alone where the count is odd, then the epilogue."""
@@ -686,19 +662,9 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
             # WG1's output store of the previous item no longer reads its staging (in sQ).
             cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
         load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, v.warp, 0)
-        m0 = Float32(-1e30)
-        m1 = Float32(-1e30)
-        l0 = Float32(0.0)
-        l1 = Float32(0.0)
         v.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
-        for _ in cutlass.range(0, w.n_tiles // 2, unroll=1):
-            m0, m1, l0, l1 = wg0_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
-            c0 += 1
-            c1 += 1
-        if w.n_tiles % 2 == 1:
-            m0, m1, l0, l1 = wg0_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
-            c0 += 1
+        m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
         finish_item(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1)
         rq += 1
     # WG1 arrived on Q_FREE once per item; WG0 synced once per item but the first.
@@ -718,20 +684,10 @@ def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
     begin, end, step = items(cfg, g)
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
-        m0 = Float32(-1e30)
-        m1 = Float32(-1e30)
-        l0 = Float32(0.0)
-        l1 = Float32(0.0)
         v.acc_o.fill(0.0)
         # Q landed: this group's QKs read it, and its staging (which aliases Q) waits for it.
         cute.arch.mbarrier_wait(q_full, rq & 1)
-        for _ in cutlass.range(0, w.n_tiles // 2, unroll=1):
-            m0, m1, l0, l1 = wg1_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
-            c0 += 1
-            c1 += 1
-        if w.n_tiles % 2 == 1:
-            m0, m1, l0, l1 = wg1_pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
-            c0 += 1
+        m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 1, scale_log2, w.n_tiles, c0, c1)
         finish_item(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1)
         # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
         cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)

@@ -178,12 +178,10 @@ def store_o(cfg: Sm90SparseDecodeConfig, cta: Cta, smem: Smem, acc_o, thr_pv, to
 
 
 @cute.jit
-def online_softmax(acc_s, mask_lo, mask_hi, quad, scale_log2: Float32, m0: Float32, m1: Float32, l0: Float32,
-                   l1: Float32):
-    """Mask S with the tile's 64-bit validity mask (``mask_lo``: tokens 0-31, ``mask_hi``: 32-63,
-    bit j = token j), then one online-softmax step in the log2 domain over this thread's two rows:
-    S becomes P in place. Returns the new (m0, m1, l0, l1) and the rows' rescale factors (sc0, sc1)
-    for O."""
+def masked_row_max(acc_s: cute.Tensor, mask_lo, mask_hi, quad, scale_log2: Float32):
+    """S -> S * scale_log2 in place, -inf where the tile's 64-bit validity mask (``mask_lo``:
+    tokens 0-31, ``mask_hi``: 32-63) is clear; returns the row maxima of this thread's two rows
+    (reduced over the quad)."""
     w_lo = Uint32(mask_lo) >> Uint32(2 * quad)
     w_hi = Uint32(mask_hi) >> Uint32(2 * quad)
     mx0 = -Float32.inf
@@ -203,21 +201,40 @@ def online_softmax(acc_s, mask_lo, mask_hi, quad, scale_log2: Float32, m0: Float
     mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=2))
     mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=1))
     mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=2))
-    new_m0 = cute.arch.fmax(m0, mx0)
-    new_m1 = cute.arch.fmax(m1, mx1)
-    sc0 = cute.math.exp2(m0 - new_m0, fastmath=True)
-    sc1 = cute.math.exp2(m1 - new_m1, fastmath=True)
+    return mx0, mx1
+
+
+@cute.jit
+def exp_rows(acc_s: cute.Tensor, m0: Float32, m1: Float32):
+    """P = exp2(S - m) in place (S already scaled and masked); returns this thread's partial row
+    sums of its two rows (fp32 P)."""
     sum0 = Float32(0.0)
     sum1 = Float32(0.0)
     for v in cutlass.range_constexpr(cute.size(acc_s)):
         if cutlass.const_expr((v // 2) % 2 == 0):
-            p = cute.math.exp2(acc_s[v] - new_m0, fastmath=True)
+            p = cute.math.exp2(acc_s[v] - m0, fastmath=True)
             sum0 += p
             acc_s[v] = p
         else:
-            p = cute.math.exp2(acc_s[v] - new_m1, fastmath=True)
+            p = cute.math.exp2(acc_s[v] - m1, fastmath=True)
             sum1 += p
             acc_s[v] = p
+    return sum0, sum1
+
+
+@cute.jit
+def online_softmax(acc_s, mask_lo, mask_hi, quad, scale_log2: Float32, m0: Float32, m1: Float32, l0: Float32,
+                   l1: Float32):
+    """Mask S with the tile's 64-bit validity mask (``mask_lo``: tokens 0-31, ``mask_hi``: 32-63,
+    bit j = token j), then one online-softmax step in the log2 domain over this thread's two rows:
+    S becomes P in place. Returns the new (m0, m1, l0, l1) and the rows' rescale factors (sc0, sc1)
+    for O."""
+    mx0, mx1 = masked_row_max(acc_s, mask_lo, mask_hi, quad, scale_log2)
+    new_m0 = cute.arch.fmax(m0, mx0)
+    new_m1 = cute.arch.fmax(m1, mx1)
+    sc0 = cute.math.exp2(m0 - new_m0, fastmath=True)
+    sc1 = cute.math.exp2(m1 - new_m1, fastmath=True)
+    sum0, sum1 = exp_rows(acc_s, new_m0, new_m1)
     return new_m0, new_m1, l0 * sc0 + sum0, l1 * sc1 + sum1, sc0, sc1
 
 
