@@ -86,28 +86,50 @@ def _cli(*args):
 
 
 def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
-    """The SM90 gather's L2 knobs follow the shape (128 heads: the 256-B fill, and the row prefetch at
-    d_qk 576; fewer heads: neither); a knob the tuning sets is kept; the config compiles concrete
-    values, so two spellings of one kernel are one cache entry."""
+    """The SM90 kernel's L2 knobs follow the shape (128 heads: the 256-B fill, and the row prefetch
+    at d_qk 576; fewer heads: neither; the ping-pong tile's Q and out evict_first, the swap-AB
+    tile's without a policy); a knob the tuning sets is kept; the config compiles concrete values,
+    so two spellings of one kernel are one cache entry."""
     from cute_mla.kernels.sm90 import prefill_config as pc
 
     def knobs(h_q, d_qk, tuning=None):
         t = pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True, tuning=tuning).tuning
-        return t.gather_l2, t.prefetch_rows
+        return t.gather_l2, t.prefetch_rows, t.qo_policy
 
-    assert knobs(128, 576) == ("L2::256B", True)
-    assert knobs(128, 512) == ("L2::256B", False)
-    for h_q in (8, 16, 32, 64):
-        for d_qk in (576, 512):
-            assert knobs(h_q, d_qk) == ("", False)
-    assert knobs(64, 576, pc.Sm90PrefillTuning(prefetch_rows=True)) == ("", True)
-    assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True)
-    explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False)
+    assert knobs(128, 576) == ("L2::256B", True, "evict_first")
+    assert knobs(128, 512) == ("L2::256B", False, "evict_first")
+    for d_qk in (576, 512):
+        assert knobs(64, d_qk) == ("", False, "evict_first")
+        for h_q in (8, 16, 32):
+            assert knobs(h_q, d_qk) == ("", False, "")
+    assert knobs(64, 576, pc.Sm90PrefillTuning(prefetch_rows=True)) == ("", True, "evict_first")
+    assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True, "evict_first")
+    assert knobs(16, 576, pc.Sm90PrefillTuning(qo_policy="evict_first")) == ("", False, "evict_first")
+    assert knobs(64, 512, pc.Sm90PrefillTuning(qo_policy="")) == ("", False, "")
+    explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False, qo_policy="evict_first")
     a = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False)
     b = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False, tuning=explicit)
     assert a == b and hash(a) == hash(b)
     with pytest.raises(ValueError, match="prefetch_rows takes a bool"):
         pc.Sm90PrefillTuning(prefetch_rows="yes")
+    with pytest.raises(ValueError, match="qo_policy takes '' or one of evict_first, evict_last, evict_normal"):
+        pc.Sm90PrefillTuning(qo_policy="evict_later")
+
+
+@pytest.mark.parametrize("h_q, d_qk, policy", [(64, 512, "evict_first"), (16, 576, "evict_first"), (16, 576, "")])
+def test_sm90_qo_policy_rides_on_q_loads_and_out_stores(h_q, d_qk, policy, tmp_path):
+    """With a Q/out policy, one createpolicy per MMA warp group's use and the Q loads and out stores
+    carry it; without one, no createpolicy at all (the gather never takes one)."""
+    from cute_mla.kernels.sm90 import sparse_prefill as m
+    from cute_mla.playground import inspect as ki
+
+    cfg = m.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True,
+                          tuning=m.Sm90PrefillTuning(qo_policy=policy))
+    m.compile(cfg, dump_dir=str(tmp_path))
+    ptx, _ = ki.find_artifacts(str(tmp_path), "sm_90a")
+    text = open(ptx).read()
+    made = text.count(f"createpolicy.fractional.L2::{policy}.b64") if policy else text.count("createpolicy")
+    assert (made > 0) == bool(policy)
 
 
 def test_cli_plan_names_the_padding_and_no_workspace():

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...dsl import ptx as common_ptx
@@ -34,6 +34,7 @@ class BlockStore(NamedTuple):
     tma: Optional[cute.CopyAtom]
     dst: cute.Tensor
     layout: cute.ComposedLayout
+    policy: Optional[Int64] = None   # an L2 cache policy (``ptx.l2_policy``) the TMA stores carry, or None
 
 
 def bf16_block_layout(cols: int):
@@ -146,7 +147,10 @@ def store_chunked(cfg: Sm90SparseDecodeConfig, cta: Cta, acc_o, to: BlockStore, 
         if warp == 0:
             src, dst = chunk_tma(cfg, cta, to, stage, col_half, row, k)
             with cute.arch.elect_one():
-                cute.copy(to.tma, src, dst)
+                if cutlass.const_expr(to.policy is None):
+                    cute.copy(to.tma, src, dst)
+                else:
+                    cute.copy(to.tma, src, dst, cache_policy=to.policy)
                 cute.arch.cp_async_bulk_commit_group()
     if warp == 0:
         with cute.arch.elect_one():

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ... import archs
 from ...formats import V4, V32
-from .config import TILE, Bar, RegisterBudget, Tile, tile_of
+from .config import L2_POLICIES, TILE, Bar, RegisterBudget, Tile, tile_of
 
 # Key widths the kernel takes (bf16 rows, V = the first 512 dims): 576 = 512 latent + 64 RoPE
 # (V3.2), 512 = the shared K/V row (V4). The K tile of a width is the decode tile of the cache
@@ -76,6 +76,10 @@ class Sm90PrefillTuning:
     # Each producer lane prefetches the next tiles' rows into L2 once this tile's copies are
     # issued, a tile ahead of their cp.async.
     prefetch_rows: Optional[bool] = None
+    # L2 cache policy of the Q loads and out stores ("" = none, or a ``ptx.L2_POLICIES`` kind):
+    # each byte of them is touched once, and without a hint they take L2 lines from the gathered
+    # rows, which the other tokens' walks read again.
+    qo_policy: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
@@ -85,6 +89,9 @@ class Sm90PrefillTuning:
                              f"got {self.gather_l2!r}")
         if self.prefetch_rows is not None and not isinstance(self.prefetch_rows, bool):
             raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
+        if self.qo_policy not in (None, "") + L2_POLICIES:
+            raise ValueError(f"Sm90PrefillTuning: qo_policy takes '' or one of {', '.join(L2_POLICIES)}, "
+                             f"got {self.qo_policy!r}")
 
 
 def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90PrefillTuning:
@@ -93,9 +100,13 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     side, so the gather keeps the 256-B L2 fill (the second block's copy hits the whole line) and,
     at d_qk 576 (eighteen 64-B sectors a row, the MMA side longest), the next tiles' rows are
     prefetched into L2 to keep HBM busy through the ping-pong's steps. Fewer heads: each row is
-    read once, the walk is bound by the gather itself, and both hints only add L2 traffic."""
+    read once, the walk is bound by the gather itself, and both hints only add L2 traffic. The
+    ping-pong tile (64 and 128 heads) loads Q and stores out evict_first, which keeps more of the
+    rows in L2 where the walk is bound by HBM; the swap-AB tile's Q and out are a small share of its
+    traffic and go without a policy."""
     pair = h_q > TILE.heads
-    rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk}
+    rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
+            "qo_policy": "" if h_q in SMALL_HEADS else "evict_first"}
     given = {k: v for k, v in rule.items() if getattr(tuning, k) is None}
     return replace(tuning, **given) if given else tuning
 

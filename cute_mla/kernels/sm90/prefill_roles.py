@@ -612,7 +612,7 @@ def finish_item(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: 
     o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
     o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
     scale_rows(v.acc_o, o_scale0, o_scale1)
-    store_block(cfg, cta_of(w), v.acc_o, v.thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout),
+    store_block(cfg, cta_of(w), v.acc_o, v.thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout, qo_policy(cfg)),
                 q_staging(cfg, smem.sQ, wg), wg, v.warp, 0, PrefillBar.EPI_WG1 if wg else PrefillBar.EPI_WG0, False)
     if cutlass.const_expr(wg == 0):
         if v.quad == 0:
@@ -661,7 +661,7 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         if rq > 0:
             # WG1's output store of the previous item no longer reads its staging (in sQ).
             cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
-        load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, v.warp, 0)
+        load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
         v.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
         m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
@@ -692,6 +692,12 @@ def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
         cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
         rq += 1
+
+
+def qo_policy(cfg: Sm90SparsePrefillConfig):
+    """The L2 cache policy of the Q loads and out stores (``Sm90PrefillTuning.qo_policy``), or None.
+    A plain function, inlined at trace time."""
+    return ptx.l2_policy(cfg.tuning.qo_policy) if cfg.tuning.qo_policy else None
 
 
 def cta_of(w: Work) -> Cta:

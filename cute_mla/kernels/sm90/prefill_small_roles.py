@@ -55,8 +55,8 @@ from .config import TILE, Tile
 from .epilogue import finalize_row
 from .mma import k_tensors_for_pv
 from .prefill_config import SMALL_HEADS, PrefillBar, Sm90SparsePrefillConfig
-from .prefill_roles import (EARLY, HALVES, LATE, MASK_BYTES, PAIR_THREADS, Gmem, Smem, items, max_logit, slot,
-                            work_of)
+from .prefill_roles import (EARLY, HALVES, LATE, MASK_BYTES, PAIR_THREADS, Gmem, Smem, items, max_logit, qo_policy,
+                            slot, work_of)
 
 WARPS = TILE.threads_per_wg // 32        # warps of an MMA warp group: 16 of the 64 rows each
 XCHG_BUFS = 3                            # exchange buffers: the tiles' max (by the tile's K buffer), the item's sums
@@ -311,6 +311,7 @@ def store_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOps
     the Q buffer, then stored by one TMA box (warp 0), overlapping the next chunk's staging; warp 0
     waits for the reads at the end."""
     h = cfg.h_q
+    policy = qo_policy(cfg)
     block_elems = h * TILE.chunk
     stage_base = smem.storage.sQ.data_ptr().toint()
     g_o = cute.flat_divide(g.mOut, (h, TILE.chunk))
@@ -325,7 +326,10 @@ def store_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOps
             t_s, t_g = cpasync.tma_partition(g.tma_out, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2),
                                              cute.group_modes(g_o, 0, 2))
             with cute.arch.elect_one():
-                cute.copy(g.tma_out, t_s, t_g[None, 0, col_half * OUT_CHUNKS + k, s_idx, 0])
+                if cutlass.const_expr(policy is None):
+                    cute.copy(g.tma_out, t_s, t_g[None, 0, col_half * OUT_CHUNKS + k, s_idx, 0])
+                else:
+                    cute.copy(g.tma_out, t_s, t_g[None, 0, col_half * OUT_CHUNKS + k, s_idx, 0], cache_policy=policy)
                 cute.arch.cp_async_bulk_commit_group()
     if warp == 0:
         with cute.arch.elect_one():
@@ -386,7 +390,10 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
         if warp == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, h * cfg.tile.d_qk * 2)
-            cute.copy(g.tma_q, tQgQ[None, 0, 0, w.s_idx, 0], tQsQ, tma_bar_ptr=q_full)
+            if cutlass.const_expr(cfg.tuning.qo_policy):
+                cute.copy(g.tma_q, tQgQ[None, 0, 0, w.s_idx, 0], tQsQ, tma_bar_ptr=q_full, cache_policy=qo_policy(cfg))
+            else:
+                cute.copy(g.tma_q, tQgQ[None, 0, 0, w.s_idx, 0], tQsQ, tma_bar_ptr=q_full)
         m.fill(-1e30)
         l.fill(0.0)
         acc_o.fill(0.0)

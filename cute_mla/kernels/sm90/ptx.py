@@ -15,6 +15,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 from ...dsl.ptx import vec_i32_type
+from .config import L2_POLICIES
 
 
 def ld_global_v4(addr: Int64, l1: str = "evict_last", l2: str = "size_256b"):
@@ -155,6 +156,21 @@ def cp_async_16(dst: Int32, src: Int64, src_bytes, l2: str = "") -> None:
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+def l2_policy(kind: str) -> Int64:
+    """``createpolicy.fractional`` over every address (fraction 1.0): the 64-bit L2 cache policy a
+    ``.L2::cache_hint`` access carries, ``kind`` one of :data:`~.config.L2_POLICIES`."""
+    assert kind in L2_POLICIES, kind
+    return Int64(llvm.inline_asm(
+        T.i64(),
+        [],
+        f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;",
+        "=l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
 
 
 def cp_async_arrive_noinc(mbar: Int32) -> None:

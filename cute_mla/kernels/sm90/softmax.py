@@ -160,12 +160,16 @@ def hand_p_over(s_row_scale, row0, quad, sc0: Float32, sc1: Float32, tOrP_as_c, 
 
 
 @cute.jit
-def load_q(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, q_full, tQgQ, tQsQ, warp, req: Int32):
-    """Request ``req``'s Q (64 heads x d_qk) into the Q buffer by TMA, completing on ``q_full``."""
+def load_q(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, q_full, tQgQ, tQsQ, warp, req: Int32, policy=None):
+    """Request ``req``'s Q (64 heads x d_qk) into the Q buffer by TMA, completing on ``q_full``
+    (``policy``: an L2 cache policy, ``ptx.l2_policy``, the load carries, or None)."""
     if warp == 0:
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, TILE.heads * cfg.tile.d_qk * 2)
-        cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full)
+        if cutlass.const_expr(policy is None):
+            cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full)
+        else:
+            cute.copy(g.tma_q, tQgQ[None, cta.hblk, 0, cta.s_idx, req], tQsQ, tma_bar_ptr=q_full, cache_policy=policy)
 
 
 @cute.jit
