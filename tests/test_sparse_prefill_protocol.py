@@ -215,25 +215,42 @@ def wg1_pair(w, c0, c1, odd):
         w.mb_arrive("B", "free1L", 128)
 
 
-def _epilogue(w, a, half):
-    w.access(a, f"sum{half}", "w")
+def _epilogue(w, a, half, rq, stage_out):
+    """L_SUM, then out staged and stored: in sQ's half, or (``stage_out``) in the group's ring of
+    its own P buffer and its sO chunk, the row sums by item parity; with ``stage_out`` WG0 loads
+    the next item's Q right after L_SUM."""
+    par = rq % 2 if stage_out and w.bug != "one row_sum" else 0
+    w.access(a, f"sum{half}{par}", "w")
     yield from _sync(w, a, "L_SUM")
-    w.access(a, f"sum{1 - half}", "r")
-    staging = "Qlo" if half == 0 else "Qhi"
-    w.access(a, staging, "w")     # stmatrix
-    w.access(a, staging, "r")     # its TMA stores, waited for (read) by warp 0
+    w.access(a, f"sum{1 - half}{par}", "r")
+    if stage_out and a == "A" and rq + 1 < w.n_items:
+        _load_q(w)
+    if stage_out:
+        staging = [_p(w, half), f"O{half}"] if w.bug != "stage in the other P" else [_p(w, 1 - half), f"O{half}"]
+    else:
+        staging = ["Qlo" if half == 0 else "Qhi"]
+    for r in staging:
+        w.access(a, r, "w")     # stmatrix
+        w.access(a, r, "r")     # its TMA store, waited for (read) by warp 0, then the group syncs
 
 
-def wg0(w, items):
+def _load_q(w):
+    w.tick("A")                                   # the Q TMA: issued by WG0, written by T
+    w.clock["T"] = _join(w.clock["T"], w.clock["A"])
+    w.access("T", "Qlo", "w")
+    w.access("T", "Qhi", "w")
+    w.mb_arrive("T", "q_full", 1)
+
+
+def wg0(w, items, stage_out=False):
     c0 = c1 = 0
+    if stage_out and items:
+        _load_q(w)
     for rq, n in enumerate(items):
-        if rq > 0:
-            yield from _sync(w, "A", "Q_FREE")
-        w.tick("A")                                   # the Q TMA: issued by WG0, written by T
-        w.clock["T"] = _join(w.clock["T"], w.clock["A"])
-        w.access("T", "Qlo", "w")
-        w.access("T", "Qhi", "w")
-        w.mb_arrive("T", "q_full", 1)
+        if not stage_out:
+            if rq > 0:
+                yield from _sync(w, "A", "Q_FREE")
+            _load_q(w)
         yield ("mbar", "q_full", rq)
         for _ in range(n // 2):
             yield from wg0_pair(w, c0, c1, True)
@@ -241,12 +258,12 @@ def wg0(w, items):
         if n % 2:
             yield from wg0_pair(w, c0, c1, False)
             c0 += 1
-        yield from _epilogue(w, "A", 0)
-    if items:
+        yield from _epilogue(w, "A", 0, rq, stage_out)
+    if items and not stage_out:
         yield from _sync(w, "A", "Q_FREE")
 
 
-def wg1(w, items):
+def wg1(w, items, stage_out=False):
     c0 = c1 = 0
     for rq, n in enumerate(items):
         if w.bug != "WG1 skips q_full":
@@ -257,14 +274,17 @@ def wg1(w, items):
         if n % 2:
             yield from wg1_pair(w, c0, c1, False)
             c0 += 1
-        yield from _epilogue(w, "B", 1)
-        w.nb_arrive("B", "Q_FREE")
+        yield from _epilogue(w, "B", 1, rq, stage_out)
+        if not stage_out:
+            w.nb_arrive("B", "Q_FREE")
 
 
-def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False):
-    """One interleaving of the ping-pong's roles (or, ``swapped``, the swap-AB tile's)."""
+def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, stage_out: bool = False):
+    """One interleaving of the ping-pong's roles (or, ``swapped``, the swap-AB tile's; with
+    ``stage_out``, the ping-pong with out staged outside Q, ``Sm90PrefillTuning.stage_out``)."""
     rnd = random.Random(seed)
     w = World(p_in_k, bug)
+    w.n_items = len(items)
     w.mb_init("q_full", 1)
     for b in range(2):
         w.mb_init(f"full{b}E", 128)
@@ -274,7 +294,7 @@ def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = 
     if swapped:
         roles = {"P": swapped_producer(w, items), "A": swapped_wg0(w, items), "B": swapped_wg1(w, items)}
     else:
-        roles = {"P": producer(w, items), "A": wg0(w, items), "B": wg1(w, items)}
+        roles = {"P": producer(w, items), "A": wg0(w, items, stage_out), "B": wg1(w, items, stage_out)}
     waiting = {a: None for a in roles}
     while roles:
         ready = []
@@ -301,10 +321,11 @@ def _items(seed):
     return [rnd.choice(range(8)) for _ in range(rnd.randint(0, 5))]
 
 
-@pytest.mark.parametrize("p_in_k", [True, False], ids=["p_in_rope_chunk", "p_in_sP"])
-def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k):
+@pytest.mark.parametrize("p_in_k, stage_out", [(True, False), (False, False), (False, True)],
+                         ids=["p_in_rope_chunk", "p_in_sP", "p_in_sP_stage_out"])
+def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, stage_out):
     for seed in range(1500):
-        run_protocol(_items(seed), p_in_k, seed)
+        run_protocol(_items(seed), p_in_k, seed, stage_out=stage_out)
 
 
 @pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
@@ -313,6 +334,16 @@ def test_the_protocol_model_catches_known_bugs(bug):
     with pytest.raises(Race):
         for seed in range(1500):
             run_protocol(_items(seed), True, seed, bug)
+
+
+@pytest.mark.parametrize("bug", ["one row_sum", "stage in the other P"])
+def test_the_stage_out_model_catches_known_bugs(bug):
+    """Without the row sums kept per item parity, WG0 (an item of one tile or none, nothing to wait
+    for) can write the next item's sums before WG1 read this item's; staged in the other group's P
+    buffer, out races that group's next P."""
+    with pytest.raises(Race):
+        for seed in range(1500):
+            run_protocol(_items(seed), False, seed, bug, stage_out=True)
 
 
 # ------------------------------------------------------------------------------------ arithmetic

@@ -132,39 +132,53 @@ def store_chunked(cfg: Sm90SparseDecodeConfig, cta: Cta, acc_o, to: BlockStore, 
     r = lane % 8
     row_addr = base + (warp * 16 + 8 * (m % 2) + r) * TILE.chunk_row_bytes
     for k in cutlass.range_constexpr(n_chunks):
-        for jp in cutlass.range_constexpr(TILE.chunk // 16):
-            j0 = k * (TILE.chunk // 8) + 2 * jp
-            regs = []
-            for mm in cutlass.range_constexpr(4):
-                v = 4 * (j0 + mm // 2) + 2 * (mm % 2)
-                regs.append(common_ptx.pack_bf16x2(acc_o[v], acc_o[v + 1]))
-            unit = (2 * jp + m // 2) ^ r
-            ptx.stmatrix_x4(row_addr + k * TILE.chunk_bytes + unit * 16, regs[0], regs[1], regs[2], regs[3])
+        stage_chunk(acc_o, row_addr + k * TILE.chunk_bytes, k, m, r)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
         if cutlass.const_expr(k == n_chunks - 1):
             stamp_staged(cta, bar_id)
         if warp == 0:
-            src, dst = chunk_tma(cfg, cta, to, stage, col_half, row, k)
-            with cute.arch.elect_one():
-                if cutlass.const_expr(to.policy is None):
-                    cute.copy(to.tma, src, dst)
-                else:
-                    cute.copy(to.tma, src, dst, cache_policy=to.policy)
-                cute.arch.cp_async_bulk_commit_group()
+            src, dst = chunk_tma(cfg, cta, to, start + offset + k * (TILE.chunk_bytes // 2),
+                                 col_half * (cfg.pv_cols // TILE.chunk) + k, row)
+            store_chunk(to, src, dst)
     if warp == 0:
         with cute.arch.elect_one():
             cute.arch.cp_async_bulk_wait_group(0, read=True)
     cute.arch.sync_warp()
 
 
-def chunk_tma(cfg: Sm90SparseDecodeConfig, cta: Cta, to: BlockStore, stage, col_half: int, row, k: int):
-    """(source, destination) of chunk ``k``'s TMA store (one 64 x 64 box) from the block staged at
-    ``stage`` (:func:`q_staging`). A plain function, inlined at trace time."""
-    start, offset = stage
+def stage_chunk(acc_o, chunk_row: Int32, k: int, m, r):
+    """Columns 64 k .. 64 k + 63 of an O block's accumulator fragment as bf16 into a 64 x 64 SW128
+    staging chunk (:func:`store_chunked` has the fragment and swizzle arithmetic): four
+    ``stmatrix.x4``; ``chunk_row``: this thread's row address in the chunk, ``m`` / ``r``: its lane's
+    matrix and row. A plain function, inlined at trace time."""
+    for jp in range(TILE.chunk // 16):
+        j0 = k * (TILE.chunk // 8) + 2 * jp
+        regs = []
+        for mm in range(4):
+            v = 4 * (j0 + mm // 2) + 2 * (mm % 2)
+            regs.append(common_ptx.pack_bf16x2(acc_o[v], acc_o[v + 1]))
+        unit = (2 * jp + m // 2) ^ r
+        ptx.stmatrix_x4(chunk_row + unit * 16, regs[0], regs[1], regs[2], regs[3])
+
+
+def store_chunk(to: BlockStore, src, dst):
+    """One elected lane issues a staged chunk's TMA store (with ``to.policy`` where given) and
+    commits it as its own bulk group. A plain function, inlined at trace time."""
+    with cute.arch.elect_one():
+        if cutlass.const_expr(to.policy is None):
+            cute.copy(to.tma, src, dst)
+        else:
+            cute.copy(to.tma, src, dst, cache_policy=to.policy)
+        cute.arch.cp_async_bulk_commit_group()
+
+
+def chunk_tma(cfg: Sm90SparseDecodeConfig, cta: Cta, to: BlockStore, staged_at, col: int, row):
+    """(source, destination) of one 64 x 64 TMA store box: the chunk staged at ``staged_at`` (a bf16
+    shared-memory pointer, 1 KiB aligned) to the block's output columns 64 col .. 64 col + 63. A
+    plain function, inlined at trace time."""
     g_o = cute.flat_divide(to.dst, (TILE.heads, TILE.chunk))
-    staged = cute.make_tensor(cute.recast_ptr(start + offset + k * (TILE.chunk_bytes // 2), to.layout.inner, BFloat16),
-                              to.layout.outer)
+    staged = cute.make_tensor(cute.recast_ptr(staged_at, to.layout.inner, BFloat16), to.layout.outer)
     t_s, t_g = cpasync.tma_partition(to.tma, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2),
                                      cute.group_modes(g_o, 0, 2))
-    return t_s, t_g[None, cta.hblk, col_half * (cfg.pv_cols // TILE.chunk) + k, cta.s_idx, row]
+    return t_s, t_g[None, cta.hblk, col, cta.s_idx, row]

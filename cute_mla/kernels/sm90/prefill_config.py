@@ -80,6 +80,10 @@ class Sm90PrefillTuning:
     # each byte of them is touched once, and without a hint they take L2 lines from the gathered
     # rows, which the other tokens' walks read again.
     qo_policy: Optional[str] = None
+    # The ping-pong's out staged outside the Q buffer (a ring of two 8 KiB chunks per MMA warp
+    # group: its P buffer and its half of a 16 KiB ``sO``), so WG0 loads the next item's Q once
+    # the row sums are exchanged, under the output stores. d_qk 512 only: d_qk 576 has no room.
+    stage_out: Optional[bool] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
@@ -89,6 +93,8 @@ class Sm90PrefillTuning:
                              f"got {self.gather_l2!r}")
         if self.prefetch_rows is not None and not isinstance(self.prefetch_rows, bool):
             raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
+        if self.stage_out not in (None, True, False):
+            raise ValueError(f"Sm90PrefillTuning: stage_out takes a bool, got {self.stage_out!r}")
         if self.qo_policy not in (None, "") + L2_POLICIES:
             raise ValueError(f"Sm90PrefillTuning: qo_policy takes '' or one of {', '.join(L2_POLICIES)}, "
                              f"got {self.qo_policy!r}")
@@ -106,7 +112,7 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     traffic and go without a policy."""
     pair = h_q > TILE.heads
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
-            "qo_policy": "" if h_q in SMALL_HEADS else "evict_first"}
+            "qo_policy": "" if h_q in SMALL_HEADS else "evict_first", "stage_out": False}
     given = {k: v for k, v in rule.items() if getattr(tuning, k) is None}
     return replace(tuning, **given) if given else tuning
 
@@ -142,6 +148,9 @@ class Sm90SparsePrefillConfig:
             raise ValueError(f"tuning: expected an Sm90PrefillTuning, got {type(self.tuning).__name__}")
         # a config compiles concrete knobs: the shape's rule fills what the tuning left open
         object.__setattr__(self, "tuning", resolve_tuning(self.tuning, self.h_q, self.d_qk))
+        if self.tuning.stage_out and (self.swapped or self.d_qk != V4.d_qk):
+            raise ValueError(f"stage_out: the out staging ring is built for the 64-head tile at d_qk {V4.d_qk} "
+                             f"(no room in shared memory otherwise), got h_q {self.h_q}, d_qk {self.d_qk}")
         if self.arch != archs.SM90.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
 

@@ -66,7 +66,8 @@ L_SUM (11)   both sync    the item's row sums in ``row_sum``                    
 Q_FREE (3)   WG1 -> WG0   WG1's output staging (in sQ) read by its TMA stores        every item (WG0
                                                                                      syncs before the
                                                                                      next Q, and once
-                                                                                     at the end)
+                                                                                     at the end); not
+                                                                                     with stage_out
 EPI_WG0/1    one WG, 128  a staged output chunk written (``store_block``)            per chunk
 ===========  ===========  =========================================================  ==============
 
@@ -81,6 +82,12 @@ random interleavings (deadlock, lapping and race checks; keep it in step with th
 
 P buffers: for d_qk 576 P of buffer b is the RoPE chunk of K buffer b (free once the tile's QK
 retired; no room for a separate 16 KiB), for d_qk 512 a 2 x 8 KiB ``sP``.
+
+Output staging: in Q (each group its half), so the next item's Q waits for WG1's stores
+(``Q_FREE``); or, with ``Sm90PrefillTuning.stage_out`` (d_qk 512), in a ring of two 8 KiB
+chunks per group, its own P buffer and its chunk of ``sO`` (:func:`store_ring`), so WG0 loads the
+next Q right after ``L_SUM``, when both groups' QKs and SS PVs of the item have retired; the row
+sums are then kept per item parity.
 """
 
 # No "from __future__ import annotations": cute.struct reads its field annotations as objects.
@@ -97,7 +104,7 @@ from ...dsl import ptx as common_ptx
 from . import ptx
 from .config import TILE, Tile
 from .cta import Cta
-from .epilogue import BlockStore, finalize_row, q_staging, store_block
+from .epilogue import BlockStore, chunk_tma, finalize_row, q_staging, stage_chunk, store_block, store_chunk
 from .mma import Ops, c_layout_to_a_layout, k_tensors_for_pv, scale_rows
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
 from .softmax import exp_rows, load_q, masked_row_max
@@ -105,6 +112,7 @@ from .softmax import exp_rows, load_q, masked_row_max
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 TOKENS_PER_PASS = 4                      # rows a producer warp gathers per pass: 8 lanes x 16 B per 128-B chunk
 PASSES = TILE.tokens // (4 * TOKENS_PER_PASS)   # passes per tile: 4 warps x 4 rows x 4 passes = 64 rows
+RING_CHUNK = TILE.heads * TILE.chunk     # bf16 elements of one staged 64 x 64 output chunk (``stage_out``)
 MASK_BYTES = 16                          # per K buffer: one 32-bit word of mask bits per producer warp
 EARLY, LATE = 0, 1                       # the halves of a K buffer (module docstring)
 HALVES = 2
@@ -191,14 +199,19 @@ class Smem(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def shared_storage(tile: Tile):
+def shared_storage(tile: Tile, stage_out: bool = False):
     """The CTA's shared memory, one struct: the barriers, the tiles' masks, the row maxima and
     sums the MMA warp groups exchange, Q (also the output staging), two K tiles, and for d_qk 512
     the two P buffers (d_qk 576 keeps P in the K tiles' RoPE chunks): 223,232 B for d_qk 576, 215,040 B for 512,
-    of 232,448."""
+    of 232,448. ``stage_out`` (d_qk 512, ``Sm90PrefillTuning.stage_out``): out is staged in a ring
+    of the P buffers and a 16 KiB ``sO`` instead of Q, and the row sums are kept per item parity
+    (nothing orders WG1's read of one item's sums before WG0's write of the next's but L_SUM of
+    the item after): 231,936 B."""
     n_bar = TILE.k_bufs * HALVES
 
     if p_in_k(tile):
+        assert not stage_out, "stage_out: no room at this d_qk"
+
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[Int64, 1]
@@ -209,7 +222,7 @@ def shared_storage(tile: Tile):
             row_sum: cute.struct.MemRange[Float32, 2 * TILE.heads]   # an item's row sums of WG0, WG1
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
-    else:
+    elif not stage_out:
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[Int64, 1]
@@ -221,6 +234,19 @@ def shared_storage(tile: Tile):
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.k_bufs * TILE.p_elems], 1024]
+    else:
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[Int64, 1]
+            k_full: cute.struct.MemRange[Int64, n_bar]
+            k_free: cute.struct.MemRange[Int64, n_bar]
+            tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
+            row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]
+            row_sum: cute.struct.MemRange[Float32, 2 * 2 * TILE.heads]   # by item parity
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.k_bufs * TILE.p_elems], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * RING_CHUNK], 1024]   # a chunk per MMA group
 
     return SharedStorage
 
@@ -594,32 +620,83 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
 
 
 @cute.jit
-def finish_item(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: MmaWg, w: Work,
-                wg: cutlass.Constexpr, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
-    """An item's epilogue in MMA warp group ``wg``: the row sums summed over the quad and over
-    both groups (``L_SUM``), the final factors (the sink folded in), this group's O half staged
-    in its half of sQ and stored by TMA; WG0 also writes lse and max_logits."""
+def item_sums(cfg: Sm90SparsePrefillConfig, smem: Smem, v: MmaWg, wg: cutlass.Constexpr, rq: Int32, l0: Float32,
+              l1: Float32):
+    """An item's row sums in MMA warp group ``wg``: summed over the quad, this group's put in
+    ``row_sum`` (with ``stage_out``, the half of item ``rq``'s parity), ``L_SUM``, the other
+    group's added. After it neither group reads Q or a P buffer again for this item."""
     l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
     l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
     l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
     l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
-    s_sum = smem.storage.row_sum.get_tensor(cute.make_layout(2 * TILE.heads))
+    base = smem.storage.row_sum.data_ptr()
+    if cutlass.const_expr(cfg.tuning.stage_out):
+        base = base + (rq % 2) * (2 * TILE.heads)
+    s_sum = cute.make_tensor(base, cute.make_layout(2 * TILE.heads))
     put_rows(s_sum, wg * TILE.heads, v.row0, v.quad, l0, l1)
     cute.arch.barrier(barrier_id=PrefillBar.L_SUM, number_of_threads=PAIR_THREADS)
     l0 = l0 + s_sum[(1 - wg) * TILE.heads + v.row0]
     l1 = l1 + s_sum[(1 - wg) * TILE.heads + v.row0 + 8]
+    return l0, l1
+
+
+@cute.jit
+def item_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: MmaWg, w: Work,
+             wg: cutlass.Constexpr, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
+    """An item's output in MMA warp group ``wg`` once the sums are whole: the final factors (the
+    sink folded in), this group's O half staged (in its half of sQ, or with ``stage_out`` in its
+    ring, :func:`store_ring`) and stored by TMA; WG0 also writes lse and max_logits."""
     head0 = w.hblk * TILE.heads + v.row0
     o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
     o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
     scale_rows(v.acc_o, o_scale0, o_scale1)
-    store_block(cfg, cta_of(w), v.acc_o, v.thr_pv, BlockStore(g.tma_out, g.mOut, ops.chunk_layout, qo_policy(cfg)),
-                q_staging(cfg, smem.sQ, wg), wg, v.warp, 0, PrefillBar.EPI_WG1 if wg else PrefillBar.EPI_WG0, False)
+    to = BlockStore(g.tma_out, g.mOut, ops.chunk_layout, qo_policy(cfg))
+    bar_id = PrefillBar.EPI_WG1 if wg else PrefillBar.EPI_WG0
+    if cutlass.const_expr(cfg.tuning.stage_out):
+        store_ring(cfg, smem, cta_of(w), v, to, wg, bar_id)
+    else:
+        store_block(cfg, cta_of(w), v.acc_o, v.thr_pv, to, q_staging(cfg, smem.sQ, wg), wg, v.warp, 0, bar_id, False)
     if cutlass.const_expr(wg == 0):
         if v.quad == 0:
             g.mLse[w.s_idx, head0] = lse0
             g.mLse[w.s_idx, head0 + 8] = lse1
             g.mMax[w.s_idx, head0] = max_logit(l0, m0)
             g.mMax[w.s_idx, head0 + 8] = max_logit(l1, m1)
+
+
+@cute.jit
+def store_ring(cfg: Sm90SparsePrefillConfig, smem: Smem, cta: Cta, v: MmaWg, to: BlockStore, wg: cutlass.Constexpr,
+               bar_id: cutlass.Constexpr):
+    """``stage_out``: this group's O half (64 x 256, scaled) -> out by TMA in four 64-column
+    chunks staged through a ring of two 8 KiB slots, its own P buffer (only this group writes it,
+    and the other group's SS PV of it retired before ``L_SUM``) and its chunk of ``sO``. Chunk k
+    >= 2 reuses the slot of chunk k - 2 once warp 0 saw that store read it (the group syncs on
+    ``bar_id``). At the end warp 0 waits for the last reads and the group syncs again: the next
+    item's P is written to the same slot by every warp."""
+    n_chunks = cfg.pv_cols // TILE.chunk
+    own_p = smem.storage.sP.data_ptr() + wg * TILE.p_elems
+    own_o = smem.storage.sO.data_ptr() + wg * RING_CHUNK
+    lane = cute.arch.lane_idx()
+    m = lane // 8
+    r = lane % 8
+    row_off = (v.warp * 16 + 8 * (m % 2) + r) * TILE.chunk_row_bytes
+    for k in cutlass.range_constexpr(n_chunks):
+        slot_ptr = own_p if k % 2 == 0 else own_o
+        if cutlass.const_expr(k >= 2):
+            if v.warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+        stage_chunk(v.acc_o, slot_ptr.toint() + row_off, k, m, r)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+        if v.warp == 0:
+            src, dst = chunk_tma(cfg, cta, to, slot_ptr, wg * n_chunks + k, 0)
+            store_chunk(to, src, dst)
+    if v.warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
 
 
 @cute.jit
@@ -645,37 +722,49 @@ def item_tiles(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, wg: cutlass.Con
 
 @cute.jit
 def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
-    """WG0, per item: Q by TMA (once WG1's previous output left the staging in sQ, ``Q_FREE``),
-    the item's full pairs, then its last tile alone where the count is odd, then the epilogue."""
+    """WG0, per item: Q by TMA, the item's full pairs, then its last tile alone where the count is
+    odd, then the epilogue. Q is loaded once WG1's previous output left the staging in sQ
+    (``Q_FREE``), or with ``stage_out`` (out staged elsewhere) as soon as the previous item's
+    sums are exchanged: both groups' QKs of it retired before ``L_SUM``."""
     v = mma_wg(cfg, smem, ops, 0)
     q_full = smem.storage.q_full.data_ptr()
     gQ = cute.flat_divide(g.mQ, (TILE.heads, cfg.tile.d_qk))
     tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(smem.sQ[None, None, 0], 0, 2),
                                        cute.group_modes(gQ, 0, 2))
+    early_q = cutlass.const_expr(cfg.tuning.stage_out)
     c0 = Int32(0)   # pairs consumed: buffer 0's phase
     c1 = Int32(0)   # odd tiles consumed: buffer 1's phase
     rq = Int32(0)   # items done
     begin, end, step = items(cfg, g)
+    if cutlass.const_expr(early_q):
+        if begin < end:
+            load_q(cfg, g, item_cta(cfg, begin), q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
-        if rq > 0:
-            # WG1's output store of the previous item no longer reads its staging (in sQ).
-            cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
-        load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
+        if cutlass.const_expr(not early_q):
+            if rq > 0:
+                # WG1's output store of the previous item no longer reads its staging (in sQ).
+                cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
+            load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
         v.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
         m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
-        finish_item(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1)
+        l0, l1 = item_sums(cfg, smem, v, 0, rq, l0, l1)
+        if cutlass.const_expr(early_q):
+            if item + step < end:
+                load_q(cfg, g, item_cta(cfg, item + step), q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
+        item_out(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1)
         rq += 1
-    # WG1 arrived on Q_FREE once per item; WG0 synced once per item but the first.
-    if rq > 0:
-        cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
+    if cutlass.const_expr(not early_q):
+        # WG1 arrived on Q_FREE once per item; WG0 synced once per item but the first.
+        if rq > 0:
+            cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
 
 
 @cute.jit
 def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
     """WG1, per item: Q landed (``q_full``), the item's full pairs, its last tile's PV where the
-    count is odd, the epilogue, then ``Q_FREE`` (its staging in sQ is free)."""
+    count is odd, the epilogue, then (out staged in sQ) ``Q_FREE``: its staging is free."""
     v = mma_wg(cfg, smem, ops, 1)
     q_full = smem.storage.q_full.data_ptr()
     c0 = Int32(0)
@@ -685,12 +774,14 @@ def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
         v.acc_o.fill(0.0)
-        # Q landed: this group's QKs read it, and its staging (which aliases Q) waits for it.
+        # Q landed: this group's QKs read it, and its staging (which may alias Q) waits for it.
         cute.arch.mbarrier_wait(q_full, rq & 1)
         m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 1, scale_log2, w.n_tiles, c0, c1)
-        finish_item(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1)
-        # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
-        cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
+        l0, l1 = item_sums(cfg, smem, v, 1, rq, l0, l1)
+        item_out(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1)
+        if cutlass.const_expr(not cfg.tuning.stage_out):
+            # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
+            cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
         rq += 1
 
 
@@ -698,6 +789,11 @@ def qo_policy(cfg: Sm90SparsePrefillConfig):
     """The L2 cache policy of the Q loads and out stores (``Sm90PrefillTuning.qo_policy``), or None.
     A plain function, inlined at trace time."""
     return ptx.l2_policy(cfg.tuning.qo_policy) if cfg.tuning.qo_policy else None
+
+
+def item_cta(cfg: Sm90SparsePrefillConfig, item: Int32) -> Cta:
+    """The epilogue's view of item ``item`` (its token and head block) without reading its list."""
+    return Cta(Int32(0), item // cfg.n_hblk, item % cfg.n_hblk, None, None, None)
 
 
 def cta_of(w: Work) -> Cta:

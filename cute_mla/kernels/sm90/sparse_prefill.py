@@ -124,8 +124,7 @@ class Sm90SparsePrefill:
         tidx, _, _ = cute.arch.thread_idx()
         wg = cute.arch.make_warp_uniform(tidx // TILE.threads_per_wg)
 
-        storage = SmemAllocator().allocate(small.swapped_storage(cfg.tile, cfg.h_q) if cfg.swapped
-                                           else shared_storage(cfg.tile))
+        storage = SmemAllocator().allocate(storage_struct(cfg))
         k_free_arrivals = small.K_FREE_ARRIVALS_SWAPPED if cfg.swapped else K_FREE_ARRIVALS
         if tidx == 0:
             cute.arch.mbarrier_init(storage.q_full.data_ptr(), 1)
@@ -185,11 +184,16 @@ def _fake_arguments(cfg: Sm90SparsePrefillConfig) -> list:
             + [Int32(1), Float32(1.0), prefill_entry.fake_stream()])
 
 
+def storage_struct(cfg: Sm90SparsePrefillConfig):
+    """The shared-memory struct of the config's tile (swap-AB or ping-pong, with its staging)."""
+    if cfg.swapped:
+        return small.swapped_storage(cfg.tile, cfg.h_q)
+    return shared_storage(cfg.tile, cfg.tuning.stage_out)
+
+
 def smem_bytes(cfg: Sm90SparsePrefillConfig) -> int:
     """Dynamic shared memory of one CTA."""
-    if cfg.swapped:
-        return small.swapped_storage(cfg.tile, cfg.h_q).size_in_bytes()
-    return shared_storage(cfg.tile).size_in_bytes()
+    return storage_struct(cfg).size_in_bytes()
 
 
 def compile(cfg: Sm90SparsePrefillConfig, dump_dir: Optional[str] = None) -> CompiledKernel:
