@@ -94,20 +94,21 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
 
     def knobs(h_q, d_qk, tuning=None):
         t = pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True, tuning=tuning).tuning
-        return t.gather_l2, t.prefetch_rows, t.qo_policy, t.stage_out
+        return t.gather_l2, t.prefetch_rows, t.qo_policy, t.staging
 
-    assert knobs(128, 576) == ("L2::256B", True, "evict_first", False)
-    assert knobs(128, 512) == ("L2::256B", False, "evict_first", True)
-    assert knobs(64, 576) == ("", False, "evict_first", False)
-    assert knobs(64, 512) == ("", False, "evict_first", True)
+    assert knobs(128, 576) == ("L2::256B", True, "evict_first", "q")
+    assert knobs(128, 512) == ("L2::256B", False, "evict_first", "ring")
+    assert knobs(64, 576) == ("", False, "evict_first", "q")
+    assert knobs(64, 512) == ("", False, "evict_first", "ring")
     for d_qk in (576, 512):
         for h_q in (8, 16, 32):
-            assert knobs(h_q, d_qk) == ("", False, "", False)
-    assert knobs(64, 576, pc.Sm90PrefillTuning(prefetch_rows=True)) == ("", True, "evict_first", False)
-    assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True, "evict_first", False)
-    assert knobs(16, 576, pc.Sm90PrefillTuning(qo_policy="evict_first")) == ("", False, "evict_first", False)
-    assert knobs(64, 512, pc.Sm90PrefillTuning(qo_policy="", stage_out=False)) == ("", False, "", False)
-    explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False, qo_policy="evict_first", stage_out=True)
+            assert knobs(h_q, d_qk) == ("", False, "", "q")
+    assert knobs(64, 576, pc.Sm90PrefillTuning(prefetch_rows=True)) == ("", True, "evict_first", "q")
+    assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True, "evict_first", "q")
+    assert knobs(16, 576, pc.Sm90PrefillTuning(qo_policy="evict_first")) == ("", False, "evict_first", "q")
+    assert knobs(64, 512, pc.Sm90PrefillTuning(qo_policy="", staging="q")) == ("", False, "", "q")
+    assert knobs(128, 576, pc.Sm90PrefillTuning(staging="q_reload")) == ("L2::256B", True, "evict_first", "q_reload")
+    explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False, qo_policy="evict_first", staging="ring")
     a = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False)
     b = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False, tuning=explicit)
     assert a == b and hash(a) == hash(b)
@@ -115,21 +116,27 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
         pc.Sm90PrefillTuning(prefetch_rows="yes")
     with pytest.raises(ValueError, match="qo_policy takes '' or one of evict_first, evict_last, evict_normal"):
         pc.Sm90PrefillTuning(qo_policy="evict_later")
-    for h_q, d_qk in ((64, 576), (128, 576), (16, 512)):
-        with pytest.raises(ValueError, match=f"stage_out: .* got h_q {h_q}, d_qk {d_qk}"):
+    for h_q, d_qk in ((64, 576), (128, 576)):
+        with pytest.raises(ValueError, match=f"staging: the 'ring' is built for d_qk 512 .* got h_q {h_q}, d_qk {d_qk}"):
             pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=False,
-                             tuning=pc.Sm90PrefillTuning(stage_out=True))
+                             tuning=pc.Sm90PrefillTuning(staging="ring"))
+    for staging in ("ring", "q_reload"):
+        with pytest.raises(ValueError, match=f"staging: the swap-AB tile \\(16 heads\\) .* got '{staging}'"):
+            pc.kernel_config(h_q=16, d_qk=512, has_topk_length=False, has_attn_sink=False,
+                             tuning=pc.Sm90PrefillTuning(staging=staging))
+    with pytest.raises(ValueError, match="staging takes one of q, ring, q_reload, got 'sQ'"):
+        pc.Sm90PrefillTuning(staging="sQ")
 
 
-def test_sm90_stage_out_fits_and_is_reported():
+def test_sm90_staging_ring_fits_and_is_reported():
     """The staging ring fits the CTA's shared memory at d_qk 512 and the report counts it."""
     from cute_mla.archs import SMEM_PER_CTA
     from cute_mla.kernels.sm90 import sparse_prefill as m
 
     on = m.kernel_config(h_q=64, d_qk=512, has_topk_length=False, has_attn_sink=False)
     off = m.kernel_config(h_q=64, d_qk=512, has_topk_length=False, has_attn_sink=False,
-                          tuning=m.Sm90PrefillTuning(stage_out=False))
-    assert on.tuning.stage_out and not off.tuning.stage_out
+                          tuning=m.Sm90PrefillTuning(staging="q"))
+    assert on.tuning.staging == "ring"
     assert m.smem_bytes(on) == m.smem_bytes(off) + 16 * 1024 <= SMEM_PER_CTA
 
 

@@ -10,10 +10,10 @@ must be kept in step with them.
   lapping its sync, no ambiguous parity wait, every barrier generation complete at the end, and
   every pair of conflicting accesses ordered (a wgmma's reads last from its issue to its retiring
   wait; a write while one is pending is a race). Items of 0 to 7 tiles (odd counts end with a
-  pair without tile 2i+1), P in the K tiles' RoPE chunks (d_qk 576) or in ``sP`` (512); known
-  protocol bugs must be caught.
+  pair without tile 2i+1), P in the K tiles' RoPE chunks (d_qk 576) or in ``sP`` (512), out
+  staged by each ``Sm90PrefillTuning.staging``; known protocol bugs must be caught.
 * The arithmetic: the per-row order of operations of ``wg0_pair`` / ``wg1_pair`` /
-  ``finish_item`` (fp32, bf16 P) in numpy against float64 softmax attention.
+  ``item_sums`` / ``item_out`` (fp32, bf16 P) in numpy against float64 softmax attention.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import random
 import numpy as np
 import pytest
 
-AGENTS = ("P", "A", "B", "T")   # producer, WG0, WG1, the Q TMA
+AGENTS = ("P", "A", "B", "T", "U")   # producer, WG0, WG1, the Q TMA loads WG0 / WG1 issue
 
 
 def _vc():
@@ -148,10 +148,10 @@ def producer(w, items):
 def _qk(w, a, b, c):
     tok = object()
     yield ("mbar", f"full{b}E", c)
-    w.wgmma_issue(a, ["Qlo", "Qhi", f"K{b}E"], tok)
+    w.wgmma_issue(a, _q_parts(w) + [f"K{b}E"], tok)
     yield ("mbar", f"full{b}L", c)
     w.wgmma_issue(a, [f"K{b}Lv", f"K{b}rope"], tok)
-    w.wgmma_retire(a, ["Qlo", "Qhi", f"K{b}E", f"K{b}Lv", f"K{b}rope"], tok)
+    w.wgmma_retire(a, _q_parts(w) + [f"K{b}E", f"K{b}Lv", f"K{b}rope"], tok)
     w.access(a, f"mask{b}", "r")
 
 
@@ -215,42 +215,61 @@ def wg1_pair(w, c0, c1, odd):
         w.mb_arrive("B", "free1L", 128)
 
 
-def _epilogue(w, a, half, rq, stage_out):
-    """L_SUM, then out staged and stored: in sQ's half, or (``stage_out``) in the group's ring of
-    its own P buffer and its sO chunk, the row sums by item parity; with ``stage_out`` WG0 loads
-    the next item's Q right after L_SUM."""
-    par = rq % 2 if stage_out and w.bug != "one row_sum" else 0
+def _q_parts(w):
+    """Q's regions: the chunks WG0 / WG1 stage their output in, and (d_qk 576) the RoPE chunk."""
+    return ["Qlo", "Qhi"] + (["Qrope"] if w.p_in_k else [])
+
+
+def _load_q(w, a, parts):
+    """Q TMA loads of ``parts`` issued by ``a`` (WG0's land as agent T, WG1's as U), one
+    completion each on q_full."""
+    t = "T" if a == "A" else "U"
+    w.tick(a)
+    w.clock[t] = _join(w.clock[t], w.clock[a])
+    for r in parts:
+        w.access(t, r, "w")
+    w.mb_arrive(t, "q_full", len(parts))
+
+
+def _epilogue(w, a, half, rq, staging):
+    """L_SUM, then out staged and stored as ``staging`` says: "q", in sQ's half; "ring", in the
+    group's own P buffer and its sO chunk, WG0 loading the next Q right after L_SUM; "q_reload",
+    in sQ's half, WG0 expecting the next Q and loading its RoPE chunk after L_SUM and each group
+    reloading its half behind its stores. The row sums by item parity with the "ring" (with
+    "q_reload" WG0's next item waits for WG1's reload, after WG1 read the sums)."""
+    last = rq + 1 == w.n_items
+    par = rq % 2 if staging == "ring" and w.bug != "one row_sum" else 0
     w.access(a, f"sum{half}{par}", "w")
     yield from _sync(w, a, "L_SUM")
     w.access(a, f"sum{1 - half}{par}", "r")
-    if stage_out and a == "A" and rq + 1 < w.n_items:
-        _load_q(w)
-    if stage_out:
-        staging = [_p(w, half), f"O{half}"] if w.bug != "stage in the other P" else [_p(w, 1 - half), f"O{half}"]
+    if a == "A" and not last and staging == "ring":
+        _load_q(w, "A", _q_parts(w))
+    if a == "A" and not last and staging == "q_reload":
+        w.mb_arrive("A", "q_full", 1)                  # expect_tx of the whole Q
+        _load_q(w, "A", _q_parts(w)[2:])
+    if staging == "ring":
+        own = half if w.bug != "stage in the other P" else 1 - half
+        regions = [_p(w, own), f"O{half}"]
     else:
-        staging = ["Qlo" if half == 0 else "Qhi"]
-    for r in staging:
+        regions = ["Qlo" if half == 0 else "Qhi"]
+    for r in regions:
         w.access(a, r, "w")     # stmatrix
         w.access(a, r, "r")     # its TMA store, waited for (read) by warp 0, then the group syncs
+    if staging == "q_reload" and not last:
+        _load_q(w, a, regions if w.bug != "reload before the read" else [])
 
 
-def _load_q(w):
-    w.tick("A")                                   # the Q TMA: issued by WG0, written by T
-    w.clock["T"] = _join(w.clock["T"], w.clock["A"])
-    w.access("T", "Qlo", "w")
-    w.access("T", "Qhi", "w")
-    w.mb_arrive("T", "q_full", 1)
-
-
-def wg0(w, items, stage_out=False):
+def wg0(w, items, staging="q"):
     c0 = c1 = 0
-    if stage_out and items:
-        _load_q(w)
+    if staging != "q" and items:
+        if staging == "q_reload":
+            w.mb_arrive("A", "q_full", 1)
+        _load_q(w, "A", _q_parts(w))
     for rq, n in enumerate(items):
-        if not stage_out:
+        if staging == "q":
             if rq > 0:
                 yield from _sync(w, "A", "Q_FREE")
-            _load_q(w)
+            _load_q(w, "A", _q_parts(w))
         yield ("mbar", "q_full", rq)
         for _ in range(n // 2):
             yield from wg0_pair(w, c0, c1, True)
@@ -258,12 +277,12 @@ def wg0(w, items, stage_out=False):
         if n % 2:
             yield from wg0_pair(w, c0, c1, False)
             c0 += 1
-        yield from _epilogue(w, "A", 0, rq, stage_out)
-    if items and not stage_out:
+        yield from _epilogue(w, "A", 0, rq, staging)
+    if items and staging == "q":
         yield from _sync(w, "A", "Q_FREE")
 
 
-def wg1(w, items, stage_out=False):
+def wg1(w, items, staging="q"):
     c0 = c1 = 0
     for rq, n in enumerate(items):
         if w.bug != "WG1 skips q_full":
@@ -274,18 +293,20 @@ def wg1(w, items, stage_out=False):
         if n % 2:
             yield from wg1_pair(w, c0, c1, False)
             c0 += 1
-        yield from _epilogue(w, "B", 1, rq, stage_out)
-        if not stage_out:
+        yield from _epilogue(w, "B", 1, rq, staging)
+        if staging == "q":
             w.nb_arrive("B", "Q_FREE")
 
 
-def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, stage_out: bool = False):
-    """One interleaving of the ping-pong's roles (or, ``swapped``, the swap-AB tile's; with
-    ``stage_out``, the ping-pong with out staged outside Q, ``Sm90PrefillTuning.stage_out``)."""
+def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, staging: str = "q"):
+    """One interleaving of the ping-pong's roles with out staged as ``staging`` says
+    (``Sm90PrefillTuning.staging``), or (``swapped``) of the swap-AB tile's."""
     rnd = random.Random(seed)
     w = World(p_in_k, bug)
     w.n_items = len(items)
-    w.mb_init("q_full", 1)
+    # "q_reload": WG0's expect and one completion per Q part; otherwise one load of all of Q
+    parts = 2 + p_in_k
+    w.mb_init("q_full", 1 if swapped else (1 + parts if staging == "q_reload" else parts))
     for b in range(2):
         w.mb_init(f"full{b}E", 128)
         w.mb_init(f"full{b}L", 132)
@@ -294,7 +315,7 @@ def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = 
     if swapped:
         roles = {"P": swapped_producer(w, items), "A": swapped_wg0(w, items), "B": swapped_wg1(w, items)}
     else:
-        roles = {"P": producer(w, items), "A": wg0(w, items, stage_out), "B": wg1(w, items, stage_out)}
+        roles = {"P": producer(w, items), "A": wg0(w, items, staging), "B": wg1(w, items, staging)}
     waiting = {a: None for a in roles}
     while roles:
         ready = []
@@ -321,11 +342,12 @@ def _items(seed):
     return [rnd.choice(range(8)) for _ in range(rnd.randint(0, 5))]
 
 
-@pytest.mark.parametrize("p_in_k, stage_out", [(True, False), (False, False), (False, True)],
-                         ids=["p_in_rope_chunk", "p_in_sP", "p_in_sP_stage_out"])
-def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, stage_out):
+@pytest.mark.parametrize("p_in_k, staging", [(True, "q"), (False, "q"), (False, "ring"), (True, "q_reload"),
+                                             (False, "q_reload")],
+                         ids=["d576_q", "d512_q", "d512_ring", "d576_q_reload", "d512_q_reload"])
+def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging):
     for seed in range(1500):
-        run_protocol(_items(seed), p_in_k, seed, stage_out=stage_out)
+        run_protocol(_items(seed), p_in_k, seed, staging=staging)
 
 
 @pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
@@ -336,14 +358,16 @@ def test_the_protocol_model_catches_known_bugs(bug):
             run_protocol(_items(seed), True, seed, bug)
 
 
-@pytest.mark.parametrize("bug", ["one row_sum", "stage in the other P"])
-def test_the_stage_out_model_catches_known_bugs(bug):
-    """Without the row sums kept per item parity, WG0 (an item of one tile or none, nothing to wait
-    for) can write the next item's sums before WG1 read this item's; staged in the other group's P
-    buffer, out races that group's next P."""
+@pytest.mark.parametrize("bug, p_in_k, staging", [("one row_sum", False, "ring"), ("stage in the other P", False, "ring"),
+                                                   ("reload before the read", True, "q_reload")])
+def test_the_early_q_models_catch_known_bugs(bug, p_in_k, staging):
+    """Where WG0 loads the next Q early: with the "ring" and without the row sums kept per item
+    parity, WG0 (an item of one tile or none waits for nothing) can write the next item's sums
+    before WG1 read this item's; out staged in the other group's P buffer races that group's next P; a Q chunk
+    reloaded before its store read the staging races the store."""
     with pytest.raises(Race):
         for seed in range(1500):
-            run_protocol(_items(seed), False, seed, bug, stage_out=True)
+            run_protocol(_items(seed), p_in_k, seed, bug, staging=staging)
 
 
 # ------------------------------------------------------------------------------------ arithmetic

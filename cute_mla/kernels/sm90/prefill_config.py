@@ -21,6 +21,7 @@ from .config import L2_POLICIES, TILE, Bar, RegisterBudget, Tile, tile_of
 # format with that key width: same smem geometry, only the gather differs.
 WIDTHS = {V32.d_qk: V32, V4.d_qk: V4}
 HEADS = (8, 16, 32, 64, 128)
+STAGINGS = ("q", "ring", "q_reload")   # ``Sm90PrefillTuning.staging``
 SMALL_HEADS = (8, 16, 32)      # the swap-AB tile's head counts: heads on N (``prefill_small_roles.py``)
 
 
@@ -80,10 +81,12 @@ class Sm90PrefillTuning:
     # each byte of them is touched once, and without a hint they take L2 lines from the gathered
     # rows, which the other tokens' walks read again.
     qo_policy: Optional[str] = None
-    # The ping-pong's out staged outside the Q buffer (a ring of two 8 KiB chunks per MMA warp
-    # group: its P buffer and its half of a 16 KiB ``sO``), so WG0 loads the next item's Q once
-    # the row sums are exchanged, under the output stores. d_qk 512 only: d_qk 576 has no room.
-    stage_out: Optional[bool] = None
+    # Where the ping-pong stages out, and so when the next item's Q loads: "q", in the Q buffer
+    # (each group its half; the next Q once WG1's stores read it, ``Q_FREE``); "ring", outside it
+    # (per group a ring of its P buffer and a 16 KiB ``sO`` chunk, d_qk 512 only: d_qk 576 has no
+    # room), the next Q right after the row sums are exchanged; "q_reload", in the Q buffer, each
+    # Q chunk reloaded as soon as its store read it (the RoPE chunk right after the sums).
+    staging: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
@@ -93,8 +96,8 @@ class Sm90PrefillTuning:
                              f"got {self.gather_l2!r}")
         if self.prefetch_rows is not None and not isinstance(self.prefetch_rows, bool):
             raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
-        if self.stage_out not in (None, True, False):
-            raise ValueError(f"Sm90PrefillTuning: stage_out takes a bool, got {self.stage_out!r}")
+        if self.staging not in (None,) + STAGINGS:
+            raise ValueError(f"Sm90PrefillTuning: staging takes one of {', '.join(STAGINGS)}, got {self.staging!r}")
         if self.qo_policy not in (None, "") + L2_POLICIES:
             raise ValueError(f"Sm90PrefillTuning: qo_policy takes '' or one of {', '.join(L2_POLICIES)}, "
                              f"got {self.qo_policy!r}")
@@ -110,11 +113,12 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     ping-pong tile (64 and 128 heads) loads Q and stores out evict_first, which keeps more of the
     rows in L2 where the walk is bound by HBM; the swap-AB tile's Q and out are a small share of its
     traffic and go without a policy. At d_qk 512 the ping-pong stages out outside Q
-    (``stage_out``), so the next item's Q loads under the output stores (d_qk 576 has no room)."""
+    (``staging`` "ring"), so the next item's Q loads under the output stores (d_qk 576 has no room).
+    The swap-AB tile stages in its Q buffer ("q")."""
     pair = h_q > TILE.heads
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
             "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
-            "stage_out": h_q not in SMALL_HEADS and d_qk == V4.d_qk}
+            "staging": "ring" if d_qk == V4.d_qk and h_q not in SMALL_HEADS else "q"}
     given = {k: v for k, v in rule.items() if getattr(tuning, k) is None}
     return replace(tuning, **given) if given else tuning
 
@@ -150,9 +154,12 @@ class Sm90SparsePrefillConfig:
             raise ValueError(f"tuning: expected an Sm90PrefillTuning, got {type(self.tuning).__name__}")
         # a config compiles concrete knobs: the shape's rule fills what the tuning left open
         object.__setattr__(self, "tuning", resolve_tuning(self.tuning, self.h_q, self.d_qk))
-        if self.tuning.stage_out and (self.swapped or self.d_qk != V4.d_qk):
-            raise ValueError(f"stage_out: the out staging ring is built for the 64-head tile at d_qk {V4.d_qk} "
-                             f"(no room in shared memory otherwise), got h_q {self.h_q}, d_qk {self.d_qk}")
+        if self.tuning.staging != "q" and self.swapped:
+            raise ValueError(f"staging: the swap-AB tile ({self.h_q} heads) stages out in its Q buffer ('q'), "
+                             f"got {self.tuning.staging!r}")
+        if self.tuning.staging == "ring" and self.d_qk != V4.d_qk:
+            raise ValueError(f"staging: the 'ring' is built for d_qk {V4.d_qk} (no room in shared memory "
+                             f"otherwise), got h_q {self.h_q}, d_qk {self.d_qk}")
         if self.arch != archs.SM90.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
 
@@ -164,6 +171,12 @@ class Sm90SparsePrefillConfig:
     def n_hblk(self) -> int:
         """64-head blocks per token (one for 8, 16, 32 or 64 heads)."""
         return -(-self.h_q // TILE.heads)
+
+    @property
+    def early_q(self) -> bool:
+        """WG0 loads the next item's Q (or its first chunk) right after the row sums are exchanged,
+        not after ``Q_FREE`` (``staging`` other than "q")."""
+        return self.tuning.staging != "q"
 
     @property
     def swapped(self) -> bool:

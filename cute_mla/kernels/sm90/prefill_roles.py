@@ -66,8 +66,8 @@ L_SUM (11)   both sync    the item's row sums in ``row_sum``                    
 Q_FREE (3)   WG1 -> WG0   WG1's output staging (in sQ) read by its TMA stores        every item (WG0
                                                                                      syncs before the
                                                                                      next Q, and once
-                                                                                     at the end); not
-                                                                                     with stage_out
+                                                                                     at the end); with
+                                                                                     staging "q" only
 EPI_WG0/1    one WG, 128  a staged output chunk written (``store_block``)            per chunk
 ===========  ===========  =========================================================  ==============
 
@@ -83,11 +83,13 @@ random interleavings (deadlock, lapping and race checks; keep it in step with th
 P buffers: for d_qk 576 P of buffer b is the RoPE chunk of K buffer b (free once the tile's QK
 retired; no room for a separate 16 KiB), for d_qk 512 a 2 x 8 KiB ``sP``.
 
-Output staging: in Q (each group its half), so the next item's Q waits for WG1's stores
-(``Q_FREE``); or, with ``Sm90PrefillTuning.stage_out`` (d_qk 512), in a ring of two 8 KiB
-chunks per group, its own P buffer and its chunk of ``sO`` (:func:`store_ring`), so WG0 loads the
-next Q right after ``L_SUM``, when both groups' QKs and SS PVs of the item have retired; the row
-sums are then kept per item parity.
+Output staging (``Sm90PrefillTuning.staging``): "q", in Q (each group its half), so the next
+item's Q waits for WG1's stores (``Q_FREE``); "ring" (d_qk 512), in a ring of two 8 KiB chunks
+per group, its own P buffer and its chunk of ``sO`` (:func:`store_ring`), so WG0 loads the next
+Q right after ``L_SUM``, when both groups' QKs and SS PVs of the item have retired (the row sums
+then kept per item parity); "q_reload", in Q, WG0 expecting the next Q's bytes and loading the
+chunks no output is staged in right after ``L_SUM``, each group reloading its own four chunks
+as its stores read them (:func:`store_q_reload`).
 """
 
 # No "from __future__ import annotations": cute.struct reads its field annotations as objects.
@@ -112,7 +114,7 @@ from .softmax import exp_rows, load_q, masked_row_max
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 TOKENS_PER_PASS = 4                      # rows a producer warp gathers per pass: 8 lanes x 16 B per 128-B chunk
 PASSES = TILE.tokens // (4 * TOKENS_PER_PASS)   # passes per tile: 4 warps x 4 rows x 4 passes = 64 rows
-RING_CHUNK = TILE.heads * TILE.chunk     # bf16 elements of one staged 64 x 64 output chunk (``stage_out``)
+RING_CHUNK = TILE.heads * TILE.chunk     # bf16 elements of one 64 x 64 chunk (staged out, or Q by chunk)
 MASK_BYTES = 16                          # per K buffer: one 32-bit word of mask bits per producer warp
 EARLY, LATE = 0, 1                       # the halves of a K buffer (module docstring)
 HALVES = 2
@@ -199,53 +201,33 @@ class Smem(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def shared_storage(tile: Tile, stage_out: bool = False):
+def shared_storage(tile: Tile, staging: str = "q"):
     """The CTA's shared memory, one struct: the barriers, the tiles' masks, the row maxima and
-    sums the MMA warp groups exchange, Q (also the output staging), two K tiles, and for d_qk 512
-    the two P buffers (d_qk 576 keeps P in the K tiles' RoPE chunks): 223,232 B for d_qk 576, 215,040 B for 512,
-    of 232,448. ``stage_out`` (d_qk 512, ``Sm90PrefillTuning.stage_out``): out is staged in a ring
-    of the P buffers and a 16 KiB ``sO`` instead of Q, and the row sums are kept per item parity
-    (nothing orders WG1's read of one item's sums before WG0's write of the next's but L_SUM of
-    the item after): 231,936 B."""
+    sums the MMA warp groups exchange, Q (also the output staging but with the "ring"), two K
+    tiles, for d_qk 512 the two P buffers (d_qk 576 keeps P in the K tiles' RoPE chunks) and with
+    the "ring" (``Sm90PrefillTuning.staging``) a 16 KiB ``sO``: 223,232 B for d_qk 576, 215,040 B
+    for 512, 231,424 B with the ring, of 232,448. With the ring the row sums are kept per item
+    parity: nothing else orders WG1's read of one item's sums before WG0's write of the next's
+    (an item of one tile or none waits for nothing) but L_SUM of the item after ("q" has
+    ``Q_FREE``, "q_reload" the next Q's chunks WG1 reloads after its read)."""
     n_bar = TILE.k_bufs * HALVES
+    in_k = p_in_k(tile)
+    assert staging in ("q", "q_reload") or not in_k, "the ring: no room at this d_qk"
+    sums = 2 * TILE.heads * (2 if staging == "ring" else 1)
 
-    if p_in_k(tile):
-        assert not stage_out, "stage_out: no room at this d_qk"
-
-        @cute.struct
-        class SharedStorage:
-            q_full: cute.struct.MemRange[Int64, 1]
-            k_full: cute.struct.MemRange[Int64, n_bar]
-            k_free: cute.struct.MemRange[Int64, n_bar]
-            tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
-            row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]   # mA (WG0), mB (WG1)
-            row_sum: cute.struct.MemRange[Float32, 2 * TILE.heads]   # an item's row sums of WG0, WG1
-            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
-    elif not stage_out:
-        @cute.struct
-        class SharedStorage:
-            q_full: cute.struct.MemRange[Int64, 1]
-            k_full: cute.struct.MemRange[Int64, n_bar]
-            k_free: cute.struct.MemRange[Int64, n_bar]
-            tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
-            row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]
-            row_sum: cute.struct.MemRange[Float32, 2 * TILE.heads]
-            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
+    @cute.struct
+    class SharedStorage:
+        q_full: cute.struct.MemRange[Int64, 1]
+        k_full: cute.struct.MemRange[Int64, n_bar]
+        k_free: cute.struct.MemRange[Int64, n_bar]
+        tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
+        row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]   # mA (WG0), mB (WG1)
+        row_sum: cute.struct.MemRange[Float32, sums]             # an item's row sums of WG0, WG1
+        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
+        if not in_k:
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.k_bufs * TILE.p_elems], 1024]
-    else:
-        @cute.struct
-        class SharedStorage:
-            q_full: cute.struct.MemRange[Int64, 1]
-            k_full: cute.struct.MemRange[Int64, n_bar]
-            k_free: cute.struct.MemRange[Int64, n_bar]
-            tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
-            row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]
-            row_sum: cute.struct.MemRange[Float32, 2 * 2 * TILE.heads]   # by item parity
-            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE.k_bufs * TILE.p_elems], 1024]
+        if staging == "ring":
             sO: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * RING_CHUNK], 1024]   # a chunk per MMA group
 
     return SharedStorage
@@ -623,14 +605,14 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
 def item_sums(cfg: Sm90SparsePrefillConfig, smem: Smem, v: MmaWg, wg: cutlass.Constexpr, rq: Int32, l0: Float32,
               l1: Float32):
     """An item's row sums in MMA warp group ``wg``: summed over the quad, this group's put in
-    ``row_sum`` (with ``stage_out``, the half of item ``rq``'s parity), ``L_SUM``, the other
+    ``row_sum`` (with the "ring" staging, the half of item ``rq``'s parity), ``L_SUM``, the other
     group's added. After it neither group reads Q or a P buffer again for this item."""
     l0 += cute.arch.shuffle_sync_bfly(l0, offset=1)
     l0 += cute.arch.shuffle_sync_bfly(l0, offset=2)
     l1 += cute.arch.shuffle_sync_bfly(l1, offset=1)
     l1 += cute.arch.shuffle_sync_bfly(l1, offset=2)
     base = smem.storage.row_sum.data_ptr()
-    if cutlass.const_expr(cfg.tuning.stage_out):
+    if cutlass.const_expr(cfg.tuning.staging == "ring"):
         base = base + (rq % 2) * (2 * TILE.heads)
     s_sum = cute.make_tensor(base, cute.make_layout(2 * TILE.heads))
     put_rows(s_sum, wg * TILE.heads, v.row0, v.quad, l0, l1)
@@ -642,18 +624,21 @@ def item_sums(cfg: Sm90SparsePrefillConfig, smem: Smem, v: MmaWg, wg: cutlass.Co
 
 @cute.jit
 def item_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: MmaWg, w: Work,
-             wg: cutlass.Constexpr, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
+             wg: cutlass.Constexpr, m0: Float32, m1: Float32, l0: Float32, l1: Float32, nxt: Cta, has_next):
     """An item's output in MMA warp group ``wg`` once the sums are whole: the final factors (the
-    sink folded in), this group's O half staged (in its half of sQ, or with ``stage_out`` in its
-    ring, :func:`store_ring`) and stored by TMA; WG0 also writes lse and max_logits."""
+    sink folded in), this group's O half staged and stored by TMA as ``staging`` says (in its half
+    of sQ; in its ring, :func:`store_ring`; in sQ with the next item ``nxt``'s Q chunks reloaded
+    behind the stores, :func:`store_q_reload`); WG0 also writes lse and max_logits."""
     head0 = w.hblk * TILE.heads + v.row0
     o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
     o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
     scale_rows(v.acc_o, o_scale0, o_scale1)
     to = BlockStore(g.tma_out, g.mOut, ops.chunk_layout, qo_policy(cfg))
     bar_id = PrefillBar.EPI_WG1 if wg else PrefillBar.EPI_WG0
-    if cutlass.const_expr(cfg.tuning.stage_out):
+    if cutlass.const_expr(cfg.tuning.staging == "ring"):
         store_ring(cfg, smem, cta_of(w), v, to, wg, bar_id)
+    elif cutlass.const_expr(cfg.tuning.staging == "q_reload"):
+        store_q_reload(cfg, g, smem, ops, cta_of(w), v, to, wg, bar_id, nxt, has_next)
     else:
         store_block(cfg, cta_of(w), v.acc_o, v.thr_pv, to, q_staging(cfg, smem.sQ, wg), wg, v.warp, 0, bar_id, False)
     if cutlass.const_expr(wg == 0):
@@ -665,9 +650,62 @@ def item_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: Mma
 
 
 @cute.jit
+def store_q_reload(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, cta: Cta, v: MmaWg, to: BlockStore,
+                   wg: cutlass.Constexpr, bar_id: cutlass.Constexpr, nxt: Cta, has_next):
+    """``staging`` "q_reload": this group's O half staged in its four chunks of sQ and stored chunk
+    by chunk; then warp 0 waits for each store's read in order and loads the next item's Q chunk
+    into the place it freed (completing on ``q_full``, whose bytes WG0 expected after the sums)."""
+    n_chunks = cfg.pv_cols // TILE.chunk
+    lane = cute.arch.lane_idx()
+    m = lane // 8
+    r = lane % 8
+    row_off = (v.warp * 16 + 8 * (m % 2) + r) * TILE.chunk_row_bytes
+    for k in cutlass.range_constexpr(n_chunks):
+        at = smem.sQ.iterator + (wg * n_chunks + k) * RING_CHUNK
+        stage_chunk(v.acc_o, at.toint() + row_off, k, m, r)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+        if v.warp == 0:
+            src, dst = chunk_tma(cfg, cta, to, at, wg * n_chunks + k, 0)
+            store_chunk(to, src, dst)
+    if v.warp == 0:
+        for k in cutlass.range_constexpr(n_chunks):
+            with cute.arch.elect_one():
+                cute.arch.cp_async_bulk_wait_group(n_chunks - 1 - k, read=True)
+            cute.arch.sync_warp()
+            if has_next:
+                load_q_chunk(cfg, g, smem, ops, nxt, wg * n_chunks + k)
+
+
+@cute.jit
+def load_q_chunk(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, cta: Cta, c: cutlass.Constexpr):
+    """Q chunk ``c`` (64 heads x 64 dims) of the item ``cta`` into its place in sQ by one TMA box,
+    completing on ``q_full`` (warp 0 of a group calls it; the bytes are expected by WG0)."""
+    gQ = cute.flat_divide(g.mQ, (TILE.heads, TILE.chunk))
+    at = cute.make_tensor(cute.recast_ptr(smem.sQ.iterator + c * RING_CHUNK, ops.chunk_layout.inner, BFloat16),
+                          ops.chunk_layout.outer)
+    t_s, t_g = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(at, 0, 2),
+                                     cute.group_modes(gQ, 0, 2))
+    policy = qo_policy(cfg)
+    q_full = smem.storage.q_full.data_ptr()
+    if cutlass.const_expr(policy is None):
+        cute.copy(g.tma_q, t_g[None, cta.hblk, c, cta.s_idx, 0], t_s, tma_bar_ptr=q_full)
+    else:
+        cute.copy(g.tma_q, t_g[None, cta.hblk, c, cta.s_idx, 0], t_s, tma_bar_ptr=q_full, cache_policy=policy)
+
+
+@cute.jit
+def expect_q(cfg: Sm90SparsePrefillConfig, smem: Smem):
+    """WG0 warp 0: one arrival on ``q_full`` expecting a whole Q's bytes (its chunks' loads may be
+    issued by either group, before or after it)."""
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(smem.storage.q_full.data_ptr(), TILE.heads * cfg.tile.d_qk * 2)
+
+
+@cute.jit
 def store_ring(cfg: Sm90SparsePrefillConfig, smem: Smem, cta: Cta, v: MmaWg, to: BlockStore, wg: cutlass.Constexpr,
                bar_id: cutlass.Constexpr):
-    """``stage_out``: this group's O half (64 x 256, scaled) -> out by TMA in four 64-column
+    """``staging`` "ring": this group's O half (64 x 256, scaled) -> out by TMA in four 64-column
     chunks staged through a ring of two 8 KiB slots, its own P buffer (only this group writes it,
     and the other group's SS PV of it retired before ``L_SUM``) and its chunk of ``sO``. Chunk k
     >= 2 reuses the slot of chunk k - 2 once warp 0 saw that store read it (the group syncs on
@@ -723,25 +761,34 @@ def item_tiles(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, wg: cutlass.Con
 @cute.jit
 def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
     """WG0, per item: Q by TMA, the item's full pairs, then its last tile alone where the count is
-    odd, then the epilogue. Q is loaded once WG1's previous output left the staging in sQ
-    (``Q_FREE``), or with ``stage_out`` (out staged elsewhere) as soon as the previous item's
-    sums are exchanged: both groups' QKs of it retired before ``L_SUM``."""
+    odd, then the epilogue. With ``staging`` "q" the next Q is loaded once WG1's output left the
+    staging in sQ (``Q_FREE``); otherwise right after the sums are exchanged (both groups' QKs of
+    the item retired before ``L_SUM``): the whole Q ("ring"), or its expected bytes and the
+    chunks no output is staged in ("q_reload"; the groups reload the others behind their stores)."""
     v = mma_wg(cfg, smem, ops, 0)
     q_full = smem.storage.q_full.data_ptr()
-    gQ = cute.flat_divide(g.mQ, (TILE.heads, cfg.tile.d_qk))
-    tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(smem.sQ[None, None, 0], 0, 2),
-                                       cute.group_modes(gQ, 0, 2))
-    early_q = cutlass.const_expr(cfg.tuning.stage_out)
+    tQsQ = tQgQ = None   # the whole-Q TMA's partition ("q_reload" loads by chunk, ``load_q_chunk``)
+    if cutlass.const_expr(cfg.tuning.staging != "q_reload"):
+        gQ = cute.flat_divide(g.mQ, (TILE.heads, cfg.tile.d_qk))
+        tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1),
+                                           cute.group_modes(smem.sQ[None, None, 0], 0, 2), cute.group_modes(gQ, 0, 2))
     c0 = Int32(0)   # pairs consumed: buffer 0's phase
     c1 = Int32(0)   # odd tiles consumed: buffer 1's phase
     rq = Int32(0)   # items done
     begin, end, step = items(cfg, g)
-    if cutlass.const_expr(early_q):
+    if cutlass.const_expr(cfg.early_q):
         if begin < end:
-            load_q(cfg, g, item_cta(cfg, begin), q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
+            first = item_cta(cfg, begin)
+            if cutlass.const_expr(cfg.tuning.staging == "q_reload"):
+                if v.warp == 0:
+                    expect_q(cfg, smem)
+                    for c in cutlass.range_constexpr(cfg.tile.chunks):
+                        load_q_chunk(cfg, g, smem, ops, first, c)
+            else:
+                load_q(cfg, g, first, q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
-        if cutlass.const_expr(not early_q):
+        if cutlass.const_expr(not cfg.early_q):
             if rq > 0:
                 # WG1's output store of the previous item no longer reads its staging (in sQ).
                 cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
@@ -750,12 +797,20 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         cute.arch.mbarrier_wait(q_full, rq & 1)
         m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
         l0, l1 = item_sums(cfg, smem, v, 0, rq, l0, l1)
-        if cutlass.const_expr(early_q):
-            if item + step < end:
-                load_q(cfg, g, item_cta(cfg, item + step), q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
-        item_out(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1)
+        has_next = item + step < end
+        nxt = item_cta(cfg, item + step)
+        if cutlass.const_expr(cfg.tuning.staging == "ring"):
+            if has_next:
+                load_q(cfg, g, nxt, q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
+        if cutlass.const_expr(cfg.tuning.staging == "q_reload"):
+            if has_next:
+                if v.warp == 0:
+                    expect_q(cfg, smem)
+                    for c in cutlass.range_constexpr(2 * V_CHUNKS_PER_WG, cfg.tile.chunks):
+                        load_q_chunk(cfg, g, smem, ops, nxt, c)
+        item_out(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1, nxt, has_next)
         rq += 1
-    if cutlass.const_expr(not early_q):
+    if cutlass.const_expr(not cfg.early_q):
         # WG1 arrived on Q_FREE once per item; WG0 synced once per item but the first.
         if rq > 0:
             cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
@@ -764,7 +819,8 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
 @cute.jit
 def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
     """WG1, per item: Q landed (``q_full``), the item's full pairs, its last tile's PV where the
-    count is odd, the epilogue, then (out staged in sQ) ``Q_FREE``: its staging is free."""
+    count is odd, the epilogue (with ``staging`` "q_reload", the next item's Q chunks of its
+    staging reloaded behind its stores), then with ``staging`` "q" ``Q_FREE``: its staging is free."""
     v = mma_wg(cfg, smem, ops, 1)
     q_full = smem.storage.q_full.data_ptr()
     c0 = Int32(0)
@@ -778,8 +834,8 @@ def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         cute.arch.mbarrier_wait(q_full, rq & 1)
         m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 1, scale_log2, w.n_tiles, c0, c1)
         l0, l1 = item_sums(cfg, smem, v, 1, rq, l0, l1)
-        item_out(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1)
-        if cutlass.const_expr(not cfg.tuning.stage_out):
+        item_out(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1, item_cta(cfg, item + step), item + step < end)
+        if cutlass.const_expr(not cfg.early_q):
             # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
             cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
         rq += 1

@@ -84,10 +84,15 @@ class Sm90SparsePrefill:
             q_layout, k_layout, p_layout = smem_layouts(tile)
             chunk_layout = bf16_block_layout(TILE.chunk)
 
-        tma_q, q_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), heads_dims_tokens_rows(q),
-            q_layout if cfg.swapped else cute.slice_(q_layout, (None, None, 0)), (heads, tile.d_qk)
-        )
+        if cutlass.const_expr(cfg.tuning.staging == "q_reload"):   # Q by 64-dim chunk (``load_q_chunk``)
+            tma_q, q_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), heads_dims_tokens_rows(q), chunk_layout, (heads, TILE.chunk)
+            )
+        else:
+            tma_q, q_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), heads_dims_tokens_rows(q),
+                q_layout if cfg.swapped else cute.slice_(q_layout, (None, None, 0)), (heads, tile.d_qk)
+            )
         tma_out, out_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), heads_dims_tokens_rows(out), chunk_layout, (heads, TILE.chunk)
         )
@@ -188,7 +193,7 @@ def storage_struct(cfg: Sm90SparsePrefillConfig):
     """The shared-memory struct of the config's tile (swap-AB or ping-pong, with its staging)."""
     if cfg.swapped:
         return small.swapped_storage(cfg.tile, cfg.h_q)
-    return shared_storage(cfg.tile, cfg.tuning.stage_out)
+    return shared_storage(cfg.tile, cfg.tuning.staging)
 
 
 def smem_bytes(cfg: Sm90SparsePrefillConfig) -> int:
