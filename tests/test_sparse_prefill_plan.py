@@ -87,8 +87,8 @@ def _cli(*args):
 
 def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
     """The SM90 kernel's knobs follow the shape (128 heads: the 256-B fill, and the row prefetch at
-    d_qk 576; fewer heads: neither; the ping-pong tile's Q and out evict_first and, at d_qk 512,
-    out staged outside Q; the swap-AB tile neither); a knob the tuning sets is kept; the config
+    d_qk 576; fewer heads: neither; the ping-pong tile's Q and out evict_first, out staged outside
+    Q at d_qk 512 and Q reloaded chunk by chunk at 576; the swap-AB tile neither); a knob the tuning sets is kept; the config
     compiles concrete values, so two spellings of one kernel are one cache entry."""
     from cute_mla.kernels.sm90 import prefill_config as pc
 
@@ -96,18 +96,18 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
         t = pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True, tuning=tuning).tuning
         return t.gather_l2, t.prefetch_rows, t.qo_policy, t.staging
 
-    assert knobs(128, 576) == ("L2::256B", True, "evict_first", "q")
+    assert knobs(128, 576) == ("L2::256B", True, "evict_first", "q_reload")
     assert knobs(128, 512) == ("L2::256B", False, "evict_first", "ring")
-    assert knobs(64, 576) == ("", False, "evict_first", "q")
+    assert knobs(64, 576) == ("", False, "evict_first", "q_reload")
     assert knobs(64, 512) == ("", False, "evict_first", "ring")
     for d_qk in (576, 512):
         for h_q in (8, 16, 32):
             assert knobs(h_q, d_qk) == ("", False, "", "q")
-    assert knobs(64, 576, pc.Sm90PrefillTuning(prefetch_rows=True)) == ("", True, "evict_first", "q")
-    assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True, "evict_first", "q")
+    assert knobs(64, 576, pc.Sm90PrefillTuning(prefetch_rows=True)) == ("", True, "evict_first", "q_reload")
+    assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True, "evict_first", "q_reload")
     assert knobs(16, 576, pc.Sm90PrefillTuning(qo_policy="evict_first")) == ("", False, "evict_first", "q")
     assert knobs(64, 512, pc.Sm90PrefillTuning(qo_policy="", staging="q")) == ("", False, "", "q")
-    assert knobs(128, 576, pc.Sm90PrefillTuning(staging="q_reload")) == ("L2::256B", True, "evict_first", "q_reload")
+    assert knobs(128, 576, pc.Sm90PrefillTuning(staging="q")) == ("L2::256B", True, "evict_first", "q")
     explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False, qo_policy="evict_first", staging="ring")
     a = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False)
     b = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False, tuning=explicit)

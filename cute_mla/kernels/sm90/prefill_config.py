@@ -113,12 +113,13 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     ping-pong tile (64 and 128 heads) loads Q and stores out evict_first, which keeps more of the
     rows in L2 where the walk is bound by HBM; the swap-AB tile's Q and out are a small share of its
     traffic and go without a policy. At d_qk 512 the ping-pong stages out outside Q
-    (``staging`` "ring"), so the next item's Q loads under the output stores (d_qk 576 has no room).
-    The swap-AB tile stages in its Q buffer ("q")."""
+    (``staging`` "ring"), so the next item's Q loads under the output stores; d_qk 576 has no room
+    for it and reloads each Q chunk as its output store frees it ("q_reload"). The swap-AB tile
+    stages in its Q buffer ("q")."""
     pair = h_q > TILE.heads
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
             "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
-            "staging": "ring" if d_qk == V4.d_qk and h_q not in SMALL_HEADS else "q"}
+            "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload")}
     given = {k: v for k, v in rule.items() if getattr(tuning, k) is None}
     return replace(tuning, **given) if given else tuning
 
