@@ -47,8 +47,15 @@ decode: its decode test's q + unique rows * 656 + out), transient MiB (route (b)
 call, a fresh metadata object, as the decode benchmark measures it); each route's out is checked
 on the sample rows against the fp32 reference on the dequantized keys.
 
+**Runs**: one run's µs move by several per cent from machine to machine and from run to run on
+one machine (FlashMLA's too, not always together), so a verdict takes several: ``--repeat N``
+passes over the cases in one process, and a saved run of the same card and commit adds its runs
+to each case's row. A row of several runs gives each µs as the median over its runs and the
+ratio as the median of the runs' ratios, with their range.
+
 ``--save``: writes ``<card>-<commit>-sparse-prefill.json`` and ``.md`` (both modes' latest run: a
-save keeps the other mode's section, and adds its rows to a section of the same card and commit)
+save keeps the other mode's section, and adds its rows, or its runs of a case, to a section of the
+same card and commit)
 into ``benchmarks/results``, removes older files of that kind and updates the index; ``--save DIR`` writes them into DIR only (the device machine's $OUT),
 and ``--install DIR/FILE.json`` (any machine) then puts them into ``benchmarks/results``.
 
@@ -412,6 +419,37 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
         row["ratio"] = row["flashmla_us"] / row["cute_us"]
     if "cute_us" in row and "variant_us" in row:
         row["variant_speedup"] = row["variant_us"] / row["cute_us"]
+    row["runs"] = [run_of(row)]
+    return row
+
+
+RUN_KEYS = ("cute_us", "flashmla_us", "variant_us", "ratio", "variant_speedup")
+
+
+def run_of(row: dict) -> dict:
+    """One run's figures of a case row (its medians and ratios)."""
+    return {k: row[k] for k in RUN_KEYS if k in row}
+
+
+def merge_runs(prev: dict, new: dict) -> dict:
+    """A case measured again (``--repeat``, or a saved run of the same card and commit): ``new``
+    with the runs of both, its µs the median over the runs of each run's median, its ratios the
+    median of the runs' ratios (``ratio_min`` / ``ratio_max`` the range), a failed check kept."""
+    runs = prev.get("runs", [run_of(prev)]) + new.get("runs", [run_of(new)])
+    row = dict(new, runs=runs)
+    for k in RUN_KEYS:
+        vals = [r[k] for r in runs if k in r]
+        if vals:
+            row[k] = statistics.median(vals)
+    for key in ("cute", "flashmla", "variant"):
+        if f"{key}_us" in row:
+            row[f"{key}_tflops"] = row["flop"] / row[f"{key}_us"] * 1e-6
+            row[f"{key}_tbps"] = row["bytes"] / row[f"{key}_us"] * 1e-6
+        if prev.get(f"{key}_check", "ok") not in ("ok", "not checked"):
+            row[f"{key}_check"] = prev[f"{key}_check"]
+    ratios = [r["ratio"] for r in runs if "ratio" in r]
+    if ratios:
+        row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
     return row
 
 
@@ -419,7 +457,9 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
     lines = [f"{meta['gpu']}  commit {meta['commit']}  {meta['date']}",
              f"sparse prefill, s_q {meta['s_q']}, sinks on, {meta['layout']} q/kv/indices, "
              f"topk_length {'random' if meta['topk_length'] else 'none'}; median of {meta['iters']} eager calls "
-             "(libraries alternating); ratio = FlashMLA us / cute-mla us", "",
+             "(libraries alternating); ratio = FlashMLA us / cute-mla us"
+             + ("; a row of several runs: each µs the median over its runs, the ratio the median of the runs' "
+                "ratios, (lowest-highest, runs)" if any(len(r.get("runs", ())) > 1 for r in rows) else ""), "",
              "| d_qk/h_q/topk/s_kv | cute-mla µs | TFLOP/s | MiB | check | FlashMLA µs | TFLOP/s | MiB | check | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -433,7 +473,10 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
                 cells += [f"error: {r[f'{key}_error']}".replace("|", "/"), "-", "-", "-"]
             else:
                 cells += ["-"] * 4
-        cells.append(f"{r['ratio']:.3f}" if "ratio" in r else "-")
+        ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
+        if "ratio" in r and len(r.get("runs", ())) > 1:
+            ratio += f" ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}, {len(r['runs'])})"
+        cells.append(ratio)
         lines.append("| " + " | ".join(cells) + " |")
     if meta.get("variant"):
         lines += ["", f"cute-mla's default kernel against the variant `{meta['variant']}` (same run, same inputs); "
@@ -464,13 +507,15 @@ def cases_main(args) -> dict:
         libs["variant"] = variant_fwd(tuning)
         variant = variant_text(tuning)
     warm_up(args.warmup_s)
-    results = []
-    for i, c in enumerate(cases):
-        print(f"[{i + 1}/{len(cases)}] {case_label(c)}", flush=True)
-        r = run_case(c, libs, args)
-        torch.cuda.empty_cache()        # (the case's inputs, freed with its frame)
-        results.append(r)
-        print(json.dumps(r), flush=True)
+    results = {}
+    for rep in range(args.repeat):
+        for i, c in enumerate(cases):
+            print(f"[{rep + 1}/{args.repeat}: {i + 1}/{len(cases)}] {case_label(c)}", flush=True)
+            r = run_case(c, libs, args)
+            torch.cuda.empty_cache()        # (the case's inputs, freed with its frame)
+            results[c] = merge_runs(results[c], r) if c in results else r
+            print(json.dumps(r), flush=True)
+    results = list(results.values())
     meta = run_meta(args, mode="cases", s_q=args.s_q, layout="packed" if args.contiguous else "strided (FlashMLA's)",
                     topk_length=args.topk_length, sm_scale=PERF_SM_SCALE, flashmla=fm is not None, variant=variant)
     print()
@@ -678,7 +723,10 @@ def markdown(doc: dict) -> str:
                                ("routes", "The FP8 cache's two prefill routes (`--routes`)", routes_table)):
         if mode in doc:
             sec = doc[mode]
-            parts += [f"## {title}", "", f"`{sec['meta']['command']}`", "", table(sec["meta"], sec["results"]), ""]
+            cmds = sec["meta"].get("commands", [sec["meta"]["command"]])
+            ran = f"`{cmds[-1]}`" + (f" (the last of {len(cmds)} saved runs merged here; the JSON lists their commands)"
+                                     if len(cmds) > 1 else "")
+            parts += [f"## {title}", "", ran, "", table(sec["meta"], sec["results"]), ""]
     return "\n".join(parts)
 
 
@@ -709,10 +757,13 @@ def save(doc_part: Dict[str, dict], directory: str) -> List[str]:
     for mode, sec in doc_part.items():
         prev = doc.get(mode)
         if prev and all(prev["meta"].get(k) == sec["meta"].get(k) for k in ("gpu", "commit")):
-            # the same card and commit: a run of other cases adds its rows (a case run again replaces its row)
-            again = {r["case"] for r in sec["results"]}
+            # the same card and commit: a run of other cases adds its rows; in the cases mode a case run
+            # again adds its runs (:func:`merge_runs`), in the routes mode it replaces its row
             meta = dict(sec["meta"], commands=prev["meta"].get("commands", [prev["meta"]["command"]]) + [sec["meta"]["command"]])
-            sec = dict(meta=meta, results=[r for r in prev["results"] if r["case"] not in again] + sec["results"])
+            new = {r["case"]: r for r in sec["results"]}
+            rows = [merge_runs(r, new.pop(r["case"])) if mode == "cases" and r["case"] in new else new.pop(r["case"], r)
+                    for r in prev["results"]]
+            sec = dict(meta=meta, results=rows + list(new.values()))
         doc[mode] = sec
     meta = next(iter(doc_part.values()))["meta"]
     stem = os.path.join(directory, f"{card_tag(meta['gpu'])}-{meta['commit']}-{KIND}")
@@ -786,6 +837,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="the quick cases (--routes: h_q 128 only) and 5 timed calls unless --iters is given")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per library (median; default 10)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="cases mode: passes over the cases (each row: the median over its runs, the ratios' range)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per library first")
     ap.add_argument("--s-q", type=int, default=S_Q, help="query rows per call (FlashMLA's cases: 4096)")
     ap.add_argument("--sample", type=int, default=SAMPLE_ROWS, help="query rows checked against the fp32 reference (0: none)")
@@ -802,8 +855,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.iters is None:
         args.iters = 5 if args.quick else 10
-    if args.iters < 1 or args.warmup < 0 or args.s_q < 1 or args.sample < 0:
-        ap.error("--iters and --s-q take a positive int, --warmup and --sample a non-negative one")
+    if args.iters < 1 or args.repeat < 1 or args.warmup < 0 or args.s_q < 1 or args.sample < 0:
+        ap.error("--iters, --repeat and --s-q take a positive int, --warmup and --sample a non-negative one")
+    if args.repeat > 1 and args.routes:
+        ap.error("--repeat: cases mode only")
     if args.variant and args.routes:
         ap.error("--variant: cases mode only")
     quick = ROUTE_CASES[:1] if args.routes else QUICK

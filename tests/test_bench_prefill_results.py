@@ -1,0 +1,65 @@
+"""The sparse prefill benchmark's results files (no GPU): a case measured again adds a run, and a
+row of several runs reports the median over them with the ratios' range."""
+
+import json
+
+import pytest
+
+bench = pytest.importorskip("benchmarks.bench_sparse_prefill")
+
+
+def _section(mode, rows, commit="abc1234", gpu="NVIDIA H100 80GB HBM3"):
+    meta = dict(gpu=gpu, commit=commit, date="2026-12-06T00:00:00+00:00", iters=5, warmup=2, sample=16,
+                command="python3 benchmarks/bench_sparse_prefill.py", mode=mode, s_q=4096,
+                layout="strided (FlashMLA's)", topk_length=False, sm_scale=0.5, flashmla=True, variant=None)
+    return {mode: dict(meta=meta, results=rows)}
+
+
+def _row(case, cute_us, flashmla_us, check="ok"):
+    r = dict(case=case, flop=1e12, bytes=1e9, cute_us=cute_us, flashmla_us=flashmla_us, cute_check=check,
+             flashmla_check="ok", cute_transient_mib=0.0, flashmla_transient_mib=0.0,
+             ratio=flashmla_us / cute_us, cute_tflops=1e6 / cute_us, flashmla_tflops=1e6 / flashmla_us)
+    r["runs"] = [bench.run_of(r)]
+    return r
+
+
+def test_a_case_run_again_adds_a_run_and_reports_the_median(tmp_path):
+    d = str(tmp_path)
+    bench.save(_section("cases", [_row("512/64/512/8192", 600.0, 660.0), _row("576/16/2048/65536", 2000.0, 3000.0)]), d)
+    bench.save(_section("cases", [_row("512/64/512/8192", 700.0, 630.0, check="3 rows off")]), d)
+    path, = tmp_path.glob("h100-abc1234-sparse-prefill.json")
+    bench.save(_section("cases", [_row("512/64/512/8192", 650.0, 682.5)]), d)
+    rows = {r["case"]: r for r in json.load(open(path))["cases"]["results"]}
+    r = rows["512/64/512/8192"]
+    assert len(r["runs"]) == 3 and len(rows["576/16/2048/65536"]["runs"]) == 1
+    assert r["cute_us"] == 650.0 and r["flashmla_us"] == 660.0
+    assert r["ratio"] == pytest.approx(1.05) and r["ratio_min"] == pytest.approx(0.9) and r["ratio_max"] == pytest.approx(1.1)
+    assert r["cute_tflops"] == pytest.approx(1e12 / 650.0 * 1e-6)
+    assert r["cute_check"] == "3 rows off"          # a failed run's check is kept
+    md = (tmp_path / "h100-abc1234-sparse-prefill.md").read_text()
+    assert "| 512/64/512/8192 | 650.0 |" in md and "1.050 (0.900-1.100, 3) |" in md
+    assert "the ratio the median of the runs' ratios" in md
+
+
+def test_another_commit_starts_afresh_and_routes_rows_are_replaced(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "routes_table", lambda meta, rows: "")   # (the rows below are not whole)
+    d = str(tmp_path)
+    bench.save(_section("cases", [_row("512/64/512/8192", 600.0, 660.0)]), d)
+    bench.save(_section("cases", [_row("512/64/512/8192", 500.0, 660.0)], commit="def5678"), d)
+    path, = tmp_path.glob("*-sparse-prefill.json")
+    assert path.name == "h100-def5678-sparse-prefill.json"
+    r, = json.load(open(path))["cases"]["results"]
+    assert len(r["runs"]) == 1 and r["cute_us"] == 500.0
+    routes = [dict(case="576/128/2048/65536", workspace_mib=1.0)]
+    bench.save(_section("routes", routes, commit="def5678"), d)
+    bench.save(_section("routes", [dict(routes[0], workspace_mib=2.0)], commit="def5678"), d)
+    doc = json.load(open(path))
+    assert [r["workspace_mib"] for r in doc["routes"]["results"]] == [2.0] and "cases" in doc
+
+
+def test_repeat_is_for_the_cases():
+    assert bench.parse_args(["--repeat", "3"]).repeat == 3
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--routes", "--repeat", "2"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeat", "0"])
