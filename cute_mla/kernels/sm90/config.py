@@ -19,6 +19,8 @@ from .. import plan_config_for
 # combine reads back; their rounding (2^-9 max|V|) is the bound the bf16 P of the PV MMA already puts
 # on O. The plan reads it (its workspace), and config_for refuses a plan with another.
 ACCUM_DTYPE = "bfloat16"
+# Head counts the swap-AB tile takes (``swapped.py``): the heads on the wgmma's N side.
+SWAPPED_HEADS = (8, 16, 32)
 # The L2 eviction priorities a ``createpolicy`` cache policy can carry (``ptx.l2_policy``).
 L2_POLICIES = ("evict_first", "evict_last", "evict_normal")
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ... import archs
 from ...formats import V4, V32
-from .config import L2_POLICIES, TILE, Bar, RegisterBudget, Tile, tile_of
+from .config import L2_POLICIES, SWAPPED_HEADS, TILE, Bar, RegisterBudget, Tile, tile_of
 
 # Key widths the kernel takes (bf16 rows, V = the first 512 dims): 576 = 512 latent + 64 RoPE
 # (V3.2), 512 = the shared K/V row (V4). The K tile of a width is the decode tile of the cache
@@ -22,7 +22,7 @@ from .config import L2_POLICIES, TILE, Bar, RegisterBudget, Tile, tile_of
 WIDTHS = {V32.d_qk: V32, V4.d_qk: V4}
 HEADS = (8, 16, 32, 64, 128)
 STAGINGS = ("q", "ring", "q_reload")   # ``Sm90PrefillTuning.staging``
-SMALL_HEADS = (8, 16, 32)      # the swap-AB tile's head counts: heads on N (``prefill_small_roles.py``)
+SMALL_HEADS = SWAPPED_HEADS   # the head counts that run on the swap-AB tile (``prefill_small_roles.py``)
 
 
 def tile_of_width(d_qk: int) -> Tile:

@@ -35,6 +35,7 @@ from .prefill_config import (DEFAULT_TUNING, Config, Sm90PrefillTuning, Sm90Spar
 from .prefill_roles import (HALVES, K_FREE_ARRIVALS, K_FULL_ARRIVALS, Gmem, Smem, mma_wg0, mma_wg1, p_tensors, producer,
                             shared_storage, slot)
 from . import prefill_small_roles as small
+from . import swapped
 
 __all__ = ["Config", "Tuning", "Kernel", "Sm90SparsePrefillConfig", "Sm90PrefillTuning", "DEFAULT_TUNING",
            "kernel_config", "config_for", "tensor_maps", "compile", "launch", "ENTRY"]
@@ -76,9 +77,9 @@ class Sm90SparsePrefill:
             # The swap-AB tile: QK and PV with the heads on N (both groups' PV is SS: WG0 takes
             # the first PV object, WG1 the second).
             heads = cfg.h_q
-            qk_mma, pv_rs_mma, pv_ss_mma = small.make_swapped_mmas(cfg.h_q)
-            q_layout, k_layout, p_layout = small.swapped_smem_layouts(tile, cfg.h_q)
-            chunk_layout = small.out_chunk_layout(cfg.h_q)
+            qk_mma, pv_rs_mma, pv_ss_mma = swapped.make_swapped_mmas(cfg.h_q)
+            q_layout, k_layout, p_layout = swapped.swapped_smem_layouts(tile, cfg.h_q)
+            chunk_layout = swapped.out_chunk_layout(cfg.h_q)
         else:
             qk_mma, pv_rs_mma, pv_ss_mma = make_mmas(cfg.pv_cols)
             q_layout, k_layout, p_layout = smem_layouts(tile)
@@ -162,13 +163,13 @@ class Sm90SparsePrefill:
         elif wg == Role.SOFTMAX:
             setmaxregister_increase(regs.softmax)
             if cutlass.const_expr(cfg.swapped):
-                small.softmax_wg(cfg, g, smem, small.SwappedOps(qk_mma, pv_rs_mma, chunk_layout), scale_log2)
+                small.softmax_wg(cfg, g, smem, swapped.SwappedOps(qk_mma, pv_rs_mma, chunk_layout), scale_log2)
             else:
                 mma_wg0(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
         else:
             setmaxregister_increase(regs.pv_right)
             if cutlass.const_expr(cfg.swapped):
-                small.pv_right_wg(cfg, g, smem, small.SwappedOps(qk_mma, pv_ss_mma, chunk_layout))
+                small.pv_right_wg(cfg, g, smem, swapped.SwappedOps(qk_mma, pv_ss_mma, chunk_layout))
             else:
                 mma_wg1(cfg, g, smem, Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
 
