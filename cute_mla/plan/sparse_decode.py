@@ -114,11 +114,12 @@ class SparseDecodePlan:
     @property
     def flashmla_workspace_bytes(self) -> int:
         """What FlashMLA (vLLM's fork) allocates for the same call: (b + num_sm_parts) rows whenever
-        split-KV is on, i.e. always on SM90 and above top-k 640 on SM100."""
+        split-KV is on, i.e. always on SM90 and above top-k 640 on SM100; with 8, 16 or 32 heads
+        padded to 64, as engines call it."""
         no_split_max = default_policy(self.arch).no_split_max_topk
         if no_split_max is not None and self.topk + self.extra_topk <= no_split_max:
             return 0
-        return (self.b + self.num_sm_parts) * self.s_q * self.h_q * FLASHMLA_ACCUM_BYTES_PER_HEAD
+        return (self.b + self.num_sm_parts) * self.s_q * max(self.h_q, 64) * FLASHMLA_ACCUM_BYTES_PER_HEAD
 
     def describe(self) -> str:
         lines = [
@@ -128,6 +129,9 @@ class SparseDecodePlan:
             f"{' topk_length' if self.has_topk_length else ''}{' extra_topk_length' if self.has_extra_topk_length else ''}",
             f"kernel {self.kernel} ({self.variant})  num_sm_parts={self.num_sm_parts}  schedule: {self.schedule}",
         ]
+        if self.h_q < 64:
+            lines.append(f"MMA tile: the {self.h_q} heads on N, a K tile's 64 rows on M (swap-AB): one CTA per token "
+                         "and partition, no padded heads")
         if self.token_walk:
             lines.append(f"token walk: {self.s_q} one-token requests over {len(self.host_schedule.rows)} partitions "
                          "of whole tokens")
