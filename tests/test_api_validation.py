@@ -33,7 +33,7 @@ CASES = [
     # (argument overrides, exception, message fragment)
     (dict(q=torch.zeros(2, 1, 64, 576, dtype=torch.float16)), TypeError, "q: got dtype torch.float16, accepted: torch.bfloat16"),
     (dict(q=torch.zeros(2, 64, 576, dtype=torch.bfloat16)), ValueError, r"q: expected 4 dims \(b, s_q, h_q, d_qk\)"),
-    (dict(q=torch.zeros(2, 1, 32, 576, dtype=torch.bfloat16)), ValueError, "h_q: got 32, accepted: 64 or 128"),
+    (dict(q=torch.zeros(2, 1, 48, 576, dtype=torch.bfloat16)), ValueError, "h_q: got 48, accepted: 8, 16, 32, 64 or 128"),
     (dict(q=torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)[..., ::2].repeat(1, 1, 1, 2)[..., :576].transpose(0, 0)
           .as_strided((2, 1, 64, 576), (576 * 64, 576 * 64, 1, 64))), ValueError, "q: the last dim must be contiguous"),
     # q and out are addressed through TMA tensor maps: every stride counts, size-1 dims too; no broadcast

@@ -45,7 +45,7 @@ def test_shape_parses(text, fmt, shape):
 @pytest.mark.parametrize("argv, says", [
     (["--shape", "1x8192"], "--shape: expected B x S_Q x H_Q like 1x8192x128, got '1x8192'"),
     (["--shape", "1xax64"], "--shape: expected B x S_Q x H_Q"),
-    (["--shape", "1x8x32"], "--shape 1x8x32: h_q: got 32, accepted: 64 or 128"),
+    (["--shape", "1x8x48"], "--shape 1x8x48: h_q: got 48, accepted: 8, 16, 32, 64 or 128"),
     (["--shape", "0x8x64"], "--shape 0x8x64: b: must be a positive int"),
     ([], "give at least one --shape"),
     (["--shape", "1x1x64", "--format", "v4", "--extra-topk", "100"], "--extra-topk: extra_topk: got 100"),

@@ -36,8 +36,8 @@ def test_plan_human_readable(capsys):
 
 
 def test_plan_bad_argument_exit_code(capsys):
-    assert main(["plan", "--h-q", "32"]) == 2
-    assert "h_q: got 32" in capsys.readouterr().err
+    assert main(["plan", "--h-q", "48"]) == 2
+    assert "h_q: got 48" in capsys.readouterr().err
 
 
 def test_demo_without_gpu(capsys):

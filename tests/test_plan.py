@@ -104,7 +104,8 @@ def test_sm100_topk_length_short_topk_is_per_request():
 
 
 @pytest.mark.parametrize("kw,exc,msg", [
-    (dict(h_q=32), ValueError, "h_q: got 32, accepted: 64 or 128"),
+    (dict(h_q=48), ValueError, "h_q: got 48, accepted: 8, 16, 32, 64 or 128"),
+    (dict(h_q=32, arch="sm_100a"), ValueError, "h_q: got 32, the sm_100a sparse decode kernel takes 64, 128"),
     (dict(topk=100), ValueError, "topk: got 100, accepted: a positive multiple of 64"),
     (dict(d_qk=600), ValueError, "d_qk: got 600"),
     (dict(arch="sm_80"), ValueError, "arch: got 'sm_80'"),

@@ -46,12 +46,14 @@ def test_kinds_are_checked():
 
 
 def test_default_heads_are_each_ops_own():
-    """Without ``h_qs`` each op warms every head count it takes natively: the prefill kernel's 8,
-    16 and 32 heads on SM90 too (its swap-AB tile), the decode kernel 64 and 128."""
+    """Without ``h_qs`` each op warms every head count its arch's kernel takes natively: on SM90 8,
+    16 and 32 heads too (the swap-AB tile, both ops), on SM100 the decode kernel 64 and 128."""
     assert {cfg.h_q for _, cfg in warmup.variants("sm_90a", op="sparse_prefill")} == {8, 16, 32, 64, 128}
-    assert {cfg.h_q for _, cfg in warmup.variants("sm_90a", kinds=("sparse_decode",))} == {64, 128}
+    assert {cfg.h_q for _, cfg in warmup.variants("sm_90a", kinds=("sparse_decode",))} == {8, 16, 32, 64, 128}
+    assert {cfg.h_q for _, cfg in warmup.variants("sm_100a", kinds=("sparse_decode",))} == {64, 128}
     # a config's default tuning is resolved for its shape, and still reads as the default
-    assert all("tuning" not in warmup.describe(v) for v in warmup.variants("sm_90a", op="sparse_prefill"))
+    for op in ("sparse_prefill", "sparse_decode"):
+        assert all("tuning" not in warmup.describe(v) for v in warmup.variants("sm_90a", op=op))
 
 
 def test_warmup_command_fills_the_cache(tmp_path, monkeypatch, capsys):

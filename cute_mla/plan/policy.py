@@ -38,7 +38,7 @@ class PerRequestRule:
     def applies(self, b: int, h_q: int, blocks: int, num_sms: int, pieces_at_cost: bool) -> bool:
         if b > archs.MAX_GRID_Y:
             return False
-        waves = b * (h_q // 64) / num_sms
+        waves = b * sched.head_blocks(h_q) / num_sms
         if blocks <= self.tiny_blocks:
             return waves <= self.tiny_max_waves
         return (blocks <= self.max_blocks and (h_q in self.heads or not pieces_at_cost)
@@ -67,7 +67,7 @@ class PackedRule:
     def applies(self, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
         if s_q != 1 or not self.takes(h_q, bool(extra_topk)):
             return False
-        waves = b * (h_q // 64) / num_sms
+        waves = b * sched.head_blocks(h_q) / num_sms
         return self.min_blocks < blocks <= self.max_blocks and waves >= self.min_waves
 
 

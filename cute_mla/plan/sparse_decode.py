@@ -33,7 +33,7 @@ from ..formats import KVCacheFormat, format_for_d_qk, format_named, supported_fo
 from ..scheduler import partition as sched
 from .policy import SparseDecodePolicy, default_policy
 
-SUPPORTED_H_Q = (64, 128)
+SUPPORTED_H_Q = (8, 16, 32, 64, 128)   # on some arch; each arch's kernel says which it runs (DECODE_HEADS)
 MAX_QUERY_ROWS = 2**31 - 1   # b * s_q: the combine's grid x and int32 row indices
 MAX_REQUESTS = 2**20         # b: the host scheduler and the plan walk every request in Python
 BLOCK_TOPK = sched.BLOCK_TOPK
@@ -114,11 +114,12 @@ class SparseDecodePlan:
     @property
     def flashmla_workspace_bytes(self) -> int:
         """What FlashMLA (vLLM's fork) allocates for the same call: (b + num_sm_parts) rows whenever
-        split-KV is on, i.e. always on SM90 and above top-k 640 on SM100."""
+        split-KV is on, i.e. always on SM90 and above top-k 640 on SM100; with 8, 16 or 32 heads
+        padded to 64, as engines call it."""
         no_split_max = default_policy(self.arch).no_split_max_topk
         if no_split_max is not None and self.topk + self.extra_topk <= no_split_max:
             return 0
-        return (self.b + self.num_sm_parts) * self.s_q * self.h_q * FLASHMLA_ACCUM_BYTES_PER_HEAD
+        return (self.b + self.num_sm_parts) * self.s_q * max(self.h_q, 64) * FLASHMLA_ACCUM_BYTES_PER_HEAD
 
     def describe(self) -> str:
         lines = [
@@ -128,6 +129,9 @@ class SparseDecodePlan:
             f"{' topk_length' if self.has_topk_length else ''}{' extra_topk_length' if self.has_extra_topk_length else ''}",
             f"kernel {self.kernel} ({self.variant})  num_sm_parts={self.num_sm_parts}  schedule: {self.schedule}",
         ]
+        if self.h_q < 64:
+            lines.append(f"MMA tile: the {self.h_q} heads on N, a K tile's 64 rows on M (swap-AB): one CTA per token "
+                         "and partition, no padded heads")
         if self.token_walk:
             lines.append(f"token walk: {self.s_q} one-token requests over {len(self.host_schedule.rows)} partitions "
                          "of whole tokens")
@@ -154,7 +158,8 @@ def check_problem(b: int, s_q: int, h_q: int, d_qk: int, topk: int, extra_topk: 
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: must be a positive int, got {v!r}")
     if h_q not in SUPPORTED_H_Q:
-        raise ValueError(f"h_q: got {h_q}, accepted: 64 or 128 (pad the heads, as vLLM and SGLang do)")
+        raise ValueError(f"h_q: got {h_q}, accepted: 8, 16, 32, 64 or 128 (pad other head counts to the next "
+                         "accepted one with zero heads)")
     if b > MAX_REQUESTS or b * s_q > MAX_QUERY_ROWS:
         raise ValueError(f"b, s_q: got b={b}, s_q={s_q}, accepted: b <= {MAX_REQUESTS} and b * s_q <= {MAX_QUERY_ROWS} "
                          "(the combine's grid and the kernels' row indices are int32; the host scheduler walks "
@@ -181,8 +186,8 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     """Plan one sparse decode call (cached: a plan depends only on its arguments).
 
     Accepted (:func:`check_problem`; anything else raises ``ValueError`` naming the argument):
-    ``b``, ``s_q`` positive (``b <= MAX_REQUESTS``, ``b * s_q <= MAX_QUERY_ROWS``); ``h_q`` 64 or
-    128; ``d_qk`` 576 (V3.2) or 512 (V4), and ``d_v`` 512; ``topk`` a positive multiple of 64 up to
+    ``b``, ``s_q`` positive (``b <= MAX_REQUESTS``, ``b * s_q <= MAX_QUERY_ROWS``); ``h_q`` one of
+    the arch's kernel's head counts (``DECODE_HEADS``: SM90 8, 16, 32, 64, 128; SM100 64, 128); ``d_qk`` 576 (V3.2) or 512 (V4), and ``d_v`` 512; ``topk`` a positive multiple of 64 up to
     ``MAX_TOPK``; ``arch`` ``"sm_90a"`` or ``"sm_100a"`` with the device's ``num_sms``.
     ``extra_topk``: the extra pool's list length (V4 only; a multiple of 64), 0 without one.
     ``has_topk_length`` / ``has_extra_topk_length``: the call passes that list's per-request
@@ -196,6 +201,10 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
     if d_v != fmt.d_v:
         raise ValueError(f"head_dim_v: got {d_v}, accepted: {fmt.d_v}")
     kernel = registry.SPARSE_DECODE.kernel(archs.get(arch).name).name
+    heads = arch_heads(arch)
+    if h_q not in heads:
+        raise ValueError(f"h_q: got {h_q}, the {arch} sparse decode kernel takes {', '.join(map(str, heads))} "
+                         "(pad the heads to 64 with zero heads on this arch)")
     pol = default_policy(arch) if policy is None else policy
     parts = pol.num_sm_parts(num_sms, s_q, h_q)
     blocks = (topk + extra_topk) // BLOCK_TOPK   # per request without lengths (check_problem: multiples of 64)
@@ -218,7 +227,7 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
         accum_rows = 0 if parts == 1 else sched.max_accum_rows(parts, b)
     elif uses_token_walk(pol, b, s_q, h_q, parts, num_sms):
         schedule, accum_rows, token_walk = "host", 0, True
-        rows = sched.whole_request_rows(s_q, blocks, num_sms // (h_q // 64))
+        rows = sched.whole_request_rows(s_q, blocks, num_sms // sched.head_blocks(h_q))
         # The rows index tokens (one-token requests); num_splits keeps the call's one request, not
         # split (the no-split kernel never reads it): the plan stays O(partitions), not O(s_q),
         # for every s_q an engine's steps bring (plans and their device copies are cached).
@@ -261,7 +270,8 @@ def uses_token_walk(policy: SparseDecodePolicy, b: int, s_q: int, h_q: int, part
     Only b == 1: then q, indices, out and lse always have an (s_q, 1, ...) view. Calls with
     topk_length (their schedule is made on the device) keep FlashMLA's grid: the caller tests
     topk_length first."""
-    return policy.token_walk and b == 1 and parts == 1 and s_q * (h_q // 64) > num_sms >= h_q // 64
+    hb = sched.head_blocks(h_q)
+    return policy.token_walk and b == 1 and parts == 1 and s_q * hb > num_sms >= hb
 
 
 # ------------------------------------------------------------------------- what the rules reach
@@ -290,7 +300,12 @@ def reachable_kernels(policy: SparseDecodePolicy, h_q: int, fmt: KVCacheFormat) 
     return out
 
 
-def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
+def arch_heads(arch: str) -> Tuple[int, ...]:
+    """The head counts ``arch``'s sparse decode kernel runs (its config module's ``DECODE_HEADS``)."""
+    return registry.config_module(registry.SPARSE_DECODE.name, arch).DECODE_HEADS
+
+
+def kernel_variants(arch: str, h_qs=None, formats=None, kernels=None):
     """Every (kernel name, config) a sparse decode plan on ``arch`` can compile: the main kernel for
     each head count, format, sink and :func:`reachable_kernels` choice; the combine for each
     head count, sink, split-count bucket and grid walk the arch's default SM count reaches; the
@@ -298,6 +313,7 @@ def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
     ``cute-mla warmup`` compiles them; the registry's compile tests cover one of each kernel."""
     policy = default_policy(arch)
     spec = registry.SPARSE_DECODE
+    h_qs = arch_heads(arch) if h_qs is None else tuple(h_qs)
     kinds = spec.kernel_names() if kernels is None else tuple(kernels)
     fmts = supported_formats() if formats is None else tuple(format_named(f) for f in formats)
     out = []

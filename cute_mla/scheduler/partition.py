@@ -33,13 +33,19 @@ class SchedField(IntEnum):
 SCHED_ROW_INTS = 8
 
 
+def head_blocks(h_q: int) -> int:
+    """CTAs a query token's heads take on an arch that runs heads in blocks of 64: ceil(h_q / 64)
+    (8, 16 or 32 heads: one, on SM90's swap-AB tile)."""
+    return -(-h_q // 64)
+
+
 def num_sm_parts(num_sms: int, s_q: int, h_q: int, *, per_head_block: bool) -> int:
     """Number of scheduler partitions: the grid is sized so that CTAs ~ num_sms (FlashMLA's count;
     ``per_head_block``: each token's 64-head blocks are CTAs of their own, as on SM90; the arch's
     policy says, ``plan.policy.SparseDecodePolicy.num_sm_parts``)."""
     if num_sms <= 0 or s_q <= 0 or h_q <= 0:
         raise ValueError(f"num_sm_parts: num_sms, s_q and h_q must be positive, got {num_sms}, {s_q}, {h_q}")
-    per_token = h_q // 64 if per_head_block else 1
+    per_token = head_blocks(h_q) if per_head_block else 1
     return max(num_sms // s_q // per_token, 1)
 
 

@@ -20,6 +20,7 @@ from .. import plan_config_for
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SMEM_LIMIT = archs.SMEM_PER_CTA  # bytes of dynamic shared memory one CTA may use (the arch table's)
+DECODE_HEADS = (64, 128)         # head counts the sparse decode kernel runs (64-head CTAs; no small-head tile)
 TMEM_COLUMNS = 512
 
 
@@ -42,8 +43,8 @@ class Sm100SparseDecodeConfig:
     has_extra_topk_length: bool = False
 
     def __post_init__(self):
-        if self.h_q not in (64, 128):
-            raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
+        if self.h_q not in DECODE_HEADS:
+            raise ValueError(f"h_q: got {self.h_q}, accepted: {', '.join(map(str, DECODE_HEADS))}")
         # NotImplementedError for a known format not built yet; tile_of: one this kernel lays out
         tile_of(kernel_format(self.format, self.has_extra, self.has_extra_topk_length))
         if self.arch != archs.SM100.name:

@@ -7,8 +7,9 @@ Plain Python (no DSL import): the launcher, the plan's tools and the tests read 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
+from typing import Optional
 
 from ... import archs
 from ...formats import V32, FormatGeometry, KVCacheFormat, format_named, kernel_format
@@ -21,6 +22,8 @@ from .. import plan_config_for
 ACCUM_DTYPE = "bfloat16"
 # Head counts the swap-AB tile takes (``swapped.py``): the heads on the wgmma's N side.
 SWAPPED_HEADS = (8, 16, 32)
+# Head counts the SM90 sparse decode kernel runs natively: the swap-AB tile's, and 64-head blocks.
+DECODE_HEADS = SWAPPED_HEADS + (64, 128)
 # The L2 eviction priorities a ``createpolicy`` cache policy can carry (``ptx.l2_policy``).
 L2_POLICIES = ("evict_first", "evict_last", "evict_normal")
 
@@ -139,10 +142,18 @@ class RegisterBudget:
     pv_right: int = 160
     producer: int = 128
 
+    ENTRY = 168   # registers per thread at entry (65536 / 384, rounded down to a multiple of 8)
+
     def __post_init__(self):
         if self.softmax + self.pv_right + self.producer > 504 or any(
                 r % 8 or not 24 <= r <= 256 for r in (self.softmax, self.pv_right, self.producer)):
             raise ValueError(f"RegisterBudget: targets must be multiples of 8 in [24, 256] summing to <= 504, got {self}")
+
+
+# The swap-AB tile's budget: its MMA warp groups hold 2h fp32 of O^T and h / 2 of S^T per
+# thread (h <= 32), while the producer's dequant is the tile's long pole; at the 64-head tile's
+# budget (producer 128) the producer spills at 8 and 16 heads.
+SWAPPED_REGISTERS = RegisterBudget(softmax=160, pv_right=128, producer=216)
 
 
 class Bar(IntEnum):
@@ -214,7 +225,9 @@ class Sm90Tuning:
     # (the second CTA's reads hit L2). Halving each CTA's gather and conversion outweighs the
     # per-tile exchange with the peer on most h=128 shapes, not on all (docs/performance.md).
     h128_cluster: bool = True
-    registers: RegisterBudget = field(default_factory=RegisterBudget)
+    # None: the tile's budget (the 64-head tile's RegisterBudget(), or SWAPPED_REGISTERS), set
+    # when a config is made.
+    registers: Optional[RegisterBudget] = None
     # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp; %globaltimer in
     # NS_SLOTS) into a (grid x, grid y, Stamp.SLOTS) int64 tensor passed as the launch's
     # ``timeline``.
@@ -224,7 +237,7 @@ class Sm90Tuning:
         for name in ("gather_l1", "gather_l2"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"Sm90Tuning: {name} takes a cache-hint literal or '', got {getattr(self, name)!r}")
-        if not isinstance(self.registers, RegisterBudget):
+        if self.registers is not None and not isinstance(self.registers, RegisterBudget):
             raise ValueError(f"Sm90Tuning: registers takes a RegisterBudget, got {self.registers!r}")
 
 
@@ -239,7 +252,7 @@ class Sm90SparseDecodeConfig:
     the derived facts below, compile-time constants of the traced kernel.
     """
 
-    h_q: int  # 64 or 128 (128 = two 64-head CTAs side by side in grid x)
+    h_q: int  # 8, 16 or 32 (the swap-AB tile, ``swapped.py``), 64, or 128 (two 64-head CTAs side by side in grid x)
     split: bool  # True: takes o_accum / lse_accum (bf16 partials, their TMA map); False: no accumulator
     has_topk_length: bool
     has_attn_sink: bool
@@ -260,8 +273,8 @@ class Sm90SparseDecodeConfig:
     request_order: bool = False
 
     def __post_init__(self):
-        if self.h_q not in (64, 128):
-            raise ValueError(f"h_q: got {self.h_q}, accepted: 64, 128")
+        if self.h_q not in DECODE_HEADS:
+            raise ValueError(f"h_q: got {self.h_q}, accepted: {', '.join(map(str, DECODE_HEADS))}")
         if self.request_order and (self.split or self.column_pair):
             raise ValueError(f"request_order: only the no-split variant walks ordered requests (got split={self.split}, "
                              f"column_pair={self.column_pair})")
@@ -271,6 +284,9 @@ class Sm90SparseDecodeConfig:
         kernel_format(self.format, self.has_extra, self.has_extra_topk_length)
         if not isinstance(self.tuning, Sm90Tuning):
             raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
+        if self.tuning.registers is None:   # a config compiles concrete knobs
+            regs = SWAPPED_REGISTERS if self.swapped else RegisterBudget()
+            object.__setattr__(self, "tuning", replace(self.tuning, registers=regs))
         if self.arch != archs.SM90.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
 
@@ -290,9 +306,14 @@ class Sm90SparseDecodeConfig:
         return ACCUM_DTYPE
 
     @property
+    def swapped(self) -> bool:
+        """8, 16 or 32 heads: the swap-AB tile (``decode_small_roles.py``), one CTA per token."""
+        return self.h_q in SWAPPED_HEADS
+
+    @property
     def n_hblk(self) -> int:
-        """64-head CTAs per token."""
-        return self.h_q // TILE.heads
+        """CTAs per token: 64-head blocks, one for the swap-AB tile's heads."""
+        return -(-self.h_q // TILE.heads)
 
     @property
     def n_cblk(self) -> int:

@@ -63,7 +63,7 @@ class Smem(NamedTuple):
     """The shared-memory struct and the tensors the MMAs read (swizzled views of its buffers)."""
 
     storage: object
-    sQ: cute.Tensor     # Q (64 heads x d_qk), also the output staging between requests
+    sQ: cute.Tensor     # Q (64 or h heads x d_qk), also the output staging between requests
     sK: cute.Tensor     # the K tiles (k_bufs x 64 tokens x d_qk), V is their transposed view
     sP: cute.Tensor     # P (64 heads x 64 tokens) handed from WG0 to WG1
 
@@ -98,6 +98,37 @@ def shared_storage(tile: Tile = TILE, pools: int = 1):
     return SharedStorage
 
 
+XCHG_BUFS = 3   # the swap-AB tile's exchange buffers: the tiles' max (by K buffer), a request's sums
+
+
+@functools.lru_cache(maxsize=None)
+def swapped_storage(tile: Tile, pools: int, h: int):
+    """The CTA's shared memory with the swap-AB tile's h heads (``swapped.py``): the producer's
+    fields as in :func:`shared_storage` (same names: the producer and the prologue read them), Q
+    (h x d_qk, also the output staging: h x 512 bf16 fits), P^T (h x 64), the heads' O factors
+    (WG0 -> WG1) and the cross-warp exchange buffers."""
+    assert h * TILE.d_v <= h * tile.d_qk, "the output staging must fit in the Q buffer"
+
+    @cute.struct
+    class SwappedStorage:
+        q_full: cute.struct.MemRange[Int64, 1]
+        k_full: cute.struct.MemRange[Int64, TILE.k_bufs]
+        k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
+        peer_free: cute.struct.MemRange[Int64, TILE.k_bufs]   # (cluster kernels only; never initialised here)
+        tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
+        scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]
+        if pools > 1:
+            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, 4 * pools], 16]
+        ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]
+        sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
+        sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, h * tile.d_qk], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[BFloat16, h * TILE.tokens], 1024]
+        head_scale: cute.struct.Align[cute.struct.MemRange[Float32, h], 16]   # WG0 -> WG1 per-head O factor
+        exchange: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_BUFS * 4 * h], 16]
+
+    return SwappedStorage
+
+
 def dyn_storage(cfg: Sm90SparseDecodeConfig):
     """The shared-storage struct rebuilt from the dynamic-smem symbol (the allocator put it at
     offset 0, 1024-aligned). The allocator's own base pointer is a warp shuffle, which ptxas can
@@ -113,6 +144,8 @@ def pools(cfg: Sm90SparseDecodeConfig) -> int:
 
 def storage_of(cfg: Sm90SparseDecodeConfig):
     """The shared-storage struct of a config's kernel."""
+    if cfg.swapped:
+        return swapped_storage(cfg.tile, pools(cfg), cfg.h_q)
     return shared_storage(cfg.tile, pools(cfg))
 
 

@@ -43,13 +43,15 @@ from ...dsl import ptx as common_ptx
 from ...scheduler.partition import SCHED_ROW_INTS, SchedField
 from ..combine import accum_type
 from . import ptx
-from .config import (ACCUM_DTYPE, DEFAULT_TUNING, TILE, Config, Role, Sm90SparseDecodeConfig, Sm90Tuning,  # noqa: F401
-                     Stamp, Tuning, config_for, kernel_config, tensor_maps)
+from .config import (ACCUM_DTYPE, DEFAULT_TUNING, TILE, Config, RegisterBudget, Role, Sm90SparseDecodeConfig,  # noqa: F401
+                     Sm90Tuning, Stamp, Tuning, config_for, kernel_config, tensor_maps)
 from .. import SparseDecodeTensors, entry_getter, fake_entry
 from .crossover import producer_crossover
 from .cta import Cta, Gmem, Smem, stamp, storage_of
 from .epilogue import LOG2E, bf16_block_layout
 from .mma import Ops, make_mmas, smem_layouts
+from . import decode_small_roles as small
+from . import swapped
 from .producer import producer
 from .pv import pv_right_wg
 from .softmax import softmax_wg
@@ -68,6 +70,15 @@ def heads_dims_first(t: cute.Tensor) -> cute.Tensor:
         cute.make_layout((t.shape[2], t.shape[3], t.shape[1], t.shape[0]),
                          stride=(t.stride[2], t.stride[3], t.stride[1], t.stride[0])),
     )
+
+
+def set_registers(target: int) -> None:
+    """``setmaxnreg`` of this warp group to ``target`` from the count every thread enters with
+    (``RegisterBudget.ENTRY``): an increase above it, a decrease below. A plain function."""
+    if target > RegisterBudget.ENTRY:
+        setmaxregister_increase(target)
+    elif target < RegisterBudget.ENTRY:
+        setmaxregister_decrease(target)
 
 
 class Sm90SparseDecode:
@@ -102,18 +113,26 @@ class Sm90SparseDecode:
     ):
         cfg = self.cfg
         tile = cfg.tile
-        qk_mma, pv_rs_mma, pv_ss_mma = make_mmas(cfg.pv_cols)
-        q_layout, k_layout, p_layout = smem_layouts(tile)
-        # bf16 out / o_accum blocks are staged in 64 x 64 chunks (SW128 K-major atoms) and stored
-        # by TMA one chunk (box) at a time.
-        chunk_box = (TILE.heads, TILE.chunk)
-        chunk_layout = bf16_block_layout(TILE.chunk)
+        if cutlass.const_expr(cfg.swapped):   # the swap-AB tile: h heads on N (decode_small_roles.py)
+            heads = cfg.h_q
+            qk_mma, pv_rs_mma, pv_ss_mma = swapped.make_swapped_mmas(heads)
+            q_layout, k_layout, p_layout = swapped.swapped_smem_layouts(tile, heads)
+            chunk_layout = swapped.out_chunk_layout(heads)
+            q_smem = q_layout
+        else:
+            heads = TILE.heads
+            qk_mma, pv_rs_mma, pv_ss_mma = make_mmas(cfg.pv_cols)
+            q_layout, k_layout, p_layout = smem_layouts(tile)
+            # bf16 out / o_accum blocks are staged in 64 x 64 chunks (SW128 K-major atoms) and
+            # stored by TMA one chunk (box) at a time.
+            chunk_layout = bf16_block_layout(TILE.chunk)
+            q_smem = cute.slice_(q_layout, (None, None, 0))
+        chunk_box = (heads, TILE.chunk)
 
-        # Q, out and o_accum as (h, d, s_q, b|rows) for TMA box grids of 64 heads: Q in d_qk / 64
-        # boxes of 64x64 (SW128), out / o_accum in 64-head x 64-column boxes.
+        # Q, out and o_accum as (h, d, s_q, b|rows) for TMA box grids of the CTA's heads: Q in
+        # d_qk / 64 boxes of heads x 64 (SW128), out / o_accum in heads x 64-column boxes.
         tma_q, q_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), heads_dims_first(q), cute.slice_(q_layout, (None, None, 0)),
-            (TILE.heads, tile.d_qk)
+            cpasync.CopyBulkTensorTileG2SOp(), heads_dims_first(q), q_smem, (heads, tile.d_qk)
         )
         tma_out = None
         out_tma = out  # stored from the accumulator registers: no tensor map
@@ -213,18 +232,27 @@ class Sm90SparseDecode:
                      mLse, mLseAcc, mExtraKV, mExtraIdx, mExtraLen, mOrder)
             regs = cfg.tuning.registers
             if wg == Role.PRODUCER:
-                setmaxregister_decrease(regs.producer)
+                set_registers(regs.producer)
                 if cutlass.const_expr(cfg.cluster):
                     producer_crossover(cfg, g, cta)
                 else:
                     producer(cfg, g, cta)
             elif wg == Role.SOFTMAX:
-                setmaxregister_increase(regs.softmax)
-                softmax_wg(cfg, g, cta, Smem(storage, sQ, sK, sP), Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout),
-                           scale_log2)
+                set_registers(regs.softmax)
+                if cutlass.const_expr(cfg.swapped):
+                    small.softmax_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
+                                     swapped.SwappedOps(qk_mma, pv_rs_mma, chunk_layout), scale_log2)
+                else:
+                    softmax_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
+                               Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
             else:
-                setmaxregister_decrease(regs.pv_right)
-                pv_right_wg(cfg, g, cta, Smem(storage, sQ, sK, sP), Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout))
+                set_registers(regs.pv_right)
+                if cutlass.const_expr(cfg.swapped):
+                    small.pv_right_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
+                                      swapped.SwappedOps(qk_mma, pv_ss_mma, chunk_layout))
+                else:
+                    pv_right_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
+                                Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout))
         if cutlass.const_expr(cfg.cluster):
             # Neither CTA of the pair exits while its peer may still write into its shared memory
             # or arrive on its barriers.
