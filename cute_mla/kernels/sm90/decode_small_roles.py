@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass import Float32, Int32, Uint32
+from cutlass.cute.nvgpu import warpgroup
 
 from ...dsl import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig
 from .cta import XCHG_BUFS, Cta, Gmem, Smem, request_id, request_range, split_piece, split_rows_of_partition
 from .epilogue import finalize_row
 from .mma import k_tensors_for_pv
-from .swapped import (WARPS, SwappedOps, exchange, head_of, issue_qk_swapped, rows_sum, scale_heads, store_transposed,
-                      swapped_softmax)
+from .swapped import (WARPS, Lane, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of, head_rows,
+                      head_sums, issue_pv, issue_qk_swapped, lane_of, pv_fragments, q_partition, qk_fragments,
+                      scale_heads, store_out, swapped_softmax)
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 SUM_BUF = 2                              # the exchange buffer of a request's sums (0 and 1: the tiles' max by K buffer)
-OUT_CHUNKS = TILE.half_v // TILE.chunk   # 64-dim chunks of O^T per MMA warp group (4)
 assert XCHG_BUFS == SUM_BUF + 1
 
 
@@ -76,58 +76,25 @@ def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: SwappedOps, acc_s, tSrK,
 
 
 @cute.jit
-def store_out(cfg: Sm90SparseDecodeConfig, smem: Smem, ops: SwappedOps, tma: cute.CopyAtom, dst: cute.Tensor, acc_o,
-              col_half: cutlass.Constexpr, s_idx, row, warp, lane, bar_id: cutlass.Constexpr):
-    """This warp group's O^T (dims 256 col_half .., already scaled) as ``dst[row, s_idx, :, dims]``
-    (out, or a split piece's o_accum row; ``dst`` viewed (h, d, s_q, rows)): each 64-dim chunk
-    staged transposed (h x 64, :func:`~.swapped.store_transposed`) in the warp group's part of the
-    Q buffer, then stored by one TMA box (warp 0), overlapping the next chunk's staging; warp 0
-    waits for the reads at the end."""
-    h = cfg.h_q
-    block_elems = h * TILE.chunk
-    stage_base = smem.storage.sQ.data_ptr().toint()
-    g_o = cute.flat_divide(dst, (h, TILE.chunk))
-    for k in cutlass.range_constexpr(OUT_CHUNKS):
-        elem = (col_half * OUT_CHUNKS + k) * block_elems
-        store_transposed(stage_base + elem * 2, acc_o, k * (h // 2), h, warp, lane)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
-        if warp == 0:
-            staged = cute.make_tensor(cute.recast_ptr(smem.sQ.iterator + elem, ops.chunk_layout.inner, BFloat16),
-                                      ops.chunk_layout.outer)
-            t_s, t_g = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2),
-                                             cute.group_modes(g_o, 0, 2))
-            with cute.arch.elect_one():
-                cute.copy(tma, t_s, t_g[None, 0, col_half * OUT_CHUNKS + k, s_idx, row])
-                cute.arch.cp_async_bulk_commit_group()
-    if warp == 0:
-        with cute.arch.elect_one():
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-    cute.arch.sync_warp()
-
-
-@cute.jit
 def store_request(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: SwappedOps, acc_o,
-                  col_half: cutlass.Constexpr, req, split_rows, warp, lane, bar_id: cutlass.Constexpr):
-    """This warp group's half of request ``req``'s output: o_accum's row where the request is a
-    split piece here, out otherwise."""
+                  col_half: cutlass.Constexpr, req, split_rows, ln: Lane, bar_id: cutlass.Constexpr):
+    """This warp group's half of request ``req``'s output (:func:`~.swapped.store_out`): o_accum's
+    row where the request is a split piece here, out otherwise."""
     is_split, acc_row = split_piece(cfg, cta, req, split_rows)
     if is_split:
         if cutlass.const_expr(cfg.split):
-            store_out(cfg, smem, ops, g.tma_oacc, g.mOAcc, acc_o, col_half, cta.s_idx, acc_row, warp, lane, bar_id)
+            store_out(smem.sQ, ops.chunk_layout, g.tma_oacc, g.mOAcc, acc_o, cfg.h_q, col_half, cta.s_idx, acc_row, ln,
+                      bar_id)
     else:
-        store_out(cfg, smem, ops, g.tma_out, g.mOut, acc_o, col_half, cta.s_idx, request_id(cfg, g, req), warp, lane,
-                  bar_id)
+        store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, acc_o, cfg.h_q, col_half, cta.s_idx,
+                  request_id(cfg, g, req), ln, bar_id)
 
 
 @cute.jit
 def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: SwappedOps, scale_log2: Float32):
     h = cfg.h_q
     begin_req, end_req, _, _ = cta.sched
-    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
-    warp = cute.arch.make_warp_uniform(wtid // 32)
-    lane = wtid % 32
-    quad = lane % 4
+    ln = lane_of()
     q_full = smem.storage.q_full.data_ptr()
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
@@ -136,24 +103,13 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
     s_x = smem.storage.exchange.get_tensor(cute.make_layout((h, WARPS, XCHG_BUFS)))
 
-    gQ = cute.flat_divide(g.mQ, (h, cfg.tile.d_qk))
-    tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(smem.sQ, 0, 2),
-                                       cute.group_modes(gQ, 0, 2))
+    tQsQ, tQgQ = q_partition(g.tma_q, g.mQ, smem.sQ, h, cfg.tile.d_qk)
     ops.qk.set(warpgroup.Field.ACCUMULATE, True)
     ops.pv.set(warpgroup.Field.ACCUMULATE, True)
-    thr_qk = ops.qk.get_slice(wtid)
-    tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(smem.sK))
-    tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
-    acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE.tokens, h)))
-    thr_pv = ops.pv.get_slice(wtid)
-    tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(k_tensors_for_pv(cfg, smem.sK, 0)))
-    tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(smem.sP))
-    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.half_v, h)))
+    tSrK, tSrQ, acc_s = qk_fragments(ops.qk, smem.sK, smem.sQ, h, ln.wtid)
+    tOrV, tOrP, acc_o = pv_fragments(ops.pv, k_tensors_for_pv(cfg, smem.sK, 0), smem.sP, h, ln.wtid)
     slots = h // 4
-    m = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
-    l = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
-    sc = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
-    lse = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    m, l, sc, lse = head_rows(h)
 
     split_rows = split_rows_of_partition(cfg, g, cta)
     n = Int32(0)    # the partition's tiles so far (the producer's count)
@@ -164,7 +120,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         if rq > 0:
             # WG1's output store of the previous request no longer reads its staging (in sQ).
             cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-        if warp == 0:
+        if ln.warp == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, h * cfg.tile.d_qk * 2)
             cute.copy(g.tma_q, tQgQ[None, 0, 0, cta.s_idx, rid], tQsQ, tma_bar_ptr=q_full)
@@ -182,51 +138,33 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
             if active:
                 buf = n % TILE.k_bufs
                 last_word = last_of(info_base, buf)
-                swapped_softmax(acc_s, tile_word(info_base, buf, warp, lane), scale_log2, m, l, sc, s_x, buf, warp,
-                                lane, Bar.EPI_SOFTMAX)
-                # P^T and the heads' factors to WG1 once it has read the last ones; the 256-thread
-                # sync also orders every WG0 thread's P^T writes before WG0's own SS wgmma reads them.
-                cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-                if (warp == 0) & (lane < 4):
-                    for s in cutlass.range_constexpr(slots):
-                        s_scale[head_of(s, quad)] = sc[s]
-                store_transposed(p_base, acc_s, 0, h, warp, lane)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-
-                scale_heads(acc_o, sc, h)
-                warpgroup.fence()
-                cute.gemm(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP[None, None, None, 0], acc_o)
-                warpgroup.commit_group()
+                swapped_softmax(acc_s, tile_word(info_base, buf, ln.warp, ln.lane), scale_log2, m, l, sc, s_x, buf,
+                                ln.warp, ln.lane, Bar.EPI_SOFTMAX)
+                hand_over_tile(s_scale, sc, p_base, acc_s, h, ln, Bar.P_FREE, Bar.P_READY)
+                issue_pv(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP, sc, h)
                 next_qk_behind_pv(cfg, ops, acc_s, tSrK, tSrQ, k_full, k_free, n, last_word != 0)
                 n += 1
                 active = last_word == 0
 
         # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, output, lse
-        for s in cutlass.range_constexpr(slots):
-            l[s] = rows_sum(l[s])
-        exchange(l, s_x, SUM_BUF, warp, lane, False, Bar.EPI_SOFTMAX)
+        head_sums(l, s_x, SUM_BUF, ln, Bar.EPI_SOFTMAX)
         is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         for s in cutlass.range_constexpr(slots):
-            o_scale, row_lse = finalize_row(cfg, g.mSink, l[s], m[s], is_split, head_of(s, quad))
+            o_scale, row_lse = finalize_row(cfg, g.mSink, l[s], m[s], is_split, head_of(s, ln.quad))
             sc[s] = o_scale
             lse[s] = row_lse
-        cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-        if (warp == 0) & (lane < 4):
-            for s in cutlass.range_constexpr(slots):
-                s_scale[head_of(s, quad)] = sc[s]
-        cute.arch.barrier_arrive(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
+        hand_over_final(s_scale, sc, ln, Bar.P_FREE, Bar.P_READY)
         scale_heads(acc_o, sc, h)
-        store_request(cfg, g, cta, smem, ops, acc_o, 0, req, split_rows, warp, lane, Bar.EPI_SOFTMAX)
+        store_request(cfg, g, cta, smem, ops, acc_o, 0, req, split_rows, ln, Bar.EPI_SOFTMAX)
         # The lse stores go after the output's (its staging fences the generic proxy).
-        if (warp == 0) & (lane < 4):
+        if (ln.warp == 0) & (ln.lane < 4):
             if is_split:
                 if cutlass.const_expr(cfg.split):
                     for s in cutlass.range_constexpr(slots):
-                        g.mLseAcc[acc_row, cta.s_idx, head_of(s, quad)] = lse[s]
+                        g.mLseAcc[acc_row, cta.s_idx, head_of(s, ln.quad)] = lse[s]
             else:
                 for s in cutlass.range_constexpr(slots):
-                    g.mLse[rid, cta.s_idx, head_of(s, quad)] = lse[s]
+                    g.mLse[rid, cta.s_idx, head_of(s, ln.quad)] = lse[s]
         rq += 1
     # Balance the barriers WG1 arrived on once more than WG0 synced (a partition here has a request).
     cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
@@ -237,22 +175,15 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
 def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: SwappedOps):
     h = cfg.h_q
     begin_req, end_req, _, _ = cta.sched
-    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
-    warp = cute.arch.make_warp_uniform(wtid // 32)
-    lane = wtid % 32
-    quad = lane % 4
+    ln = lane_of()
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
     info_base = smem.storage.tile_info.data_ptr().toint()
     s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
 
     ops.pv.set(warpgroup.Field.ACCUMULATE, True)
-    thr_pv = ops.pv.get_slice(wtid)
-    tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(k_tensors_for_pv(cfg, smem.sK, 1)))
-    tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(smem.sP))
-    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.half_v, h)))
-    slots = h // 4
-    sc = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    tOrV, tOrP, acc_o = pv_fragments(ops.pv, k_tensors_for_pv(cfg, smem.sK, 1), smem.sP, h, ln.wtid)
+    sc = cute.make_rmem_tensor(cute.make_layout(h // 4), Float32)
 
     split_rows = split_rows_of_partition(cfg, g, cta)
     # sP / head_scale start out free.
@@ -266,16 +197,12 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
             if active:
                 buf = n % TILE.k_bufs
                 cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-                for s in cutlass.range_constexpr(slots):
-                    sc[s] = s_scale[head_of(s, quad)]
+                get_factors(s_scale, sc, ln.quad)
                 # WG0 already waited for this buffer; waiting on the same phase gives WG1 its own
                 # acquire of the producer's writes (the producer cannot refill it before WG1 releases).
                 cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
                 last_word = last_of(info_base, buf)
-                scale_heads(acc_o, sc, h)
-                warpgroup.fence()
-                cute.gemm(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP[None, None, None, 0], acc_o)
-                warpgroup.commit_group()
+                issue_pv(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP, sc, h)
                 warpgroup.wait_group(0)
                 cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
                 cute.arch.mbarrier_arrive(k_free + buf)
@@ -283,10 +210,9 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
                 active = last_word == 0
 
         cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-        for s in cutlass.range_constexpr(slots):
-            sc[s] = s_scale[head_of(s, quad)]
+        get_factors(s_scale, sc, ln.quad)
         cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
         scale_heads(acc_o, sc, h)
-        store_request(cfg, g, cta, smem, ops, acc_o, 1, req, split_rows, warp, lane, Bar.EPI_PV_RIGHT)
+        store_request(cfg, g, cta, smem, ops, acc_o, 1, req, split_rows, ln, Bar.EPI_PV_RIGHT)
         # The staging (in sQ) is no longer read: WG0 may load the next request's Q.
         cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)

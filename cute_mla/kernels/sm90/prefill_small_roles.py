@@ -33,7 +33,7 @@ import functools
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from ...dsl import ptx as common_ptx
 from .config import TILE, Tile
@@ -42,12 +42,12 @@ from .mma import k_tensors_for_pv
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
 from .prefill_roles import (EARLY, HALVES, LATE, MASK_BYTES, PAIR_THREADS, Gmem, Smem, items, max_logit, qo_policy,
                             slot, work_of)
-from .swapped import (WARPS, SwappedOps, exchange, head_of, issue_qk_swapped, rows_sum, scale_heads, store_transposed,
-                      swapped_softmax)
+from .swapped import (WARPS, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of, head_rows, head_sums,
+                      issue_pv, issue_qk_swapped, lane_of, pv_fragments, q_partition, qk_fragments, scale_heads,
+                      store_out, swapped_softmax)
 
 XCHG_BUFS = 3                            # exchange buffers: the tiles' max (by the tile's K buffer), the item's sums
 SUM_BUF = 2
-OUT_CHUNKS = TILE.half_v // TILE.chunk   # 64-dim chunks of O^T per MMA warp group (4)
 # The producer's K buffer halves (``prefill_roles.py``) are released together here: each MMA warp
 # group arrives on both halves of a tile's buffer once its PV of the tile retired (QK reads every
 # chunk, the two PVs half of the V columns each).
@@ -116,40 +116,6 @@ def next_qk_behind_pv(cfg: Sm90SparsePrefillConfig, ops: SwappedOps, acc_s, tSrK
         warpgroup.wait_group(0)
 
 
-@cute.jit
-def store_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOps, acc_o, col_half: cutlass.Constexpr,
-              s_idx, warp, lane, bar_id: cutlass.Constexpr):
-    """This warp group's O^T (dims 256 col_half .., already scaled) as out[s_idx, :, dims]: each
-    64-dim chunk staged transposed (h x 64, :func:`store_transposed`) in the warp group's part of
-    the Q buffer, then stored by one TMA box (warp 0), overlapping the next chunk's staging; warp 0
-    waits for the reads at the end."""
-    h = cfg.h_q
-    policy = qo_policy(cfg)
-    block_elems = h * TILE.chunk
-    stage_base = smem.storage.sQ.data_ptr().toint()
-    g_o = cute.flat_divide(g.mOut, (h, TILE.chunk))
-    for k in cutlass.range_constexpr(OUT_CHUNKS):
-        elem = (col_half * OUT_CHUNKS + k) * block_elems
-        store_transposed(stage_base + elem * 2, acc_o, k * (h // 2), h, warp, lane)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
-        if warp == 0:
-            staged = cute.make_tensor(cute.recast_ptr(smem.sQ.iterator + elem, ops.chunk_layout.inner, BFloat16),
-                                      ops.chunk_layout.outer)
-            t_s, t_g = cpasync.tma_partition(g.tma_out, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2),
-                                             cute.group_modes(g_o, 0, 2))
-            with cute.arch.elect_one():
-                if cutlass.const_expr(policy is None):
-                    cute.copy(g.tma_out, t_s, t_g[None, 0, col_half * OUT_CHUNKS + k, s_idx, 0])
-                else:
-                    cute.copy(g.tma_out, t_s, t_g[None, 0, col_half * OUT_CHUNKS + k, s_idx, 0], cache_policy=policy)
-                cute.arch.cp_async_bulk_commit_group()
-    if warp == 0:
-        with cute.arch.elect_one():
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-    cute.arch.sync_warp()
-
-
 # ------------------------------------------------------------------------------ the MMA warp groups
 
 
@@ -160,10 +126,7 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
     O^T's dims 0-255 with the next tile's QK behind it; then the epilogue (sums, factors to WG1,
     its half of out, lse and max_logits of the h heads)."""
     h = cfg.h_q
-    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
-    warp = cute.arch.make_warp_uniform(wtid // 32)
-    lane = wtid % 32
-    quad = lane % 4
+    ln = lane_of()
     q_full = smem.storage.q_full.data_ptr()
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
@@ -172,24 +135,13 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
     s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
     s_x = smem.storage.exchange.get_tensor(cute.make_layout((h, WARPS, XCHG_BUFS)))
 
-    gQ = cute.flat_divide(g.mQ, (h, cfg.tile.d_qk))
-    tQsQ, tQgQ = cpasync.tma_partition(g.tma_q, 0, cute.make_layout(1), cute.group_modes(smem.sQ, 0, 2),
-                                       cute.group_modes(gQ, 0, 2))
+    tQsQ, tQgQ = q_partition(g.tma_q, g.mQ, smem.sQ, h, cfg.tile.d_qk)
     ops.qk.set(warpgroup.Field.ACCUMULATE, True)
     ops.pv.set(warpgroup.Field.ACCUMULATE, True)
-    thr_qk = ops.qk.get_slice(wtid)
-    tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(smem.sK))
-    tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
-    acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE.tokens, h)))
-    thr_pv = ops.pv.get_slice(wtid)
-    tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(k_tensors_for_pv(cfg, smem.sK, 0)))
-    tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(smem.sP0))
-    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.half_v, h)))
+    tSrK, tSrQ, acc_s = qk_fragments(ops.qk, smem.sK, smem.sQ, h, ln.wtid)
+    tOrV, tOrP, acc_o = pv_fragments(ops.pv, k_tensors_for_pv(cfg, smem.sK, 0), smem.sP0, h, ln.wtid)
     slots = h // 4
-    m = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
-    l = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
-    sc = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
-    lse = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    m, l, sc, lse = head_rows(h)
 
     c0 = Int32(0)   # tiles K buffer 0 held so far (the producer's count)
     c1 = Int32(0)   # the same for buffer 1
@@ -200,7 +152,7 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
         if rq > 0:
             # WG1's output store of the previous item no longer reads its staging (in sQ).
             cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
-        if warp == 0:
+        if ln.warp == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, h * cfg.tile.d_qk * 2)
             if cutlass.const_expr(cfg.tuning.qo_policy):
@@ -218,46 +170,28 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
         for t in cutlass.range(0, w.n_tiles, unroll=1):
             buf, _ = tile_slot(c0, c1, t)
             # Producer warp `warp` wrote this warp's 16 rows as bits 0-15 of its word.
-            word = Uint32(common_ptx.ld_shared_i32(mask_base + buf * MASK_BYTES + warp * 4)) >> Uint32(lane // 4)
-            swapped_softmax(acc_s, word, scale_log2, m, l, sc, s_x, buf, warp, lane, PrefillBar.EPI_WG0)
-
-            # P^T and the heads' factors to WG1 once it has read the last ones; the 256-thread
-            # sync also orders every WG0 thread's P^T writes before WG0's own SS wgmma reads them.
-            cute.arch.barrier(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
-            if (warp == 0) & (lane < 4):
-                for s in cutlass.range_constexpr(slots):
-                    s_scale[head_of(s, quad)] = sc[s]
-            store_transposed(p_base, acc_s, 0, h, warp, lane)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
-
-            scale_heads(acc_o, sc, h)
-            warpgroup.fence()
-            cute.gemm(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP[None, None, None, 0], acc_o)
-            warpgroup.commit_group()
+            word = Uint32(common_ptx.ld_shared_i32(mask_base + buf * MASK_BYTES + ln.warp * 4)) >> Uint32(ln.lane // 4)
+            swapped_softmax(acc_s, word, scale_log2, m, l, sc, s_x, buf, ln.warp, ln.lane, PrefillBar.EPI_WG0)
+            hand_over_tile(s_scale, sc, p_base, acc_s, h, ln, PrefillBar.PT_FREE, PrefillBar.PT_READY)
+            issue_pv(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP, sc, h)
             next_qk_behind_pv(cfg, ops, acc_s, tSrK, tSrQ, k_full, k_free, c0, c1, t, t + 1 == w.n_tiles)
         c0 += (w.n_tiles + 1) // TILE.k_bufs
         c1 += w.n_tiles // TILE.k_bufs
 
         # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, out, lse, max_logits
+        head_sums(l, s_x, SUM_BUF, ln, PrefillBar.EPI_WG0)
         for s in cutlass.range_constexpr(slots):
-            l[s] = rows_sum(l[s])
-        exchange(l, s_x, SUM_BUF, warp, lane, False, PrefillBar.EPI_WG0)
-        for s in cutlass.range_constexpr(slots):
-            o_scale, row_lse = finalize_row(cfg, g.mSink, l[s], m[s], False, head_of(s, quad))
+            o_scale, row_lse = finalize_row(cfg, g.mSink, l[s], m[s], False, head_of(s, ln.quad))
             sc[s] = o_scale
             lse[s] = row_lse
-        cute.arch.barrier(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
-        if (warp == 0) & (lane < 4):
-            for s in cutlass.range_constexpr(slots):
-                s_scale[head_of(s, quad)] = sc[s]
-        cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
+        hand_over_final(s_scale, sc, ln, PrefillBar.PT_FREE, PrefillBar.PT_READY)
         scale_heads(acc_o, sc, h)
-        store_out(cfg, g, smem, ops, acc_o, 0, w.s_idx, warp, lane, PrefillBar.EPI_WG0)
-        if (warp == 0) & (lane < 4):
+        store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, acc_o, h, 0, w.s_idx, 0, ln, PrefillBar.EPI_WG0,
+                  qo_policy(cfg))
+        if (ln.warp == 0) & (ln.lane < 4):
             for s in cutlass.range_constexpr(slots):
-                g.mLse[w.s_idx, head_of(s, quad)] = lse[s]
-                g.mMax[w.s_idx, head_of(s, quad)] = max_logit(l[s], m[s])
+                g.mLse[w.s_idx, head_of(s, ln.quad)] = lse[s]
+                g.mMax[w.s_idx, head_of(s, ln.quad)] = max_logit(l[s], m[s])
         rq += 1
     # Balance the barriers WG1 arrived on once more than WG0 synced.
     cute.arch.barrier(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
@@ -270,21 +204,14 @@ def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedO
     """WG1 of the swap-AB tile: per tile, P^T and the heads' factors from WG0, then the SS wgmma
     O^T[256:] += V^T[256:] P^T; per item, its half of out with the final factors, then ``Q_FREE``."""
     h = cfg.h_q
-    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
-    warp = cute.arch.make_warp_uniform(wtid // 32)
-    lane = wtid % 32
-    quad = lane % 4
+    ln = lane_of()
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
     s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
 
     ops.pv.set(warpgroup.Field.ACCUMULATE, True)
-    thr_pv = ops.pv.get_slice(wtid)
-    tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(k_tensors_for_pv(cfg, smem.sK, 1)))
-    tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(smem.sP0))
-    acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE.half_v, h)))
-    slots = h // 4
-    sc = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    tOrV, tOrP, acc_o = pv_fragments(ops.pv, k_tensors_for_pv(cfg, smem.sK, 1), smem.sP0, h, ln.wtid)
+    sc = cute.make_rmem_tensor(cute.make_layout(h // 4), Float32)
     # sP / head_scale start out free.
     cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
     c0 = Int32(0)   # tiles K buffers 0 and 1 held so far
@@ -296,15 +223,11 @@ def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedO
         for t in cutlass.range(0, w.n_tiles, unroll=1):
             buf, phase = tile_slot(c0, c1, t)
             cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
-            for s in cutlass.range_constexpr(slots):
-                sc[s] = s_scale[head_of(s, quad)]
+            get_factors(s_scale, sc, ln.quad)
             # WG0 already waited for this buffer; waiting on the same phase gives WG1 its own acquire
             # of the gathered rows (the producer cannot refill the buffer before WG1 releases it).
             wait_tile(k_full, buf, phase)
-            scale_heads(acc_o, sc, h)
-            warpgroup.fence()
-            cute.gemm(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP[None, None, None, 0], acc_o)
-            warpgroup.commit_group()
+            issue_pv(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP, sc, h)
             warpgroup.wait_group(0)
             cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
             release_tile(k_free, buf)
@@ -312,10 +235,10 @@ def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedO
         c1 += w.n_tiles // TILE.k_bufs
 
         cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
-        for s in cutlass.range_constexpr(slots):
-            sc[s] = s_scale[head_of(s, quad)]
+        get_factors(s_scale, sc, ln.quad)
         cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
         scale_heads(acc_o, sc, h)
-        store_out(cfg, g, smem, ops, acc_o, 1, w.s_idx, warp, lane, PrefillBar.EPI_WG1)
+        store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, acc_o, h, 1, w.s_idx, 0, ln, PrefillBar.EPI_WG1,
+                  qo_policy(cfg))
         # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
         cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)

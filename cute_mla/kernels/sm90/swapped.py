@@ -24,7 +24,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...dsl import ptx as common_ptx
 from ...dsl.compat import LayoutEnum, OperandMajorMode, sm90_utils
@@ -203,3 +203,142 @@ def issue_qk_swapped(d_qk: int, qk_mma, acc_s, tSrK, tSrQ, buf):
     for k in range(d_qk // 16):  # plain function: a trace-time (unrolled) loop
         cute.gemm(qk_mma, acc_s, tSrK_b[None, None, k], tSrQ[None, None, k], acc_s)
     warpgroup.commit_group()
+
+
+# ------------------------------------------------------------ the MMA warp groups' steps (both kernels)
+
+
+class Lane(NamedTuple):
+    """An MMA warp group thread's place: its thread index in the group, warp, lane, lane % 4."""
+
+    wtid: Int32
+    warp: Int32
+    lane: Int32
+    quad: Int32
+
+
+def lane_of() -> Lane:
+    """This thread's :class:`Lane` (a plain function, traced inline)."""
+    wtid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
+    warp = cute.arch.make_warp_uniform(wtid // 32)
+    lane = wtid % 32
+    return Lane(wtid, warp, lane, lane % 4)
+
+
+def q_partition(tma_q: cute.CopyAtom, mQ: cute.Tensor, sQ: cute.Tensor, h: int, d_qk: int):
+    """(shared, global) sides of the Q load, one TMA box of h heads x d_qk (``mQ`` viewed (h, d,
+    s_q, rows)); a plain function."""
+    gQ = cute.flat_divide(mQ, (h, d_qk))
+    return cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+
+
+def head_rows(h: int):
+    """WG0's per-head registers, one value per slot of this thread (h / 4): the running max (log2
+    units), its share of the running sum, the step's O factor, the lse (a plain function)."""
+    return tuple(cute.make_rmem_tensor(cute.make_layout(h // 4), Float32) for _ in range(4))
+
+
+def qk_fragments(qk_mma, sK: cute.Tensor, sQ: cute.Tensor, h: int, wtid):
+    """(A = the K buffers, B = Q, the S^T accumulator) of this thread's QK (a plain function)."""
+    thr = qk_mma.get_slice(wtid)
+    return (thr.make_fragment_A(thr.partition_A(sK)), thr.make_fragment_B(thr.partition_B(sQ)),
+            thr.make_fragment_C(thr.partition_shape_C((TILE.tokens, h))))
+
+
+def pv_fragments(pv_mma, sV: cute.Tensor, sP: cute.Tensor, h: int, wtid):
+    """(A = V^T of this warp group's 256 dims in both K buffers, B = P^T, the O^T accumulator) of
+    this thread's PV (a plain function)."""
+    thr = pv_mma.get_slice(wtid)
+    return (thr.make_fragment_A(thr.partition_A(sV)), thr.make_fragment_B(thr.partition_B(sP)),
+            thr.make_fragment_C(thr.partition_shape_C((TILE.half_v, h))))
+
+
+@cute.jit
+def put_factors(s_scale: cute.Tensor, sc: cute.Tensor, ln: Lane):
+    """The heads' O factors into ``s_scale`` (lanes 0-3 of warp 0 hold every head between them)."""
+    if (ln.warp == 0) & (ln.lane < 4):
+        for s in cutlass.range_constexpr(cute.size(sc)):
+            s_scale[head_of(s, ln.quad)] = sc[s]
+
+
+@cute.jit
+def get_factors(s_scale: cute.Tensor, sc: cute.Tensor, quad):
+    """This thread's heads' O factors from ``s_scale``."""
+    for s in cutlass.range_constexpr(cute.size(sc)):
+        sc[s] = s_scale[head_of(s, quad)]
+
+
+@cute.jit
+def hand_over_tile(s_scale: cute.Tensor, sc: cute.Tensor, p_base: Int32, acc_s: cute.Tensor, h: cutlass.Constexpr,
+                   ln: Lane, free_bar: cutlass.Constexpr, ready_bar: cutlass.Constexpr):
+    """WG0, per tile: P^T (bf16, from the S^T fragment) and the heads' factors to WG1 once it has
+    read the last ones (``free_bar``); then ``ready_bar``, a 256-thread sync, so it also orders
+    every WG0 thread's P^T writes before WG0's own SS wgmma reads them."""
+    cute.arch.barrier(barrier_id=free_bar, number_of_threads=2 * TILE.threads_per_wg)
+    put_factors(s_scale, sc, ln)
+    store_transposed(p_base, acc_s, 0, h, ln.warp, ln.lane)
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=ready_bar, number_of_threads=2 * TILE.threads_per_wg)
+
+
+@cute.jit
+def hand_over_final(s_scale: cute.Tensor, sc: cute.Tensor, ln: Lane, free_bar: cutlass.Constexpr,
+                    ready_bar: cutlass.Constexpr):
+    """WG0, at the end of a walk (item or request): the heads' final factors to WG1 (``free_bar``
+    synced, ``ready_bar`` arrived: WG0 does not wait for WG1 here)."""
+    cute.arch.barrier(barrier_id=free_bar, number_of_threads=2 * TILE.threads_per_wg)
+    put_factors(s_scale, sc, ln)
+    cute.arch.barrier_arrive(barrier_id=ready_bar, number_of_threads=2 * TILE.threads_per_wg)
+
+
+def issue_pv(pv_mma, acc_o: cute.Tensor, tOrV_buf, tOrP, sc: cute.Tensor, h: int):
+    """O^T = O^T * the heads' factors + V^T P^T of one tile: 16 SS wgmma m64nhk16, committed, not
+    waited (a plain function)."""
+    scale_heads(acc_o, sc, h)
+    warpgroup.fence()
+    cute.gemm(pv_mma, acc_o, tOrV_buf, tOrP[None, None, None, 0], acc_o)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def head_sums(l: cute.Tensor, s_x: cute.Tensor, buf: cutlass.Constexpr, ln: Lane, bar_id: cutlass.Constexpr):
+    """The heads' softmax sums over all 64 rows: each thread's share (its two rows) over the warp's
+    rows, then over the four warps (:func:`exchange` in buffer ``buf``)."""
+    for s in cutlass.range_constexpr(cute.size(l)):
+        l[s] = rows_sum(l[s])
+    exchange(l, s_x, buf, ln.warp, ln.lane, False, bar_id)
+
+
+@cute.jit
+def store_out(sQ: cute.Tensor, chunk_layout: cute.ComposedLayout, tma: cute.CopyAtom, dst: cute.Tensor, acc_o,
+              h: cutlass.Constexpr, col_half: cutlass.Constexpr, s_idx, row, ln: Lane, bar_id: cutlass.Constexpr,
+              policy=None):
+    """This warp group's O^T (dims 256 col_half .., already scaled) as ``dst[row, s_idx, :, dims]``
+    (``dst`` viewed (h, d, s_q, rows)): each 64-dim chunk staged transposed (h x 64,
+    :func:`store_transposed`) in the warp group's part of the Q buffer ``sQ``, then stored by one
+    TMA box (warp 0, with the L2 cache ``policy`` where given), overlapping the next chunk's
+    staging; warp 0 waits for the reads at the end."""
+    chunks = TILE.half_v // TILE.chunk
+    block_elems = h * TILE.chunk
+    stage_base = sQ.iterator.toint()
+    g_o = cute.flat_divide(dst, (h, TILE.chunk))
+    for k in cutlass.range_constexpr(chunks):
+        elem = (col_half * chunks + k) * block_elems
+        store_transposed(stage_base + elem * 2, acc_o, k * (h // 2), h, ln.warp, ln.lane)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+        if ln.warp == 0:
+            staged = cute.make_tensor(cute.recast_ptr(sQ.iterator + elem, chunk_layout.inner, BFloat16),
+                                      chunk_layout.outer)
+            t_s, t_g = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2),
+                                             cute.group_modes(g_o, 0, 2))
+            with cute.arch.elect_one():
+                if cutlass.const_expr(policy is None):
+                    cute.copy(tma, t_s, t_g[None, 0, col_half * chunks + k, s_idx, row])
+                else:
+                    cute.copy(tma, t_s, t_g[None, 0, col_half * chunks + k, s_idx, row], cache_policy=policy)
+                cute.arch.cp_async_bulk_commit_group()
+    if ln.warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.sync_warp()
