@@ -11,7 +11,7 @@ pays no graph launch of its own; a one-call graph's replay includes the host's g
 step's first call (a fresh metadata object) beyond out and lse: cute-mla's split workspace, which
 the step's later calls reuse, or FlashMLA's per-call accumulators (``testing.step_transient_bytes``).
 
-    python -m benchmarks.bench_sparse_decode [--rows all|quick|h128|b,s_q,h;...] [--json PATH] [--masked 0.2]
+    python -m benchmarks.bench_sparse_decode [--rows all|quick|h128|small|b,s_q,h;...] [--json PATH] [--masked 0.2]
     python -m benchmarks.bench_sparse_decode --sustained 1,32768,64 [--seconds 4] [--variants default,no_pf]
 
 ``--sustained ROW``: each library runs the row back to back (eager calls) for ``--seconds``
@@ -24,7 +24,13 @@ variant that spends less energy per call runs at a higher clock.
 **V4** (``--v4``): V4 ("MODEL1") FP8 cache (d_qk 512, 584 B/token), page block 64, two pools of
 131072 tokens (the main cache and the extra cache), s_q = 1, main top-k 128 with ``topk_length``
 uniform in [1, 128], an extra list of ``extra_topk`` in {0, 512, 1024} with ``extra_topk_length``
-uniform in [1, extra_topk], ``attn_sink`` given; b in {1, 32, 128, 512}, h_q in {64, 128}.
+uniform in [1, extra_topk], ``attn_sink`` given; b in {1, 32, 128, 512}, h_q in {64, 128}
+(``--rows small``: issue 43's rows, h_q 8 and 16 at b 128 and 512 with an extra list of 512).
+
+**Fewer than 64 heads** (``--rows small`` in either mode, or any row with h_q 8, 16 or 32):
+cute-mla runs the heads natively; FlashMLA, whose decode kernel takes 64 or 128, runs them as
+engines call it, q (and the sinks) zero-padded to 64 heads inside the timed call
+(:class:`PaddedHeads`), its out and lse cut back to the real heads for the checks.
 
 A row is a shape; its lengths and indices are random, and its time depends on the draw (at b=128,
 h=128, extra 1024 one draw measured 1.19x and three others 1.23-1.24x). So each row is measured
@@ -39,7 +45,7 @@ of each library's time and of the per-draw ratio, and the lowest and highest per
 Each library's transient memory (peak allocation during a decode step's first call beyond out
 and lse: ``testing.step_transient_bytes``) is measured on the row's first draw.
 
-    python -m benchmarks.bench_sparse_decode --v4 [--rows all|quick|b,h,extra_topk;...] [--draws 5] [--cold-l2] [--out PATH.json]
+    python -m benchmarks.bench_sparse_decode --v4 [--rows all|quick|small|b,h,extra_topk;...] [--draws 5] [--cold-l2] [--out PATH.json]
         [--variant NAME] [--sample 32] [--masked 0]
 
 ``--cold-l2`` reads 256 MiB before every timed replay (outside its events), so neither library
@@ -74,6 +80,7 @@ GRID = [(1, 1, 64), (1, 8, 64), (1, 128, 64), (1, 1024, 64), (1, 8192, 64), (1, 
         (1, 1, 128), (1, 8, 128), (1, 128, 128), (1, 1024, 128), (1, 8192, 128),
         (128, 2, 128), (64, 2, 64), (128, 1, 64)]
 QUICK = [(1, 1, 64), (1, 8, 64), (1, 1024, 64), (1, 8192, 64), (1, 1024, 128), (128, 2, 128), (64, 2, 64), (128, 1, 64)]
+SMALL = [(128, 1, 16), (128, 1, 32)]   # issue 43's V3.2 rows: a TP8 rank's heads (FlashMLA padded to 64)
 LAYER_CALLS = 16           # calls per graph for layer_us
 LATENCY_ROW_TOKENS = 8     # rows with b * s_q at most this get layer_us
 
@@ -189,6 +196,7 @@ V4_TOPK = bench.V4_TOPK   # the playground's list (cute-mla bench --format v4); 
 BATCHES, HEADS, EXTRA_TOPKS = (1, 32, 128, 512), (64, 128), (0, 512, 1024)
 V4_GRID = [(b, h, e) for h in HEADS for e in EXTRA_TOPKS for b in BATCHES]
 V4_QUICK = [(1, 64, 512), (32, 64, 1024), (128, 128, 512), (512, 128, 1024)]
+V4_SMALL = [(b, h, 512) for h in (8, 16) for b in (128, 512)]   # issue 43's V4 rows (FlashMLA padded to 64)
 V4_SCALE = V4.d_qk ** -0.5
 
 
@@ -242,6 +250,38 @@ def v4_row_seed(b, h, extra_topk, draw):
 
 def v4_row_generator(b, h, extra_topk, draw):
     return torch.Generator(device="cuda").manual_seed(v4_row_seed(b, h, extra_topk, draw))
+
+
+SMALL_HEADS = (8, 16, 32)
+PADDED_HEADS = 64
+
+
+class PaddedHeads:
+    """FlashMLA as engines call it with 8, 16 or 32 heads, which its decode kernel does not take: q
+    (and attn_sink) zero-padded to 64 heads in every call (the copy is part of the call, as in an
+    engine's layer), out and lse cut back to the call's heads (views). 64 or 128 heads pass through."""
+
+    def __init__(self, mod):
+        self.mod = mod
+        self.get_mla_metadata = mod.get_mla_metadata
+
+    def flash_mla_with_kvcache(self, q, *args, attn_sink=None, **kwargs):
+        h = q.shape[2]
+        if h >= PADDED_HEADS:
+            return self.mod.flash_mla_with_kvcache(q, *args, attn_sink=attn_sink, **kwargs)
+        qp = q.new_zeros(q.shape[:2] + (PADDED_HEADS,) + q.shape[3:])
+        qp[:, :, :h] = q
+        sink = None
+        if attn_sink is not None:
+            sink = attn_sink.new_zeros(PADDED_HEADS)
+            sink[:h] = attn_sink
+        out, lse = self.mod.flash_mla_with_kvcache(qp, *args, attn_sink=sink, **kwargs)
+        return out[:, :, :h], lse[:, :h]
+
+
+def padded(fm):
+    """FlashMLA (or None) wrapped in :class:`PaddedHeads`."""
+    return None if fm is None else PaddedHeads(fm)
 
 
 class VariantLibrary:
@@ -375,15 +415,16 @@ def v4_main(args):
     """``--v4``: the V4 rows (module docstring)."""
     from benchmarks.variants import variant_of   # (that module imports this one)
 
-    named = {"all": V4_GRID, "quick": V4_QUICK}
+    named = {"all": V4_GRID, "quick": V4_QUICK, "small": V4_SMALL}
     rows = named[args.rows] if args.rows in named else v4_parse_rows(args.rows)
     for b, h, e in rows:
-        if h not in HEADS or e % 64 or b < 1:
-            raise SystemExit(f"--rows: bad row b={b} h={h} extra_topk={e} (h 64 or 128, extra_topk a multiple of 64)")
+        if h not in HEADS + SMALL_HEADS or e % 64 or b < 1:
+            raise SystemExit(f"--rows: bad row b={b} h={h} extra_topk={e} (h 8, 16, 32, 64 or 128, extra_topk a "
+                             "multiple of 64)")
     if not 1 <= args.draws < 100:
         raise SystemExit(f"--draws: got {args.draws}, accepted: 1 to 99")
     cute = cute_mla if args.variant == "default" else VariantLibrary(variant_of(args.variant)[0])
-    fm = flashmla()
+    fm = padded(flashmla())
     g = torch.Generator(device="cuda").manual_seed(0)
     pools = (v4_make_pool(g), v4_make_pool(g))
     args.flush = bench.l2_flusher() if args.cold_l2 else None
@@ -412,7 +453,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--v4", action="store_true", help="the V4 rows (two pools, lengths, sinks) instead of the V3.2 grid")
     ap.add_argument("--rows", default="all",
-                    help="all | quick | h128 | b,s_q,h;b,s_q,h;... (--v4: all | quick | b,h,extra_topk;...)")
+                    help="all | quick | h128 | small | b,s_q,h;b,s_q,h;... (--v4: all | quick | small | b,h,extra_topk;...)")
     ap.add_argument("--masked", type=float, default=None,
                     help=f"fraction of the indices set to -1 (default {V32_MASKED}; --v4: 0)")
     ap.add_argument("--json", "--out", dest="json", default=None, metavar="PATH",
@@ -451,9 +492,9 @@ def main(argv=None):
     if args.sustained:
         warm_up(args.warmup_s)
         return sustained(args.sustained, args.seconds, args.masked, [v for v in args.variants.split(",") if v])
-    fm = flashmla()
+    fm = padded(flashmla())
     g = torch.Generator(device="cuda").manual_seed(0)
-    named = {"all": GRID, "quick": QUICK, "h128": [r for r in GRID if r[2] == 128]}
+    named = {"all": GRID, "quick": QUICK, "h128": [r for r in GRID if r[2] == 128], "small": SMALL}
     rows = named[args.rows] if args.rows in named else parse_rows(args.rows)
     warm_up(args.warmup_s)
     # cute-mla's first row timed in a process measured slow (b=1 s_q=1 h=64 graph replay:
