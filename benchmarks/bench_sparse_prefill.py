@@ -31,7 +31,7 @@ max |out difference| between the libraries over all rows.
 
 **Routes** (``--routes``): a V3.2 FP8 cache (656 B/token, ``formats.quantize_v32``, page block
 64) of ``s_kv`` 65536 tokens, one prefill chunk of ``s_q`` 4096 tokens, top-k 2048 (random
-permutations, as above), h_q 128 and 64, no sink, ``sm_scale`` = 576^-0.5:
+permutations, as above), h_q 128, 64 and 16 (a TP8 rank of V3.2), no sink, ``sm_scale`` = 576^-0.5:
 
 * route (a), vLLM's prefill path for >= 32 heads: dequantize the whole context (s_kv rows) into a
   bf16 workspace (s_kv, 1, 576) with torch ops (standing in for vLLM's fused
@@ -40,7 +40,9 @@ permutations, as above), h_q 128 and 64, no sink, ``sm_scale`` = 576^-0.5:
   and FlashMLA's;
 * route (b), vLLM's mixed-batch mode: ``flash_mla_with_kvcache`` on the FP8 cache with b = 1,
   s_q = tokens, the same indices, ``get_mla_metadata()`` (timed with the step's metadata object
-  already used once: a step's later layers), cute-mla's and FlashMLA's.
+  already used once: a step's later layers), cute-mla's and FlashMLA's (with 16 heads FlashMLA's
+  decode kernel runs them padded to 64, as vLLM's < 32-head path calls it:
+  ``bench_sparse_decode.PaddedHeads``; route (a) runs FlashMLA's own 16-head prefill kernel).
 
 Per stage µs, bytes by FlashMLA's counts (dequant: s_kv * (656 + 1152); sparse_fwd: as above;
 decode: its decode test's q + unique rows * 656 + out), transient MiB (route (b): a step's first
@@ -98,7 +100,7 @@ from cute_mla.formats import V32, dequantize_v32, quantize_v32
 from cute_mla.playground.bench import import_flashmla, warm_up
 from cute_mla.testing import check_allclose, check_out_lse, step_transient_bytes, transient_bytes
 
-from benchmarks.bench_sparse_decode import commit_id
+from benchmarks.bench_sparse_decode import commit_id, padded
 
 D_V = 512
 S_Q = 4096
@@ -108,7 +110,7 @@ CASES = ([(576, 128, 2048, s) for s in (8192, 32768, 65536, 131072)]
          + [(576, h, 2048, 65536) for h in (64, 32, 16)]
          + [(512, 8, 512, 65536)])
 QUICK = [(576, 128, 2048, 65536), (512, 64, 512, 65536), (512, 128, 1024, 65536), (576, 16, 2048, 65536)]
-ROUTE_CASES = [(576, 128, 2048, 65536), (576, 64, 2048, 65536)]
+ROUTE_CASES = [(576, 128, 2048, 65536), (576, 64, 2048, 65536), (576, 16, 2048, 65536)]
 CASE_KEYS = ("d_qk", "h_q", "topk", "s_kv")
 PERF_SM_SCALE = 0.5          # FlashMLA's test value
 PAGE = 64                    # the routes' cache page block
@@ -608,7 +610,7 @@ def run_route_case(c, fm, args) -> dict:
             row[f"{name}_error"] = one_line(e)
     # route (b): each library's FP8 decode kernel, the mixed-batch layout
     scheds = {}
-    for key, mod in (("cute", cute_mla), ("flashmla", fm)):
+    for key, mod in (("cute", cute_mla), ("flashmla", padded(fm))):
         if mod is None:
             continue
         name = f"{key}_b"
@@ -832,7 +834,7 @@ def parse_args(argv=None):
                                  epilog="cases: " + ", ".join(case_label(c) for c in CASES)
                                  + "\n(d_qk/h_q/topk/s_kv); quick: " + ", ".join(case_label(c) for c in QUICK))
     ap.add_argument("--routes", action="store_true",
-                    help="the FP8 cache's two prefill routes (h_q 128 and 64, s_kv 65536, topk 2048) instead of the cases")
+                    help="the FP8 cache's two prefill routes (h_q 128, 64 and 16, s_kv 65536, topk 2048) instead of the cases")
     ap.add_argument("--cases", default=None, help="all | quick | key=value,...;... (keys d_qk, h_q, topk, s_kv)")
     ap.add_argument("--quick", action="store_true",
                     help="the quick cases (--routes: h_q 128 only) and 5 timed calls unless --iters is given")
