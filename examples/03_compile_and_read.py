@@ -55,9 +55,8 @@ CONTEXT = 3   # PTX lines shown either side of a marker
 def role_names(arch: str) -> dict:
     """setmaxnreg target -> the role that sets it (each arch's register budget is the one place)."""
     if arch == archs.SM90.name:
-        from cute_mla.kernels.sm90 import DEFAULT_TUNING
-        from cute_mla.kernels.sm90.config import Role
-        regs = DEFAULT_TUNING.registers
+        from cute_mla.kernels.sm90.config import Role, tile_registers
+        regs = tile_registers(64)
         return {regs.softmax: f"{Role.SOFTMAX.name} (warp group {int(Role.SOFTMAX)}: softmax.py, epilogue.py)",
                 regs.pv_right: f"{Role.PV_RIGHT.name} (warp group {int(Role.PV_RIGHT)}: pv.py, epilogue.py)",
                 regs.producer: f"{Role.PRODUCER.name} (warp group {int(Role.PRODUCER)}: producer.py / crossover.py, "

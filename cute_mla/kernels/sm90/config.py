@@ -156,6 +156,11 @@ class RegisterBudget:
 SWAPPED_REGISTERS = RegisterBudget(softmax=160, pv_right=128, producer=216)
 
 
+def tile_registers(h_q: int) -> RegisterBudget:
+    """The register budget a config with ``h_q`` heads takes unless its tuning names one."""
+    return SWAPPED_REGISTERS if h_q in SWAPPED_HEADS else RegisterBudget()
+
+
 class Bar(IntEnum):
     """Named-barrier ids (0 is __syncthreads)."""
 
@@ -285,8 +290,7 @@ class Sm90SparseDecodeConfig:
         if not isinstance(self.tuning, Sm90Tuning):
             raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
         if self.tuning.registers is None:   # a config compiles concrete knobs
-            regs = SWAPPED_REGISTERS if self.swapped else RegisterBudget()
-            object.__setattr__(self, "tuning", replace(self.tuning, registers=regs))
+            object.__setattr__(self, "tuning", replace(self.tuning, registers=tile_registers(self.h_q)))
         if self.arch != archs.SM90.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
 
