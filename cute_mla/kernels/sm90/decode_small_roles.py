@@ -22,6 +22,8 @@ Named barriers (:class:`~.config.Bar`): ``P_FREE`` (WG1 -> WG0: P^T and the fact
 before its SS wgmma; at a request's end WG0 only arrives), ``Q_FREE`` (WG1 -> WG0: its staging
 left the Q buffer), ``EPI_SOFTMAX`` (WG0: the max / sum exchange and its output chunks),
 ``EPI_PV_RIGHT`` (WG1's output chunks). No wgmma is left pending at a loop edge or branch merge.
+``tests/test_sparse_decode_small_protocol.py`` runs a transcription of these operations under
+random interleavings (keep it in step with the roles).
 """
 
 from __future__ import annotations
