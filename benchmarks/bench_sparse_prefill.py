@@ -434,11 +434,23 @@ def run_of(row: dict) -> dict:
 
 
 def merge_runs(prev: dict, new: dict) -> dict:
-    """A case measured again (``--repeat``, or a saved run of the same card and commit): ``new``
-    with the runs of both, its µs the median over the runs of each run's median, its ratios the
-    median of the runs' ratios (``ratio_min`` / ``ratio_max`` the range), a failed check kept."""
+    """A case measured again (``--repeat``, or a saved run of the same settings): ``new`` over
+    ``prev`` with the runs of both, its µs the median over the runs of each run's median, its ratios
+    the median of the runs' ratios (``ratio_min`` / ``ratio_max`` the range), a failed check kept;
+    a library that failed in either has its error and no time."""
     runs = prev.get("runs", [run_of(prev)]) + new.get("runs", [run_of(new)])
-    row = dict(new, runs=runs)
+    row = {**prev, **new, "runs": runs}
+    for key, ratios in (("cute", ("ratio", "variant_speedup")), ("flashmla", ("ratio",)), ("variant", ("variant_speedup",))):
+        error = new.get(f"{key}_error", prev.get(f"{key}_error"))
+        if error is not None:
+            row[f"{key}_error"] = error
+            for r in runs:
+                for k in (f"{key}_us",) + ratios:
+                    r.pop(k, None)
+            for k in ("us_min", "us_max", "tflops", "tbps"):
+                row.pop(f"{key}_{k}", None)
+    for k in RUN_KEYS + ("ratio_min", "ratio_max"):
+        row.pop(k, None)
     for k in RUN_KEYS:
         vals = [r[k] for r in runs if k in r]
         if vals:
@@ -743,6 +755,10 @@ def section_summary(doc: dict) -> str:
     return "; ".join(bits)
 
 
+# What must match for a saved run to add to another's section rather than replace it.
+SAME_RUN_KEYS = ("gpu", "commit", "s_q", "layout", "topk_length", "variant", "iters")
+
+
 def save(doc_part: Dict[str, dict], directory: str) -> List[str]:
     """Write ``doc_part`` ({mode: {meta, results}}) as ``<card>-<commit>-sparse-prefill.json`` and
     ``.md`` into ``directory``, keeping the other mode's section of the newest file of the kind there
@@ -758,9 +774,9 @@ def save(doc_part: Dict[str, dict], directory: str) -> List[str]:
             doc = {}
     for mode, sec in doc_part.items():
         prev = doc.get(mode)
-        if prev and all(prev["meta"].get(k) == sec["meta"].get(k) for k in ("gpu", "commit")):
-            # the same card and commit: a run of other cases adds its rows; in the cases mode a case run
-            # again adds its runs (:func:`merge_runs`), in the routes mode it replaces its row
+        if prev and all(prev["meta"].get(k) == sec["meta"].get(k) for k in SAME_RUN_KEYS):
+            # the same card, commit and settings: a run of other cases adds its rows; in the cases mode
+            # a case run again adds its runs (:func:`merge_runs`), in the routes mode it replaces its row
             meta = dict(sec["meta"], commands=prev["meta"].get("commands", [prev["meta"]["command"]]) + [sec["meta"]["command"]])
             new = {r["case"]: r for r in sec["results"]}
             rows = [merge_runs(r, new.pop(r["case"])) if mode == "cases" and r["case"] in new else new.pop(r["case"], r)

@@ -49,6 +49,7 @@ from cute_mla.kernels import SparseDecodeTensors, cache_bytes
 from cute_mla.plan.policy import default_policy
 from cute_mla.plan.sparse_decode import uses_column_pair
 from cute_mla.plan.schedule import make_schedule
+from cute_mla.scheduler.partition import head_blocks
 from cute_mla.playground import bench
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, make_inputs as test_inputs
@@ -142,7 +143,7 @@ def plan_with_parts(b, s_q, h, topk, parts, dev):
     """The row's plan over ``parts`` scheduler partitions: the plan for the SM count that gives that
     many, with the column-pair rule of this GPU's SM count."""
     num_sms = device_num_sms(dev)
-    plan = cute_mla.plan_sparse_decode(b, s_q, h, V32.d_qk, topk, arch=SM90.name, num_sms=parts * s_q * (h // 64))
+    plan = cute_mla.plan_sparse_decode(b, s_q, h, V32.d_qk, topk, arch=SM90.name, num_sms=parts * s_q * head_blocks(h))
     if plan.num_sm_parts != parts:
         raise SystemExit(f"--parts {parts}: the plan for b={b} s_q={s_q} h={h} has {plan.num_sm_parts} partitions")
     if plan.split:

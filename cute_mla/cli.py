@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     op_arg(sp)
     format_args(sp)
     sp.add_argument("--h-q", type=positive_int, default=64,
-                    help="query heads: 64 or 128 (sparse_prefill: 8, 16, 32 too; default 64)")
+                    help="query heads: 8, 16, 32, 64 or 128 (the arch's kernel decides; default 64)")
     variant_args(sp)
     sp.add_argument("--b", type=positive_int, default=1, help="requests (default 1)")
     sp.add_argument("--s-q", type=positive_int, default=1, help="query tokens per request (default 1)")
@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the op's main kernel (its name; the default) or one of its helper kernels")
     sp.add_argument("--out", required=True, help="directory for the PTX and cubin")
     format_args(sp)
-    sp.add_argument("--h-q", type=positive_int, default=None, help="query heads: 64 or 128 (default 64)")
+    sp.add_argument("--h-q", type=positive_int, default=None,
+                    help="query heads: 8, 16, 32, 64 or 128 (SM90; SM100: 64 or 128; default 64)")
     variant_args(sp)
     sp.add_argument("--split", action="store_true", help="the split variant (writes split-KV partials)")
     sp.add_argument("--attn-sink", action="store_true", help="the variant that takes attn_sink")

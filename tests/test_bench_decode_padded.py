@@ -1,5 +1,5 @@
 """The decode benchmark's FlashMLA anchor for 8, 16 and 32 heads (no GPU): q and the sinks
-zero-padded to 64 heads in the call, out and lse cut back to the call's heads."""
+zero-padded to 64 heads (once per input), out and lse cut back to the call's heads."""
 
 import pytest
 import torch
@@ -35,3 +35,10 @@ def test_padded_heads(h):
     assert out.shape == (2, 3, h, 512) and lse.shape == (2, h, 3)
     assert torch.equal(out[0, 0, :, 0], torch.arange(h, dtype=torch.float32))
     assert lib.get_mla_metadata() == ("sched", None) and bench.padded(None) is None
+    lib.flash_mla_with_kvcache(q, None, None, None, 512, "sched", attn_sink=sink)
+    if h < 64:   # the same input: the same padded copy, made once
+        assert fake.seen[1][0].data_ptr() != q.data_ptr()
+        assert len(lib._padded) == 2
+        q.add_(1.0)   # changed in place: padded again
+        lib.flash_mla_with_kvcache(q, None, None, None, 512, "sched", attn_sink=sink)
+        assert torch.equal(fake.seen[2][0][:, :, :h], q)

@@ -41,6 +41,34 @@ def test_a_case_run_again_adds_a_run_and_reports_the_median(tmp_path):
     assert "the ratio the median of the runs' ratios" in md
 
 
+def test_a_failed_run_leaves_an_error_not_a_time(tmp_path):
+    """A library that failed in one run of a case has its error in the row and no time or ratio
+    (the table prints the error); the other library keeps its median."""
+    d = str(tmp_path)
+    bench.save(_section("cases", [_row("512/64/512/8192", 600.0, 660.0)]), d)
+    failed = {k: v for k, v in _row("512/64/512/8192", 1.0, 630.0).items()
+              if not k.startswith("cute_") or k == "cute_check"}
+    failed["cute_error"] = "timing: RuntimeError: boom"
+    failed["runs"] = [bench.run_of(failed)]
+    bench.save(_section("cases", [failed]), d)
+    path, = tmp_path.glob("*-sparse-prefill.json")
+    r, = json.load(open(path))["cases"]["results"]
+    assert r["cute_error"] == "timing: RuntimeError: boom" and "cute_us" not in r and "ratio" not in r
+    assert r["flashmla_us"] == 645.0 and len(r["runs"]) == 2
+    assert "error: timing: RuntimeError: boom" in (tmp_path / path.name.replace(".json", ".md")).read_text()
+
+
+def test_other_settings_replace_the_section(tmp_path):
+    d = str(tmp_path)
+    bench.save(_section("cases", [_row("512/64/512/8192", 600.0, 660.0)]), d)
+    other = _section("cases", [_row("512/64/512/8192", 500.0, 660.0)])
+    other["cases"]["meta"]["topk_length"] = True
+    bench.save(other, d)
+    path, = tmp_path.glob("*-sparse-prefill.json")
+    r, = json.load(open(path))["cases"]["results"]
+    assert len(r["runs"]) == 1 and r["cute_us"] == 500.0
+
+
 def test_another_commit_starts_afresh_and_routes_rows_are_replaced(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "routes_table", lambda meta, rows: "")   # (the rows below are not whole)
     d = str(tmp_path)

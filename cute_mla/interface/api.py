@@ -107,7 +107,7 @@ def flash_mla_with_kvcache(
     Accepted (every argument is checked before any launch; a bad one raises ``ValueError``,
     ``TypeError`` or ``NotImplementedError`` naming it, what was given and what is accepted):
 
-    - ``q``: (b, s_q, h_q, d_qk) bf16 on a CUDA device, h_q 64 or 128, d_qk 576 (V3.2) or 512 (V4).
+    - ``q``: (b, s_q, h_q, d_qk) bf16 on a CUDA device, h_q 8, 16, 32, 64 or 128 (SM100: 64 or 128), d_qk 576 (V3.2) or 512 (V4).
     - ``k_cache``: (num_blocks, page_block_size, 1, row bytes of the format: ``formats.V32`` or
       ``formats.V4``), a uint8, int8 or float8_e4m3fn view of the FP8 cache; any ``stride(0)``
       that holds a page block (SM100 V4: a multiple of its 576-B data row).

@@ -35,7 +35,7 @@ class Tile(FormatGeometry):
     shares (heads, tokens, chunks, buffers, thread map) and is the V3.2 tile."""
 
     fmt: KVCacheFormat = V32
-    heads: int = 64  # BLOCK_M: heads per CTA
+    heads: int = 64  # BLOCK_M: heads per CTA of the 64-head tile (the swap-AB tile puts 8-32 on N)
     tokens: int = 64  # tokens per K tile (one scheduler block of top-k positions)
     chunk: int = 64  # dims per 128-B swizzle row
     k_bufs: int = 2
@@ -254,7 +254,10 @@ class Sm90SparseDecodeConfig:
     """Everything a compiled SM90 sparse decode kernel depends on; shapes are runtime values.
 
     The plan picks every field but ``tuning`` (the launcher's :func:`kernel_config`). Roles read
-    the derived facts below, compile-time constants of the traced kernel.
+    the derived facts below, compile-time constants of the traced kernel. A tuning without a
+    register budget takes the head count's (:func:`tile_registers`) when the config is made, so
+    ``dataclasses.replace(cfg, h_q=...)`` keeps the old head count's budget: make configs with
+    :func:`kernel_config`.
     """
 
     h_q: int  # 8, 16 or 32 (the swap-AB tile, ``swapped.py``), 64, or 128 (two 64-head CTAs side by side in grid x)
@@ -291,6 +294,9 @@ class Sm90SparseDecodeConfig:
             raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
         if self.tuning.registers is None:   # a config compiles concrete knobs
             object.__setattr__(self, "tuning", replace(self.tuning, registers=tile_registers(self.h_q)))
+        if self.swapped and self.tuning.timeline:
+            raise ValueError(f"tuning.timeline: the swap-AB tile's roles ({self.h_q} heads) write no stamps; "
+                             "accepted for 64 or 128 heads")
         if self.arch != archs.SM90.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
 

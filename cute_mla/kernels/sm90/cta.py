@@ -20,6 +20,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 from ...dsl import ptx
 from ...scheduler.partition import BLOCK_TOPK, SchedField, blocks_of_length, extra_blocks_of_length
 from .config import NS_SLOTS, TILE, Sm90SparseDecodeConfig, Tile
+from .swapped import WARPS, XCHG_BUFS
 
 assert TILE.tokens == BLOCK_TOPK, "a K tile covers one scheduler block of positions"
 
@@ -28,7 +29,7 @@ class Gmem(NamedTuple):
     """The kernel's global tensors and the TMA atoms that read or write them."""
 
     tma_q: cute.CopyAtom
-    mQ: cute.Tensor                      # Q as (h, d, s_q, b): TMA boxes of 64 heads x d_qk dims
+    mQ: cute.Tensor                      # Q as (h, d, s_q, b): TMA boxes of a CTA's heads (64, or 8-32) x d_qk dims
     tma_out: Optional[cute.CopyAtom]     # None where out is stored from registers
     mOut: cute.Tensor                    # out as (h, d, s_q, b) for TMA, or as given
     tma_oacc: Optional[cute.CopyAtom]    # split variant only
@@ -98,16 +99,13 @@ def shared_storage(tile: Tile = TILE, pools: int = 1):
     return SharedStorage
 
 
-XCHG_BUFS = 3   # the swap-AB tile's exchange buffers: the tiles' max (by K buffer), a request's sums
-
-
 @functools.lru_cache(maxsize=None)
 def swapped_storage(tile: Tile, pools: int, h: int):
     """The CTA's shared memory with the swap-AB tile's h heads (``swapped.py``): the producer's
     fields as in :func:`shared_storage` (same names: the producer and the prologue read them), Q
     (h x d_qk, also the output staging: h x 512 bf16 fits), P^T (h x 64), the heads' O factors
     (WG0 -> WG1) and the cross-warp exchange buffers."""
-    assert h * TILE.d_v <= h * tile.d_qk, "the output staging must fit in the Q buffer"
+    assert TILE.d_v <= tile.d_qk, "the output staging (h x d_v) must fit in the Q buffer (h x d_qk)"
 
     @cute.struct
     class SwappedStorage:
@@ -124,7 +122,7 @@ def swapped_storage(tile: Tile, pools: int, h: int):
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, h * tile.d_qk], 1024]
         sP: cute.struct.Align[cute.struct.MemRange[BFloat16, h * TILE.tokens], 1024]
         head_scale: cute.struct.Align[cute.struct.MemRange[Float32, h], 16]   # WG0 -> WG1 per-head O factor
-        exchange: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_BUFS * 4 * h], 16]
+        exchange: cute.struct.Align[cute.struct.MemRange[Float32, XCHG_BUFS * WARPS * h], 16]
 
     return SwappedStorage
 

@@ -35,16 +35,14 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ...dsl import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig
-from .cta import XCHG_BUFS, Cta, Gmem, Smem, request_id, request_range, split_piece, split_rows_of_partition
+from .cta import Cta, Gmem, Smem, request_id, request_range, split_piece, split_rows_of_partition
 from .epilogue import finalize_row
 from .mma import k_tensors_for_pv
-from .swapped import (WARPS, Lane, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of, head_rows,
-                      head_sums, issue_pv, issue_qk_swapped, lane_of, pv_fragments, q_partition, qk_fragments,
-                      scale_heads, store_out, swapped_softmax)
+from .swapped import (SUM_BUF, WARPS, XCHG_BUFS, Lane, SwappedOps, get_factors, hand_over_final, hand_over_tile,
+                      head_of, head_rows, head_sums, issue_pv, issue_qk_swapped, lane_of, pv_fragments, q_partition,
+                      qk_fragments, scale_heads, store_out, swapped_softmax)
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
-SUM_BUF = 2                              # the exchange buffer of a request's sums (0 and 1: the tiles' max by K buffer)
-assert XCHG_BUFS == SUM_BUF + 1
 
 
 def tile_word(info_base, buf, warp, lane):

@@ -42,12 +42,10 @@ from .mma import k_tensors_for_pv
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
 from .prefill_roles import (EARLY, HALVES, LATE, MASK_BYTES, PAIR_THREADS, Gmem, Smem, items, max_logit, qo_policy,
                             slot, work_of)
-from .swapped import (WARPS, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of, head_rows, head_sums,
-                      issue_pv, issue_qk_swapped, lane_of, pv_fragments, q_partition, qk_fragments, scale_heads,
-                      store_out, swapped_softmax)
+from .swapped import (SUM_BUF, WARPS, XCHG_BUFS, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of,
+                      head_rows, head_sums, issue_pv, issue_qk_swapped, lane_of, pv_fragments, q_partition,
+                      qk_fragments, scale_heads, store_out, swapped_softmax)
 
-XCHG_BUFS = 3                            # exchange buffers: the tiles' max (by the tile's K buffer), the item's sums
-SUM_BUF = 2
 # The producer's K buffer halves (``prefill_roles.py``) are released together here: each MMA warp
 # group arrives on both halves of a tile's buffer once its PV of the tile retired (QK reads every
 # chunk, the two PVs half of the V columns each).

@@ -392,9 +392,9 @@ def launch(compiled: CompiledKernel, cfg: Sm90SparseDecodeConfig, t: SparseDecod
     ``t``: the call's :class:`~cute_mla.kernels.SparseDecodeTensors`, its optional fields None
     exactly where the config takes none (the compiled signature keeps a None slot for them).
     ``timeline``: the stamp buffer of a kernel compiled with ``Sm90Tuning.timeline``
-    (instrumentation only). Grid: x = s_q * (h_q // 64) (x 2 in the column pair), y =
-    tile_md.shape[0] (one CTA per 64 heads x token x partition, per column half in the column
-    pair). A ``request_order`` kernel needs ``t.request_order``: its partition rows index positions in it.
+    (instrumentation only). Grid: x = s_q * ceil(h_q / 64) (x 2 in the column pair), y =
+    tile_md.shape[0] (one CTA per 64 heads, or the swap-AB tile's 8-32, x token x partition, per
+    column half in the column pair). A ``request_order`` kernel needs ``t.request_order``: its partition rows index positions in it.
     """
     if cfg.request_order and t.request_order is None:
         raise ValueError("request_order: this kernel's partition rows index positions in a request order (the plan's "

@@ -32,6 +32,8 @@ from . import ptx
 from .config import SWAPPED_HEADS, TILE, Tile
 
 WARPS = TILE.threads_per_wg // 32        # warps of an MMA warp group: 16 of the 64 rows each
+XCHG_BUFS = 3                            # exchange buffers: the tiles' max (by the tile's K buffer), a walk's sums
+SUM_BUF = 2                              # the exchange buffer of the sums
 assert TILE.tokens == WARPS * 16, "an MMA warp holds 16 of the tile's rows"
 
 
