@@ -10,6 +10,7 @@ from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decod
 from cute_mla.archs import device_arch, device_num_sms
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, held_workspace_bytes, make_inputs, step_first_and_later_bytes
+from _decode_heads import DECODE_HEADS, require_heads
 
 pytestmark = pytest.mark.gpu
 
@@ -31,20 +32,22 @@ def check(x, o, l):
 SWEEP = [(512, 64, 2), (512, 64, 64), (1024, 576, 61), (2046, 2048, 64), (2046, 2048, 576)]
 
 
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q", DECODE_HEADS)
 @pytest.mark.parametrize("s_k,topk,pbs", SWEEP)
 @pytest.mark.parametrize("b", [4, 74, 321])
 @pytest.mark.parametrize("s_q", [1, 3])
 def test_flashmla_sweep(seed, h_q, s_k, topk, pbs, b, s_q):
+    require_heads(h_q)
     x = make_inputs(b, s_q, h_q, topk, num_tokens=s_k, page_block_size=pbs, with_sink=True,
                     out_of_range_frac=0.05, all_invalid_rows=1, device="cuda")
     o, l, _ = run_case(x)
     check(x, o, l)
 
 
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q", DECODE_HEADS)
 @pytest.mark.parametrize("b,s_q,topk", [(4, 1, 2048), (74, 3, 576), (1, 2, 2048), (3, 40, 1024)])
 def test_topk_length_and_odd_scales(seed, h_q, b, s_q, topk):
+    require_heads(h_q)
     x = make_inputs(b, s_q, h_q, topk, num_tokens=4000, page_block_size=61, with_sink=True, with_topk_length=True,
                     power_of_two_scales=False, out_of_range_frac=0.05, device="cuda")
     o, l, _ = run_case(x)
@@ -52,9 +55,11 @@ def test_topk_length_and_odd_scales(seed, h_q, b, s_q, topk):
 
 
 # s_q 8192 at h_q 64 only, to keep the GPU run short (h_q 128 reaches 1024 here; the SM90 tests run
-# its token walk at 150 tokens and the benchmarks at 8192).
-@pytest.mark.parametrize("s_q,h_q", [(1, 64), (128, 64), (1024, 64), (8192, 64), (1, 128), (128, 128), (1024, 128)])
+# its token walk at 150 tokens and the benchmarks at 8192); 16 heads (a TP8 rank) up to 100,000 tokens.
+@pytest.mark.parametrize("s_q,h_q", [(1, 64), (128, 64), (1024, 64), (8192, 64), (1, 128), (128, 128), (1024, 128),
+                                     (1, 16), (1024, 8), (8192, 32), (100000, 16)])
 def test_mixed_batch(seed, h_q, s_q):
+    require_heads(h_q)
     x = make_inputs(1, s_q, h_q, 2048, num_tokens=65536, page_block_size=64, with_sink=(s_q < 1024),
                     unique=False, nan_unused=(s_q <= 128), device="cuda")
     o, l, _ = run_case(x)

@@ -21,6 +21,7 @@ from cute_mla import flash_mla_with_kvcache, get_mla_metadata, plan_sparse_decod
 from cute_mla.archs import device_arch, device_num_sms
 from cute_mla.testing import (check_allclose, check_out_lse, held_workspace_bytes, make_inputs,
                               step_first_and_later_bytes, v4_sweep_inputs)
+from _decode_heads import DECODE_HEADS, require_heads
 
 pytestmark = pytest.mark.gpu
 
@@ -77,9 +78,10 @@ def _sweep_id(c):
             + ("-tl" if tl else "") + ("-xtl" if etl else "") + (f"-empty{empty}" if empty else ""))
 
 
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q", DECODE_HEADS)
 @pytest.mark.parametrize("case", SWEEP, ids=[_sweep_id(c) for c in SWEEP])
 def test_v4_sweep(seed, h_q, case):
+    require_heads(h_q)
     b, s_q, topk, s_k, page, extra, extra_s_k, epage, tl, etl, empty = case
     kw = dict(extra_topk=extra, extra_num_tokens=extra_s_k, extra_page_block_size=epage,
               with_extra_topk_length=etl) if extra else {}
@@ -90,7 +92,7 @@ def test_v4_sweep(seed, h_q, case):
     check(x, o, l)
 
 
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q", DECODE_HEADS)
 @pytest.mark.parametrize("b,s_q,extra_topk", [(4, 2, 512), (74, 1, 1024), (1, 3, 0)])
 def test_v4_rows_without_valid_tokens(seed, h_q, b, s_q, extra_topk):
     """Rows with no valid token in either list (all -1, out of range, or lengths of 0) give out 0
@@ -100,6 +102,7 @@ def test_v4_rows_without_valid_tokens(seed, h_q, b, s_q, extra_topk):
     With an extra list, the lengths are given (the NaN bytes go where they leave slots unread):
     request 0 has no main list (so token 0, its extra list made invalid below, has nothing valid),
     the last request no main list and a non-empty extra one, request 1 a main list and no extra one."""
+    require_heads(h_q)
     lengths = {}
     if extra_topk:
         g = torch.Generator().manual_seed(seed)
@@ -122,10 +125,11 @@ def test_v4_rows_without_valid_tokens(seed, h_q, b, s_q, extra_topk):
     assert torch.isposinf(l[0, :, 0]).all() and (o[0, 0] == 0).all()
 
 
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q", DECODE_HEADS)
 @pytest.mark.parametrize("sink", [math.inf, -math.inf])
 def test_v4_infinite_sinks(seed, h_q, sink):
     """Sink +inf: out exactly 0 (lse unchanged); -inf: as if no sink was given."""
+    require_heads(h_q)
     x = v4_sweep_inputs(seed, 8, 2, h_q, 128, num_tokens=2046, extra_topk=512, extra_num_tokens=1024,
                extra_page_block_size=53, with_topk_length=True, with_extra_topk_length=True)
     x.attn_sink = torch.full((h_q,), sink, device="cuda")
