@@ -29,8 +29,8 @@ uniform in [1, extra_topk], ``attn_sink`` given; b in {1, 32, 128, 512}, h_q in 
 
 **Fewer than 64 heads** (``--rows small`` in either mode, or any row with h_q 8, 16 or 32):
 cute-mla runs the heads natively; FlashMLA, whose decode kernel takes 64 or 128, runs them as
-engines call it, on q (and the sinks) zero-padded to 64 heads (:class:`PaddedHeads`: the padded
-copy made once, outside the timed calls), its out and lse cut back to the real heads for the
+engines call it, on q (and the sinks) zero-padded to 64 heads (``playground.bench.PaddedHeads``: the
+padded copy made once, outside the timed calls), its out and lse cut back to the real heads for the
 checks.
 
 A row is a shape; its lengths and indices are random, and its time depends on the draw (at b=128,
@@ -73,6 +73,7 @@ import cute_mla
 from cute_mla.formats import V4, V32
 from cute_mla.playground import bench
 from cute_mla.playground.bench import PAGE, POOL, V32_MASKED, V32_TOPK as TOPK, capture_graph, import_flashmla as flashmla
+from cute_mla.playground.bench import padded
 from cute_mla.playground.bench import replay_median_us, v32_inputs as make_inputs, warm_up, work
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.testing import check_out_lse, step_transient_bytes
@@ -254,43 +255,6 @@ def v4_row_generator(b, h, extra_topk, draw):
 
 
 SMALL_HEADS = (8, 16, 32)
-PADDED_HEADS = 64
-
-
-class PaddedHeads:
-    """FlashMLA as an engine calls it with 8, 16 or 32 heads, which its decode kernel does not take:
-    on q (and attn_sink) zero-padded to 64 heads, out and lse cut back to the call's heads (views).
-    The padded copy is made once per input (by address, shape and version), outside the timed
-    calls: FlashMLA is charged only its own kernels, as if the engine's q projection wrote the padded
-    layout (the anchor most favourable to FlashMLA). 64 or 128 heads pass through."""
-
-    def __init__(self, mod):
-        self.mod = mod
-        self.get_mla_metadata = mod.get_mla_metadata
-        self._padded = {}
-
-    def _pad(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        key = (t.data_ptr(), tuple(t.shape), t._version, dim)
-        if key not in self._padded:
-            shape = list(t.shape)
-            shape[dim] = PADDED_HEADS
-            p = t.new_zeros(shape)
-            p.narrow(dim, 0, t.shape[dim]).copy_(t)
-            self._padded = {key: p} | {k: v for k, v in self._padded.items() if k[3] != dim}
-        return self._padded[key]
-
-    def flash_mla_with_kvcache(self, q, *args, attn_sink=None, **kwargs):
-        h = q.shape[2]
-        if h >= PADDED_HEADS:
-            return self.mod.flash_mla_with_kvcache(q, *args, attn_sink=attn_sink, **kwargs)
-        sink = None if attn_sink is None else self._pad(attn_sink, 0)
-        out, lse = self.mod.flash_mla_with_kvcache(self._pad(q, 2), *args, attn_sink=sink, **kwargs)
-        return out[:, :, :h], lse[:, :h]
-
-
-def padded(fm):
-    """FlashMLA (or None) wrapped in :class:`PaddedHeads`."""
-    return None if fm is None else PaddedHeads(fm)
 
 
 class VariantLibrary:

@@ -42,7 +42,7 @@ permutations, as above), h_q 128, 64 and 16 (a TP8 rank of V3.2), no sink, ``sm_
   s_q = tokens, the same indices, ``get_mla_metadata()`` (timed with the step's metadata object
   already used once: a step's later layers), cute-mla's and FlashMLA's (with 16 heads FlashMLA's
   decode kernel runs them padded to 64, as vLLM's < 32-head path calls it:
-  ``bench_sparse_decode.PaddedHeads``; route (a) runs FlashMLA's own 16-head prefill kernel).
+  ``playground.bench.PaddedHeads``; route (a) runs FlashMLA's own 16-head prefill kernel).
 
 Per stage µs, bytes by FlashMLA's counts (dequant: s_kv * (656 + 1152); sparse_fwd: as above;
 decode: its decode test's q + unique rows * 656 + out), transient MiB (route (b): a step's first
@@ -97,10 +97,10 @@ import torch
 
 import cute_mla
 from cute_mla.formats import V32, dequantize_v32, quantize_v32
-from cute_mla.playground.bench import import_flashmla, warm_up
+from cute_mla.playground.bench import import_flashmla, padded, warm_up
 from cute_mla.testing import check_allclose, check_out_lse, step_transient_bytes, transient_bytes
 
-from benchmarks.bench_sparse_decode import commit_id, padded
+from benchmarks.bench_sparse_decode import commit_id
 
 D_V = 512
 S_Q = 4096

@@ -1,10 +1,11 @@
-"""The decode benchmark's FlashMLA anchor for 8, 16 and 32 heads (no GPU): q and the sinks
-zero-padded to 64 heads (once per input), out and lse cut back to the call's heads."""
+"""The benchmarks' FlashMLA anchor for 8, 16 and 32 heads (``playground.bench.PaddedHeads``, no
+GPU): q and the sinks zero-padded to 64 heads (once per input), out and lse cut back to the call's
+heads."""
 
 import pytest
 import torch
 
-bench = pytest.importorskip("benchmarks.bench_sparse_decode")
+from cute_mla.playground import bench
 
 
 class FakeFlashMLA:
