@@ -41,6 +41,14 @@ class SparseDecodeInputs:
                     attn_sink=self.attn_sink, topk_length=self.topk_length, extra_k_cache=self.extra_k_cache,
                     extra_indices_in_kvcache=self.extra_indices, extra_topk_length=self.extra_topk_length)
 
+    def kernel_config(self, kernel_config, split: bool, **kw):
+        """The config ``kernel_config`` (an arch's ``kernel_config``) makes for these inputs: their
+        heads, format, lengths, sink and extra pool, with ``split`` and any other fields ``kw``."""
+        return kernel_config(h_q=self.q.shape[2], format=self.format.name, split=split,
+                             has_topk_length=self.topk_length is not None, has_attn_sink=self.attn_sink is not None,
+                             has_extra=self.extra_indices is not None,
+                             has_extra_topk_length=self.extra_topk_length is not None, **kw)
+
     def reference(self, q: Optional[torch.Tensor] = None, **kw):
         """:func:`cute_mla.reference.sparse_decode_reference` of these inputs (``q`` replaced if given)."""
         return sparse_decode_reference(self.q if q is None else q, self.k_cache, self.indices, self.softmax_scale,
@@ -377,6 +385,15 @@ def run_kernel(inp: SparseDecodeInputs, cfg, parts: int, overhead: int = FIXED_O
     if cfg.split:
         out, lse = merge_splits(out, lse, o_acc, lse_acc, sched, inp.attn_sink)
     return out, lse.transpose(1, 2), sched
+
+
+def check_diagnosed(out, lse, ref_out, ref_lse, sched) -> None:
+    """:func:`check_out_lse`, with :func:`diagnose`'s report printed before a failure is raised."""
+    try:
+        check_out_lse(out, lse, ref_out, ref_lse)
+    except AssertionError:
+        diagnose(out, lse, ref_out, ref_lse, sched)
+        raise
 
 
 def diagnose(out, lse, ref_out, ref_lse, sched):

@@ -12,7 +12,7 @@ import cute_mla
 from cute_mla import archs
 from cute_mla.kernels.sm90 import kernel_config
 from cute_mla.plan.policy import default_policy
-from cute_mla.testing import check_out_lse, diagnose, make_inputs, run_kernel, v4_sweep_inputs
+from cute_mla.testing import check_diagnosed, check_out_lse, make_inputs, run_kernel, v4_sweep_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -33,19 +33,12 @@ CASES = {
 
 
 def _cfg(inp, split):
-    return kernel_config(h_q=inp.q.shape[2], format=inp.format.name, split=split,
-                         has_topk_length=inp.topk_length is not None, has_attn_sink=inp.attn_sink is not None,
-                         has_extra=inp.extra_indices is not None,
-                         has_extra_topk_length=inp.extra_topk_length is not None)
+    return inp.kernel_config(kernel_config, split)
 
 
 def _check(inp, out, lse, sched):
     ref_out, ref_lse = inp.reference()
-    try:
-        check_out_lse(out, lse, ref_out, ref_lse)
-    except AssertionError:
-        diagnose(out, lse, ref_out, ref_lse, sched)
-        raise
+    check_diagnosed(out, lse, ref_out, ref_lse, sched)
 
 
 @pytest.mark.parametrize("name", list(CASES))

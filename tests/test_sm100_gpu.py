@@ -33,7 +33,7 @@ from cute_mla.plan.policy import default_policy
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.scheduler import accum_offsets, blocks_per_request, per_request_rows, plan_splits_host
 from cute_mla.scheduler.partition import HostSchedule
-from cute_mla.testing import check_out_lse, make_inputs, diagnose, merge_splits, v4_sweep_inputs
+from cute_mla.testing import check_diagnosed, check_out_lse, make_inputs, merge_splits, v4_sweep_inputs
 
 from _sm100_helpers import finish_or_exit
 
@@ -117,11 +117,7 @@ def run_kernel(inp, split, schedule=None):
 def _check(inp, split, schedule=None):
     out, lse, sched = run_kernel(inp, split, schedule)
     ref_out, ref_lse = inp.reference()
-    try:
-        check_out_lse(out, lse, ref_out, ref_lse)
-    except AssertionError:
-        diagnose(out, lse, ref_out, ref_lse, sched)
-        raise
+    check_diagnosed(out, lse, ref_out, ref_lse, sched)
     return sched
 
 

@@ -14,6 +14,7 @@ from cute_mla.kernels.sm90 import DEFAULT_TUNING, RegisterBudget, Sm90SparseDeco
 from cute_mla.kernels.sm90.config import NS_SLOTS, Bar, Stamp
 from cute_mla.kernels.sm90.sparse_decode import compile as compile_sparse_decode, launch as launch_sparse_decode
 from cute_mla.playground import inspect as ki
+from _compile_helpers import compile_artifacts
 
 ARCH = archs.SM90.name
 REGS = RegisterBudget()   # the 64-head tile's budget (the default its configs resolve to)
@@ -58,15 +59,7 @@ def _config(name) -> Sm90SparseDecodeConfig:
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     """Compile every config once; {name: (ptx text, cubin path)}."""
-    out = {}
-    for name in CONFIGS:
-        d = str(tmp_path_factory.mktemp(name))
-        compile_sparse_decode(_config(name), dump_dir=d)
-        ptx, cubin = ki.find_artifacts(d, ARCH)
-        assert ptx and cubin, f"{name}: no PTX/cubin in {d}"
-        with open(ptx) as f:
-            out[name] = (f.read(), cubin)
-    return out
+    return compile_artifacts(tmp_path_factory, CONFIGS, _config, compile_sparse_decode, ARCH)
 
 
 def _sass_or_skip(cubin):

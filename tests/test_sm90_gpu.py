@@ -18,7 +18,7 @@ from cute_mla import archs
 from cute_mla.kernels.sm90 import DEFAULT_TUNING, Sm90Tuning, kernel_config
 from cute_mla.reference import sparse_decode_reference
 from cute_mla.plan.policy import default_policy
-from cute_mla.testing import check_out_lse, diagnose, make_inputs, run_kernel
+from cute_mla.testing import check_diagnosed, check_out_lse, make_inputs, run_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -28,10 +28,7 @@ POLICY = default_policy(ARCH)
 
 
 def _cfg(inp, split, tuning=None, column_pair=False):
-    return kernel_config(h_q=inp.q.shape[2], format=inp.format.name, split=split, has_topk_length=inp.topk_length is not None,
-                         has_attn_sink=inp.attn_sink is not None, column_pair=column_pair, tuning=tuning,
-                         has_extra=inp.extra_indices is not None,
-                         has_extra_topk_length=inp.extra_topk_length is not None)
+    return inp.kernel_config(kernel_config, split, column_pair=column_pair, tuning=tuning)
 
 
 def _run(inp, split, parts, tuning=None, column_pair=False, overhead=None):
@@ -70,11 +67,7 @@ def test_sparse_decode_matches_reference(name, seed):
     ref_out, ref_lse = _reference(inp)
     if split:
         assert sched.any_split, "the split case should exercise split pieces"
-    try:
-        check_out_lse(out, lse, ref_out, ref_lse)
-    except AssertionError:
-        diagnose(out, lse, ref_out, ref_lse, sched)
-        raise
+    check_diagnosed(out, lse, ref_out, ref_lse, sched)
 
 
 def _mask_pattern(idx, pattern, g, num_tokens, topk_length=None):
@@ -135,11 +128,7 @@ def test_index_compaction_patterns(pattern, shape, seed):
     parts = POLICY.num_sm_parts(NUM_SMS, s_q, h_q) if split else 1
     out, lse, sched = _run(inp, split, parts)
     ref_out, ref_lse = _reference(inp)
-    try:
-        check_out_lse(out, lse, ref_out, ref_lse)
-    except AssertionError:
-        diagnose(out, lse, ref_out, ref_lse, sched)
-        raise
+    check_diagnosed(out, lse, ref_out, ref_lse, sched)
 
 
 def _check_variant(inp, split, parts, variant, baseline, what, overhead=None):

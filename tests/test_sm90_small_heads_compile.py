@@ -12,6 +12,7 @@ from cute_mla.kernels.sm90 import kernel_config
 from cute_mla.kernels.sm90.config import SWAPPED_REGISTERS, Bar
 from cute_mla.kernels.sm90.sparse_decode import compile as compile_sparse_decode, smem_bytes
 from cute_mla.playground import inspect as ki
+from _compile_helpers import compile_artifacts
 
 ARCH = archs.SM90.name
 
@@ -34,15 +35,8 @@ def _config(name):
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    out = {}
-    for name in CONFIGS:
-        d = str(tmp_path_factory.mktemp(name))
-        compile_sparse_decode(_config(name), dump_dir=d)
-        ptx, cubin = ki.find_artifacts(d, ARCH)
-        assert ptx and cubin, f"{name}: no PTX/cubin in {d}"
-        with open(ptx) as f:
-            out[name] = (f.read(), cubin)
-    return out
+    """Compile every config once; {name: (ptx text, cubin path)}."""
+    return compile_artifacts(tmp_path_factory, CONFIGS, _config, compile_sparse_decode, ARCH)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

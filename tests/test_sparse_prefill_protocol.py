@@ -159,8 +159,19 @@ def _epilogue(w, a, half, rq, staging):
         _load_q(w, a, regions if w.bug != "reload before the read" else [])
 
 
+def _item_tiles(w, pair, c, n):
+    """A group's part of an item of ``n`` tiles (the kernel's ``item_tiles``): its full pairs, then
+    the last tile alone where ``n`` is odd; ``c`` = [buffer 0's, buffer 1's] phase counts, advanced."""
+    for _ in range(n // 2):
+        yield from pair(w, c[0], c[1], True)
+        c[0], c[1] = c[0] + 1, c[1] + 1
+    if n % 2:
+        yield from pair(w, c[0], c[1], False)
+        c[0] += 1
+
+
 def wg0(w, items, staging="q"):
-    c0 = c1 = 0
+    c = [0, 0]
     if staging != "q" and items:
         if staging == "q_reload":
             w.mb_arrive("A", "q_full", 1)
@@ -171,28 +182,18 @@ def wg0(w, items, staging="q"):
                 yield from _sync(w, "A", "Q_FREE")
             _load_q(w, "A", _q_parts(w))
         yield ("mbar", "q_full", rq)
-        for _ in range(n // 2):
-            yield from wg0_pair(w, c0, c1, True)
-            c0, c1 = c0 + 1, c1 + 1
-        if n % 2:
-            yield from wg0_pair(w, c0, c1, False)
-            c0 += 1
+        yield from _item_tiles(w, wg0_pair, c, n)
         yield from _epilogue(w, "A", 0, rq, staging)
     if items and staging == "q":
         yield from _sync(w, "A", "Q_FREE")
 
 
 def wg1(w, items, staging="q"):
-    c0 = c1 = 0
+    c = [0, 0]
     for rq, n in enumerate(items):
         if w.bug != "WG1 skips q_full":
             yield ("mbar", "q_full", rq)
-        for _ in range(n // 2):
-            yield from wg1_pair(w, c0, c1, True)
-            c0, c1 = c0 + 1, c1 + 1
-        if n % 2:
-            yield from wg1_pair(w, c0, c1, False)
-            c0 += 1
+        yield from _item_tiles(w, wg1_pair, c, n)
         yield from _epilogue(w, "B", 1, rq, staging)
         if staging == "q":
             w.nb_arrive("B", "Q_FREE")

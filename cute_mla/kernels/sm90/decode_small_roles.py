@@ -38,9 +38,10 @@ from .config import TILE, Bar, Sm90SparseDecodeConfig
 from .cta import Cta, Gmem, Smem, request_id, request_range, split_piece, split_rows_of_partition
 from .epilogue import finalize_row
 from .mma import k_tensors_for_pv
-from .swapped import (SUM_BUF, WARPS, XCHG_BUFS, Lane, SwappedOps, get_factors, hand_over_final, hand_over_tile,
-                      head_of, head_rows, head_sums, issue_pv, issue_qk_swapped, lane_of, pv_fragments, q_partition,
-                      qk_fragments, scale_heads, store_out, swapped_softmax)
+from .softmax import next_qk_behind_pv
+from .swapped import (SUM_BUF, Lane, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of, head_sums,
+                      issue_pv, issue_qk_swapped, lane_of, scale_heads, store_out, swapped_softmax, wg0_state,
+                      wg1_state)
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 
@@ -55,24 +56,6 @@ def tile_word(info_base, buf, warp, lane):
 def last_of(info_base, buf):
     """K buffer ``buf``'s tile is its request's last (the producer's flag). A plain function."""
     return ptx.ld_shared_i32(info_base + buf * (TILE.info_words * 4) + 8)
-
-
-@cute.jit
-def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: SwappedOps, acc_s, tSrK, tSrQ, k_full, k_free, n: Int32, last):
-    """After tile ``n``'s PV is committed: tile n+1's QK behind it (unless ``n`` is the request's
-    last tile), tile n's K buffer released once its PV retired; every wgmma retired on both
-    branches."""
-    buf = n % TILE.k_bufs
-    if last:
-        warpgroup.wait_group(0)
-        cute.arch.mbarrier_arrive(k_free + buf)
-    else:
-        nbuf = (n + 1) % TILE.k_bufs
-        cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)
-        issue_qk_swapped(cfg.tile.d_qk, ops.qk, acc_s, tSrK, tSrQ, nbuf)
-        warpgroup.wait_group(1)
-        cute.arch.mbarrier_arrive(k_free + buf)
-        warpgroup.wait_group(0)
 
 
 @cute.jit
@@ -99,17 +82,9 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
     info_base = smem.storage.tile_info.data_ptr().toint()
-    p_base = smem.storage.sP.data_ptr().toint()
-    s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
-    s_x = smem.storage.exchange.get_tensor(cute.make_layout((h, WARPS, XCHG_BUFS)))
-
-    tQsQ, tQgQ = q_partition(g.tma_q, g.mQ, smem.sQ, h, cfg.tile.d_qk)
-    ops.qk.set(warpgroup.Field.ACCUMULATE, True)
-    ops.pv.set(warpgroup.Field.ACCUMULATE, True)
-    tSrK, tSrQ, acc_s = qk_fragments(ops.qk, smem.sK, smem.sQ, h, ln.wtid)
-    tOrV, tOrP, acc_o = pv_fragments(ops.pv, k_tensors_for_pv(cfg, smem.sK, 0), smem.sP, h, ln.wtid)
+    st = wg0_state(ops, smem.storage, g.tma_q, g.mQ, smem.sQ, smem.sK, k_tensors_for_pv(cfg, smem.sK, 0), smem.sP, h,
+                   cfg.tile.d_qk, ln)
     slots = h // 4
-    m, l, sc, lse = head_rows(h)
 
     split_rows = split_rows_of_partition(cfg, g, cta)
     n = Int32(0)    # the partition's tiles so far (the producer's count)
@@ -123,14 +98,14 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         if ln.warp == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, h * cfg.tile.d_qk * 2)
-            cute.copy(g.tma_q, tQgQ[None, 0, 0, cta.s_idx, rid], tQsQ, tma_bar_ptr=q_full)
-        m.fill(-1e30)
-        l.fill(0.0)
-        acc_o.fill(0.0)
+            cute.copy(g.tma_q, st.tQgQ[None, 0, 0, cta.s_idx, rid], st.tQsQ, tma_bar_ptr=q_full)
+        st.m.fill(-1e30)
+        st.l.fill(0.0)
+        st.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
         if start < stop:
             cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
-            issue_qk_swapped(cfg.tile.d_qk, ops.qk, acc_s, tSrK, tSrQ, n % TILE.k_bufs)
+            issue_qk_swapped(cfg.tile.d_qk, ops.qk, st.acc_s, st.tSrK, st.tSrQ, n % TILE.k_bufs)
             warpgroup.wait_group(0)
         # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
         active = start < stop
@@ -138,33 +113,34 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
             if active:
                 buf = n % TILE.k_bufs
                 last_word = last_of(info_base, buf)
-                swapped_softmax(acc_s, tile_word(info_base, buf, ln.warp, ln.lane), scale_log2, m, l, sc, s_x, buf,
-                                ln.warp, ln.lane, Bar.EPI_SOFTMAX)
-                hand_over_tile(s_scale, sc, p_base, acc_s, h, ln, Bar.P_FREE, Bar.P_READY)
-                issue_pv(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP, sc, h)
-                next_qk_behind_pv(cfg, ops, acc_s, tSrK, tSrQ, k_full, k_free, n, last_word != 0)
+                swapped_softmax(st.acc_s, tile_word(info_base, buf, ln.warp, ln.lane), scale_log2, st.m, st.l, st.sc,
+                                st.s_x, buf, ln.warp, ln.lane, Bar.EPI_SOFTMAX)
+                hand_over_tile(st.s_scale, st.sc, st.p_base, st.acc_s, h, ln, Bar.P_FREE, Bar.P_READY)
+                issue_pv(ops.pv, st.acc_o, st.tOrV[None, None, None, buf], st.tOrP, st.sc, h)
+                next_qk_behind_pv(lambda b: issue_qk_swapped(cfg.tile.d_qk, ops.qk, st.acc_s, st.tSrK, st.tSrQ, b),
+                                  k_full, k_free, n, last_word != 0)
                 n += 1
                 active = last_word == 0
 
-        # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, output, lse
-        head_sums(l, s_x, SUM_BUF, ln, Bar.EPI_SOFTMAX)
+        # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, output, st.lse
+        head_sums(st.l, st.s_x, SUM_BUF, ln, Bar.EPI_SOFTMAX)
         is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         for s in cutlass.range_constexpr(slots):
-            o_scale, row_lse = finalize_row(cfg, g.mSink, l[s], m[s], is_split, head_of(s, ln.quad))
-            sc[s] = o_scale
-            lse[s] = row_lse
-        hand_over_final(s_scale, sc, ln, Bar.P_FREE, Bar.P_READY)
-        scale_heads(acc_o, sc, h)
-        store_request(cfg, g, cta, smem, ops, acc_o, 0, req, split_rows, ln, Bar.EPI_SOFTMAX)
-        # The lse stores go after the output's (its staging fences the generic proxy).
+            o_scale, row_lse = finalize_row(cfg, g.mSink, st.l[s], st.m[s], is_split, head_of(s, ln.quad))
+            st.sc[s] = o_scale
+            st.lse[s] = row_lse
+        hand_over_final(st.s_scale, st.sc, ln, Bar.P_FREE, Bar.P_READY)
+        scale_heads(st.acc_o, st.sc, h)
+        store_request(cfg, g, cta, smem, ops, st.acc_o, 0, req, split_rows, ln, Bar.EPI_SOFTMAX)
+        # The st.lse stores go after the output's (its staging fences the generic proxy).
         if (ln.warp == 0) & (ln.lane < 4):
             if is_split:
                 if cutlass.const_expr(cfg.split):
                     for s in cutlass.range_constexpr(slots):
-                        g.mLseAcc[acc_row, cta.s_idx, head_of(s, ln.quad)] = lse[s]
+                        g.mLseAcc[acc_row, cta.s_idx, head_of(s, ln.quad)] = st.lse[s]
             else:
                 for s in cutlass.range_constexpr(slots):
-                    g.mLse[rid, cta.s_idx, head_of(s, ln.quad)] = lse[s]
+                    g.mLse[rid, cta.s_idx, head_of(s, ln.quad)] = st.lse[s]
         rq += 1
     # Balance the barriers WG1 arrived on once more than WG0 synced (a partition here has a request).
     cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
@@ -179,11 +155,7 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
     info_base = smem.storage.tile_info.data_ptr().toint()
-    s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
-
-    ops.pv.set(warpgroup.Field.ACCUMULATE, True)
-    tOrV, tOrP, acc_o = pv_fragments(ops.pv, k_tensors_for_pv(cfg, smem.sK, 1), smem.sP, h, ln.wtid)
-    sc = cute.make_rmem_tensor(cute.make_layout(h // 4), Float32)
+    st = wg1_state(ops, smem.storage, k_tensors_for_pv(cfg, smem.sK, 1), smem.sP, h, ln)
 
     split_rows = split_rows_of_partition(cfg, g, cta)
     # sP / head_scale start out free.
@@ -191,18 +163,18 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
     n = Int32(0)
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
         start, stop, _, _, _ = request_range(cfg, g, cta, req)
-        acc_o.fill(0.0)
+        st.acc_o.fill(0.0)
         active = start < stop
         for _ in cutlass.range(start, stop, unroll=1):
             if active:
                 buf = n % TILE.k_bufs
                 cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-                get_factors(s_scale, sc, ln.quad)
+                get_factors(st.s_scale, st.sc, ln.quad)
                 # WG0 already waited for this buffer; waiting on the same phase gives WG1 its own
                 # acquire of the producer's writes (the producer cannot refill it before WG1 releases).
                 cute.arch.mbarrier_wait(k_full + buf, (n // TILE.k_bufs) & 1)
                 last_word = last_of(info_base, buf)
-                issue_pv(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP, sc, h)
+                issue_pv(ops.pv, st.acc_o, st.tOrV[None, None, None, buf], st.tOrP, st.sc, h)
                 warpgroup.wait_group(0)
                 cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
                 cute.arch.mbarrier_arrive(k_free + buf)
@@ -210,9 +182,9 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
                 active = last_word == 0
 
         cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-        get_factors(s_scale, sc, ln.quad)
+        get_factors(st.s_scale, st.sc, ln.quad)
         cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-        scale_heads(acc_o, sc, h)
-        store_request(cfg, g, cta, smem, ops, acc_o, 1, req, split_rows, ln, Bar.EPI_PV_RIGHT)
+        scale_heads(st.acc_o, st.sc, h)
+        store_request(cfg, g, cta, smem, ops, st.acc_o, 1, req, split_rows, ln, Bar.EPI_PV_RIGHT)
         # The staging (in sQ) is no longer read: WG0 may load the next request's Q.
         cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)

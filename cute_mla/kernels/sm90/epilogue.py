@@ -124,27 +124,52 @@ def store_chunked(cfg: Sm90SparseDecodeConfig, cta: Cta, acc_o, to: BlockStore, 
     addresses row l % 8 of matrix l // 8, whose 16 bytes sit at 16-byte unit
     ``(j % 8) ^ (row % 8)`` of its 128-byte row (the SW128 swizzle; the staging is 1 KiB aligned).
     """
-    lane = cute.arch.lane_idx()
     n_chunks = cfg.pv_cols // TILE.chunk
     start, offset = stage
     base = start.toint() + offset * 2
-    m = lane // 8
-    r = lane % 8
-    row_addr = base + (warp * 16 + 8 * (m % 2) + r) * TILE.chunk_row_bytes
+    cl = chunk_lane(warp)
+    row_addr = base + cl.row_off
     for k in cutlass.range_constexpr(n_chunks):
-        stage_chunk(acc_o, row_addr + k * TILE.chunk_bytes, k, m, r)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
-        if cutlass.const_expr(k == n_chunks - 1):
-            stamp_staged(cta, bar_id)
-        if warp == 0:
-            src, dst = chunk_tma(cfg, cta, to, start + offset + k * (TILE.chunk_bytes // 2),
-                                 col_half * (cfg.pv_cols // TILE.chunk) + k, row)
-            store_chunk(to, src, dst)
+        put_chunk(cfg, cta, to, acc_o, start + offset + k * (TILE.chunk_bytes // 2), row_addr + k * TILE.chunk_bytes,
+                  cl, k, col_half * n_chunks + k, row, warp, bar_id)
+    stamp_staged(cta, bar_id)
     if warp == 0:
         with cute.arch.elect_one():
             cute.arch.cp_async_bulk_wait_group(0, read=True)
     cute.arch.sync_warp()
+
+
+class ChunkLane(NamedTuple):
+    """This thread's place in a 64 x 64 SW128 staging chunk (:func:`store_chunked` has the
+    arithmetic): the stmatrix matrix ``m`` and row ``r`` its lane addresses, and the byte offset of
+    that row in the chunk."""
+
+    m: Int32
+    r: Int32
+    row_off: Int32
+
+
+def chunk_lane(warp) -> ChunkLane:
+    """This thread's :class:`ChunkLane` (``warp``: its warp in the MMA warp group); a plain function."""
+    lane = cute.arch.lane_idx()
+    m = lane // 8
+    r = lane % 8
+    return ChunkLane(m, r, (warp * 16 + 8 * (m % 2) + r) * TILE.chunk_row_bytes)
+
+
+@cute.jit
+def put_chunk(cfg: Sm90SparseDecodeConfig, cta: Cta, to: BlockStore, acc_o, at, chunk_row: Int32, cl: ChunkLane,
+              k: cutlass.Constexpr, col: cutlass.Constexpr, row, warp, bar_id: cutlass.Constexpr):
+    """Columns 64 k .. of an O block staged at ``at`` (a 1 KiB aligned bf16 shared pointer; this
+    thread's row there at shared address ``chunk_row``) and, once the warp group has staged them
+    (``bar_id``), stored by warp 0 as the block's output columns 64 col .. (one TMA box, committed
+    as its own bulk group)."""
+    stage_chunk(acc_o, chunk_row, k, cl.m, cl.r)
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
+    if warp == 0:
+        src, dst = chunk_tma(cfg, cta, to, at, col, row)
+        store_chunk(to, src, dst)
 
 
 def stage_chunk(acc_o, chunk_row: Int32, k: int, m, r):

@@ -77,7 +77,7 @@ class Sm90PrefillTuning:
     # Each producer lane prefetches the next tiles' rows into L2 once this tile's copies are
     # issued, a tile ahead of their cp.async.
     prefetch_rows: Optional[bool] = None
-    # L2 cache policy of the Q loads and out stores ("" = none, or a ``ptx.L2_POLICIES`` kind):
+    # L2 cache policy of the Q loads and out stores ("" = none, or a ``config.L2_POLICIES`` kind):
     # each byte of them is touched once, and without a hint they take L2 lines from the gathered
     # rows, which the other tokens' walks read again.
     qo_policy: Optional[str] = None

@@ -106,7 +106,7 @@ from ...dsl import ptx as common_ptx
 from . import ptx
 from .config import TILE, Tile
 from .cta import Cta
-from .epilogue import BlockStore, chunk_tma, finalize_row, q_staging, stage_chunk, store_block, store_chunk
+from .epilogue import BlockStore, chunk_lane, finalize_row, put_chunk, q_staging, store_block
 from .mma import Ops, c_layout_to_a_layout, k_tensors_for_pv, scale_rows
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
 from .softmax import exp_rows, load_q, masked_row_max
@@ -656,18 +656,10 @@ def store_q_reload(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, 
     by chunk; then warp 0 waits for each store's read in order and loads the next item's Q chunk
     into the place it freed (completing on ``q_full``, whose bytes WG0 expected after the sums)."""
     n_chunks = cfg.pv_cols // TILE.chunk
-    lane = cute.arch.lane_idx()
-    m = lane // 8
-    r = lane % 8
-    row_off = (v.warp * 16 + 8 * (m % 2) + r) * TILE.chunk_row_bytes
+    cl = chunk_lane(v.warp)
     for k in cutlass.range_constexpr(n_chunks):
         at = smem.sQ.iterator + (wg * n_chunks + k) * RING_CHUNK
-        stage_chunk(v.acc_o, at.toint() + row_off, k, m, r)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
-        if v.warp == 0:
-            src, dst = chunk_tma(cfg, cta, to, at, wg * n_chunks + k, 0)
-            store_chunk(to, src, dst)
+        put_chunk(cfg, cta, to, v.acc_o, at, at.toint() + cl.row_off, cl, k, wg * n_chunks + k, 0, v.warp, bar_id)
     if v.warp == 0:
         for k in cutlass.range_constexpr(n_chunks):
             with cute.arch.elect_one():
@@ -714,23 +706,15 @@ def store_ring(cfg: Sm90SparsePrefillConfig, smem: Smem, cta: Cta, v: MmaWg, to:
     n_chunks = cfg.pv_cols // TILE.chunk
     own_p = smem.storage.sP.data_ptr() + wg * TILE.p_elems
     own_o = smem.storage.sO.data_ptr() + wg * RING_CHUNK
-    lane = cute.arch.lane_idx()
-    m = lane // 8
-    r = lane % 8
-    row_off = (v.warp * 16 + 8 * (m % 2) + r) * TILE.chunk_row_bytes
+    cl = chunk_lane(v.warp)
     for k in cutlass.range_constexpr(n_chunks):
-        slot_ptr = own_p if k % 2 == 0 else own_o
         if cutlass.const_expr(k >= 2):
             if v.warp == 0:
                 with cute.arch.elect_one():
                     cute.arch.cp_async_bulk_wait_group(1, read=True)
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
-        stage_chunk(v.acc_o, slot_ptr.toint() + row_off, k, m, r)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=TILE.threads_per_wg)
-        if v.warp == 0:
-            src, dst = chunk_tma(cfg, cta, to, slot_ptr, wg * n_chunks + k, 0)
-            store_chunk(to, src, dst)
+        at = own_p if k % 2 == 0 else own_o
+        put_chunk(cfg, cta, to, v.acc_o, at, at.toint() + cl.row_off, cl, k, wg * n_chunks + k, 0, v.warp, bar_id)
     if v.warp == 0:
         with cute.arch.elect_one():
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -43,8 +43,8 @@ from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
 from .prefill_roles import (EARLY, HALVES, LATE, MASK_BYTES, PAIR_THREADS, Gmem, Smem, items, max_logit, qo_policy,
                             slot, work_of)
 from .swapped import (SUM_BUF, WARPS, XCHG_BUFS, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of,
-                      head_rows, head_sums, issue_pv, issue_qk_swapped, lane_of, pv_fragments, q_partition,
-                      qk_fragments, scale_heads, store_out, swapped_softmax)
+                      head_sums, issue_pv, issue_qk_swapped, lane_of, scale_heads, store_out, swapped_softmax,
+                      wg0_state, wg1_state)
 
 # The producer's K buffer halves (``prefill_roles.py``) are released together here: each MMA warp
 # group arrives on both halves of a tile's buffer once its PV of the tile retired (QK reads every
@@ -129,17 +129,9 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
     mask_base = smem.storage.tile_mask.data_ptr().toint()
-    p_base = smem.storage.sP.data_ptr().toint()
-    s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
-    s_x = smem.storage.exchange.get_tensor(cute.make_layout((h, WARPS, XCHG_BUFS)))
-
-    tQsQ, tQgQ = q_partition(g.tma_q, g.mQ, smem.sQ, h, cfg.tile.d_qk)
-    ops.qk.set(warpgroup.Field.ACCUMULATE, True)
-    ops.pv.set(warpgroup.Field.ACCUMULATE, True)
-    tSrK, tSrQ, acc_s = qk_fragments(ops.qk, smem.sK, smem.sQ, h, ln.wtid)
-    tOrV, tOrP, acc_o = pv_fragments(ops.pv, k_tensors_for_pv(cfg, smem.sK, 0), smem.sP0, h, ln.wtid)
+    st = wg0_state(ops, smem.storage, g.tma_q, g.mQ, smem.sQ, smem.sK, k_tensors_for_pv(cfg, smem.sK, 0), smem.sP0, h,
+                   cfg.tile.d_qk, ln)
     slots = h // 4
-    m, l, sc, lse = head_rows(h)
 
     c0 = Int32(0)   # tiles K buffer 0 held so far (the producer's count)
     c1 = Int32(0)   # the same for buffer 1
@@ -154,42 +146,44 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, h * cfg.tile.d_qk * 2)
             if cutlass.const_expr(cfg.tuning.qo_policy):
-                cute.copy(g.tma_q, tQgQ[None, 0, 0, w.s_idx, 0], tQsQ, tma_bar_ptr=q_full, cache_policy=qo_policy(cfg))
+                cute.copy(g.tma_q, st.tQgQ[None, 0, 0, w.s_idx, 0], st.tQsQ, tma_bar_ptr=q_full,
+                          cache_policy=qo_policy(cfg))
             else:
-                cute.copy(g.tma_q, tQgQ[None, 0, 0, w.s_idx, 0], tQsQ, tma_bar_ptr=q_full)
-        m.fill(-1e30)
-        l.fill(0.0)
-        acc_o.fill(0.0)
+                cute.copy(g.tma_q, st.tQgQ[None, 0, 0, w.s_idx, 0], st.tQsQ, tma_bar_ptr=q_full)
+        st.m.fill(-1e30)
+        st.l.fill(0.0)
+        st.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
         if w.n_tiles > 0:
             wait_tile(k_full, 0, c0 & 1)
-            issue_qk_swapped(cfg.tile.d_qk, ops.qk, acc_s, tSrK, tSrQ, 0)
+            issue_qk_swapped(cfg.tile.d_qk, ops.qk, st.acc_s, st.tSrK, st.tSrQ, 0)
             warpgroup.wait_group(0)
         for t in cutlass.range(0, w.n_tiles, unroll=1):
             buf, _ = tile_slot(c0, c1, t)
             # Producer warp `warp` wrote this warp's 16 rows as bits 0-15 of its word.
             word = Uint32(common_ptx.ld_shared_i32(mask_base + buf * MASK_BYTES + ln.warp * 4)) >> Uint32(ln.lane // 4)
-            swapped_softmax(acc_s, word, scale_log2, m, l, sc, s_x, buf, ln.warp, ln.lane, PrefillBar.EPI_WG0)
-            hand_over_tile(s_scale, sc, p_base, acc_s, h, ln, PrefillBar.PT_FREE, PrefillBar.PT_READY)
-            issue_pv(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP, sc, h)
-            next_qk_behind_pv(cfg, ops, acc_s, tSrK, tSrQ, k_full, k_free, c0, c1, t, t + 1 == w.n_tiles)
+            swapped_softmax(st.acc_s, word, scale_log2, st.m, st.l, st.sc, st.s_x, buf, ln.warp, ln.lane,
+                            PrefillBar.EPI_WG0)
+            hand_over_tile(st.s_scale, st.sc, st.p_base, st.acc_s, h, ln, PrefillBar.PT_FREE, PrefillBar.PT_READY)
+            issue_pv(ops.pv, st.acc_o, st.tOrV[None, None, None, buf], st.tOrP, st.sc, h)
+            next_qk_behind_pv(cfg, ops, st.acc_s, st.tSrK, st.tSrQ, k_full, k_free, c0, c1, t, t + 1 == w.n_tiles)
         c0 += (w.n_tiles + 1) // TILE.k_bufs
         c1 += w.n_tiles // TILE.k_bufs
 
         # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, out, lse, max_logits
-        head_sums(l, s_x, SUM_BUF, ln, PrefillBar.EPI_WG0)
+        head_sums(st.l, st.s_x, SUM_BUF, ln, PrefillBar.EPI_WG0)
         for s in cutlass.range_constexpr(slots):
-            o_scale, row_lse = finalize_row(cfg, g.mSink, l[s], m[s], False, head_of(s, ln.quad))
-            sc[s] = o_scale
-            lse[s] = row_lse
-        hand_over_final(s_scale, sc, ln, PrefillBar.PT_FREE, PrefillBar.PT_READY)
-        scale_heads(acc_o, sc, h)
-        store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, acc_o, h, 0, w.s_idx, 0, ln, PrefillBar.EPI_WG0,
+            o_scale, row_lse = finalize_row(cfg, g.mSink, st.l[s], st.m[s], False, head_of(s, ln.quad))
+            st.sc[s] = o_scale
+            st.lse[s] = row_lse
+        hand_over_final(st.s_scale, st.sc, ln, PrefillBar.PT_FREE, PrefillBar.PT_READY)
+        scale_heads(st.acc_o, st.sc, h)
+        store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, st.acc_o, h, 0, w.s_idx, 0, ln, PrefillBar.EPI_WG0,
                   qo_policy(cfg))
         if (ln.warp == 0) & (ln.lane < 4):
             for s in cutlass.range_constexpr(slots):
-                g.mLse[w.s_idx, head_of(s, ln.quad)] = lse[s]
-                g.mMax[w.s_idx, head_of(s, ln.quad)] = max_logit(l[s], m[s])
+                g.mLse[w.s_idx, head_of(s, ln.quad)] = st.lse[s]
+                g.mMax[w.s_idx, head_of(s, ln.quad)] = max_logit(st.l[s], st.m[s])
         rq += 1
     # Balance the barriers WG1 arrived on once more than WG0 synced.
     cute.arch.barrier(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
@@ -205,11 +199,7 @@ def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedO
     ln = lane_of()
     k_full = smem.storage.k_full.data_ptr()
     k_free = smem.storage.k_free.data_ptr()
-    s_scale = smem.storage.head_scale.get_tensor(cute.make_layout(h))
-
-    ops.pv.set(warpgroup.Field.ACCUMULATE, True)
-    tOrV, tOrP, acc_o = pv_fragments(ops.pv, k_tensors_for_pv(cfg, smem.sK, 1), smem.sP0, h, ln.wtid)
-    sc = cute.make_rmem_tensor(cute.make_layout(h // 4), Float32)
+    st = wg1_state(ops, smem.storage, k_tensors_for_pv(cfg, smem.sK, 1), smem.sP0, h, ln)
     # sP / head_scale start out free.
     cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
     c0 = Int32(0)   # tiles K buffers 0 and 1 held so far
@@ -217,15 +207,15 @@ def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedO
     begin, end, step = items(cfg, g)
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
-        acc_o.fill(0.0)
+        st.acc_o.fill(0.0)
         for t in cutlass.range(0, w.n_tiles, unroll=1):
             buf, phase = tile_slot(c0, c1, t)
             cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
-            get_factors(s_scale, sc, ln.quad)
+            get_factors(st.s_scale, st.sc, ln.quad)
             # WG0 already waited for this buffer; waiting on the same phase gives WG1 its own acquire
             # of the gathered rows (the producer cannot refill the buffer before WG1 releases it).
             wait_tile(k_full, buf, phase)
-            issue_pv(ops.pv, acc_o, tOrV[None, None, None, buf], tOrP, sc, h)
+            issue_pv(ops.pv, st.acc_o, st.tOrV[None, None, None, buf], st.tOrP, st.sc, h)
             warpgroup.wait_group(0)
             cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
             release_tile(k_free, buf)
@@ -233,10 +223,10 @@ def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedO
         c1 += w.n_tiles // TILE.k_bufs
 
         cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
-        get_factors(s_scale, sc, ln.quad)
+        get_factors(st.s_scale, st.sc, ln.quad)
         cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
-        scale_heads(acc_o, sc, h)
-        store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, acc_o, h, 1, w.s_idx, 0, ln, PrefillBar.EPI_WG1,
+        scale_heads(st.acc_o, st.sc, h)
+        store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, st.acc_o, h, 1, w.s_idx, 0, ln, PrefillBar.EPI_WG1,
                   qo_policy(cfg))
         # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
         cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)

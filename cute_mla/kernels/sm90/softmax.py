@@ -103,7 +103,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 warpgroup.fence()
                 cute.gemm(ops.pv_rs, acc_o, tOrP, tOrV[None, None, None, buf], acc_o)
                 warpgroup.commit_group()
-                next_qk_behind_pv(cfg, ops, acc_s, tSrQ, tSrK, k_full, k_free, n, last)
+                next_qk_behind_pv(lambda b: issue_qk(cfg, ops.qk, acc_s, tSrQ, tSrK, b), k_full, k_free, n, last)
                 n += 1
                 active = last_word == 0
 
@@ -243,10 +243,11 @@ def online_softmax(acc_s, mask_lo, mask_hi, quad, scale_log2: Float32, m0: Float
 
 
 @cute.jit
-def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, k_full, k_free, n: Int32, last):
-    """After tile ``n``'s PV is committed: issue tile n+1's QK behind it (unless ``n`` is the
-    request's last tile), then release tile n's K buffer once its PV has retired. P (registers)
-    and S (acc_s) are distinct registers, so both chains can be in flight."""
+def next_qk_behind_pv(issue_qk_into, k_full, k_free, n: Int32, last):
+    """After tile ``n``'s PV is committed: issue tile n+1's QK behind it (``issue_qk_into(buffer)``,
+    a trace-time callable: the 64-head tile's or the swap-AB tile's QK) unless ``n`` is the
+    request's last tile, then release tile n's K buffer once its PV has retired. P and S are
+    distinct registers, so both chains can be in flight."""
     buf = n % TILE.k_bufs
     if last:
         warpgroup.wait_group(0)
@@ -254,7 +255,7 @@ def next_qk_behind_pv(cfg: Sm90SparseDecodeConfig, ops: Ops, acc_s, tSrQ, tSrK, 
     else:
         nbuf = (n + 1) % TILE.k_bufs
         cute.arch.mbarrier_wait(k_full + nbuf, ((n + 1) // TILE.k_bufs) & 1)
-        issue_qk(cfg, ops.qk, acc_s, tSrQ, tSrK, nbuf)
+        issue_qk_into(nbuf)
         warpgroup.wait_group(1)
         cute.arch.mbarrier_arrive(k_free + buf)
         warpgroup.wait_group(0)

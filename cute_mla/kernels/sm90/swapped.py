@@ -117,7 +117,8 @@ def rows_sum(x: Float32) -> Float32:
 
 
 @cute.jit
-def exchange(vals: cute.Tensor, s_x: cute.Tensor, buf, warp, lane, is_max: cutlass.Constexpr, bar_id: cutlass.Constexpr):
+def exchange(vals: cute.Tensor, s_x: cute.Tensor, buf, warp, lane, is_max: cutlass.Constexpr,
+             bar_id: cutlass.Constexpr):
     """Each slot of ``vals`` (already reduced over the warp's rows) reduced over the warp group's
     four warps: lanes 0-3 of each warp write their heads' values into exchange buffer ``buf``,
     the warp group syncs on named barrier ``bar_id`` (128 threads), every thread combines the four
@@ -253,6 +254,64 @@ def pv_fragments(pv_mma, sV: cute.Tensor, sP: cute.Tensor, h: int, wtid):
     thr = pv_mma.get_slice(wtid)
     return (thr.make_fragment_A(thr.partition_A(sV)), thr.make_fragment_B(thr.partition_B(sP)),
             thr.make_fragment_C(thr.partition_shape_C((TILE.half_v, h))))
+
+
+class Wg0(NamedTuple):
+    """WG0's fixed state on the swap-AB tile (both kernels): P^T's address, the heads' factors and
+    exchange buffers in shared memory, the Q load's partition, its MMAs' fragments and its per-head
+    registers (:func:`head_rows`)."""
+
+    p_base: Int32
+    s_scale: cute.Tensor
+    s_x: cute.Tensor
+    tQsQ: cute.Tensor
+    tQgQ: cute.Tensor
+    tSrK: cute.Tensor
+    tSrQ: cute.Tensor
+    acc_s: cute.Tensor
+    tOrV: cute.Tensor
+    tOrP: cute.Tensor
+    acc_o: cute.Tensor
+    m: cute.Tensor
+    l: cute.Tensor
+    sc: cute.Tensor
+    lse: cute.Tensor
+
+
+def wg0_state(ops: SwappedOps, storage, tma_q: cute.CopyAtom, mQ: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+              sV: cute.Tensor, sP: cute.Tensor, h: int, d_qk: int, ln: Lane) -> Wg0:
+    """:class:`Wg0` from the CTA's storage (its ``sP``, ``head_scale`` and ``exchange``) and tensors
+    (``sV``: V^T of WG0's 256 dims, ``sP``: P^T) for this thread (``ln``); sets both MMAs to
+    accumulate. A plain function."""
+    p_base = storage.sP.data_ptr().toint()
+    s_scale = storage.head_scale.get_tensor(cute.make_layout(h))
+    s_x = storage.exchange.get_tensor(cute.make_layout((h, WARPS, XCHG_BUFS)))
+    tQsQ, tQgQ = q_partition(tma_q, mQ, sQ, h, d_qk)
+    ops.qk.set(warpgroup.Field.ACCUMULATE, True)
+    ops.pv.set(warpgroup.Field.ACCUMULATE, True)
+    tSrK, tSrQ, acc_s = qk_fragments(ops.qk, sK, sQ, h, ln.wtid)
+    tOrV, tOrP, acc_o = pv_fragments(ops.pv, sV, sP, h, ln.wtid)
+    m, l, sc, lse = head_rows(h)
+    return Wg0(p_base, s_scale, s_x, tQsQ, tQgQ, tSrK, tSrQ, acc_s, tOrV, tOrP, acc_o, m, l, sc, lse)
+
+
+class Wg1(NamedTuple):
+    """WG1's fixed state on the swap-AB tile: the heads' factors in shared memory, its PV's
+    fragments and its factors' registers."""
+
+    s_scale: cute.Tensor
+    tOrV: cute.Tensor
+    tOrP: cute.Tensor
+    acc_o: cute.Tensor
+    sc: cute.Tensor
+
+
+def wg1_state(ops: SwappedOps, storage, sV: cute.Tensor, sP: cute.Tensor, h: int, ln: Lane) -> Wg1:
+    """:class:`Wg1` (``sV``: V^T of WG1's 256 dims); sets its PV to accumulate. A plain function."""
+    s_scale = storage.head_scale.get_tensor(cute.make_layout(h))
+    ops.pv.set(warpgroup.Field.ACCUMULATE, True)
+    tOrV, tOrP, acc_o = pv_fragments(ops.pv, sV, sP, h, ln.wtid)
+    return Wg1(s_scale, tOrV, tOrP, acc_o, cute.make_rmem_tensor(cute.make_layout(h // 4), Float32))
 
 
 @cute.jit
