@@ -43,3 +43,16 @@ def test_padded_heads(h):
         q.add_(1.0)   # changed in place: padded again
         lib.flash_mla_with_kvcache(q, None, None, None, 512, "sched", attn_sink=sink)
         assert torch.equal(fake.seen[2][0][:, :, :h], q)
+
+
+def test_padded_heads_new_input_at_an_old_address():
+    """A fresh q that the allocator could place where a previous (freed) q lived must be padded
+    anew, not served the old copy: each cached copy keeps its source alive, so the address stays
+    taken while the copy is cached (the V4 benchmark draws new inputs per draw)."""
+    fake = FakeFlashMLA()
+    lib = bench.padded(fake)
+    for draw in range(3):
+        q = torch.full((1, 1, 16, 576), float(draw))
+        lib.flash_mla_with_kvcache(q, None, None, None, 512, "sched")
+        assert torch.equal(fake.seen[-1][0][:, :, :16], q), f"draw {draw} ran on a stale padded copy"
+        del q

@@ -383,14 +383,16 @@ class PaddedHeads:
         self._padded = {}
 
     def _pad(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        key = (t.data_ptr(), tuple(t.shape), t._version, dim)
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version, dim)
         if key not in self._padded:
             shape = list(t.shape)
             shape[dim] = PADDED_HEADS
             p = t.new_zeros(shape)
             p.narrow(dim, 0, t.shape[dim]).copy_(t)
-            self._padded = {key: p} | {k: v for k, v in self._padded.items() if k[3] != dim}
-        return self._padded[key]
+            # The entry keeps its source alive: while it is cached, no new input can take the
+            # source's address and be mistaken for it.
+            self._padded = {key: (t, p)} | {k: v for k, v in self._padded.items() if k[4] != dim}
+        return self._padded[key][1]
 
     def flash_mla_with_kvcache(self, q, *args, attn_sink=None, **kwargs):
         h = q.shape[2]
