@@ -101,8 +101,8 @@ def roles(arch: str, ptx_path: str) -> None:
 def markers(arch: str) -> tuple:
     """(PTX token, what its first occurrence is) of an arch's kernel."""
     if arch == archs.SM90.name:
-        from cute_mla.kernels.sm90 import DEFAULT_TUNING
-        return ((f"ld.global.L1::{DEFAULT_TUNING.gather_l1}", "the first row gather load (PRODUCER)"),
+        from cute_mla.kernels.sm90.config import tile_gather_l1
+        return ((f"ld.global.L1::{tile_gather_l1(64)}", "the first row gather load (PRODUCER)"),
                 ("wgmma.mma_async", "the first wgmma (SOFTMAX: a QK k-step)"))
     return (("tcgen05.mma", "the first tcgen05.mma (MMA warp)"), ("tile::gather4", "the first TMA gather4 (GATHER warp)"))
 

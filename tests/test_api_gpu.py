@@ -323,7 +323,7 @@ def test_a_variant_through_the_public_seam(seed, shape):
     default's bits."""
     from cute_mla import FlashMLASchedMeta
     from cute_mla.kernels.sm90 import DEFAULT_TUNING, Sm90Tuning
-    from cute_mla.kernels.sm90.config import tile_registers
+    from cute_mla.kernels.sm90.config import tile_gather_l1, tile_registers
 
     if device_arch(torch.device("cuda")) != "sm_90a":
         pytest.skip("an SM90 kernel variant")
@@ -333,8 +333,9 @@ def test_a_variant_through_the_public_seam(seed, shape):
     variant = Sm90Tuning(prefetch_rows=False, gather_l2="size_128b")
     sched = FlashMLASchedMeta(tuning=variant)
     o, l = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, sched, **kw)
-    # the config compiles the variant with its shape's register budget filled in
-    assert sched.launcher(True).main_cfg.tuning == dataclasses.replace(variant, registers=tile_registers(h_q))
+    # the config compiles the variant with its shape's register budget and L1 hint filled in
+    assert sched.launcher(True).main_cfg.tuning == dataclasses.replace(variant, registers=tile_registers(h_q),
+                                                                        gather_l1=tile_gather_l1(h_q))
     o0, l0 = flash_mla_with_kvcache(x.q, x.k_cache, None, None, 512, get_mla_metadata()[0], **kw)
     torch.cuda.synchronize()
     check(x, o, l)

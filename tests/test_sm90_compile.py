@@ -10,7 +10,7 @@ import pytest
 
 from cute_mla import archs, plan_sparse_decode
 from cute_mla.kernels import SparseDecodeTensors
-from cute_mla.kernels.sm90 import DEFAULT_TUNING, RegisterBudget, Sm90SparseDecodeConfig, Sm90Tuning, kernel_config
+from cute_mla.kernels.sm90 import RegisterBudget, Sm90SparseDecodeConfig, Sm90Tuning, kernel_config
 from cute_mla.kernels.sm90.config import NS_SLOTS, Bar, Stamp
 from cute_mla.kernels.sm90.sparse_decode import compile as compile_sparse_decode, launch as launch_sparse_decode
 from cute_mla.playground import inspect as ki
@@ -79,7 +79,7 @@ def test_ptx_has_wgmma_tma_and_register_split(artifacts, name):
     regs = ki.setmaxnreg(ptx)
     assert sorted(regs["inc"]) == [REGS.softmax]
     assert sorted(regs["dec"]) == sorted([REGS.pv_right, REGS.producer])
-    assert f"ld.global.L1::{DEFAULT_TUNING.gather_l1}.L2::256B.v4" in ptx, "128-bit gather loads with cache hints"
+    assert f"ld.global.L1::{_config(name).tuning.gather_l1}.L2::256B.v4" in ptx, "128-bit gather loads with cache hints"
     assert "griddepcontrol.launch_dependents" in ptx, "PDL trigger for the combine"
     assert "griddepcontrol.wait" not in ptx, "the decode kernel waits for nothing before it"
     assert "popc.b32" in ptx and "%lanemask_lt" in ptx, "index compaction: ballot prefix counts"
@@ -141,7 +141,7 @@ def test_v4_reads_scale_rows_and_the_extra_pool(artifacts, name):
     the encoded ring entry (a select between the two pools' geometry)."""
     ptx, cubin = artifacts[name]
     cfg = _config(name)
-    assert f"ld.global.L1::{DEFAULT_TUNING.gather_l1}.L2::256B.v2" in ptx, "the scale-row loads"
+    assert f"ld.global.L1::{cfg.tuning.gather_l1}.L2::256B.v2" in ptx, "the scale-row loads"
     assert "ld.global.L1::evict_last.L2::256B.v2" not in artifacts["nosplit"][0]
     assert cfg.tile.d_qk == 512 and cfg.tile.chunks == 8 and cfg.tile.slots_per_row == 38
     if cfg.has_extra:
@@ -179,7 +179,12 @@ def test_config_validation():
     with pytest.raises(ValueError, match="RegisterBudget"):
         RegisterBudget(softmax=240, pv_right=160, producer=112 + 8)
     with pytest.raises(ValueError, match="gather_l1"):
-        Sm90Tuning(gather_l1=None)
+        Sm90Tuning(gather_l1=1)
+    # the L1 gather hint is the tile's unless the tuning names one
+    assert kernel_config(**dict(base, h_q=64)).tuning.gather_l1 == "evict_last"
+    assert kernel_config(**dict(base, h_q=16)).tuning.gather_l1 == "evict_first"
+    named = Sm90Tuning(gather_l1="evict_normal")
+    assert kernel_config(**dict(base, h_q=16), tuning=named).tuning.gather_l1 == "evict_normal"
 
 
 def test_launch_passes_the_bundle_in_entry_order():

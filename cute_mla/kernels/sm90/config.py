@@ -161,6 +161,15 @@ def tile_registers(h_q: int) -> RegisterBudget:
     return SWAPPED_REGISTERS if h_q in SWAPPED_HEADS else RegisterBudget()
 
 
+def tile_gather_l1(h_q: int) -> str:
+    """The L1 hint of the producer's row loads for ``h_q`` heads unless the tuning names one. The
+    64-head tile's rows are read again by the token's other head-half CTA and their 256-B
+    neighbours by sibling threads: ``evict_last``. The swap-AB tile's CTA is the only one that
+    reads its token's rows, and letting them leave L1 first measured faster there
+    (docs/performance.md)."""
+    return "evict_first" if h_q in SWAPPED_HEADS else "evict_last"
+
+
 class Bar(IntEnum):
     """Named-barrier ids (0 is __syncthreads)."""
 
@@ -216,10 +225,9 @@ class Sm90Tuning:
     live in git history and docs/performance.md, not here.
     """
 
-    # Gather load hints (``cute.arch.load`` literals, "" = none): the rows are re-read by the
-    # token's other head-half CTA and their 256-B neighbours by sibling threads; L1::no_allocate
-    # measured slower than evict_last (docs/performance.md).
-    gather_l1: str = "evict_last"
+    # Gather load hints (``cute.arch.load`` literals, "" = none). L1: None is the tile's hint
+    # (:func:`tile_gather_l1`), set when a config is made.
+    gather_l1: Optional[str] = None
     gather_l2: str = "size_256b"
     # L2 prefetch of tile T+2's rows (per-thread prefetch.global.L2 of the 128-B lines a row can
     # touch) once tile T is handed over, so the loads issued a tile later hit L2 (measured faster,
@@ -240,7 +248,7 @@ class Sm90Tuning:
 
     def __post_init__(self):
         for name in ("gather_l1", "gather_l2"):
-            if not isinstance(getattr(self, name), str):
+            if not isinstance(getattr(self, name), str) and not (name == "gather_l1" and self.gather_l1 is None):
                 raise ValueError(f"Sm90Tuning: {name} takes a cache-hint literal or '', got {getattr(self, name)!r}")
         if self.registers is not None and not isinstance(self.registers, RegisterBudget):
             raise ValueError(f"Sm90Tuning: registers takes a RegisterBudget, got {self.registers!r}")
@@ -255,9 +263,9 @@ class Sm90SparseDecodeConfig:
 
     The plan picks every field but ``tuning`` (the launcher's :func:`kernel_config`). Roles read
     the derived facts below, compile-time constants of the traced kernel. A tuning without a
-    register budget takes the head count's (:func:`tile_registers`) when the config is made, so
-    ``dataclasses.replace(cfg, h_q=...)`` keeps the old head count's budget: make configs with
-    :func:`kernel_config`.
+    register budget or an L1 gather hint takes the head count's (:func:`tile_registers`,
+    :func:`tile_gather_l1`) when the config is made, so ``dataclasses.replace(cfg, h_q=...)``
+    keeps the old head count's: make configs with :func:`kernel_config`.
     """
 
     h_q: int  # 8, 16 or 32 (the swap-AB tile, ``swapped.py``), 64, or 128 (two 64-head CTAs side by side in grid x)
@@ -294,6 +302,8 @@ class Sm90SparseDecodeConfig:
             raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
         if self.tuning.registers is None:   # a config compiles concrete knobs
             object.__setattr__(self, "tuning", replace(self.tuning, registers=tile_registers(self.h_q)))
+        if self.tuning.gather_l1 is None:
+            object.__setattr__(self, "tuning", replace(self.tuning, gather_l1=tile_gather_l1(self.h_q)))
         if self.swapped and self.tuning.timeline:
             raise ValueError(f"tuning.timeline: the swap-AB tile's roles ({self.h_q} heads) write no stamps; "
                              "accepted for 64 or 128 heads")
