@@ -6,6 +6,8 @@ cuobjdump (from the nvidia-cuda-cuobjdump wheel; the SASS checks skip with a rea
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cute_mla import archs, plan_sparse_decode
@@ -178,8 +180,10 @@ def test_config_validation():
         Sm90SparseDecodeConfig(**dict(base, split=True), request_order=True)
     with pytest.raises(ValueError, match="RegisterBudget"):
         RegisterBudget(softmax=240, pv_right=160, producer=112 + 8)
-    with pytest.raises(ValueError, match="gather_l1"):
-        Sm90Tuning(gather_l1=1)
+    for bad in (dict(gather_l1=1), dict(gather_l1="no_allocate"), dict(gather_l2="L2::256B")):
+        (key, value), = bad.items()
+        with pytest.raises(ValueError, match=f"{key} takes '' .*got {re.escape(repr(value))}"):
+            Sm90Tuning(**bad)
     # the L1 gather hint is the tile's unless the tuning names one
     assert kernel_config(**dict(base, h_q=64)).tuning.gather_l1 == "evict_last"
     assert kernel_config(**dict(base, h_q=16)).tuning.gather_l1 == "evict_first"

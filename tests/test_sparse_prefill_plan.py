@@ -106,8 +106,7 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
     assert knobs(64, 576, pc.Sm90PrefillTuning(prefetch_rows=True)) == ("", True, "evict_first", "q_reload")
     assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True, "evict_first", "q_reload")
     assert knobs(16, 576, pc.Sm90PrefillTuning(qo_policy="evict_first")) == ("", False, "evict_first", "q")
-    assert knobs(64, 512, pc.Sm90PrefillTuning(qo_policy="", staging="q")) == ("", False, "", "q")
-    assert knobs(128, 576, pc.Sm90PrefillTuning(staging="q")) == ("L2::256B", True, "evict_first", "q")
+    assert knobs(64, 512, pc.Sm90PrefillTuning(qo_policy="", staging="q_reload")) == ("", False, "", "q_reload")
     explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False, qo_policy="evict_first", staging="ring")
     a = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False)
     b = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False, tuning=explicit)
@@ -124,6 +123,10 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
         with pytest.raises(ValueError, match=f"staging: the swap-AB tile \\(16 heads\\) .* got '{staging}'"):
             pc.kernel_config(h_q=16, d_qk=512, has_topk_length=False, has_attn_sink=False,
                              tuning=pc.Sm90PrefillTuning(staging=staging))
+    for h_q, d_qk in ((64, 512), (128, 576)):
+        with pytest.raises(ValueError, match=f"staging: the ping-pong tile \\({h_q} heads\\) .* got 'q'"):
+            pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=False,
+                             tuning=pc.Sm90PrefillTuning(staging="q"))
     with pytest.raises(ValueError, match="staging takes one of q, ring, q_reload, got 'sQ'"):
         pc.Sm90PrefillTuning(staging="sQ")
 
@@ -135,7 +138,7 @@ def test_sm90_staging_ring_fits_and_is_reported():
 
     on = m.kernel_config(h_q=64, d_qk=512, has_topk_length=False, has_attn_sink=False)
     off = m.kernel_config(h_q=64, d_qk=512, has_topk_length=False, has_attn_sink=False,
-                          tuning=m.Sm90PrefillTuning(staging="q"))
+                          tuning=m.Sm90PrefillTuning(staging="q_reload"))
     assert on.tuning.staging == "ring"
     assert m.smem_bytes(on) == m.smem_bytes(off) + 16 * 1024 <= SMEM_PER_CTA
 

@@ -26,6 +26,10 @@ SWAPPED_HEADS = (8, 16, 32)
 DECODE_HEADS = SWAPPED_HEADS + (64, 128)
 # The L2 eviction priorities a ``createpolicy`` cache policy can carry (``ptx.l2_policy``).
 L2_POLICIES = ("evict_first", "evict_last", "evict_normal")
+# The hint literals the row loads hand to ``cute.arch.load`` ("" = no hint): its L1 eviction
+# priorities and L2 prefetch sizes (the DSL maps them to its enums by name).
+LOAD_L1_HINTS = ("evict_first", "evict_last", "evict_no_allocate", "evict_normal", "evict_unchanged")
+LOAD_L2_HINTS = ("size_64b", "size_128b", "size_256b")
 
 
 @dataclass(frozen=True)
@@ -247,9 +251,10 @@ class Sm90Tuning:
     timeline: bool = False
 
     def __post_init__(self):
-        for name in ("gather_l1", "gather_l2"):
-            if not isinstance(getattr(self, name), str) and not (name == "gather_l1" and self.gather_l1 is None):
-                raise ValueError(f"Sm90Tuning: {name} takes a cache-hint literal or '', got {getattr(self, name)!r}")
+        for name, accepted in (("gather_l1", LOAD_L1_HINTS), ("gather_l2", LOAD_L2_HINTS)):
+            value = getattr(self, name)
+            if value not in ("",) + accepted and not (name == "gather_l1" and value is None):
+                raise ValueError(f"Sm90Tuning: {name} takes '' (no hint) or one of {', '.join(accepted)}, got {value!r}")
         if self.registers is not None and not isinstance(self.registers, RegisterBudget):
             raise ValueError(f"Sm90Tuning: registers takes a RegisterBudget, got {self.registers!r}")
 

@@ -46,7 +46,7 @@ class PrefillBar(IntEnum):
     swap-AB tile's protocol.
     """
 
-    Q_FREE = Bar.Q_FREE              # WG1 -> WG0, per item: its output staging (in sQ) read
+    Q_FREE = Bar.Q_FREE              # (swap-AB) WG1 -> WG0, per item: its output staging (in sQ) read
     EPI_WG0 = Bar.EPI_SOFTMAX        # WG0 only: a staged output chunk written (swap-AB: also its exchange)
     EPI_WG1 = Bar.EPI_PV_RIGHT       # WG1 only: the same
     MAX_A = max(Bar) + 1             # WG0 -> WG1, per pair: mA = max(M, rowmax S0) in s_max[0]
@@ -81,11 +81,12 @@ class Sm90PrefillTuning:
     # each byte of them is touched once, and without a hint they take L2 lines from the gathered
     # rows, which the other tokens' walks read again.
     qo_policy: Optional[str] = None
-    # Where the ping-pong stages out, and so when the next item's Q loads: "q", in the Q buffer
-    # (each group its half; the next Q once WG1's stores read it, ``Q_FREE``); "ring", outside it
-    # (per group a ring of its P buffer and a 16 KiB ``sO`` chunk, d_qk 512 only: d_qk 576 has no
-    # room), the next Q right after the row sums are exchanged; "q_reload", in the Q buffer, each
-    # Q chunk reloaded as soon as its store read it (the RoPE chunk right after the sums).
+    # Where out is staged for its TMA stores. The ping-pong (64 and 128 heads), so that the next
+    # item's Q need not wait for the stores: "ring", outside Q (per group a ring of its P buffer and
+    # a 16 KiB ``sO`` chunk, d_qk 512 only: d_qk 576 has no room), the next Q right after the row
+    # sums are exchanged; "q_reload", in the Q buffer, each Q chunk reloaded as soon as its store
+    # read it (the RoPE chunk right after the sums). The swap-AB tile: "q", in its Q buffer, the
+    # next Q once WG1's stores read it (``Q_FREE``).
     staging: Optional[str] = None
 
     def __post_init__(self):
@@ -158,6 +159,9 @@ class Sm90SparsePrefillConfig:
         if self.tuning.staging != "q" and self.swapped:
             raise ValueError(f"staging: the swap-AB tile ({self.h_q} heads) stages out in its Q buffer ('q'), "
                              f"got {self.tuning.staging!r}")
+        if self.tuning.staging == "q" and not self.swapped:
+            raise ValueError(f"staging: the ping-pong tile ({self.h_q} heads) stages out in a 'ring' (d_qk "
+                             f"{V4.d_qk}) or in Q reloaded behind its stores ('q_reload'), got 'q'")
         if self.tuning.staging == "ring" and self.d_qk != V4.d_qk:
             raise ValueError(f"staging: the 'ring' is built for d_qk {V4.d_qk} (no room in shared memory "
                              f"otherwise), got h_q {self.h_q}, d_qk {self.d_qk}")
@@ -172,12 +176,6 @@ class Sm90SparsePrefillConfig:
     def n_hblk(self) -> int:
         """64-head blocks per token (one for 8, 16, 32 or 64 heads)."""
         return -(-self.h_q // TILE.heads)
-
-    @property
-    def early_q(self) -> bool:
-        """WG0 loads the next item's Q (or its first chunk) right after the row sums are exchanged,
-        not after ``Q_FREE`` (``staging`` other than "q")."""
-        return self.tuning.staging != "q"
 
     @property
     def swapped(self) -> bool:

@@ -63,12 +63,7 @@ MAX_B (8)    WG1 -> WG0   mB in ``row_max[64:128]``                             
 P0_READY (9) WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
 P1_READY(10) WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
 L_SUM (11)   both sync    the item's row sums in ``row_sum``                         every item
-Q_FREE (3)   WG1 -> WG0   WG1's output staging (in sQ) read by its TMA stores        every item (WG0
-                                                                                     syncs before the
-                                                                                     next Q, and once
-                                                                                     at the end); with
-                                                                                     staging "q" only
-EPI_WG0/1    one WG, 128  a staged output chunk written (``store_block``)            per chunk
+EPI_WG0/1    one WG, 128  a staged output chunk written (``put_chunk``)              per chunk
 ===========  ===========  =========================================================  ==============
 
 No arrive can lap its sync: WG0 arrives MAX_A again only after syncing MAX_B (or, after an
@@ -76,15 +71,15 @@ item's last pair, L_SUM), WG1 arrives MAX_B / P1_READY again only after syncing 
 arrives P0_READY again only after waiting ``k_full[0, late]``, which WG1 released after its SS
 PV of the last P0. Buffer reuse follows from the same chain: a P buffer is rewritten only after
 the ``k_full[b, late]`` phase that the reader's release opened, ``row_max`` halves only after
-the reader passed the next barrier, ``row_sum`` only after ``Q_FREE`` / ``q_full`` of the next
-item. ``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under
+the reader passed the next barrier, ``row_sum`` only after ``q_full`` of the next item (or,
+with the "ring", ``L_SUM`` of the item after: the sums are kept per item parity). ``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under
 random interleavings (deadlock, lapping and race checks; keep it in step with the roles).
 
 P buffers: for d_qk 576 P of buffer b is the RoPE chunk of K buffer b (free once the tile's QK
 retired; no room for a separate 16 KiB), for d_qk 512 a 2 x 8 KiB ``sP``.
 
-Output staging (``Sm90PrefillTuning.staging``): "q", in Q (each group its half), so the next
-item's Q waits for WG1's stores (``Q_FREE``); "ring" (d_qk 512), in a ring of two 8 KiB chunks
+Output staging (``Sm90PrefillTuning.staging``), both so that the next item's Q need not wait for
+the output stores: "ring" (d_qk 512), in a ring of two 8 KiB chunks
 per group, its own P buffer and its chunk of ``sO`` (:func:`store_ring`), so WG0 loads the next
 Q right after ``L_SUM``, when both groups' QKs and SS PVs of the item have retired (the row sums
 then kept per item parity); "q_reload", in Q, WG0 expecting the next Q's bytes and loading the
@@ -106,7 +101,7 @@ from ...dsl import ptx as common_ptx
 from . import ptx
 from .config import TILE, Tile
 from .cta import Cta
-from .epilogue import BlockStore, chunk_lane, finalize_row, put_chunk, q_staging, store_block
+from .epilogue import BlockStore, chunk_lane, finalize_row, put_chunk
 from .mma import Ops, c_layout_to_a_layout, k_tensors_for_pv, scale_rows
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
 from .softmax import exp_rows, load_q, masked_row_max
@@ -201,18 +196,19 @@ class Smem(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def shared_storage(tile: Tile, staging: str = "q"):
+def shared_storage(tile: Tile, staging: str):
     """The CTA's shared memory, one struct: the barriers, the tiles' masks, the row maxima and
-    sums the MMA warp groups exchange, Q (also the output staging but with the "ring"), two K
+    sums the MMA warp groups exchange, Q (also the output staging with "q_reload"), two K
     tiles, for d_qk 512 the two P buffers (d_qk 576 keeps P in the K tiles' RoPE chunks) and with
     the "ring" (``Sm90PrefillTuning.staging``) a 16 KiB ``sO``: 223,232 B for d_qk 576, 215,040 B
     for 512, 231,424 B with the ring, of 232,448. With the ring the row sums are kept per item
     parity: nothing else orders WG1's read of one item's sums before WG0's write of the next's
-    (an item of one tile or none waits for nothing) but L_SUM of the item after ("q" has
-    ``Q_FREE``, "q_reload" the next Q's chunks WG1 reloads after its read)."""
+    (an item of one tile or none waits for nothing) but L_SUM of the item after ("q_reload" has
+    the next Q's chunks WG1 reloads after its read)."""
     n_bar = TILE.k_bufs * HALVES
     in_k = p_in_k(tile)
-    assert staging in ("q", "q_reload") or not in_k, "the ring: no room at this d_qk"
+    assert staging in ("ring", "q_reload"), "the ping-pong stages out in a ring or in Q reloaded behind its stores"
+    assert staging == "q_reload" or not in_k, "the ring: no room at this d_qk"
     sums = 2 * TILE.heads * (2 if staging == "ring" else 1)
 
     @cute.struct
@@ -626,9 +622,9 @@ def item_sums(cfg: Sm90SparsePrefillConfig, smem: Smem, v: MmaWg, wg: cutlass.Co
 def item_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: MmaWg, w: Work,
              wg: cutlass.Constexpr, m0: Float32, m1: Float32, l0: Float32, l1: Float32, nxt: Cta, has_next):
     """An item's output in MMA warp group ``wg`` once the sums are whole: the final factors (the
-    sink folded in), this group's O half staged and stored by TMA as ``staging`` says (in its half
-    of sQ; in its ring, :func:`store_ring`; in sQ with the next item ``nxt``'s Q chunks reloaded
-    behind the stores, :func:`store_q_reload`); WG0 also writes lse and max_logits."""
+    sink folded in), this group's O half staged and stored by TMA as ``staging`` says (in its ring,
+    :func:`store_ring`; in sQ with the next item ``nxt``'s Q chunks reloaded behind the stores,
+    :func:`store_q_reload`); WG0 also writes lse and max_logits."""
     head0 = w.hblk * TILE.heads + v.row0
     o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
     o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
@@ -637,10 +633,8 @@ def item_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: Mma
     bar_id = PrefillBar.EPI_WG1 if wg else PrefillBar.EPI_WG0
     if cutlass.const_expr(cfg.tuning.staging == "ring"):
         store_ring(cfg, smem, cta_of(w), v, to, wg, bar_id)
-    elif cutlass.const_expr(cfg.tuning.staging == "q_reload"):
-        store_q_reload(cfg, g, smem, ops, cta_of(w), v, to, wg, bar_id, nxt, has_next)
     else:
-        store_block(cfg, cta_of(w), v.acc_o, v.thr_pv, to, q_staging(cfg, smem.sQ, wg), wg, v.warp, 0, bar_id, False)
+        store_q_reload(cfg, g, smem, ops, cta_of(w), v, to, wg, bar_id, nxt, has_next)
     if cutlass.const_expr(wg == 0):
         if v.quad == 0:
             g.mLse[w.s_idx, head0] = lse0
@@ -745,10 +739,10 @@ def item_tiles(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, wg: cutlass.Con
 @cute.jit
 def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
     """WG0, per item: Q by TMA, the item's full pairs, then its last tile alone where the count is
-    odd, then the epilogue. With ``staging`` "q" the next Q is loaded once WG1's output left the
-    staging in sQ (``Q_FREE``); otherwise right after the sums are exchanged (both groups' QKs of
-    the item retired before ``L_SUM``): the whole Q ("ring"), or its expected bytes and the
-    chunks no output is staged in ("q_reload"; the groups reload the others behind their stores)."""
+    odd, then the epilogue. The first item's Q is loaded up front, each next one right after the
+    sums are exchanged (both groups' QKs of the item retired before ``L_SUM``): the whole Q
+    ("ring"), or its expected bytes and the chunks no output is staged in ("q_reload"; the groups
+    reload the others behind their stores)."""
     v = mma_wg(cfg, smem, ops, 0)
     q_full = smem.storage.q_full.data_ptr()
     tQsQ = tQgQ = None   # the whole-Q TMA's partition ("q_reload" loads by chunk, ``load_q_chunk``)
@@ -760,23 +754,17 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
     c1 = Int32(0)   # odd tiles consumed: buffer 1's phase
     rq = Int32(0)   # items done
     begin, end, step = items(cfg, g)
-    if cutlass.const_expr(cfg.early_q):
-        if begin < end:
-            first = item_cta(cfg, begin)
-            if cutlass.const_expr(cfg.tuning.staging == "q_reload"):
-                if v.warp == 0:
-                    expect_q(cfg, smem)
-                    for c in cutlass.range_constexpr(cfg.tile.chunks):
-                        load_q_chunk(cfg, g, smem, ops, first, c)
-            else:
-                load_q(cfg, g, first, q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
+    if begin < end:
+        first = item_cta(cfg, begin)
+        if cutlass.const_expr(cfg.tuning.staging == "q_reload"):
+            if v.warp == 0:
+                expect_q(cfg, smem)
+                for c in cutlass.range_constexpr(cfg.tile.chunks):
+                    load_q_chunk(cfg, g, smem, ops, first, c)
+        else:
+            load_q(cfg, g, first, q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
-        if cutlass.const_expr(not cfg.early_q):
-            if rq > 0:
-                # WG1's output store of the previous item no longer reads its staging (in sQ).
-                cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
-            load_q(cfg, g, cta_of(w), q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
         v.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
         m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
@@ -794,17 +782,13 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
                         load_q_chunk(cfg, g, smem, ops, nxt, c)
         item_out(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1, nxt, has_next)
         rq += 1
-    if cutlass.const_expr(not cfg.early_q):
-        # WG1 arrived on Q_FREE once per item; WG0 synced once per item but the first.
-        if rq > 0:
-            cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
 
 
 @cute.jit
 def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_log2: Float32):
     """WG1, per item: Q landed (``q_full``), the item's full pairs, its last tile's PV where the
     count is odd, the epilogue (with ``staging`` "q_reload", the next item's Q chunks of its
-    staging reloaded behind its stores), then with ``staging`` "q" ``Q_FREE``: its staging is free."""
+    staging reloaded behind its stores)."""
     v = mma_wg(cfg, smem, ops, 1)
     q_full = smem.storage.q_full.data_ptr()
     c0 = Int32(0)
@@ -819,9 +803,6 @@ def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 1, scale_log2, w.n_tiles, c0, c1)
         l0, l1 = item_sums(cfg, smem, v, 1, rq, l0, l1)
         item_out(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1, item_cta(cfg, item + step), item + step < end)
-        if cutlass.const_expr(not cfg.early_q):
-            # The staging (in sQ) is no longer read: WG0 may load the next item's Q.
-            cute.arch.barrier_arrive(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
         rq += 1
 
 
