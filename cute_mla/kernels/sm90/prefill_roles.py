@@ -72,19 +72,20 @@ arrives P0_READY again only after waiting ``k_full[0, late]``, which WG1 release
 PV of the last P0. Buffer reuse follows from the same chain: a P buffer is rewritten only after
 the ``k_full[b, late]`` phase that the reader's release opened, ``row_max`` halves only after
 the reader passed the next barrier, ``row_sum`` only after ``q_full`` of the next item (or,
-with the "ring", ``L_SUM`` of the item after: the sums are kept per item parity). ``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under
-random interleavings (deadlock, lapping and race checks; keep it in step with the roles).
+with the "ring", ``L_SUM`` of the item after: the sums are kept per item parity).
+``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under random
+interleavings (deadlock, lapping and race checks; keep it in step with the roles).
 
 P buffers: for d_qk 576 P of buffer b is the RoPE chunk of K buffer b (free once the tile's QK
 retired; no room for a separate 16 KiB), for d_qk 512 a 2 x 8 KiB ``sP``.
 
 Output staging (``Sm90PrefillTuning.staging``), both so that the next item's Q need not wait for
-the output stores: "ring" (d_qk 512), in a ring of two 8 KiB chunks
-per group, its own P buffer and its chunk of ``sO`` (:func:`store_ring`), so WG0 loads the next
-Q right after ``L_SUM``, when both groups' QKs and SS PVs of the item have retired (the row sums
-then kept per item parity); "q_reload", in Q, WG0 expecting the next Q's bytes and loading the
-chunks no output is staged in right after ``L_SUM``, each group reloading its own four chunks
-as its stores read them (:func:`store_q_reload`).
+the output stores: "ring" (d_qk 512), in a ring of two 8 KiB chunks per group, its own P buffer
+and its chunk of ``sO`` (:func:`store_ring`), so WG0 loads the next Q right after ``L_SUM``, when
+both groups' QKs and SS PVs of the item have retired (the row sums then kept per item parity);
+"q_reload", in Q, WG0 expecting the next Q's bytes and loading the chunks no output is staged in
+right after ``L_SUM``, each group reloading its own four chunks as its stores read them
+(:func:`store_q_reload`).
 """
 
 # No "from __future__ import annotations": cute.struct reads its field annotations as objects.
