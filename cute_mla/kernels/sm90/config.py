@@ -7,7 +7,7 @@ Plain Python (no DSL import): the launcher, the plan's tools and the tests read 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Optional
 
@@ -165,6 +165,13 @@ def tile_registers(h_q: int) -> RegisterBudget:
     return SWAPPED_REGISTERS if h_q in SWAPPED_HEADS else RegisterBudget()
 
 
+def fill_unset(tuning, rule: dict):
+    """``tuning`` (a frozen dataclass) with each field that is None set from ``rule`` ({field:
+    value}): the shape's choice where the tuning names none."""
+    given = {k: v for k, v in rule.items() if getattr(tuning, k) is None}
+    return replace(tuning, **given) if given else tuning
+
+
 def tile_gather_l1(h_q: int) -> str:
     """The L1 hint of the producer's row loads for ``h_q`` heads unless the tuning names one. The
     64-head tile's rows are read again by the token's other head-half CTA and their 256-B
@@ -305,10 +312,9 @@ class Sm90SparseDecodeConfig:
         kernel_format(self.format, self.has_extra, self.has_extra_topk_length)
         if not isinstance(self.tuning, Sm90Tuning):
             raise ValueError(f"tuning: expected an Sm90Tuning, got {type(self.tuning).__name__}")
-        if self.tuning.registers is None:   # a config compiles concrete knobs
-            object.__setattr__(self, "tuning", replace(self.tuning, registers=tile_registers(self.h_q)))
-        if self.tuning.gather_l1 is None:
-            object.__setattr__(self, "tuning", replace(self.tuning, gather_l1=tile_gather_l1(self.h_q)))
+        # a config compiles concrete knobs: the tile's where the tuning names none
+        object.__setattr__(self, "tuning", fill_unset(self.tuning, {"registers": tile_registers(self.h_q),
+                                                                     "gather_l1": tile_gather_l1(self.h_q)}))
         if self.swapped and self.tuning.timeline:
             raise ValueError(f"tuning.timeline: the swap-AB tile's roles ({self.h_q} heads) write no stamps; "
                              "accepted for 64 or 128 heads")

@@ -36,12 +36,11 @@ from cutlass.cute.nvgpu import warpgroup
 from ...dsl import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig
 from .cta import Cta, Gmem, Smem, request_id, request_range, split_piece, split_rows_of_partition
-from .epilogue import finalize_row
 from .mma import k_tensors_for_pv
 from .softmax import next_qk_behind_pv
-from .swapped import (SUM_BUF, Lane, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of, head_sums,
-                      issue_pv, issue_qk_swapped, lane_of, scale_heads, store_out, swapped_softmax, wg0_state,
-                      wg1_state)
+from .swapped import (SUM_BUF, Lane, SwappedOps, final_factors, get_factors, hand_over_tile, head_of, head_sums,
+                      issue_pv, issue_qk_swapped, lane_of, start_walk, store_out, swapped_softmax, take_final,
+                      wg0_state, wg1_state)
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 
@@ -92,17 +91,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     for req in cutlass.range(begin_req, end_req + 1, unroll=1):
         start, stop, _, _, _ = request_range(cfg, g, cta, req)
         rid = request_id(cfg, g, req)
-        if rq > 0:
-            # WG1's output store of the previous request no longer reads its staging (in sQ).
-            cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
-        if ln.warp == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, h * cfg.tile.d_qk * 2)
-            cute.copy(g.tma_q, st.tQgQ[None, 0, 0, cta.s_idx, rid], st.tQsQ, tma_bar_ptr=q_full)
-        st.m.fill(-1e30)
-        st.l.fill(0.0)
-        st.acc_o.fill(0.0)
-        cute.arch.mbarrier_wait(q_full, rq & 1)
+        start_walk(st, g.tma_q, q_full, h * cfg.tile.d_qk * 2, cta.s_idx, rid, rq, ln, Bar.Q_FREE)
         if start < stop:
             cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
             issue_qk_swapped(cfg.tile.d_qk, ops.qk, st.acc_s, st.tSrK, st.tSrQ, n % TILE.k_bufs)
@@ -125,12 +114,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, output, st.lse
         head_sums(st.l, st.s_x, SUM_BUF, ln, Bar.EPI_SOFTMAX)
         is_split, acc_row = split_piece(cfg, cta, req, split_rows)
-        for s in cutlass.range_constexpr(slots):
-            o_scale, row_lse = finalize_row(cfg, g.mSink, st.l[s], st.m[s], is_split, head_of(s, ln.quad))
-            st.sc[s] = o_scale
-            st.lse[s] = row_lse
-        hand_over_final(st.s_scale, st.sc, ln, Bar.P_FREE, Bar.P_READY)
-        scale_heads(st.acc_o, st.sc, h)
+        final_factors(cfg, st, g.mSink, is_split, ln, h, Bar.P_FREE, Bar.P_READY)
         store_request(cfg, g, cta, smem, ops, st.acc_o, 0, req, split_rows, ln, Bar.EPI_SOFTMAX)
         # The st.lse stores go after the output's (its staging fences the generic proxy).
         if (ln.warp == 0) & (ln.lane < 4):
@@ -181,10 +165,7 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
                 n += 1
                 active = last_word == 0
 
-        cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
-        get_factors(st.s_scale, st.sc, ln.quad)
-        cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
-        scale_heads(st.acc_o, st.sc, h)
+        take_final(st, ln, h, Bar.P_FREE, Bar.P_READY)
         store_request(cfg, g, cta, smem, ops, st.acc_o, 1, req, split_rows, ln, Bar.EPI_PV_RIGHT)
         # The staging (in sQ) is no longer read: WG0 may load the next request's Q.
         cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)

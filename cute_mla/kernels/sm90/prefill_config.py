@@ -8,13 +8,13 @@ Plain Python (no DSL import): the API, the plan and the tests read it on any mac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Optional
 
 from ... import archs
 from ...formats import V4, V32
-from .config import L2_POLICIES, SWAPPED_HEADS, TILE, Bar, RegisterBudget, Tile, tile_of
+from .config import L2_POLICIES, SWAPPED_HEADS, TILE, Bar, RegisterBudget, Tile, fill_unset, tile_of
 
 # Key widths the kernel takes (bf16 rows, V = the first 512 dims): 576 = 512 latent + 64 RoPE
 # (V3.2), 512 = the shared K/V row (V4). The K tile of a width is the decode tile of the cache
@@ -121,8 +121,7 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
             "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
             "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload")}
-    given = {k: v for k, v in rule.items() if getattr(tuning, k) is None}
-    return replace(tuning, **given) if given else tuning
+    return fill_unset(tuning, rule)
 
 
 DEFAULT_TUNING = Sm90PrefillTuning()

@@ -37,14 +37,13 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ...dsl import ptx as common_ptx
 from .config import TILE, Tile
-from .epilogue import finalize_row
 from .mma import k_tensors_for_pv
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
 from .prefill_roles import (EARLY, HALVES, LATE, MASK_BYTES, PAIR_THREADS, Gmem, Smem, items, max_logit, qo_policy,
                             slot, work_of)
-from .swapped import (SUM_BUF, WARPS, XCHG_BUFS, SwappedOps, get_factors, hand_over_final, hand_over_tile, head_of,
-                      head_sums, issue_pv, issue_qk_swapped, lane_of, scale_heads, store_out, swapped_softmax,
-                      wg0_state, wg1_state)
+from .swapped import (SUM_BUF, WARPS, XCHG_BUFS, SwappedOps, final_factors, get_factors, hand_over_tile, head_of,
+                      head_sums, issue_pv, issue_qk_swapped, lane_of, start_walk, store_out, swapped_softmax,
+                      take_final, wg0_state, wg1_state)
 
 # The producer's K buffer halves (``prefill_roles.py``) are released together here: each MMA warp
 # group arrives on both halves of a tile's buffer once its PV of the tile retired (QK reads every
@@ -139,21 +138,8 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
     begin, end, step = items(cfg, g)
     for item in cutlass.range(begin, end, step, unroll=1):
         w = work_of(cfg, g, item)
-        if rq > 0:
-            # WG1's output store of the previous item no longer reads its staging (in sQ).
-            cute.arch.barrier(barrier_id=PrefillBar.Q_FREE, number_of_threads=PAIR_THREADS)
-        if ln.warp == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, h * cfg.tile.d_qk * 2)
-            if cutlass.const_expr(cfg.tuning.qo_policy):
-                cute.copy(g.tma_q, st.tQgQ[None, 0, 0, w.s_idx, 0], st.tQsQ, tma_bar_ptr=q_full,
-                          cache_policy=qo_policy(cfg))
-            else:
-                cute.copy(g.tma_q, st.tQgQ[None, 0, 0, w.s_idx, 0], st.tQsQ, tma_bar_ptr=q_full)
-        st.m.fill(-1e30)
-        st.l.fill(0.0)
-        st.acc_o.fill(0.0)
-        cute.arch.mbarrier_wait(q_full, rq & 1)
+        start_walk(st, g.tma_q, q_full, h * cfg.tile.d_qk * 2, w.s_idx, 0, rq, ln, PrefillBar.Q_FREE,
+                   cfg.tuning.qo_policy)
         if w.n_tiles > 0:
             wait_tile(k_full, 0, c0 & 1)
             issue_qk_swapped(cfg.tile.d_qk, ops.qk, st.acc_s, st.tSrK, st.tSrQ, 0)
@@ -172,12 +158,7 @@ def softmax_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedOp
 
         # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, out, lse, max_logits
         head_sums(st.l, st.s_x, SUM_BUF, ln, PrefillBar.EPI_WG0)
-        for s in cutlass.range_constexpr(slots):
-            o_scale, row_lse = finalize_row(cfg, g.mSink, st.l[s], st.m[s], False, head_of(s, ln.quad))
-            st.sc[s] = o_scale
-            st.lse[s] = row_lse
-        hand_over_final(st.s_scale, st.sc, ln, PrefillBar.PT_FREE, PrefillBar.PT_READY)
-        scale_heads(st.acc_o, st.sc, h)
+        final_factors(cfg, st, g.mSink, False, ln, h, PrefillBar.PT_FREE, PrefillBar.PT_READY)
         store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, st.acc_o, h, 0, w.s_idx, 0, ln, PrefillBar.EPI_WG0,
                   qo_policy(cfg))
         if (ln.warp == 0) & (ln.lane < 4):
@@ -222,10 +203,7 @@ def pv_right_wg(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: SwappedO
         c0 += (w.n_tiles + 1) // TILE.k_bufs
         c1 += w.n_tiles // TILE.k_bufs
 
-        cute.arch.barrier(barrier_id=PrefillBar.PT_READY, number_of_threads=PAIR_THREADS)
-        get_factors(st.s_scale, st.sc, ln.quad)
-        cute.arch.barrier_arrive(barrier_id=PrefillBar.PT_FREE, number_of_threads=PAIR_THREADS)
-        scale_heads(st.acc_o, st.sc, h)
+        take_final(st, ln, h, PrefillBar.PT_FREE, PrefillBar.PT_READY)
         store_out(smem.sQ, ops.chunk_layout, g.tma_out, g.mOut, st.acc_o, h, 1, w.s_idx, 0, ln, PrefillBar.EPI_WG1,
                   qo_policy(cfg))
         # The staging (in sQ) is no longer read: WG0 may load the next item's Q.

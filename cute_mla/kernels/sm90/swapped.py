@@ -352,6 +352,55 @@ def hand_over_final(s_scale: cute.Tensor, sc: cute.Tensor, ln: Lane, free_bar: c
     cute.arch.barrier_arrive(barrier_id=ready_bar, number_of_threads=2 * TILE.threads_per_wg)
 
 
+@cute.jit
+def take_final(st: Wg1, ln: Lane, h: cutlass.Constexpr, free_bar: cutlass.Constexpr, ready_bar: cutlass.Constexpr):
+    """WG1, at the end of a walk: the heads' final factors from WG0 (the other side of
+    :func:`hand_over_final`), then its O^T scaled by them."""
+    cute.arch.barrier(barrier_id=ready_bar, number_of_threads=2 * TILE.threads_per_wg)
+    get_factors(st.s_scale, st.sc, ln.quad)
+    cute.arch.barrier_arrive(barrier_id=free_bar, number_of_threads=2 * TILE.threads_per_wg)
+    scale_heads(st.acc_o, st.sc, h)
+
+
+@cute.jit
+def start_walk(st: Wg0, tma_q: cute.CopyAtom, q_full, q_bytes: cutlass.Constexpr, token, row, rq, ln: Lane,
+               q_free_bar: cutlass.Constexpr, policy: cutlass.Constexpr = ""):
+    """WG0, at the start of a walk (item or request) ``rq`` of the CTA: from the second on, once
+    WG1's output left the staging in sQ (``q_free_bar`` synced), Q of (``token``, ``row``) by TMA
+    on ``q_full`` (warp 0; ``policy``: an L2 cache policy kind for the load, or ""), the running
+    maxima, sums and O^T reset, then Q waited for."""
+    if rq > 0:
+        cute.arch.barrier(barrier_id=q_free_bar, number_of_threads=2 * TILE.threads_per_wg)
+    if ln.warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
+        if cutlass.const_expr(policy):
+            cute.copy(tma_q, st.tQgQ[None, 0, 0, token, row], st.tQsQ, tma_bar_ptr=q_full,
+                      cache_policy=ptx.l2_policy(policy))
+        else:
+            cute.copy(tma_q, st.tQgQ[None, 0, 0, token, row], st.tQsQ, tma_bar_ptr=q_full)
+    st.m.fill(-1e30)
+    st.l.fill(0.0)
+    st.acc_o.fill(0.0)
+    cute.arch.mbarrier_wait(q_full, rq & 1)
+
+
+def final_factors(cfg, st: Wg0, mSink, is_split, ln: Lane, h: int, free_bar: int, ready_bar: int):
+    """WG0, at the end of a walk, its sums whole: each head's O factor and lse (``finalize_row``:
+    the sink, empty rows, a split piece's base-2 lse) into ``st.sc`` / ``st.lse``, the factors to
+    WG1 (:func:`hand_over_final`), then its own O^T scaled by them. A plain function, inlined at
+    trace time."""
+    # Imported here: epilogue.py needs cta.py, which builds the swap-AB storage from this module.
+    from .epilogue import finalize_row
+
+    for s in range(h // 4):
+        o_scale, row_lse = finalize_row(cfg, mSink, st.l[s], st.m[s], is_split, head_of(s, ln.quad))
+        st.sc[s] = o_scale
+        st.lse[s] = row_lse
+    hand_over_final(st.s_scale, st.sc, ln, free_bar, ready_bar)
+    scale_heads(st.acc_o, st.sc, h)
+
+
 def issue_pv(pv_mma, acc_o: cute.Tensor, tOrV_buf, tOrP, sc: cute.Tensor, h: int):
     """O^T = O^T * the heads' factors + V^T P^T of one tile: 16 SS wgmma m64nhk16, committed, not
     waited (a plain function)."""
