@@ -405,6 +405,8 @@ def test_v4_sm100_no_split_limit_counts_both_lists(arch, num_sms):
     (128, 64, 1024, "device"), (128, 128, 1024, "device"), (512, 64, 1024, "device"),   # 18 blocks: split
     (1, 64, 0, "per_request"), (32, 128, 0, "per_request"), (512, 64, 0, "per_request"),   # 2 blocks: up to 4 waves
     (512, 128, 0, "device"),
+    (512, 8, 512, "balanced"), (396, 16, 512, "balanced"), (395, 8, 512, "device"),   # 8, 16 heads: from 3 waves
+    (128, 8, 512, "device"), (512, 32, 512, "device"), (512, 16, 1024, "balanced"), (512, 8, 1088, "device"),
 ])
 def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect):
     """V4-sized lists with device lengths: no split, no accumulators, no combine where the plan's
@@ -419,7 +421,7 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
             "per_request", b, False, 0, ("sm90_sparse_decode",))
     elif expect == "balanced":
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
-            "balanced", 66, False, 0, ("sm90_sparse_decode",))
+            "balanced", 132 // max(1, h_q // 64), False, 0, ("sm90_sparse_decode",))
         assert p.orders_requests and "request order" in p.describe()
         # whole requests only where they were measured: s_q = 1 with an extra list
         assert plan_sparse_decode(b, 2, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
@@ -435,7 +437,7 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
     # at h = 128 as at h = 64
     if v32.schedule == "device":
         assert v32.fixed_overhead == fixed_overhead_blocks("sm_90a", b=b, parts=v32.num_sm_parts, blocks=2 + extra // 64)
-    if extra == 512 and 0.5 <= b * h_q / 64 / 132 <= 2:
+    if extra == 512 and 0.5 <= b * max(1, h_q // 64) / 132 <= 2:   # (request, head block) CTAs
         assert v32.schedule == "per_request"
     # long lists (V3.2's 2048) keep the balanced split schedule
     assert plan_sparse_decode(b, 1, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=True).schedule == "device"

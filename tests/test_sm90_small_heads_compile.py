@@ -16,7 +16,7 @@ from _compile_helpers import compile_artifacts
 
 ARCH = archs.SM90.name
 
-# name: (h_q, format, split, has_topk_length, has_attn_sink, has_extra, has_extra_topk_length)
+# name: (h_q, format, split, has_topk_length, has_attn_sink, has_extra, has_extra_topk_length[, request_order])
 CONFIGS = {
     "h8_split_tl_sink": (8, "V3.2", True, True, True, False, False),
     "h16_nosplit": (16, "V3.2", False, False, False, False, False),
@@ -24,13 +24,15 @@ CONFIGS = {
     "v4_h16_split_extra_tl": (16, "V4", True, True, True, True, True),
     "v4_h8_nosplit_extra": (8, "V4", False, False, True, True, False),
     "v4_h32_nosplit": (32, "V4", False, True, False, False, False),
+    # the balanced cut's kernel (the plan's packed rule at 8 and 16 heads): partitions walk a request order
+    "v4_h8_nosplit_extra_tl_order": (8, "V4", False, True, True, True, True, True),
 }
 
 
 def _config(name):
-    h_q, fmt, split, tl, sink, extra, extra_tl = CONFIGS[name]
+    h_q, fmt, split, tl, sink, extra, extra_tl, *order = CONFIGS[name]
     return kernel_config(h_q=h_q, format=fmt, split=split, has_topk_length=tl, has_attn_sink=sink, has_extra=extra,
-                         has_extra_topk_length=extra_tl)
+                         has_extra_topk_length=extra_tl, request_order=bool(order))
 
 
 @pytest.fixture(scope="module")

@@ -183,13 +183,14 @@ def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
         assert plan.workspace_bytes < plan.flashmla_workspace_bytes
 
 
-@pytest.mark.parametrize("b, extra_topk", [(396, 512), (600, 512), (400, 1024)])
-def test_v4_balanced_whole_requests(seed, b, extra_topk):
-    """h_q = 128, an extra list of 512 or 1024 and lengths from six waves of CTAs up: the balanced
-    plan (whole requests dealt by cost into one wave of partitions on the device, walked through
-    a request order) gives the reference's answer, eagerly and with the schedule made inside a
-    CUDA-graph capture."""
-    x = v4_sweep_inputs(seed, b, 1, 128, 128, num_tokens=2046, page_block_size=64, with_topk_length=True,
+@pytest.mark.parametrize("h_q, b, extra_topk", [(128, 396, 512), (128, 600, 512), (128, 400, 1024), (8, 396, 512),
+                                                 (16, 512, 1024)])
+def test_v4_balanced_whole_requests(seed, h_q, b, extra_topk):
+    """An extra list of 512 or 1024 and lengths from six waves of CTAs up at h_q = 128 (three at 8
+    and 16 heads, the swap-AB tile): the balanced plan (whole requests dealt by cost into one wave
+    of partitions on the device, walked through a request order) gives the reference's answer,
+    eagerly and with the schedule made inside a CUDA-graph capture."""
+    x = v4_sweep_inputs(seed, b, 1, h_q, 128, num_tokens=2046, page_block_size=64, with_topk_length=True,
                         extra_topk=extra_topk, extra_num_tokens=1024, extra_page_block_size=53,
                         with_extra_topk_length=True, all_invalid_rows=2)
     o, l, sched = run_case(x)

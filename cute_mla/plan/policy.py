@@ -50,25 +50,26 @@ class PackedRule:
     """Whole requests dealt by cost into one wave of partitions (the "balanced" schedule, made on
     the device; the kernel walks the schedule's request order), nothing split. A CTA's later
     requests overlap their index scan and first gathers with the request before, which one
-    partition per request cannot. It needs many requests per partition to balance them, hence
-    ``min_waves`` of (request, head block) CTAs; it is taken at ``h_q`` with one query token per
-    request, an extra list, and lists of (``min_blocks``, ``max_blocks``] blocks (the shapes it was
-    measured on; the cut charges nothing per request: a charge would not change it)."""
+    partition per request cannot, and no partials are written or combined. It needs many requests
+    per partition to balance them: ``min_waves`` of (request, head block) CTAs, per head count it
+    was measured at (a partition holds a head block of its requests, so this counts requests per
+    partition). It is taken with one query token per request, an extra list, and lists of
+    (``min_blocks``, ``max_blocks``] blocks (the shapes it was measured on; the cut charges nothing
+    per request: a charge would not change it)."""
 
-    h_q: int = 128
-    min_waves: float = 6.0
+    min_waves: Tuple[Tuple[int, float], ...] = ((8, 3.0), (16, 3.0), (128, 6.0))
     min_blocks: int = 2
     max_blocks: int = 18
 
     def takes(self, h_q: int, has_extra: bool) -> bool:
-        """The kernels it can reach: its head count, with an extra list (what warmup compiles)."""
-        return h_q == self.h_q and has_extra
+        """The kernels it can reach: its head counts, with an extra list (what warmup compiles)."""
+        return h_q in dict(self.min_waves) and has_extra
 
     def applies(self, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
         if s_q != 1 or not self.takes(h_q, bool(extra_topk)):
             return False
         waves = b * sched.head_blocks(h_q) / num_sms
-        return self.min_blocks < blocks <= self.max_blocks and waves >= self.min_waves
+        return self.min_blocks < blocks <= self.max_blocks and waves >= dict(self.min_waves)[h_q]
 
 
 @dataclass(frozen=True)

@@ -281,8 +281,8 @@ def reachable_kernels(policy: SparseDecodePolicy, h_q: int, fmt: KVCacheFormat) 
     """The main-kernel choices (``config_for``'s plan fields, less the sink) that the planner's rules
     can reach for ``h_q`` and a format: split or not, with each list's lengths or not, the extra
     pool where the format has one; the column pair only where the policy has it (h_q = 64 split
-    plans with a host schedule: no lengths); the request order only where the packed rule's h_q,
-    an extra list and lengths meet (never split)."""
+    plans with a host schedule: no lengths); the request order only where one of the packed
+    rule's head counts, an extra list and lengths meet (never split)."""
     out = []
     extras = [(False, False)] + ([(True, False), (True, True)] if fmt.extra_pool else [])
     for split, tl in itertools.product((False, True), (False, True)):
