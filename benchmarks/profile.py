@@ -51,6 +51,7 @@ inputs. (A one-request-per-CTA form, which forced the plan, is ``benchmarks/v4_t
     python -m benchmarks.profile [--rows "1,1,64;1,8,64"] [--layers 16]
     python -m benchmarks.profile --v4 "128,128,1024;512,128,1024"
     python -m benchmarks.profile --ncu [--row 1,1024,128] [--variant NAME] [--topk 2048] [--masked 0.2]
+    python -m benchmarks.profile --ncu --v4-row 512,8,512 [--variant NAME]
     python -m benchmarks.profile --host [--row 1,1,64] [--calls 400]
     python -m benchmarks.profile --launch [--row 1,1,64] [--calls 400]
     python -m benchmarks.profile --timeline [--heads 64,128] [--s-q 1] [--topk 2048] [--replays 10] [--variant no_pf]
@@ -232,10 +233,12 @@ def per_kernel_v4(rows):
 
 
 def ncu_one_call(args):
-    b, s_q, h = parse_row(args.row or NCU_ROW)
     tuning, nocomb = variant_of(args.variant)
     if nocomb:
         raise SystemExit("--variant: --ncu profiles a whole call (no +nocomb)")
+    if args.v4_row:
+        return ncu_one_v4_call(args, tuning)
+    b, s_q, h = parse_row(args.row or NCU_ROW)
     topk = args.topk or 2048
     q, cache, idx = make_inputs(b, s_q, h, args.masked, torch.Generator(device="cuda").manual_seed(0), topk=topk)
     sched = filled(cute_mla, q, cache, idx, tuning)
@@ -247,6 +250,28 @@ def ncu_one_call(args):
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     print(f"profiled one call of b={b} s_q={s_q} h={h} top-k {topk} masked {args.masked} variant {args.variant}")
+
+
+def ncu_one_v4_call(args, tuning):
+    """``--ncu --v4-row b,h,extra``: one call of a ``bench_sparse_decode --v4`` row (its lengths, sinks
+    and pools, draw 0) under the plan it takes, the step's metadata object used twice first."""
+    rows = v4_parse_rows(args.v4_row)
+    if len(rows) != 1:
+        raise SystemExit(f"--v4-row: one row b,h,extra_topk, got {args.v4_row!r}")
+    (b, h, extra), = rows
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pools = (v4_make_pool(g), v4_make_pool(g))
+    row = v4_make_row(b, h, extra, 0.0, g)
+    sched = cute_mla.FlashMLASchedMeta(tuning=tuning)
+    for _ in range(2):
+        v4_call(cute_mla, sched, row, *pools)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    v4_call(cute_mla, sched, row, *pools)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    plan = sched.plan
+    print(f"profiled one V4 call of b={b} h={h} extra {extra} ({plan.schedule}/{plan.variant}) variant {args.variant}")
 
 
 def host_us(fn, calls):
@@ -553,6 +578,8 @@ def main():
     ap.add_argument("--rows", default=None, help="b,s_q,h;... (default: the latency rows)")
     ap.add_argument("--layers", type=int, default=16, help="calls per graph for the per-call replay times")
     ap.add_argument("--row", default=None, help=f"b,s_q,h (--ncu: {NCU_ROW}, --host / --launch: {HOST_ROW})")
+    ap.add_argument("--v4-row", default=None, metavar="B,H,EXTRA",
+                    help="--ncu: one V4 row of bench_sparse_decode --v4 instead of a V3.2 row")
     ap.add_argument("--masked", type=float, default=0.2, help="--ncu")
     ap.add_argument("--topk", type=int, default=None, help="--ncu: the row's top-k (2048); --timeline: only its cases")
     ap.add_argument("--variant", default="default", help="--ncu, --timeline: a benchmarks.variants name")
