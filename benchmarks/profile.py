@@ -232,6 +232,17 @@ def per_kernel_v4(rows):
             print(f"V4 b={b} h={h} extra={extra} {name}{label}: kernels {total:.1f} us = {parts}", flush=True)
 
 
+def profile_one(fn):
+    """``fn()`` twice (compile, plan, schedule), then once between cudaProfilerStart / Stop."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def ncu_one_call(args):
     tuning, nocomb = variant_of(args.variant)
     if nocomb:
@@ -242,13 +253,7 @@ def ncu_one_call(args):
     topk = args.topk or 2048
     q, cache, idx = make_inputs(b, s_q, h, args.masked, torch.Generator(device="cuda").manual_seed(0), topk=topk)
     sched = filled(cute_mla, q, cache, idx, tuning)
-    for _ in range(2):
-        call(cute_mla, sched, q, cache, idx)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    call(cute_mla, sched, q, cache, idx)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profile_one(lambda: call(cute_mla, sched, q, cache, idx))
     print(f"profiled one call of b={b} s_q={s_q} h={h} top-k {topk} masked {args.masked} variant {args.variant}")
 
 
@@ -263,13 +268,7 @@ def ncu_one_v4_call(args, tuning):
     pools = (v4_make_pool(g), v4_make_pool(g))
     row = v4_make_row(b, h, extra, 0.0, g)
     sched = cute_mla.FlashMLASchedMeta(tuning=tuning)
-    for _ in range(2):
-        v4_call(cute_mla, sched, row, *pools)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    v4_call(cute_mla, sched, row, *pools)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profile_one(lambda: v4_call(cute_mla, sched, row, *pools))
     plan = sched.plan
     print(f"profiled one V4 call of b={b} h={h} extra {extra} ({plan.schedule}/{plan.variant}) variant {args.variant}")
 

@@ -8,6 +8,7 @@ from cute_mla.plan.sparse_decode import FLASHMLA_ACCUM_BYTES_PER_HEAD, LSE_ACCUM
 V4_DEVICE_PIECE_CHARGE = default_policy("sm_90a").device_charge("V4")
 from cute_mla.plan.schedule import balanced_schedule_device
 from cute_mla.scheduler import FIXED_OVERHEAD, accum_offsets, longest_partition, plan_splits_host
+from cute_mla.scheduler.partition import head_blocks
 
 
 def fixed_overhead_blocks(arch, *, b, parts, blocks):
@@ -421,7 +422,7 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
             "per_request", b, False, 0, ("sm90_sparse_decode",))
     elif expect == "balanced":
         assert (p.schedule, p.num_sm_parts, p.split, p.workspace_bytes, p.launches) == (
-            "balanced", 132 // max(1, h_q // 64), False, 0, ("sm90_sparse_decode",))
+            "balanced", 132 // head_blocks(h_q), False, 0, ("sm90_sparse_decode",))
         assert p.orders_requests and "request order" in p.describe()
         # whole requests only where they were measured: s_q = 1 with an extra list
         assert plan_sparse_decode(b, 2, h_q, 512, 128, arch="sm_90a", num_sms=132, has_topk_length=True,
@@ -437,7 +438,7 @@ def test_sm90_short_lists_with_lengths_run_whole_requests(b, h_q, extra, expect)
     # at h = 128 as at h = 64
     if v32.schedule == "device":
         assert v32.fixed_overhead == fixed_overhead_blocks("sm_90a", b=b, parts=v32.num_sm_parts, blocks=2 + extra // 64)
-    if extra == 512 and 0.5 <= b * max(1, h_q // 64) / 132 <= 2:   # (request, head block) CTAs
+    if extra == 512 and 0.5 <= b * head_blocks(h_q) / 132 <= 2:   # (request, head block) CTAs
         assert v32.schedule == "per_request"
     # long lists (V3.2's 2048) keep the balanced split schedule
     assert plan_sparse_decode(b, 1, h_q, 576, 2048, arch="sm_90a", num_sms=132, has_topk_length=True).schedule == "device"

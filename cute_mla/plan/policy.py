@@ -61,15 +61,19 @@ class PackedRule:
     min_blocks: int = 2
     max_blocks: int = 18
 
+    def waves_at(self, h_q: int) -> Optional[float]:
+        """The minimum waves at ``h_q``, or None where the rule was not measured."""
+        return dict(self.min_waves).get(h_q)
+
     def takes(self, h_q: int, has_extra: bool) -> bool:
         """The kernels it can reach: its head counts, with an extra list (what warmup compiles)."""
-        return h_q in dict(self.min_waves) and has_extra
+        return self.waves_at(h_q) is not None and has_extra
 
     def applies(self, b: int, s_q: int, h_q: int, blocks: int, extra_topk: int, num_sms: int) -> bool:
         if s_q != 1 or not self.takes(h_q, bool(extra_topk)):
             return False
         waves = b * sched.head_blocks(h_q) / num_sms
-        return self.min_blocks < blocks <= self.max_blocks and waves >= dict(self.min_waves)[h_q]
+        return self.min_blocks < blocks <= self.max_blocks and waves >= self.waves_at(h_q)
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,8 @@ def plan_sparse_decode(b: int, s_q: int, h_q: int, d_qk: int, topk: int, *, arch
 
     Accepted (:func:`check_problem`; anything else raises ``ValueError`` naming the argument):
     ``b``, ``s_q`` positive (``b <= MAX_REQUESTS``, ``b * s_q <= MAX_QUERY_ROWS``); ``h_q`` one of
-    the arch's kernel's head counts (``DECODE_HEADS``: SM90 8, 16, 32, 64, 128; SM100 64, 128); ``d_qk`` 576 (V3.2) or 512 (V4), and ``d_v`` 512; ``topk`` a positive multiple of 64 up to
+    the arch's kernel's head counts (``DECODE_HEADS``: SM90 8, 16, 32, 64, 128; SM100 64, 128);
+    ``d_qk`` 576 (V3.2) or 512 (V4), and ``d_v`` 512; ``topk`` a positive multiple of 64 up to
     ``MAX_TOPK``; ``arch`` ``"sm_90a"`` or ``"sm_100a"`` with the device's ``num_sms``.
     ``extra_topk``: the extra pool's list length (V4 only; a multiple of 64), 0 without one.
     ``has_topk_length`` / ``has_extra_topk_length``: the call passes that list's per-request
