@@ -257,6 +257,20 @@ def v4_row_generator(b, h, extra_topk, draw):
 SMALL_HEADS = (8, 16, 32)
 
 
+def achieved(fmt, h, query_tokens, rows, times):
+    """A call's achieved rates from its gathered ``rows`` (each position's FLOPs at the real head
+    count, ``bench.work``) and each library's ``{lib}_us`` in ``times``: ``{lib}_tflops``, and
+    cute-mla's rows' bytes per second, ``cute_tbps``; with ``rows_bytes`` and ``flop``."""
+    flop, _ = work(fmt, h, query_tokens, rows)
+    out = dict(rows_bytes=rows * fmt.row_bytes, flop=flop)
+    for lib in ("cute", "flashmla"):
+        if f"{lib}_us" in times:
+            out[f"{lib}_tflops"] = flop / times[f"{lib}_us"] * 1e-6
+    if "cute_us" in times:
+        out["cute_tbps"] = out["rows_bytes"] / times["cute_us"] * 1e-6
+    return out
+
+
 class VariantLibrary:
     """cute_mla's two calls with every metadata object made for one kernel variant (``tuning``,
     the public seam ``FlashMLASchedMeta(tuning=...)``): ``--variant``."""
@@ -291,7 +305,8 @@ def v4_transient_mib(mod, row, k_cache, extra_k_cache):
 
 
 def v4_run_draw(b, h, extra_topk, draw, pools, libs, args):
-    """One draw of a row: {lib: {check, us, ...}} and the largest |out difference| between them."""
+    """One draw of a row: {lib: {check, us, ...}}, the largest |out difference| between them and
+    the cache rows the call gathers (valid positions within the lengths)."""
     row = v4_make_row(b, h, extra_topk, args.masked, v4_row_generator(b, h, extra_topk, draw))
     k_cache, extra_k_cache = pools
 
@@ -317,7 +332,10 @@ def v4_run_draw(b, h, extra_topk, draw, pools, libs, args):
         outs = {}
     torch.cuda.synchronize()   # (the outs: the graphs' last replays)
     diff = (outs["cute"].float() - outs["flashmla"].float()).abs().max().item() if len(outs) == 2 else None
-    return res, diff
+    rows = bench.gathered_rows(row["indices"], row["topk_length"])
+    if row["extra_indices"] is not None:
+        rows += bench.gathered_rows(row["extra_indices"], row["extra_topk_length"])
+    return res, diff, rows
 
 
 def v4_run_row(b, h, extra_topk, pools, cute, fm, args):
@@ -327,8 +345,9 @@ def v4_run_row(b, h, extra_topk, pools, cute, fm, args):
     libs = dict(cute=cute) if fm is None else dict(cute=cute, flashmla=fm)
     r = dict(b=b, s_q=1, h_q=h, topk=V4_TOPK, extra_topk=extra_topk, draws=[])
     for d in range(args.draws):
-        res, diff = v4_run_draw(b, h, extra_topk, d, pools, libs, args)
+        res, diff, rows = v4_run_draw(b, h, extra_topk, d, pools, libs, args)
         per = {f"{lib}_{k}": v for lib, kv in res.items() for k, v in kv.items()}
+        per.update(achieved(V4, h, b, rows, per))
         if "cute_us" in per and "flashmla_us" in per:
             per["ratio"] = per["flashmla_us"] / per["cute_us"]
         if diff is not None:
@@ -342,10 +361,14 @@ def v4_run_row(b, h, extra_topk, pools, cute, fm, args):
             continue
         checks = [x[f"{lib}_check"] for x in draws]
         r[f"{lib}_check"] = next((c for c in checks if c != "ok"), "ok")
-        r[f"{lib}_us"] = statistics.median(x[f"{lib}_us"] for x in draws)
+        for k in ("us", "tflops", "tbps"):
+            if f"{lib}_{k}" in first:
+                r[f"{lib}_{k}"] = statistics.median(x[f"{lib}_{k}"] for x in draws)
         for k in ("transient_mib", "variant", "schedule", "workspace_mib"):
             if f"{lib}_{k}" in first:
                 r[f"{lib}_{k}"] = first[f"{lib}_{k}"]
+    if "cute_tbps" in r:
+        r["cute_copy_share"] = r["cute_tbps"] / args.copy_tbps
     ratios = [x["ratio"] for x in draws if "ratio" in x] if not any(f"{lib}_error" in r for lib in libs) else []
     if ratios:
         r.update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
@@ -359,19 +382,24 @@ def v4_print_table(results, meta):
     print(f"\n{meta['gpu']}  commit {meta['commit']}{variant}  V4 cache, pools of {POOL} tokens, page block {PAGE}, "
           f"s_q 1, top-k {V4_TOPK}, lengths uniform, sinks on")
     print(f"(µs and ratio: medians over each row's {meta['draws']} draws of its inputs; range: the lowest and "
-          "highest per-draw ratio" + ("; L2 flushed before every timed replay)" if meta["cold_l2"] else ")"))
-    print(f"{'b':>4} {'h':>4} {'extra':>6} | {'cute us':>8} {'MiB':>7} {'check':>6} | {'FlashMLA us':>11} {'MiB':>7} "
-          f"{'check':>6} | {'ratio':>6} {'range':>11} {'maxdiff':>8}")
+          "highest per-draw ratio" + ("; L2 flushed before every timed replay" if meta["cold_l2"] else "") +
+          f"; TF/s: the real heads' work; rows TB/s: the gathered rows' bytes, against the copy rate "
+          f"{meta['copy_tbps']:.2f} TB/s)")
+    print(f"{'b':>4} {'h':>4} {'extra':>6} | {'cute us':>8} {'TF/s':>6} {'rows TB/s':>12} {'MiB':>7} {'check':>6} | "
+          f"{'FlashMLA us':>11} {'TF/s':>6} {'MiB':>7} {'check':>6} | {'ratio':>6} {'range':>11} {'maxdiff':>8}")
     for r in results:
         head = f"{r['b']:>4} {r['h_q']:>4} {r['extra_topk']:>6} | "
         if "cute_error" in r:
             ours = f"ERROR {r['cute_error'][:60]}"
         else:
-            ours = f"{r['cute_us']:>8.1f} {r['cute_transient_mib']:>7.2f} {_ok(r['cute_check']):>6}"
+            rate = f"{r['cute_tbps']:.2f} ({100 * r['cute_copy_share']:.0f}%)"
+            ours = (f"{r['cute_us']:>8.1f} {r['cute_tflops']:>6.1f} {rate:>12} {r['cute_transient_mib']:>7.2f} "
+                    f"{_ok(r['cute_check']):>6}")
         if "flashmla_us" in r:
-            theirs = f"{r['flashmla_us']:>11.1f} {r['flashmla_transient_mib']:>7.2f} {_ok(r['flashmla_check']):>6}"
+            theirs = (f"{r['flashmla_us']:>11.1f} {r['flashmla_tflops']:>6.1f} {r['flashmla_transient_mib']:>7.2f} "
+                      f"{_ok(r['flashmla_check']):>6}")
         else:
-            theirs = f"{'-':>11} {'-':>7} {'-':>6}" if "flashmla_error" not in r else f"ERROR {r['flashmla_error'][:40]}"
+            theirs = f"{'-':>11} {'-':>6} {'-':>7} {'-':>6}" if "flashmla_error" not in r else f"ERROR {r['flashmla_error'][:40]}"
         tail = (f"{r['ratio']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['max_abs_diff_vs_flashmla']:>8.1e}"
                 if "ratio" in r else f"{'-':>6} {'-':>11} {'-':>8}")
         print(head + ours + " | " + theirs + " | " + tail)
@@ -402,6 +430,7 @@ def v4_main(args):
     pools = (v4_make_pool(g), v4_make_pool(g))
     args.flush = bench.l2_flusher() if args.cold_l2 else None
     warm_up(args.warmup_s)
+    args.copy_tbps = bench.measured_copy_tbps()
     results = []
     for b, h, e in rows:
         r = v4_run_row(b, h, e, pools, cute, fm, args)
@@ -411,7 +440,7 @@ def v4_main(args):
     meta = dict(gpu=torch.cuda.get_device_name(), commit=commit_id(), torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 pool=POOL, page_block_size=PAGE, topk=V4_TOPK, masked=args.masked, sample=args.sample, draws=args.draws,
-                cold_l2=args.cold_l2, variant=args.variant,
+                cold_l2=args.cold_l2, variant=args.variant, copy_tbps=args.copy_tbps,
                 flashmla=fm is not None, command="python -m benchmarks.bench_sparse_decode " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
@@ -470,6 +499,7 @@ def main(argv=None):
     named = {"all": GRID, "quick": QUICK, "h128": [r for r in GRID if r[2] == 128], "small": SMALL}
     rows = named[args.rows] if args.rows in named else parse_rows(args.rows)
     warm_up(args.warmup_s)
+    copy_rate = bench.measured_copy_tbps()
     # cute-mla's first row timed in a process measured slow (b=1 s_q=1 h=64 graph replay:
     # 19-32 µs where later rows or other scripts measured 15-16 µs; cause not found): time it
     # once for both libraries and throw the results away.
@@ -483,11 +513,14 @@ def main(argv=None):
     for (b, s_q, h) in rows:
         q, cache, idx = make_inputs(b, s_q, h, args.masked, g)
         flop, _ = work(V32, h, b * s_q, b * s_q * TOPK)
-        r = dict(b=b, s_q=s_q, h_q=h)
+        rows_bytes = bench.gathered_rows(idx) * V32.row_bytes
+        r = dict(b=b, s_q=s_q, h_q=h, rows_bytes=rows_bytes)
         try:
             ours, (oo, ol) = time_one(cute_mla, q, cache, idx)
             r.update({f"cute_{k}": v for k, v in ours.items()})
             r["cute_tflops"] = flop / ours["us"] * 1e-6
+            r["cute_tbps"] = rows_bytes / ours["us"] * 1e-6
+            r["cute_copy_share"] = r["cute_tbps"] / copy_rate
         except Exception as e:  # noqa: BLE001
             r["cute_error"] = f"{type(e).__name__}: {e}"[:300]
             oo = None
@@ -509,19 +542,22 @@ def main(argv=None):
 
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 commit=commit_id(), torch=torch.__version__, masked=args.masked, pool=POOL, page_block_size=PAGE, topk=TOPK,
+                copy_tbps=copy_rate,
                 command="python -m benchmarks.bench_sparse_decode " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
-    print(f"\n{meta['gpu']}  commit {meta['commit']}  masked {args.masked}")
-    print(f"{'b':>4} {'s_q':>6} {'h':>4} | {'cute us':>9} {'eager':>8} {'TF/s':>6} {'MiB':>7} | {'FlashMLA us':>11} {'eager':>8} {'TF/s':>6} {'MiB':>8} | {'ratio':>6} {'maxdiff':>8}"
+    print(f"\n{meta['gpu']}  commit {meta['commit']}  masked {args.masked}  (rows TB/s: the gathered rows' bytes, "
+          f"against the copy rate {copy_rate:.2f} TB/s)")
+    print(f"{'b':>4} {'s_q':>6} {'h':>4} | {'cute us':>9} {'eager':>8} {'TF/s':>6} {'rows TB/s':>12} {'MiB':>7} | {'FlashMLA us':>11} {'eager':>8} {'TF/s':>6} {'MiB':>8} | {'ratio':>6} {'maxdiff':>8}"
           f" | per call in a {LAYER_CALLS}-call graph: cute / FlashMLA us, time ratio")
     for r in results:
         if "cute_error" in r:
             print(f"{r['b']:>4} {r['s_q']:>6} {r['h_q']:>4} | ERROR {r['cute_error'][:90]}")
             continue
         fl = lambda k, f: (f % r[k]) if k in r else "-"
-        print(f"{r['b']:>4} {r['s_q']:>6} {r['h_q']:>4} | {r['cute_us']:>9.1f} {r['cute_eager_us']:>8.1f} {r['cute_tflops']:>6.1f} {r['cute_transient_mib']:>7.2f} | "
+        rate = f"{r['cute_tbps']:.2f} ({100 * r['cute_copy_share']:.0f}%)"
+        print(f"{r['b']:>4} {r['s_q']:>6} {r['h_q']:>4} | {r['cute_us']:>9.1f} {r['cute_eager_us']:>8.1f} {r['cute_tflops']:>6.1f} {rate:>12} {r['cute_transient_mib']:>7.2f} | "
               f"{fl('flashmla_us', '%11.1f')} {fl('flashmla_eager_us', '%8.1f')} {fl('flashmla_tflops', '%6.1f')} {fl('flashmla_transient_mib', '%8.1f')} | "
               f"{fl('ratio', '%6.2f')} {fl('max_abs_diff_vs_flashmla', '%8.1e')}"
               + (f" | {r['cute_layer_us']:.1f} / {fl('flashmla_layer_us', '%.1f')}"

@@ -97,7 +97,7 @@ import torch
 
 import cute_mla
 from cute_mla.formats import V32, dequantize_v32, quantize_v32
-from cute_mla.playground.bench import import_flashmla, padded, warm_up
+from cute_mla.playground.bench import import_flashmla, measured_copy_tbps, padded, warm_up
 from cute_mla.testing import check_allclose, check_out_lse, step_transient_bytes, transient_bytes
 
 from benchmarks.bench_sparse_decode import commit_id
@@ -557,14 +557,6 @@ def dequant_context(cache: torch.Tensor, ws: torch.Tensor) -> None:
     ws[:, 0, 512:].copy_(raw[:, 528:].view(torch.bfloat16))
 
 
-def copy_tbps(nbytes: int = 512 * MIB) -> float:
-    """The device-to-device copy rate (read + write bytes per second / 1e12) of torch's copy_."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    b = torch.empty_like(a)
-    t = alternating_us({"copy": [("copy", lambda: b.copy_(a))]}, iters=10, warmup=3)["copy"]["copy"]
-    return 2 * nbytes / statistics.median(t) * 1e-6
-
-
 def decode_call(mod, sched, xb: dict):
     return mod.flash_mla_with_kvcache(xb["q"], xb["cache"], None, None, D_V, sched, softmax_scale=xb["sm_scale"],
                                       is_fp8_kvcache=True, indices=xb["indices"])
@@ -586,7 +578,7 @@ def run_route_case(c, fm, args) -> dict:
     flop, fwd_bytes = prefill_work(xa)
     unique = int(torch.unique(indices[(indices >= 0) & (indices < s_kv)]).numel())
     dequant_bytes = s_kv * (V32.row_bytes + 2 * d_qk)
-    rate = copy_tbps()
+    rate = measured_copy_tbps()
     row = dict(case=case_label(c), d_qk=d_qk, h_q=h_q, topk=topk, s_kv=s_kv, s_q=s_q, flop=flop,
                workspace_mib=ws.nbytes / MIB, cache_mib=cache.nbytes / MIB, copy_tbps=rate,
                dequant_bytes=dequant_bytes, dequant_floor_us=dequant_bytes / rate * 1e-6, fwd_bytes=fwd_bytes,

@@ -172,3 +172,13 @@ def test_accounting_matches_the_committed_results():
     ridge = bench.BF16_MMA_TFLOPS / bench.COPY_TBPS
     assert bench.roof_tflops(ridge / 2) == pytest.approx(bench.BF16_MMA_TFLOPS / 2)
     assert bench.roof_tflops(ridge * 2) == bench.BF16_MMA_TFLOPS
+
+
+def test_gathered_rows_counts_valid_positions_within_lengths():
+    """The rows behind a row's achieved byte rate: valid indices only ([0, pool)), and with lengths
+    only each request's first ``length`` positions (every query token of a request alike)."""
+    idx = torch.tensor([[[0, -1, 5, bench.POOL]], [[1, 2, 3, 4]]], dtype=torch.int32)   # (b 2, s_q 1, k 4)
+    assert bench.gathered_rows(idx) == 2 + 4
+    assert bench.gathered_rows(idx, torch.tensor([2, 3], dtype=torch.int32)) == 1 + 3
+    per_token = idx.expand(2, 3, 4)   # s_q 3: the lengths hold for each token of the request
+    assert bench.gathered_rows(per_token, torch.tensor([4, 1], dtype=torch.int32)) == 3 * 2 + 3 * 1

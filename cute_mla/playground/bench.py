@@ -437,6 +437,27 @@ def replay_times_us(gr, n: int, before: Optional[Callable[[], None]] = None) -> 
     return [a.elapsed_time(e) * 1e3 for a, e in ev]
 
 
+def measured_copy_tbps(nbytes: int = 512 * 2**20) -> float:
+    """The card's device-to-device copy rate now (read + write bytes per second / 1e12): the
+    median of graph replays of torch's ``copy_`` of ``nbytes``. What a row's achieved byte rate is
+    set against (the ``COPY_TBPS`` figures are one card's, for the committed plots)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    gr, _ = capture_graph(lambda: b.copy_(a))
+    return 2 * nbytes / replay_median_us(gr, 20) * 1e-6
+
+
+def gathered_rows(indices: torch.Tensor, length: Optional[torch.Tensor] = None, pool: int = POOL) -> int:
+    """The cache rows a call gathers from one index list: its valid indices (in [0, ``pool``)),
+    within each request's first ``length`` positions where a length is given ((b,), s_q 1 or each
+    of a request's query tokens alike)."""
+    valid = (indices >= 0) & (indices < pool)
+    if length is not None:
+        pos = torch.arange(indices.shape[-1], device=indices.device)
+        valid &= pos < length.view(-1, *([1] * (indices.dim() - 1)))
+    return int(valid.sum().item())
+
+
 def l2_flusher(mib: int = L2_FLUSH_MIB) -> Callable[[], None]:
     """A callable that queues a read of a ``mib`` MiB buffer (several times a GPU's L2), so
     the next kernel finds none of its inputs in L2, as a layer of an engine's decode step finds its
