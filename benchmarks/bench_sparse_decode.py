@@ -10,6 +10,10 @@ pays no graph launch of its own; a one-call graph's replay includes the host's g
 µs for a graph of one trivial kernel on the H200). Transient = peak allocation during a decode
 step's first call (a fresh metadata object) beyond out and lse: cute-mla's split workspace, which
 the step's later calls reuse, or FlashMLA's per-call accumulators (``testing.step_transient_bytes``).
+Rates (both modes): TF/s of the real heads' work (FlashMLA's padded heads are not counted), and
+cute-mla's ``rows TB/s``, the cache rows it gathers (valid indices; V4: within the lengths) in
+bytes per second, with its share of the card's device-to-device copy rate measured at the start
+of the run (``playground.bench.measured_copy_tbps``).
 
     python -m benchmarks.bench_sparse_decode [--rows all|quick|h128|small|b,s_q,h;...] [--json PATH] [--masked 0.2]
     python -m benchmarks.bench_sparse_decode --sustained 1,32768,64 [--seconds 4] [--variants default,no_pf]
