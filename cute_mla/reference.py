@@ -18,6 +18,16 @@ import torch
 from .formats import detect_format
 
 
+# The decode oracle's gathered keys per chunk of query tokens, at most (one token's keys if larger).
+CHUNK_KEY_BYTES = 256 * 2**20
+
+
+def key_chunk_rows(positions: int, d_qk: int, dtype: torch.dtype, budget: int = CHUNK_KEY_BYTES) -> int:
+    """Query tokens whose gathered keys (``positions`` rows of ``d_qk`` in ``dtype`` each) fit in
+    ``budget`` bytes; at least one."""
+    return max(1, budget // (positions * d_qk * torch.finfo(dtype).bits // 8))
+
+
 def dequantized_pool(k_cache: torch.Tensor, d_qk: int, kv_as_bf16: bool = True,
                      compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A cache (num_blocks, page_block_size[, 1], bytes_per_token), any byte dtype and stride(0), as
@@ -52,7 +62,7 @@ def sparse_decode_reference(
     d_v: int = 512,
     kv_as_bf16: bool = True,
     compute_dtype: torch.dtype = torch.float32,
-    chunk_rows: int = 256,
+    chunk_rows: Optional[int] = None,
     extra_k_cache: Optional[torch.Tensor] = None,
     extra_indices: Optional[torch.Tensor] = None,
     extra_topk_length: Optional[torch.Tensor] = None,
@@ -72,6 +82,9 @@ def sparse_decode_reference(
         kv_as_bf16: round the dequantized keys to bf16 before the math, as the kernels' MMAs see
             them (FlashMLA's test reference does the same). False keeps the fp32 dequantized values.
         compute_dtype: torch.float32 (default) or torch.float64.
+        chunk_rows: query tokens computed at once; None: as many as keep their gathered keys within
+            CHUNK_KEY_BYTES (:func:`key_chunk_rows`; the suite runs many of these side by side on
+            one GPU).
         extra_k_cache, extra_indices, extra_topk_length: V4's extra pool (a second cache of the
             same format, its own page block size), its (b, s_q, extra_topk) indices and their (b,)
             lengths, validity as for the main list; the softmax is taken jointly over both lists.
@@ -99,6 +112,8 @@ def sparse_decode_reference(
 
     qf = q.to(compute_dtype).reshape(b * s_q, h_q, d_qk)
     valid = torch.cat(valids, dim=1)
+    if chunk_rows is None:
+        chunk_rows = key_chunk_rows(valid.shape[1], d_qk, compute_dtype)
     out = torch.empty(b * s_q, h_q, d_v, dtype=compute_dtype, device=q.device)
     lse = torch.empty(b * s_q, h_q, dtype=compute_dtype, device=q.device)
     for r0 in range(0, b * s_q, chunk_rows):

@@ -194,6 +194,21 @@ def test_v4_reference_matches_float64(seed, case):
     assert (o64 - rout).abs().max() < 1e-9 and torch.equal(torch.isinf(l64), torch.isinf(rlse))
 
 
+def test_chunks_of_query_tokens_give_the_same_bits(seed):
+    """Query tokens are independent: one at a time, in chunks of 5 and all 12 at once give the same
+    bits, both lists included; the default chunk keeps a chunk's gathered keys in the byte budget."""
+    from cute_mla.reference import CHUNK_KEY_BYTES, key_chunk_rows
+
+    x = make_inputs(3, 4, 64, 128, d_qk=512, num_tokens=500, extra_topk=192, extra_num_tokens=700,
+                    invalid_frac=0.2, with_topk_length=True, with_extra_topk_length=True, with_sink=True)
+    whole = x.reference(chunk_rows=12)
+    for got in (x.reference(chunk_rows=1), x.reference(chunk_rows=5), x.reference()):
+        assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(got, whole))
+    # V4 with an extra list of 1024: 1152 keys of 512 fp32 a token
+    assert key_chunk_rows(1152, 512, torch.float32) == CHUNK_KEY_BYTES // (1152 * 2048)
+    assert key_chunk_rows(1152, 512, torch.float64, budget=1) == 1
+
+
 def test_v4_joint_softmax_is_the_merge_of_both_lists(seed):
     """The joint result equals the two lists' separate results merged by their lse (a split-KV
     combine of two pieces), and the extra list alone equals the extra pool as a main pool."""

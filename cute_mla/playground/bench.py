@@ -437,14 +437,23 @@ def replay_times_us(gr, n: int, before: Optional[Callable[[], None]] = None) -> 
     return [a.elapsed_time(e) * 1e3 for a, e in ev]
 
 
-def measured_copy_tbps(nbytes: int = 512 * 2**20) -> float:
+def measured_copy_tbps(nbytes: int = 512 * 2**20, iters: int = 10) -> float:
     """The card's device-to-device copy rate now (read + write bytes per second / 1e12): the
-    median of graph replays of torch's ``copy_`` of ``nbytes``. What a row's achieved byte rate is
-    set against (the ``COPY_TBPS`` figures are one card's, for the committed plots)."""
+    median of ``iters`` eager ``copy_`` calls of ``nbytes``, each between two events. Eager, not a
+    graph replay: a captured copy becomes a memcpy node, which measured slower than the eager
+    copy. What a row's achieved byte rate is set against (the ``COPY_TBPS`` figures are one
+    card's, for the committed plots)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    gr, _ = capture_graph(lambda: b.copy_(a))
-    return 2 * nbytes / replay_median_us(gr, 20) * 1e-6
+    for _ in range(3):
+        b.copy_(a)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in ev:
+        start.record()
+        b.copy_(a)
+        end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes / statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev) * 1e-6
 
 
 def gathered_rows(indices: torch.Tensor, length: Optional[torch.Tensor] = None, pool: int = POOL) -> int:
