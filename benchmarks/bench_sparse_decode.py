@@ -261,17 +261,18 @@ def v4_row_generator(b, h, extra_topk, draw):
 SMALL_HEADS = (8, 16, 32)
 
 
-def achieved(fmt, h, query_tokens, rows, times):
-    """A call's achieved rates from its gathered ``rows`` (each position's FLOPs at the real head
-    count, ``bench.work``) and each library's ``{lib}_us`` in ``times``: ``{lib}_tflops``, and
-    cute-mla's rows' bytes per second, ``cute_tbps``; with ``rows_bytes`` and ``flop``."""
-    flop, _ = work(fmt, h, query_tokens, rows)
-    out = dict(rows_bytes=rows * fmt.row_bytes, flop=flop)
+def achieved(fmt, rows, flop, times, copy_tbps):
+    """A call's achieved rates from the cache ``rows`` it gathers, its ``flop`` (``bench.work`` at
+    the real head count) and each library's ``{lib}_us`` in ``times``: ``{lib}_tflops``, and
+    cute-mla's rows' bytes per second, ``cute_tbps``, with its share of ``copy_tbps``; with
+    ``rows_bytes``."""
+    out = dict(rows_bytes=rows * fmt.row_bytes)
     for lib in ("cute", "flashmla"):
         if f"{lib}_us" in times:
             out[f"{lib}_tflops"] = flop / times[f"{lib}_us"] * 1e-6
     if "cute_us" in times:
         out["cute_tbps"] = out["rows_bytes"] / times["cute_us"] * 1e-6
+        out["cute_copy_share"] = out["cute_tbps"] / copy_tbps
     return out
 
 
@@ -351,7 +352,7 @@ def v4_run_row(b, h, extra_topk, pools, cute, fm, args):
     for d in range(args.draws):
         res, diff, rows = v4_run_draw(b, h, extra_topk, d, pools, libs, args)
         per = {f"{lib}_{k}": v for lib, kv in res.items() for k, v in kv.items()}
-        per.update(achieved(V4, h, b, rows, per))
+        per.update(achieved(V4, rows, work(V4, h, b, rows)[0], per, args.copy_tbps))
         if "cute_us" in per and "flashmla_us" in per:
             per["ratio"] = per["flashmla_us"] / per["cute_us"]
         if diff is not None:
@@ -365,14 +366,12 @@ def v4_run_row(b, h, extra_topk, pools, cute, fm, args):
             continue
         checks = [x[f"{lib}_check"] for x in draws]
         r[f"{lib}_check"] = next((c for c in checks if c != "ok"), "ok")
-        for k in ("us", "tflops", "tbps"):
+        for k in ("us", "tflops", "tbps", "copy_share"):
             if f"{lib}_{k}" in first:
                 r[f"{lib}_{k}"] = statistics.median(x[f"{lib}_{k}"] for x in draws)
         for k in ("transient_mib", "variant", "schedule", "workspace_mib"):
             if f"{lib}_{k}" in first:
                 r[f"{lib}_{k}"] = first[f"{lib}_{k}"]
-    if "cute_tbps" in r:
-        r["cute_copy_share"] = r["cute_tbps"] / args.copy_tbps
     ratios = [x["ratio"] for x in draws if "ratio" in x] if not any(f"{lib}_error" in r for lib in libs) else []
     if ratios:
         r.update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
@@ -517,21 +516,16 @@ def main(argv=None):
     for (b, s_q, h) in rows:
         q, cache, idx = make_inputs(b, s_q, h, args.masked, g)
         flop, _ = work(V32, h, b * s_q, b * s_q * TOPK)
-        rows_bytes = bench.gathered_rows(idx) * V32.row_bytes
-        r = dict(b=b, s_q=s_q, h_q=h, rows_bytes=rows_bytes)
+        r = dict(b=b, s_q=s_q, h_q=h)
         try:
             ours, (oo, ol) = time_one(cute_mla, q, cache, idx)
             r.update({f"cute_{k}": v for k, v in ours.items()})
-            r["cute_tflops"] = flop / ours["us"] * 1e-6
-            r["cute_tbps"] = rows_bytes / ours["us"] * 1e-6
-            r["cute_copy_share"] = r["cute_tbps"] / copy_rate
         except Exception as e:  # noqa: BLE001
             r["cute_error"] = f"{type(e).__name__}: {e}"[:300]
             oo = None
         if fm is not None:
             theirs, (fo, fl) = time_one(fm, q, cache, idx)
             r.update({f"flashmla_{k}": v for k, v in theirs.items()})
-            r["flashmla_tflops"] = flop / theirs["us"] * 1e-6
             if oo is not None:
                 r["ratio"] = theirs["us"] / ours["us"]
                 if "layer_us" in ours:
@@ -539,6 +533,7 @@ def main(argv=None):
                 r["max_abs_diff_vs_flashmla"] = (oo.float() - fo.float()).abs().max().item()
                 fin = torch.isfinite(fl)
                 r["lse_max_abs_diff_vs_flashmla"] = (ol[fin] - fl[fin]).abs().max().item() if fin.any() else 0.0
+        r.update(achieved(V32, bench.gathered_rows(idx), flop, r, copy_rate))
         results.append(r)
         print(json.dumps(r), flush=True)
         del q, cache, idx

@@ -35,6 +35,7 @@ import torch
 from .. import registry
 from ..archs import SM90
 from ..formats import V4, V32
+from ..reference import valid_positions
 
 # The ceilings the figures draw (docs/performance.md, "The ceilings": an 8192^3 bf16 matmul and a
 # device-to-device copy on the card named here); every figure and roof in this project reads them from here.
@@ -460,11 +461,7 @@ def gathered_rows(indices: torch.Tensor, length: Optional[torch.Tensor] = None, 
     """The cache rows a call gathers from one index list: its valid indices (in [0, ``pool``)),
     within each request's first ``length`` positions where a length is given ((b,), s_q 1 or each
     of a request's query tokens alike)."""
-    valid = (indices >= 0) & (indices < pool)
-    if length is not None:
-        pos = torch.arange(indices.shape[-1], device=indices.device)
-        valid &= pos < length.view(-1, *([1] * (indices.dim() - 1)))
-    return int(valid.sum().item())
+    return int(valid_positions(indices, pool, length).sum().item())
 
 
 def l2_flusher(mib: int = L2_FLUSH_MIB) -> Callable[[], None]:
