@@ -343,7 +343,7 @@ def test_v4_device_blocks_with_both_lengths():
     lists' lengths: the main list's blocks (at least one), then the extra list's (possibly none)."""
     import torch
 
-    from cute_mla.plan.schedule import device_num_blocks, make_schedule
+    from cute_mla.plan.schedule import device_num_blocks, device_num_rows, make_schedule
     from cute_mla.scheduler import blocks_per_request
 
     cpu = torch.device("cpu")
@@ -354,6 +354,11 @@ def test_v4_device_blocks_with_both_lengths():
     assert device_num_blocks(tl, 128, 5, cpu, 512, etl).tolist() == want
     assert device_num_blocks(None, 128, 5, cpu, 512, etl).tolist() == [2, 2, 3, 10, 9]
     assert device_num_blocks(tl, 128, 5, cpu, 512, None).tolist() == [9, 9, 10, 10, 9]
+    # the rows inside the lengths, which the compacted tiles follow (65 + 1 rows: 3 blocks, 2 tiles)
+    assert device_num_rows(tl, 128, 5, cpu, 512, etl).tolist() == [0, 64, 66, 640, 448]
+    assert device_num_rows(None, 128, 5, cpu, 512, etl).tolist() == [128, 128, 129, 640, 576]
+    assert device_num_rows(tl, 128, 5, cpu, 512, None).tolist() == [512, 576, 577, 640, 512]
+    assert device_num_rows(None, 2048, 3, cpu).tolist() == [2048] * 3
     p = _v4(5, 1, 64, "sm_100a", 148, extra_topk=512, has_topk_length=True, has_extra_topk_length=True)
     s = make_schedule(p, cpu, tl, etl)
     assert s.tile_md[:, 3].tolist() == want and s.tile_md[:, 0].tolist() == list(range(5))
@@ -465,20 +470,24 @@ def test_device_piece_charge_is_v4_on_sm90_only(b, s_q, h_q):
 
 
 @pytest.mark.parametrize("charge", [0, 1, 3])
-def test_balanced_schedule_deals_whole_requests(charge):
+@pytest.mark.parametrize("by_rows", [False, True])
+def test_balanced_schedule_deals_whole_requests(charge, by_rows):
     """The balanced device schedule (torch ops, here on the CPU): its order names every request
     once; each partition holds a contiguous range of positions, whole (block range 0 .. the
     blocks of the request at its last position); a partition without a request has FlashMLA's
-    empty row; the costliest partition costs at most the cheapest plus one request; nothing split."""
-    g = torch.Generator().manual_seed(charge)
+    empty row; the costliest partition costs at most the cheapest plus one request; nothing split.
+    Dealt by the blocks, or by a cost of their own (the rows inside the lengths), whose order
+    differs from the blocks'."""
+    g = torch.Generator().manual_seed(charge + 10 * by_rows)
     for b, parts in [(1, 66), (5, 66), (66, 66), (67, 66), (128, 66), (321, 66), (512, 66), (512, 132), (600, 33),
                      (7, 1)]:
         nb = torch.randint(1, 19, (b,), generator=g, dtype=torch.int32)
-        tile_md, num_splits, order = balanced_schedule_device(nb, parts)
+        rows = (64 * nb - torch.randint(0, 64, (b,), generator=g, dtype=torch.int32)) if by_rows else None
+        tile_md, num_splits, order = balanced_schedule_device(nb, parts, rows)
         assert tile_md.shape == (parts, 8) and tile_md.dtype == order.dtype == torch.int32
         assert torch.equal(num_splits, torch.arange(b + 1, dtype=torch.int32))
         assert sorted(order.tolist()) == list(range(b))
-        cost = (nb + charge).tolist()
+        cost = ((rows if by_rows else nb) + charge).tolist()
         seen, loads = [], []
         for begin, end, b0, b1, *rest in tile_md.tolist():
             assert rest == [0, 0, 0, 0] and b0 == 0
@@ -491,6 +500,39 @@ def test_balanced_schedule_deals_whole_requests(charge):
             loads.append(sum(cost[r] for r in order[begin:end + 1].tolist()))
         assert seen == list(range(b))
         assert max(loads) <= min(loads) + max(cost)
+
+
+def test_balanced_cut_weighs_rows_not_blocks():
+    """A balanced V4 plan's schedule deals the requests by the rows inside their lengths, which the
+    kernel's compacted tiles follow (the main and extra lists share a request's tiles): on the
+    benchmark's lengths (uniform, main 128, extra 512; b=512 over 132 partitions) the partitions'
+    rows lie within 4 % of their mean and their whole tiles within 8 %, where a deal by blocks
+    leaves the rows over 8 % above it."""
+    from cute_mla.plan.schedule import device_num_blocks, device_num_rows, make_schedule
+
+    cpu = torch.device("cpu")
+    p = _v4(512, 1, 8, "sm_90a", 132, extra_topk=512, has_topk_length=True, has_extra_topk_length=True)
+    assert p.schedule == "balanced" and p.num_sm_parts == 132
+    g = torch.Generator().manual_seed(3)
+    tl = torch.randint(1, 129, (512,), generator=g, dtype=torch.int32)
+    etl = torch.randint(1, 513, (512,), generator=g, dtype=torch.int32)
+    rows = device_num_rows(tl, 128, 512, cpu, 512, etl)
+    tiles = (rows + 63) // 64
+    nb = device_num_blocks(tl, 128, 512, cpu, 512, etl)
+
+    def spread(order, tile_md, per_request):
+        loads = [int(per_request[order[begin:end + 1].long()].sum()) for begin, end in tile_md[:, :2].tolist()]
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean, min(loads) / mean
+
+    s = make_schedule(p, cpu, tl, etl)
+    assert s.tile_md[:, 3].tolist() == nb[s.request_order[s.tile_md[:, 1].long()].long()].tolist()
+    hi, lo = spread(s.request_order, s.tile_md, rows)
+    assert hi < 1.04 and lo > 0.95, (hi, lo)
+    hi, lo = spread(s.request_order, s.tile_md, tiles)
+    assert hi < 1.08 and lo > 0.92, (hi, lo)
+    tile_md, _, order = balanced_schedule_device(nb, 132)
+    assert spread(order, tile_md, rows)[0] > 1.08
 
 
 def test_balanced_schedule_fixes_what_the_lengths_do_not():

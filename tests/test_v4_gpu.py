@@ -187,7 +187,7 @@ def test_v4_workspace_follows_the_plan(seed, b, s_q, h_q, extra_topk, lengths):
                                                  (16, 512, 1024)])
 def test_v4_balanced_whole_requests(seed, h_q, b, extra_topk):
     """An extra list of 512 or 1024 and lengths from six waves of CTAs up at h_q = 128 (three at 8
-    and 16 heads, the swap-AB tile): the balanced plan (whole requests dealt by cost into one wave
+    and 16 heads, the swap-AB tile): the balanced plan (whole requests dealt by their rows into one wave
     of partitions on the device, walked through a request order) gives the reference's answer,
     eagerly and with the schedule made inside a CUDA-graph capture."""
     x = v4_sweep_inputs(seed, b, 1, h_q, 128, num_tokens=2046, page_block_size=64, with_topk_length=True,

@@ -54,8 +54,9 @@ class PackedRule:
     per partition to balance them: ``min_waves`` of (request, head block) CTAs, per head count it
     was measured at (a partition holds a head block of its requests, so this counts requests per
     partition). It is taken with one query token per request, an extra list, and lists of
-    (``min_blocks``, ``max_blocks``] blocks (the shapes it was measured on; the cut charges nothing
-    per request: a charge would not change it)."""
+    (``min_blocks``, ``max_blocks``] blocks (the shapes it was measured on). The cut weighs a
+    request by the rows inside its lengths (``schedule.device_num_rows``), which its compacted
+    tiles follow, not by its blocks; it charges nothing per request."""
 
     min_waves: Tuple[Tuple[int, float], ...] = ((8, 3.0), (16, 3.0), (128, 6.0))
     min_blocks: int = 2

@@ -287,6 +287,24 @@ def device_num_blocks(topk_length: Optional[torch.Tensor], topk: int, b: int, de
     return nb.to(torch.int32)
 
 
+def device_num_rows(topk_length: Optional[torch.Tensor], topk: int, b: int, device: torch.device,
+                    extra_topk: int = 0, extra_topk_length: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Positions of each request inside its lengths, main list plus extra list (the effective
+    lengths of ``blocks_of_length`` and ``extra_blocks_of_length``, at least 0; torch ops, no sync):
+    the most rows the SM90 producer gathers for it. The lists share a request's compacted tiles, so
+    its tiles follow these rows, ``ceil(rows / 64)``, not its blocks (a main list of 65 and an
+    extra list of 65 are 4 blocks but 3 tiles)."""
+    if topk_length is not None:
+        rows = blocks_of_length(topk_length, topk, _torch_min, _torch_max)[0].clamp(min=0)
+    else:
+        rows = torch.full((b,), topk, dtype=torch.int32, device=device)
+    if extra_topk_length is not None:
+        rows = rows + extra_blocks_of_length(extra_topk_length, extra_topk, _torch_min, _torch_max)[0]
+    elif extra_topk:
+        rows = rows + extra_topk
+    return rows.to(torch.int32)
+
+
 def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """One partition per request, nothing split, with torch ops on the device: (tile_md (b, 8),
     num_splits (b+1,)); ``scheduler.per_request_rows`` on the host."""
@@ -383,46 +401,49 @@ def balanced_tables(b: int, parts: int, device: torch.device) -> UploadedSchedul
     return _cached_upload((deal, str(device)), device, deal.host_tables, lambda dev: balanced_views(deal, dev))
 
 
-def balanced_schedule_device(num_blocks: torch.Tensor, parts: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def balanced_schedule_device(num_blocks: torch.Tensor, parts: int,
+                             cost: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``parts`` partitions of whole requests of about equal cost, nothing split, with torch ops on
     the device (no sync): (tile_md (parts, 8), num_splits (b+1,), order (b,)). The rows hold
     positions in ``order``, which names the request at each position (the kernel's
     ``request_order``); a row's requests are contiguous there.
 
-    Request r costs its blocks. (A charge per request would change nothing: it keeps the order
-    of the requests' costs, and every partition holds one request of each round before the last,
-    so it adds the same to every partition's load there.) The requests are dealt in rounds of
-    ``parts`` by decreasing cost, back and forth across the partitions (round 0 left to right,
-    round 1 right to left, ...), except the last round, the cheapest requests, whose k-th goes to
-    the k-th least loaded partition: a greedy of longest-first quality (the partitions' costs
-    within about one small request of each other) at a fixed number of ops. Row k is the k-th
-    least loaded partition (:class:`BalancedDeal`), and within it the costliest request comes
-    first. A row without requests (b < parts) is the empty row of ``scheduler.whole_request_rows``
-    (begin_req = b), which the kernel skips.
+    Request r costs ``cost[r]``, by default its blocks; :func:`make_schedule` passes its rows
+    (:func:`device_num_rows`), which its compacted tiles and its gathers follow. (A charge per
+    request would change little: it keeps the order of the requests' costs, and every partition
+    holds one request of each round before the last, so it adds the same to every partition's load
+    there.) The requests are dealt in rounds of ``parts`` by decreasing cost, back and forth across
+    the partitions (round 0 left to right, round 1 right to left, ...), except the last round, the
+    cheapest requests, whose k-th goes to the k-th least loaded partition: a greedy of longest-first
+    quality (the partitions' costs within about one small request of each other) at a fixed number
+    of ops. Row k is the k-th least loaded partition (:class:`BalancedDeal`), and within it the
+    costliest request comes first. A row without requests (b < parts) is the empty row of
+    ``scheduler.whole_request_rows`` (begin_req = b), which the kernel skips.
 
     What does not depend on the lengths is a cached upload (:func:`balanced_tables`); what does
-    is 13 ops: the sort by cost, the full rounds' loads and their sort, each position's rank,
+    is 14 ops: the sort by cost, the full rounds' loads and their sort, each position's rank,
     the order, and each row's last block count. ``num_splits`` is a view of the cached tables."""
     t = balanced_tables(num_blocks.shape[0], parts, num_blocks.device).views
-    tile_md, order = _deal(num_blocks, t)
+    tile_md, order = _deal(num_blocks, num_blocks if cost is None else cost, t)
     return tile_md, t["num_splits"], order
 
 
-def _deal(num_blocks: torch.Tensor, t: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+def _deal(num_blocks: torch.Tensor, cost: torch.Tensor, t: dict) -> Tuple[torch.Tensor, torch.Tensor]:
     """(tile_md, order) of :func:`balanced_schedule_device`, from its tables ``t``
-    (:func:`balanced_views`)."""
+    (:func:`balanced_views`): requests dealt by ``cost``, each row's last block count from
+    ``num_blocks``."""
     parts = t["tile_md"].shape[0]
     rounds = t["deal"].shape[0] // parts
-    cost, by_cost = torch.sort(num_blocks, descending=True, stable=True)
+    sorted_cost, by_cost = torch.sort(cost, descending=True, stable=True)
     if rounds:
-        load = cost.index_select(0, t["deal"]).view(rounds, parts).sum(0)
+        load = sorted_cost.index_select(0, t["deal"]).view(rounds, parts).sum(0)
         least_loaded = torch.sort(load, stable=True).indices
         rank = least_loaded.index_select(0, t["row_of"]) * t["sign"] + t["base"]
     else:                   # one request a row at most: rank = position
         rank = t["base"]
     order = by_cost.index_select(0, rank).to(torch.int32)
     tile_md = t["tile_md"].clone()
-    tile_md[:len(t["ends"]), SchedField.END_BLOCK] = cost.index_select(0, rank.index_select(0, t["ends"]))
+    tile_md[:len(t["ends"]), SchedField.END_BLOCK] = num_blocks.index_select(0, order.index_select(0, t["ends"]))
     return tile_md, order
 
 
@@ -436,9 +457,10 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
     nb = device_num_blocks(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
     if plan.schedule == "balanced":
         # nothing split: the tables' zero offsets (no request owns accumulator rows)
+        rows = device_num_rows(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
         t = balanced_tables(plan.b, plan.num_sm_parts, device).views
-        tile_md, order = _deal(nb, t)
-        return Schedule(tile_md, t["num_splits"], t["offsets"], request_order=order, keepalive=(nb,))
+        tile_md, order = _deal(nb, rows, t)
+        return Schedule(tile_md, t["num_splits"], t["offsets"], request_order=order, keepalive=(nb, rows))
     if plan.schedule == "per_request":
         tile_md, num_splits = per_request_schedule_device(nb)
         # nothing split: no request owns accumulator rows

@@ -138,7 +138,7 @@ class SparseDecodePlan:
         if self.column_pair:
             lines.append("column pair: each piece on a cluster of 2 CTAs, 256 of the 512 output columns each")
         if self.orders_requests:
-            lines.append(f"balanced: whole requests dealt by cost into {self.num_sm_parts} partitions; the rows index "
+            lines.append(f"balanced: whole requests dealt by their rows into {self.num_sm_parts} partitions; the rows index "
                          "positions in the schedule's request order")
         lines += [
             f"launches: {', '.join(self.launches)}",
