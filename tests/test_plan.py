@@ -343,7 +343,7 @@ def test_v4_device_blocks_with_both_lengths():
     lists' lengths: the main list's blocks (at least one), then the extra list's (possibly none)."""
     import torch
 
-    from cute_mla.plan.schedule import device_num_blocks, device_num_rows, make_schedule
+    from cute_mla.plan.schedule import device_blocks_and_rows, device_num_blocks, make_schedule
     from cute_mla.scheduler import blocks_per_request
 
     cpu = torch.device("cpu")
@@ -355,10 +355,12 @@ def test_v4_device_blocks_with_both_lengths():
     assert device_num_blocks(None, 128, 5, cpu, 512, etl).tolist() == [2, 2, 3, 10, 9]
     assert device_num_blocks(tl, 128, 5, cpu, 512, None).tolist() == [9, 9, 10, 10, 9]
     # the rows inside the lengths, which the compacted tiles follow (65 + 1 rows: 3 blocks, 2 tiles)
-    assert device_num_rows(tl, 128, 5, cpu, 512, etl).tolist() == [0, 64, 66, 640, 448]
-    assert device_num_rows(None, 128, 5, cpu, 512, etl).tolist() == [128, 128, 129, 640, 576]
-    assert device_num_rows(tl, 128, 5, cpu, 512, None).tolist() == [512, 576, 577, 640, 512]
-    assert device_num_rows(None, 2048, 3, cpu).tolist() == [2048] * 3
+    for args, rows in [((tl, 128, 5, cpu, 512, etl), [0, 64, 66, 640, 448]),
+                       ((None, 128, 5, cpu, 512, etl), [128, 128, 129, 640, 576]),
+                       ((tl, 128, 5, cpu, 512, None), [512, 576, 577, 640, 512]), ((None, 2048, 3, cpu), [2048] * 3)]:
+        nb, r = device_blocks_and_rows(*args)
+        assert r.tolist() == rows and r.dtype == nb.dtype == torch.int32
+        assert torch.equal(nb, device_num_blocks(*args))
     p = _v4(5, 1, 64, "sm_100a", 148, extra_topk=512, has_topk_length=True, has_extra_topk_length=True)
     s = make_schedule(p, cpu, tl, etl)
     assert s.tile_md[:, 3].tolist() == want and s.tile_md[:, 0].tolist() == list(range(5))
@@ -508,7 +510,7 @@ def test_balanced_cut_weighs_rows_not_blocks():
     benchmark's lengths (uniform, main 128, extra 512; b=512 over 132 partitions) the partitions'
     rows lie within 4 % of their mean and their whole tiles within 8 %, where a deal by blocks
     leaves the rows over 8 % above it."""
-    from cute_mla.plan.schedule import device_num_blocks, device_num_rows, make_schedule
+    from cute_mla.plan.schedule import device_blocks_and_rows, make_schedule
 
     cpu = torch.device("cpu")
     p = _v4(512, 1, 8, "sm_90a", 132, extra_topk=512, has_topk_length=True, has_extra_topk_length=True)
@@ -516,9 +518,8 @@ def test_balanced_cut_weighs_rows_not_blocks():
     g = torch.Generator().manual_seed(3)
     tl = torch.randint(1, 129, (512,), generator=g, dtype=torch.int32)
     etl = torch.randint(1, 513, (512,), generator=g, dtype=torch.int32)
-    rows = device_num_rows(tl, 128, 512, cpu, 512, etl)
+    nb, rows = device_blocks_and_rows(tl, 128, 512, cpu, 512, etl)
     tiles = (rows + 63) // 64
-    nb = device_num_blocks(tl, 128, 512, cpu, 512, etl)
 
     def spread(order, tile_md, per_request):
         loads = [int(per_request[order[begin:end + 1].long()].sum()) for begin, end in tile_md[:, :2].tolist()]

@@ -55,7 +55,7 @@ class PackedRule:
     was measured at (a partition holds a head block of its requests, so this counts requests per
     partition). It is taken with one query token per request, an extra list, and lists of
     (``min_blocks``, ``max_blocks``] blocks (the shapes it was measured on). The cut weighs a
-    request by the rows inside its lengths (``schedule.device_num_rows``), which its compacted
+    request by the rows inside its lengths (``schedule.device_blocks_and_rows``), which its compacted
     tiles follow, not by its blocks; it charges nothing per request."""
 
     min_waves: Tuple[Tuple[int, float], ...] = ((8, 3.0), (16, 3.0), (128, 6.0))

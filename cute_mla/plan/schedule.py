@@ -276,33 +276,36 @@ def device_num_blocks(topk_length: Optional[torch.Tensor], topk: int, b: int, de
                       extra_topk: int = 0, extra_topk_length: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Blocks of each request from the device lengths (``blocks_of_length`` then
     ``extra_blocks_of_length``, torch ops, no sync); a list without lengths has its full length."""
+    return _device_lists(topk_length, topk, b, device, extra_topk, extra_topk_length, False)[0]
+
+
+def device_blocks_and_rows(topk_length: Optional[torch.Tensor], topk: int, b: int, device: torch.device,
+                           extra_topk: int = 0,
+                           extra_topk_length: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`device_num_blocks`, rows): with each request's positions inside its lengths, main
+    list plus extra list (the effective lengths of ``blocks_of_length`` and
+    ``extra_blocks_of_length``, at least 0), the most rows the SM90 producer gathers for it. The
+    lists share a request's compacted tiles, so its tiles follow these rows, ``ceil(rows / 64)``,
+    not its blocks (a main list of 65 and an extra list of 65 are 4 blocks but 3 tiles). Both from
+    the same clamped lengths: each op is a node of a captured decode step."""
+    return _device_lists(topk_length, topk, b, device, extra_topk, extra_topk_length, True)
+
+
+def _device_lists(topk_length, topk, b, device, extra_topk, extra_topk_length, with_rows: bool):
     if topk_length is not None:
-        nb = blocks_of_length(topk_length, topk, _torch_min, _torch_max)[1]
+        rows, nb = blocks_of_length(topk_length, topk, _torch_min, _torch_max)
+        rows = rows.clamp(min=0) if with_rows else None
     else:
         nb = torch.full((b,), topk // BLOCK_TOPK, dtype=torch.int32, device=device)
+        rows = torch.full((b,), topk, dtype=torch.int32, device=device) if with_rows else None
     if extra_topk_length is not None:
-        nb = nb + extra_blocks_of_length(extra_topk_length, extra_topk, _torch_min, _torch_max)[1]
+        extra_rows, extra_nb = extra_blocks_of_length(extra_topk_length, extra_topk, _torch_min, _torch_max)
+        nb = nb + extra_nb
+        rows = rows + extra_rows if with_rows else None
     elif extra_topk:
         nb = nb + extra_topk // BLOCK_TOPK
-    return nb.to(torch.int32)
-
-
-def device_num_rows(topk_length: Optional[torch.Tensor], topk: int, b: int, device: torch.device,
-                    extra_topk: int = 0, extra_topk_length: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Positions of each request inside its lengths, main list plus extra list (the effective
-    lengths of ``blocks_of_length`` and ``extra_blocks_of_length``, at least 0; torch ops, no sync):
-    the most rows the SM90 producer gathers for it. The lists share a request's compacted tiles, so
-    its tiles follow these rows, ``ceil(rows / 64)``, not its blocks (a main list of 65 and an
-    extra list of 65 are 4 blocks but 3 tiles)."""
-    if topk_length is not None:
-        rows = blocks_of_length(topk_length, topk, _torch_min, _torch_max)[0].clamp(min=0)
-    else:
-        rows = torch.full((b,), topk, dtype=torch.int32, device=device)
-    if extra_topk_length is not None:
-        rows = rows + extra_blocks_of_length(extra_topk_length, extra_topk, _torch_min, _torch_max)[0]
-    elif extra_topk:
-        rows = rows + extra_topk
-    return rows.to(torch.int32)
+        rows = rows + extra_topk if with_rows else None
+    return nb.to(torch.int32), rows.to(torch.int32) if with_rows else None
 
 
 def per_request_schedule_device(num_blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -409,7 +412,7 @@ def balanced_schedule_device(num_blocks: torch.Tensor, parts: int,
     ``request_order``); a row's requests are contiguous there.
 
     Request r costs ``cost[r]``, by default its blocks; :func:`make_schedule` passes its rows
-    (:func:`device_num_rows`), which its compacted tiles and its gathers follow. (A charge per
+    (:func:`device_blocks_and_rows`), which its compacted tiles and its gathers follow. (A charge per
     request would change little: it keeps the order of the requests' costs, and every partition
     holds one request of each round before the last, so it adds the same to every partition's load
     there.) The requests are dealt in rounds of ``parts`` by decreasing cost, back and forth across
@@ -421,7 +424,7 @@ def balanced_schedule_device(num_blocks: torch.Tensor, parts: int,
     ``scheduler.whole_request_rows`` (begin_req = b), which the kernel skips.
 
     What does not depend on the lengths is a cached upload (:func:`balanced_tables`); what does
-    is 14 ops: the sort by cost, the full rounds' loads and their sort, each position's rank,
+    is 13 ops: the sort by cost, the full rounds' loads and their sort, each position's rank,
     the order, and each row's last block count. ``num_splits`` is a view of the cached tables."""
     t = balanced_tables(num_blocks.shape[0], parts, num_blocks.device).views
     tile_md, order = _deal(num_blocks, num_blocks if cost is None else cost, t)
@@ -454,13 +457,13 @@ def make_schedule(plan: SparseDecodePlan, device: torch.device, topk_length: Opt
     if plan.host_schedule is not None:
         upload = uploaded_schedule(plan, device)
         return Schedule(*upload.views, upload=upload)
-    nb = device_num_blocks(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
     if plan.schedule == "balanced":
         # nothing split: the tables' zero offsets (no request owns accumulator rows)
-        rows = device_num_rows(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
+        nb, rows = device_blocks_and_rows(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
         t = balanced_tables(plan.b, plan.num_sm_parts, device).views
         tile_md, order = _deal(nb, rows, t)
         return Schedule(tile_md, t["num_splits"], t["offsets"], request_order=order, keepalive=(nb, rows))
+    nb = device_num_blocks(topk_length, plan.topk, plan.b, device, plan.extra_topk, extra_topk_length)
     if plan.schedule == "per_request":
         tile_md, num_splits = per_request_schedule_device(nb)
         # nothing split: no request owns accumulator rows
