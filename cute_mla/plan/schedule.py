@@ -292,6 +292,7 @@ def device_blocks_and_rows(topk_length: Optional[torch.Tensor], topk: int, b: in
 
 
 def _device_lists(topk_length, topk, b, device, extra_topk, extra_topk_length, with_rows: bool):
+    """(blocks, rows or None) of :func:`device_blocks_and_rows`; the rows' two ops only ``with_rows``."""
     if topk_length is not None:
         rows, nb = blocks_of_length(topk_length, topk, _torch_min, _torch_max)
         rows = rows.clamp(min=0) if with_rows else None
@@ -413,7 +414,7 @@ def balanced_schedule_device(num_blocks: torch.Tensor, parts: int,
 
     Request r costs ``cost[r]``, by default its blocks; :func:`make_schedule` passes its rows
     (:func:`device_blocks_and_rows`), which its compacted tiles and its gathers follow. (A charge per
-    request would change little: it keeps the order of the requests' costs, and every partition
+    request would change nothing: it keeps the order of the requests' costs, and every partition
     holds one request of each round before the last, so it adds the same to every partition's load
     there.) The requests are dealt in rounds of ``parts`` by decreasing cost, back and forth across
     the partitions (round 0 left to right, round 1 right to left, ...), except the last round, the
