@@ -424,18 +424,31 @@ def capture_graph(fn, n=1):
     return gr, res
 
 
-def replay_times_us(gr, n: int, before: Optional[Callable[[], None]] = None) -> List[float]:
-    """µs of each of ``n`` replays of ``gr``, each between two events (``before()`` queued ahead of
-    each, outside them: e.g. :func:`l2_flusher`'s)."""
+def event_times_us(fn: Callable[[], None], n: int, before: Optional[Callable[[], None]] = None) -> List[float]:
+    """µs of each of ``n`` calls of ``fn`` (work queued on the current stream), each between two
+    events (``before()`` queued ahead of each, outside them: e.g. :func:`l2_flusher`'s)."""
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for a, e in ev:
         if before is not None:
             before()
         a.record()
-        gr.replay()
+        fn()
         e.record()
     torch.cuda.synchronize()
     return [a.elapsed_time(e) * 1e3 for a, e in ev]
+
+
+def replay_times_us(gr, n: int, before: Optional[Callable[[], None]] = None) -> List[float]:
+    """µs of each of ``n`` replays of ``gr`` (:func:`event_times_us`)."""
+    return event_times_us(gr.replay, n, before)
+
+
+def median_us(fn: Callable[[], None], n: int) -> float:
+    """Median µs of ``n`` calls of ``fn``, each between two events (3 warm-up calls first)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(event_times_us(fn, n))
 
 
 def measured_copy_tbps(nbytes: int = 512 * 2**20, iters: int = 10) -> float:
@@ -446,15 +459,7 @@ def measured_copy_tbps(nbytes: int = 512 * 2**20, iters: int = 10) -> float:
     card's, for the committed plots)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in ev:
-        start.record()
-        b.copy_(a)
-        end.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes / statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev) * 1e-6
+    return 2 * nbytes / median_us(lambda: b.copy_(a), iters) * 1e-6
 
 
 def gathered_rows(indices: torch.Tensor, length: Optional[torch.Tensor] = None, pool: int = POOL) -> int:
@@ -476,10 +481,7 @@ def l2_flusher(mib: int = L2_FLUSH_MIB) -> Callable[[], None]:
 
 def replay_median_us(gr, n: int) -> float:
     """Median µs of ``n`` replays, each between two events (3 warm-up replays first)."""
-    for _ in range(3):
-        gr.replay()
-    torch.cuda.synchronize()
-    return statistics.median(replay_times_us(gr, n))
+    return median_us(gr.replay, n)
 
 
 def interleaved_median_us(graphs: Dict[str, object], rounds: int = ROUNDS, seconds: float = TIMED_S,
