@@ -72,12 +72,12 @@ def heads_dims_first(t: cute.Tensor) -> cute.Tensor:
     )
 
 
-def set_registers(target: int) -> None:
+def set_registers(budget: RegisterBudget, target: int) -> None:
     """``setmaxnreg`` of this warp group to ``target`` from the count every thread enters with
-    (``RegisterBudget.ENTRY``): an increase above it, a decrease below. A plain function."""
-    if target > RegisterBudget.ENTRY:
+    (``budget.entry``): an increase above it, a decrease below. A plain function."""
+    if target > budget.entry:
         setmaxregister_increase(target)
-    elif target < RegisterBudget.ENTRY:
+    elif target < budget.entry:
         setmaxregister_decrease(target)
 
 
@@ -157,7 +157,7 @@ class Sm90SparseDecode:
             extra_k_cache, extra_indices, extra_topk_length, request_order,
             scale_log2,
             q_layout, k_layout, p_layout, chunk_layout,
-        ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1,
+        ).launch(grid=grid, block=[cfg.tuning.registers.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  cluster=[2, 1, 1] if cfg.cluster else None)
 
     # ---------------------------------------------------------------- device side
@@ -231,14 +231,16 @@ class Sm90SparseDecode:
             g = Gmem(tma_q, mQ, tma_out, mOut, tma_oacc, mOAcc, mKV, mIdx, mTopkLen, mSink, mTileMd, mAccumOffsets,
                      mLse, mLseAcc, mExtraKV, mExtraIdx, mExtraLen, mOrder)
             regs = cfg.tuning.registers
-            if wg == Role.PRODUCER:
-                set_registers(regs.producer)
+            if wg >= Role.PRODUCER:
+                set_registers(regs, regs.producer)
                 if cutlass.const_expr(cfg.cluster):
                     producer_crossover(cfg, g, cta)
+                elif cutlass.const_expr(regs.producers == 2):
+                    producer(cfg, g, cta, wg - Role.PRODUCER)
                 else:
                     producer(cfg, g, cta)
             elif wg == Role.SOFTMAX:
-                set_registers(regs.softmax)
+                set_registers(regs, regs.softmax)
                 if cutlass.const_expr(cfg.swapped):
                     small.softmax_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
                                      swapped.SwappedOps(qk_mma, pv_rs_mma, chunk_layout), scale_log2)
@@ -246,7 +248,7 @@ class Sm90SparseDecode:
                     softmax_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
                                Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
             else:
-                set_registers(regs.pv_right)
+                set_registers(regs, regs.pv_right)
                 if cutlass.const_expr(cfg.swapped):
                     small.pv_right_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
                                       swapped.SwappedOps(qk_mma, pv_ss_mma, chunk_layout))
@@ -273,7 +275,8 @@ class Sm90SparseDecode:
             cute.arch.mbarrier_init(q_full, 1)
             for i in cutlass.range_constexpr(TILE.k_bufs):
                 # Cluster kernels: + 1 arrive.expect_tx for the bytes of the peer's bulk copies.
-                cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg + (1 if cfg.cluster else 0))
+                cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg * cfg.tuning.registers.producers
+                                        + (1 if cfg.cluster else 0))
                 cute.arch.mbarrier_init(k_free + i, 2 * TILE.threads_per_wg)
                 if cutlass.const_expr(cfg.cluster):
                     cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
