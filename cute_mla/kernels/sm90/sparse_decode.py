@@ -5,21 +5,24 @@ the partition's requests and, inside each request, 64-token K tiles of *valid* t
 out-of-range and past-``topk_length`` positions are dropped by the producer's index scan), so a
 request costs ``max(1, ceil(valid / 64))`` tiles, never more than its 64-position blocks.
 
-Roles (384 threads, three warp groups; each role is a module that takes the config and the
+Roles (384 threads, three warp groups; the swap-AB tile's 8-32 heads take 512, four, with two
+producers: ``RegisterBudget.producers``; each role is a module that takes the config and the
 bundles of ``cta.py``):
 
 * WG0 ``Role.SOFTMAX`` (``softmax.py``): QK, the online softmax, PV of O's left columns, and the
   request's final normalisation; it hands P and the row factors to WG1.
 * WG1 ``Role.PV_RIGHT`` (``pv.py``): PV of O's right columns.
 * WG2 ``Role.PRODUCER`` (``producer.py``, ``index_scan.py``; ``crossover.py`` in cluster
-  kernels): index compaction, row gather, FP8 dequant into the two K buffers.
+  kernels): index compaction, row gather, FP8 dequant into the two K buffers. With two producers
+  WG2 and WG3 each run the whole compaction and convert one half of every K tile.
 * Both MMA warp groups store their half of O (``epilogue.py``).
 
 The pipelines, named barriers and arrive counts are tabled in docs/architecture.md; in short:
-``q_full`` (TMA -> WG0), ``k_full[2]`` (producer, 128 arrivals, + 1 expect_tx in cluster kernels ->
+``q_full`` (TMA -> WG0), ``k_full[2]`` (producers, 128 arrivals each, + 1 expect_tx in cluster kernels ->
 WG0 and WG1), ``k_free[2]`` (WG0 + WG1, 256 arrivals -> producer), ``peer_free[2]`` (cluster
 kernels: peer producer -> producer), named barriers ``P_READY`` / ``P_FREE`` / ``Q_FREE`` (WG0 <->
-WG1), ``EPI_*`` (within an MMA warp group) and ``INDEX_SCAN`` (producer).
+WG1), ``EPI_*`` (within an MMA warp group) and ``INDEX_SCAN`` (producer; ``INDEX_SCAN_B`` the
+second one's).
 
 h_q = 128 runs the token's two 64-head CTAs side by side in grid x, as a cluster of 2 that shares
 each K tile (``Sm90Tuning.h128_cluster``); the plan's column pair runs an h_q = 64 split piece on a
