@@ -7,7 +7,7 @@ Plain Python (no DSL import): the launcher, the plan's tools and the tests read 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Optional
 
@@ -151,7 +151,7 @@ class RegisterBudget:
     softmax: int = 216
     pv_right: int = 160
     producer: int = 128
-    producers: int = 1
+    producers: int = field(default=1, metadata={"variant_optional": True})
 
     @property
     def warp_groups(self) -> int:
