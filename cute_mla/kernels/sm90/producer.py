@@ -35,6 +35,9 @@ from .cta import Cta, Gmem, dyn_storage, stamp
 from .index_scan import ScanThread, ring_index, scan_barrier, scan_begin, scan_smem, scan_until
 
 
+POOL_ENTRY_BYTES = 16   # a pool's entry of the geometry table (:func:`write_pool`)
+
+
 class ProducerThread(NamedTuple):
     """A producer thread's map, the cache geometry and the shared addresses it writes."""
 
@@ -82,12 +85,12 @@ def producer_setup(cfg: Sm90SparseDecodeConfig, g: Gmem, copy=0) -> ProducerThre
     info_base = storage.tile_info.data_ptr().toint()
     table = None
     if cutlass.const_expr(cfg.has_extra):
-        table = storage.pool_table.data_ptr().toint() + copy * 32
+        table = storage.pool_table.data_ptr().toint() + copy * (2 * POOL_ENTRY_BYTES)
         if cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0:
             # Read by row_address only after the first scan barrier (INDEX_SCAN) every producer
             # thread passes before it computes a row address.
             write_pool(table, g.mKV)
-            write_pool(table + 16, g.mExtraKV)
+            write_pool(table + POOL_ENTRY_BYTES, g.mExtraKV)
     return ProducerThread(warp, lane, sub, tok_in_half, swz, kv_base, stride0, page, table, sk_base, info_base,
                           storage.k_full.data_ptr(), storage.k_free.data_ptr())
 
@@ -379,7 +382,7 @@ def row_address(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, idx: Int32):
         # held in registers for a select spilled the one-CTA producer.
         is_extra = idx < 0
         idx = common_ptx.select_i32(is_extra, -2 - idx, idx)
-        v = common_ptx.ld_shared_v4(pt.pools + common_ptx.select_i32(is_extra, 16, 0))
+        v = common_ptx.ld_shared_v4(pt.pools + common_ptx.select_i32(is_extra, POOL_ENTRY_BYTES, 0))
         kv_base = (Int64(Uint32(common_ptx.vec_elem(v, 1))) << 32) | Int64(Uint32(common_ptx.vec_elem(v, 0)))
         stride0 = Int64(common_ptx.vec_elem(v, 2))
         page = common_ptx.vec_elem(v, 3)
