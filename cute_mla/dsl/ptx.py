@@ -67,6 +67,22 @@ def select_i32(pred, a, b) -> Int32:
     return Int32(cutlass.select_(pred, Int32(a), Int32(b)))
 
 
+def divisor_magic(d):
+    """(magic, shift) with ``(n * magic) >> shift == n // d`` for every n in [0, 2^31), d in
+    [1, 2^31): shift = 31 + ceil(log2 d), magic = ceil(2^shift / d) (Granlund and Montgomery's
+    round-up method for 31-bit dividends; magic < 2^32, or 2^31 for d = 1). One 64-bit division:
+    made once per divisor, where the kernel starts, for :func:`divide_by_magic` to use per row."""
+    shift = Int32(63) - Int32(cute.arch.clz(Uint32(d) - Uint32(1)))
+    magic = ((cutlass.Uint64(1) << cutlass.Uint64(shift)) + cutlass.Uint64(d) - cutlass.Uint64(1)) // cutlass.Uint64(d)
+    return Int32(magic), shift
+
+
+def divide_by_magic(n, magic, shift) -> Uint32:
+    """n // d for n in [0, 2^31), with d's :func:`divisor_magic`: a wide multiply and a shift in
+    place of the ~18-instruction division by a value unknown at compile time."""
+    return Uint32((cutlass.Uint64(Uint32(n)) * cutlass.Uint64(Uint32(magic))) >> cutlass.Uint64(shift))
+
+
 def pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
     """``cvt.rn.bf16x2.f32``: ``lo`` in the low half (the lower address once stored), ``hi`` above."""
     return Int32(_asm(T.i32(), [Float32(hi).ir_value(), Float32(lo).ir_value()], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
