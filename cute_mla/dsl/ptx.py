@@ -115,8 +115,11 @@ def ue8m0_pow2_multiplier(word: Int32, byte: int) -> Int32:
     """:func:`pow2_scale_multiplier` of the ue8m0 scale in byte ``byte`` of ``word``, from its
     exponent: bf16x2(2^(e - 127) * 2^120) = the bf16 exponent field e + 120 in both halves (e as
     :func:`ue8m0_takes_fast_path` accepts)."""
-    h = (((Int32(word) >> (8 * byte)) & 0xFF) + 120) << 7
-    return h | (h << 16)
+    # prmt puts byte e in the low byte of both 16-bit lanes (zeros above); one multiply-add then
+    # makes (e + 120) << 7 in each lane ((134 + 120) << 7 < 2^16: no carry into the upper lane).
+    sel = byte | (4 << 4) | (byte << 8) | (4 << 12)
+    e2 = Int32(_asm(T.i32(), [Int32(word).ir_value()], f"prmt.b32 $0, $1, 0, {sel:#x};", "=r,r"))
+    return e2 * 128 + ((120 << 7) | (120 << 23))
 
 
 def pow2_scale_multiplier(scale_bits: Int32) -> Int32:
