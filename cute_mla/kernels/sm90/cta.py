@@ -69,6 +69,11 @@ class Smem(NamedTuple):
     sP: cute.Tensor     # P (64 heads x 64 tokens) handed from WG0 to WG1
 
 
+# The producer's geometry table, per pool (``producer.write_pool``): base (2 words), stride(0) in
+# bytes, page_block_size, its divisor magic and shift (``dsl.ptx.divisor_magic``), 2 words unused.
+POOL_ENTRY_WORDS = 8
+
+
 @functools.lru_cache(maxsize=None)
 def shared_storage(tile: Tile = TILE, pools: int = 1):
     """The CTA's shared memory, one struct (its size is what the launch requests): 231,424 B of
@@ -89,8 +94,7 @@ def shared_storage(tile: Tile = TILE, pools: int = 1):
         scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
         row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
         if pools > 1:
-            # per pool: base (2 words), stride(0) in bytes, page_block_size
-            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, 4 * pools], 16]
+            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, POOL_ENTRY_WORDS * pools], 16]
         ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]  # compacted indices
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
@@ -117,7 +121,7 @@ def swapped_storage(tile: Tile, pools: int, h: int, producers: int = 1):
         tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
         scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8 * producers], 16]
         if pools > 1:
-            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, 4 * pools * producers], 16]
+            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, POOL_ENTRY_WORDS * pools * producers], 16]
         ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries * producers], 16]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, h * tile.d_qk], 1024]

@@ -31,11 +31,11 @@ from cutlass import Int32, Int64, Uint8, Uint32
 from ...dsl import ptx as common_ptx
 from . import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
-from .cta import Cta, Gmem, dyn_storage, stamp
+from .cta import POOL_ENTRY_WORDS, Cta, Gmem, dyn_storage, stamp
 from .index_scan import ScanThread, ring_index, scan_barrier, scan_begin, scan_smem, scan_until
 
 
-POOL_ENTRY_BYTES = 16   # a pool's entry of the geometry table (:func:`write_pool`)
+POOL_ENTRY_BYTES = 4 * POOL_ENTRY_WORDS
 
 
 class ProducerThread(NamedTuple):
@@ -97,10 +97,13 @@ def producer_setup(cfg: Sm90SparseDecodeConfig, g: Gmem, copy=0) -> ProducerThre
 
 @cute.jit
 def write_pool(addr: Int32, kv: cute.Tensor):
-    """One pool's entry of the geometry table: base, stride(0) (the API bounds it below 2^31
-    bytes) and page_block_size."""
+    """One pool's entry of the geometry table (:data:`~.cta.POOL_ENTRY_WORDS`): base, stride(0)
+    (the API bounds it below 2^31 bytes), page_block_size, then its divisor magic and shift."""
     base = kv.iterator.toint()
-    common_ptx.st_shared_v4(addr, Int32(base & 0xFFFFFFFF), Int32(base >> 32), Int32(kv.stride[0]), Int32(kv.shape[1]))
+    page = Int32(kv.shape[1])
+    magic, shift = common_ptx.divisor_magic(page)
+    common_ptx.st_shared_v4(addr, Int32(base & 0xFFFFFFFF), Int32(base >> 32), Int32(kv.stride[0]), page)
+    common_ptx.st_shared_v4(addr + 16, magic, shift, 0, 0)
 
 
 @cute.jit
@@ -377,17 +380,23 @@ def row_address(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, idx: Int32):
     block below 2^31 bytes) for a format with block-major scales (an Int64 scale address per
     row in flight spilled the one-CTA producer with the extra pool)."""
     kv_base, stride0, page = pt.kv_base, pt.stride0, pt.page
+    fmt = cfg.tile.fmt
     if cutlass.const_expr(cfg.has_extra):
         # The pool's geometry from the shared table, loaded where it is used: both pools' values
         # held in registers for a select spilled the one-CTA producer.
         is_extra = idx < 0
         idx = common_ptx.select_i32(is_extra, -2 - idx, idx)
-        v = common_ptx.ld_shared_v4(pt.pools + common_ptx.select_i32(is_extra, POOL_ENTRY_BYTES, 0))
+        entry = pt.pools + common_ptx.select_i32(is_extra, POOL_ENTRY_BYTES, 0)
+        v = common_ptx.ld_shared_v4(entry)
+        w = common_ptx.ld_shared_v4(entry + 16)
         kv_base = (Int64(Uint32(common_ptx.vec_elem(v, 1))) << 32) | Int64(Uint32(common_ptx.vec_elem(v, 0)))
         stride0 = Int64(common_ptx.vec_elem(v, 2))
         page = common_ptx.vec_elem(v, 3)
-    fmt = cfg.tile.fmt
-    blk = Uint32(idx) // Uint32(page)
+        # The block by the pool's divisor magic: a division by the loaded page_block_size would
+        # recompute its reciprocal for every row, a chain of dependent instructions before the load.
+        blk = common_ptx.divide_by_magic(idx, common_ptx.vec_elem(w, 0), common_ptx.vec_elem(w, 1))
+    else:
+        blk = Uint32(idx) // Uint32(page)
     row = Uint32(idx) - blk * Uint32(page)
     data = kv_base + Int64(blk) * stride0 + Int64(row) * fmt.data_row_bytes
     if cutlass.const_expr(fmt.scales_in_row):
