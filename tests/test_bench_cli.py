@@ -63,6 +63,7 @@ def test_bad_shape_is_one_line(capsys, argv, says):
     (["gather_l2="], Sm90Tuning(gather_l2="")),
     (["registers=208/168/128", "gather_l1=evict_normal"],
      Sm90Tuning(registers=RegisterBudget(208, 168, 128), gather_l1="evict_normal")),
+    (["registers=144/112/128/2"], Sm90Tuning(registers=RegisterBudget(144, 112, 128, producers=2))),
 ])
 def test_variant_parses(pairs, tuning):
     assert bench.parse_variant(pairs) == tuning
@@ -72,7 +73,7 @@ def test_variant_parses(pairs, tuning):
     ("foo=1", "unknown key 'foo'"),
     ("prefetch_rows", "expected KEY=VALUE"),
     ("prefetch_rows=maybe", "expected true or false, got 'maybe'"),
-    ("registers=208/168", "expected SOFTMAX/PV_RIGHT/PRODUCER, got '208/168'"),
+    ("registers=208/168", "expected SOFTMAX/PV_RIGHT/PRODUCER[/PRODUCERS], got '208/168'"),
     ("registers=256/256/128", "RegisterBudget: targets must be multiples of 8"),
     ("timeline=true", "timeline is instrumentation"),
 ])

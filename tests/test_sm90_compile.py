@@ -327,3 +327,27 @@ def test_timeline_is_instrumentation_only(artifacts, tmp_path):
         text = f.read()
     assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS and s not in NS_SLOTS])
     assert text.count("%globaltimer") == len(NS_SLOTS)
+
+
+def test_divisor_magic_divides_every_row_index():
+    """The rule of ``dsl.ptx.divisor_magic`` (the extra-pool producer's block of a row), in Python
+    ints: shift = 63 - clz32(d - 1), magic = ceil(2^shift / d) fits 32 bits and (n * magic) >> shift
+    is n // d for n in [0, 2^31): every page_block_size up to 1100 and a few up to 2^31 - 1, at the
+    indices where a quotient steps and at the range's ends."""
+    import random
+
+    def clz32(x):
+        return 32 - x.bit_length()
+
+    rnd = random.Random(5)
+    divisors = list(range(1, 1101)) + [4093, 65536, 65537, 2**20 + 7, 2**30, 2**30 + 1, 2**31 - 1]
+    for d in divisors:
+        shift = 63 - clz32(d - 1)
+        magic = ((1 << shift) + d - 1) // d
+        assert 0 < magic < 2**32, d
+        top = 2**31 - 1
+        ns = {0, 1, d - 1, d, d + 1, top, top - top % d, top - top % d - 1}
+        ns |= {q * d + r for q in (rnd.randrange(0, top // d + 1) for _ in range(8)) for r in (0, d - 1)}
+        for n in ns:
+            if 0 <= n <= top:
+                assert (n * magic) >> shift == n // d, (d, n)

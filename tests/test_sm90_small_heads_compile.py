@@ -9,7 +9,7 @@ import pytest
 
 from cute_mla import archs, plan_sparse_decode
 from cute_mla.kernels.sm90 import kernel_config
-from cute_mla.kernels.sm90.config import SWAPPED_REGISTERS, Bar
+from cute_mla.kernels.sm90.config import TWO_PRODUCER_REGISTERS, Bar
 from cute_mla.kernels.sm90.sparse_decode import compile as compile_sparse_decode, smem_bytes
 from cute_mla.playground import inspect as ki
 from _compile_helpers import compile_artifacts
@@ -53,12 +53,15 @@ def test_ptx_is_the_swap_ab_tile(artifacts, name):
     assert set(mma) == {str(h)} and len(mma) == 2 * (cfg.d_qk // 16) + 2 * 16, (len(mma), set(mma))
     assert "stmatrix.sync.aligned.m8n8" in ptx and ".trans" in ptx
     regs = ki.setmaxnreg(ptx)
-    assert sorted(regs["inc"]) == [SWAPPED_REGISTERS.producer]
-    assert sorted(regs["dec"]) == sorted([SWAPPED_REGISTERS.softmax, SWAPPED_REGISTERS.pv_right])
+    budget = cfg.tuning.registers
+    assert budget == TWO_PRODUCER_REGISTERS and budget.producers == 2
+    targets = (budget.softmax, budget.pv_right, budget.producer)
+    assert sorted(regs["inc"]) == sorted(r for r in targets if r > budget.entry)
+    assert sorted(regs["dec"]) == sorted(r for r in targets if r < budget.entry)
     assert ki.tensor_map_params(ptx) == (3 if cfg.split else 2)
     used = {(int(i), int(n)) for i, n in re.findall(r"bar\.(?:sync|arrive)\s+(\d+),\s*(\d+)", ptx)}
     allowed = {(Bar.P_READY, 256), (Bar.P_FREE, 256), (Bar.Q_FREE, 256), (Bar.EPI_SOFTMAX, 128),
-               (Bar.EPI_PV_RIGHT, 128), (Bar.INDEX_SCAN, 128)}
+               (Bar.EPI_PV_RIGHT, 128), (Bar.INDEX_SCAN, 128), (Bar.INDEX_SCAN_B, 128)}
     assert used <= {(int(b), n) for b, n in allowed}, used
 
 

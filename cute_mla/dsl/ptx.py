@@ -67,6 +67,22 @@ def select_i32(pred, a, b) -> Int32:
     return Int32(cutlass.select_(pred, Int32(a), Int32(b)))
 
 
+def divisor_magic(d):
+    """(magic, shift) with ``(n * magic) >> shift == n // d`` for every n in [0, 2^31), d in
+    [1, 2^31): shift = 31 + ceil(log2 d), magic = ceil(2^shift / d) (Granlund and Montgomery's
+    round-up method for 31-bit dividends; magic < 2^32, or 2^31 for d = 1). One 64-bit division:
+    made once per divisor, where the kernel starts, for :func:`divide_by_magic` to use per row."""
+    shift = Int32(63) - Int32(cute.arch.clz(Uint32(d) - Uint32(1)))
+    magic = ((cutlass.Uint64(1) << cutlass.Uint64(shift)) + cutlass.Uint64(d) - cutlass.Uint64(1)) // cutlass.Uint64(d)
+    return Int32(magic), shift
+
+
+def divide_by_magic(n, magic, shift) -> Uint32:
+    """n // d for n in [0, 2^31), with d's :func:`divisor_magic`: a wide multiply and a shift in
+    place of the ~18-instruction division by a value unknown at compile time."""
+    return Uint32((cutlass.Uint64(Uint32(n)) * cutlass.Uint64(Uint32(magic))) >> cutlass.Uint64(shift))
+
+
 def pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
     """``cvt.rn.bf16x2.f32``: ``lo`` in the low half (the lower address once stored), ``hi`` above."""
     return Int32(_asm(T.i32(), [Float32(hi).ir_value(), Float32(lo).ir_value()], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
@@ -99,8 +115,11 @@ def ue8m0_pow2_multiplier(word: Int32, byte: int) -> Int32:
     """:func:`pow2_scale_multiplier` of the ue8m0 scale in byte ``byte`` of ``word``, from its
     exponent: bf16x2(2^(e - 127) * 2^120) = the bf16 exponent field e + 120 in both halves (e as
     :func:`ue8m0_takes_fast_path` accepts)."""
-    h = (((Int32(word) >> (8 * byte)) & 0xFF) + 120) << 7
-    return h | (h << 16)
+    # prmt puts byte e in the low byte of both 16-bit lanes (zeros above); one multiply-add then
+    # makes (e + 120) << 7 in each lane ((134 + 120) << 7 < 2^16: no carry into the upper lane).
+    sel = byte | (4 << 4) | (byte << 8) | (4 << 12)
+    e2 = Int32(_asm(T.i32(), [Int32(word).ir_value()], f"prmt.b32 $0, $1, 0, {sel:#x};", "=r,r"))
+    return e2 * 128 + ((120 << 7) | (120 << 23))
 
 
 def pow2_scale_multiplier(scale_bits: Int32) -> Int32:

@@ -140,8 +140,20 @@ def _spelling(tp) -> str:
     if tp is bool:
         return "true|false"
     if dataclasses.is_dataclass(tp):
-        return "/".join(f.name.upper() for f in dataclasses.fields(tp))
+        fs = dataclasses.fields(tp)
+        need = _required(tp)
+        return "/".join(f.name.upper() for f in fs[:need]) + "".join(f"[/{f.name.upper()}]" for f in fs[need:])
     return tp.__name__.upper()
+
+
+def _required(tp) -> int:
+    """Fields of a dataclass variant value that a spelling must give: all but its trailing ones
+    marked ``metadata={"variant_optional": True}`` (which keep their defaults when left out)."""
+    fs = dataclasses.fields(tp)
+    n = len(fs)
+    while n and fs[n - 1].metadata.get("variant_optional"):
+        n -= 1
+    return n
 
 
 def variant_keys_help(arch: str = SM90.name, op: str = registry.DEFAULT_OP) -> str:
@@ -167,7 +179,7 @@ def _value(tp, text: str):
     if dataclasses.is_dataclass(tp):
         parts = text.replace(",", "/").split("/")
         fs = dataclasses.fields(tp)
-        if len(parts) != len(fs):
+        if not _required(tp) <= len(parts) <= len(fs):
             raise ValueError(f"expected {_spelling(tp)}, got {text!r}")
         hints = typing.get_type_hints(tp)
         return tp(*(_value(hints[f.name], p) for f, p in zip(fs, parts)))

@@ -7,7 +7,7 @@ Plain Python (no DSL import): the launcher, the plan's tools and the tests read 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Optional
 
@@ -131,38 +131,62 @@ class Role(IntEnum):
 
     SOFTMAX = 0  # QK, online softmax, PV of O's left columns, the request's epilogue
     PV_RIGHT = 1  # PV of O's right columns and their epilogue
-    PRODUCER = 2  # index scan, row gather, FP8 dequant into the K tiles
+    PRODUCER = 2  # index scan, row gather, FP8 dequant into the K tiles (and 3 with two producers)
+
+
+REGISTER_FILE = 65536   # 32-bit registers of an SM, all of them the CTA's
 
 
 @dataclass(frozen=True)
 class RegisterBudget:
-    """setmaxnreg targets. 384 threads enter with 168 each; the targets must sum to <= 504.
+    """The CTA's warp groups and their setmaxnreg targets: the two MMA warp groups and
+    ``producers`` producer warp groups (1, or 2 on the swap-AB tile: each gathers and converts
+    one half of every K tile, ``producer.py``). Every thread enters with :attr:`entry` registers;
+    the targets must sum to at most ``entry`` times the warp groups.
 
-    216/160/128 compiles clean (no serialized wgmma, no spill) and measured fastest
-    (docs/performance.md); 192/160/152 serializes every wgmma, 240/160/112 hangs.
+    The 64-head tile: 216/160/128 compiles clean (no serialized wgmma, no spill) and measured
+    fastest (docs/performance.md); 192/160/152 serializes every wgmma, 240/160/112 hangs.
     """
 
     softmax: int = 216
     pv_right: int = 160
     producer: int = 128
+    producers: int = field(default=1, metadata={"variant_optional": True})
 
-    ENTRY = 168   # registers per thread at entry (65536 / 384, rounded down to a multiple of 8)
+    @property
+    def warp_groups(self) -> int:
+        return 2 + self.producers
+
+    @property
+    def threads(self) -> int:
+        return TILE.threads_per_wg * self.warp_groups
+
+    @property
+    def entry(self) -> int:
+        """Registers per thread at entry: the register file over the threads, rounded down to a
+        multiple of 8 (168 with three warp groups, 128 with four)."""
+        return REGISTER_FILE // self.threads // 8 * 8
 
     def __post_init__(self):
-        if self.softmax + self.pv_right + self.producer > 504 or any(
-                r % 8 or not 24 <= r <= 256 for r in (self.softmax, self.pv_right, self.producer)):
-            raise ValueError(f"RegisterBudget: targets must be multiples of 8 in [24, 256] summing to <= 504, got {self}")
+        targets = (self.softmax, self.pv_right) + (self.producer,) * self.producers
+        if self.producers not in (1, 2):
+            raise ValueError(f"RegisterBudget: producers takes 1 or 2, got {self.producers}")
+        if sum(targets) > self.entry * self.warp_groups or any(r % 8 or not 24 <= r <= 256 for r in targets):
+            raise ValueError(f"RegisterBudget: targets must be multiples of 8 in [24, 256] summing to <= "
+                             f"{self.entry * self.warp_groups} with {self.producers} producer warp group(s), got {self}")
 
 
 # The swap-AB tile's budget: its MMA warp groups hold 2h fp32 of O^T and h / 2 of S^T per
 # thread (h <= 32), while the producer's dequant is the tile's long pole; at the 64-head tile's
-# budget (producer 128) the producer spills at 8 and 16 heads.
+# budget (producer 128) the producer spills at 8 and 16 heads. Two producer warp groups hold one
+# row of each tile a thread instead of two, at four warp groups' smaller entry count.
 SWAPPED_REGISTERS = RegisterBudget(softmax=160, pv_right=128, producer=216)
+TWO_PRODUCER_REGISTERS = RegisterBudget(softmax=144, pv_right=112, producer=128, producers=2)
 
 
 def tile_registers(h_q: int) -> RegisterBudget:
     """The register budget a config with ``h_q`` heads takes unless its tuning names one."""
-    return SWAPPED_REGISTERS if h_q in SWAPPED_HEADS else RegisterBudget()
+    return TWO_PRODUCER_REGISTERS if h_q in SWAPPED_HEADS else RegisterBudget()
 
 
 def fill_unset(tuning, rule: dict):
@@ -190,6 +214,7 @@ class Bar(IntEnum):
     EPI_SOFTMAX = 4  # WG0 only, 128 threads
     EPI_PV_RIGHT = 5  # WG1 only, 128 threads
     INDEX_SCAN = 6  # WG2 only, 128 threads: index compaction (warp counts, then ring visibility)
+    INDEX_SCAN_B = 7  # WG3 only (two producers), 128 threads: its own copy of the compaction
 
 
 class Stamp(IntEnum):
@@ -315,6 +340,9 @@ class Sm90SparseDecodeConfig:
         # a config compiles concrete knobs: the tile's where the tuning names none
         object.__setattr__(self, "tuning", fill_unset(self.tuning, {"registers": tile_registers(self.h_q),
                                                                      "gather_l1": tile_gather_l1(self.h_q)}))
+        if self.tuning.registers.producers != 1 and not self.swapped:
+            raise ValueError(f"tuning.registers.producers: two producer warp groups run on the swap-AB tile only "
+                             f"(8, 16 or 32 heads), got h_q={self.h_q}")
         if self.swapped and self.tuning.timeline:
             raise ValueError(f"tuning.timeline: the swap-AB tile's roles ({self.h_q} heads) write no stamps; "
                              "accepted for 64 or 128 heads")

@@ -69,6 +69,11 @@ class Smem(NamedTuple):
     sP: cute.Tensor     # P (64 heads x 64 tokens) handed from WG0 to WG1
 
 
+# The producer's geometry table, per pool (``producer.write_pool``): base (2 words), stride(0) in
+# bytes, page_block_size, its divisor magic and shift (``dsl.ptx.divisor_magic``), 2 words unused.
+POOL_ENTRY_WORDS = 8
+
+
 @functools.lru_cache(maxsize=None)
 def shared_storage(tile: Tile = TILE, pools: int = 1):
     """The CTA's shared memory, one struct (its size is what the launch requests): 231,424 B of
@@ -89,8 +94,7 @@ def shared_storage(tile: Tile = TILE, pools: int = 1):
         scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
         row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
         if pools > 1:
-            # per pool: base (2 words), stride(0) in bytes, page_block_size
-            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, 4 * pools], 16]
+            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, POOL_ENTRY_WORDS * pools], 16]
         ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]  # compacted indices
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
@@ -100,9 +104,10 @@ def shared_storage(tile: Tile = TILE, pools: int = 1):
 
 
 @functools.lru_cache(maxsize=None)
-def swapped_storage(tile: Tile, pools: int, h: int):
+def swapped_storage(tile: Tile, pools: int, h: int, producers: int = 1):
     """The CTA's shared memory with the swap-AB tile's h heads (``swapped.py``): the producer's
-    fields as in :func:`shared_storage` (same names: the producer and the prologue read them), Q
+    fields as in :func:`shared_storage` (same names: the producer and the prologue read them; with
+    two producer warp groups the scan's counts and ring and the pool table once for each), Q
     (h x d_qk, also the output staging: h x 512 bf16 fits), P^T (h x 64), the heads' O factors
     (WG0 -> WG1) and the cross-warp exchange buffers."""
     assert TILE.d_v <= tile.d_qk, "the output staging (h x d_v) must fit in the Q buffer (h x d_qk)"
@@ -114,10 +119,10 @@ def swapped_storage(tile: Tile, pools: int, h: int):
         k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
         peer_free: cute.struct.MemRange[Int64, TILE.k_bufs]   # (cluster kernels only; never initialised here)
         tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
-        scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]
+        scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8 * producers], 16]
         if pools > 1:
-            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, 4 * pools], 16]
-        ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries], 16]
+            pool_table: cute.struct.Align[cute.struct.MemRange[Int32, POOL_ENTRY_WORDS * pools * producers], 16]
+        ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries * producers], 16]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, h * tile.d_qk], 1024]
         sP: cute.struct.Align[cute.struct.MemRange[BFloat16, h * TILE.tokens], 1024]
@@ -143,7 +148,7 @@ def pools(cfg: Sm90SparseDecodeConfig) -> int:
 def storage_of(cfg: Sm90SparseDecodeConfig):
     """The shared-storage struct of a config's kernel."""
     if cfg.swapped:
-        return swapped_storage(cfg.tile, pools(cfg), cfg.h_q)
+        return swapped_storage(cfg.tile, pools(cfg), cfg.h_q, cfg.tuning.registers.producers)
     return shared_storage(cfg.tile, pools(cfg))
 
 

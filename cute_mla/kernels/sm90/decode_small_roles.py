@@ -11,7 +11,8 @@ its half of the output with the final factors, then ``Q_FREE``.
 
 What the 64-head kernel's roles do the same way: the request walk of the partition and its
 split pieces (``cta.py``); the producer (``producer.py``, ``index_scan.py``) and its K pipeline:
-tile n of the partition in buffer n % 2 with phase (n / 2) & 1, ``k_full[b]`` 128 arrivals,
+tile n of the partition in buffer n % 2 with phase (n / 2) & 1, ``k_full[b]`` 128 arrivals a
+producer warp group (this tile runs two, each converting one half of every tile),
 ``k_free[b]`` 256 (each MMA group once its PV of the tile retired), the tile's 64-bit validity
 mask and its request's last-tile flag in ``tile_info``; ``finalize_row`` (sinks, empty rows, a
 split piece's base-2 lse). MMA warp w holds tile rows 16 w .. 16 w + 15: bits 16 (w % 2) ..

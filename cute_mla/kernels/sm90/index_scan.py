@@ -75,19 +75,31 @@ assert TILE.tiles_ahead + TILE.scan_chunk // TILE.tokens <= 32, "ends bits would
 
 
 class ScanThread(NamedTuple):
-    """A producer thread's place in the scan: its position in a chunk, lane, warp, and the shared
-    addresses of the ring and of the two warp-count slots."""
+    """A producer thread's place in the scan: its position in a chunk, lane, warp, the shared
+    addresses of the ring and of the two warp-count slots, and the named barrier of its warp
+    group's scan."""
 
     ptid: Int32
     lane: Int32
     warp: Int32
     ring_base: Int32
     counts_base: Int32
+    bar: object = int(Bar.INDEX_SCAN)
 
 
-def scan_smem(storage):
-    """(ring base, warp-counts base) shared addresses of a shared-storage struct."""
-    return storage.ring.data_ptr().toint(), storage.scan_counts.data_ptr().toint()
+def scan_smem(storage, copy=0):
+    """(ring base, warp-counts base) shared addresses of a shared-storage struct; ``copy``: the
+    producer warp group's (two producers each run the scan on their own ring and counts)."""
+    return (storage.ring.data_ptr().toint() + copy * (TILE.ring_entries * 4),
+            storage.scan_counts.data_ptr().toint() + copy * 32)
+
+
+assert Bar.INDEX_SCAN_B == Bar.INDEX_SCAN + 1, "the second producer's scan barrier follows the first's"
+
+
+def scan_barrier(copy):
+    """The named barrier of producer warp group ``copy``'s scan."""
+    return Bar.INDEX_SCAN + copy
 
 
 @cute.jit
@@ -162,7 +174,7 @@ def scan_step(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, st: ScanThread, st
     slot = st.counts_base + parity * 16
     if st.lane == 0:
         ptx.st_shared_i32(slot + st.warp * 4, cute.arch.popc(ballot))
-    cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+    cute.arch.barrier(barrier_id=st.bar, number_of_threads=TILE.threads_per_wg)
     c = ptx.ld_shared_v4(slot)
     c0 = ptx.vec_elem(c, 0)
     c1 = ptx.vec_elem(c, 1)
@@ -233,7 +245,7 @@ def scan_until(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, st: ScanThread, s
     while scanning & (tail < target):
         req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next = scan_step(
             cfg, g, cta, st, (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next))
-    cute.arch.barrier(barrier_id=Bar.INDEX_SCAN, number_of_threads=TILE.threads_per_wg)
+    cute.arch.barrier(barrier_id=st.bar, number_of_threads=TILE.threads_per_wg)
     return req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next
 
 

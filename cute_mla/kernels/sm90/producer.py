@@ -30,9 +30,12 @@ from cutlass import Int32, Int64, Uint8, Uint32
 
 from ...dsl import ptx as common_ptx
 from . import ptx
-from .config import TILE, Sm90SparseDecodeConfig, Stamp
-from .cta import Cta, Gmem, dyn_storage, stamp
-from .index_scan import ScanThread, ring_index, scan_begin, scan_smem, scan_until
+from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
+from .cta import POOL_ENTRY_WORDS, Cta, Gmem, dyn_storage, stamp
+from .index_scan import ScanThread, ring_index, scan_barrier, scan_begin, scan_smem, scan_until
+
+
+POOL_ENTRY_BYTES = 4 * POOL_ENTRY_WORDS
 
 
 class ProducerThread(NamedTuple):
@@ -65,8 +68,9 @@ class PeerCopy(NamedTuple):
 
 
 @cute.jit
-def producer_setup(cfg: Sm90SparseDecodeConfig, g: Gmem) -> ProducerThread:
-    """The producer's thread map, cache geometry and shared-memory addresses."""
+def producer_setup(cfg: Sm90SparseDecodeConfig, g: Gmem, copy=0) -> ProducerThread:
+    """The producer's thread map, cache geometry and shared-memory addresses (``copy``: the
+    producer warp group's index, whose pool table it reads)."""
     ptid = cute.arch.thread_idx()[0] % TILE.threads_per_wg
     warp = ptid // 32
     lane = ptid % 32
@@ -81,26 +85,29 @@ def producer_setup(cfg: Sm90SparseDecodeConfig, g: Gmem) -> ProducerThread:
     info_base = storage.tile_info.data_ptr().toint()
     table = None
     if cutlass.const_expr(cfg.has_extra):
-        table = storage.pool_table.data_ptr().toint()
+        table = storage.pool_table.data_ptr().toint() + copy * (2 * POOL_ENTRY_BYTES)
         if cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0:
             # Read by row_address only after the first scan barrier (INDEX_SCAN) every producer
             # thread passes before it computes a row address.
             write_pool(table, g.mKV)
-            write_pool(table + 16, g.mExtraKV)
+            write_pool(table + POOL_ENTRY_BYTES, g.mExtraKV)
     return ProducerThread(warp, lane, sub, tok_in_half, swz, kv_base, stride0, page, table, sk_base, info_base,
                           storage.k_full.data_ptr(), storage.k_free.data_ptr())
 
 
 @cute.jit
 def write_pool(addr: Int32, kv: cute.Tensor):
-    """One pool's entry of the geometry table: base, stride(0) (the API bounds it below 2^31
-    bytes) and page_block_size."""
+    """One pool's entry of the geometry table (:data:`~.cta.POOL_ENTRY_WORDS`): base, stride(0)
+    (the API bounds it below 2^31 bytes), page_block_size, then its divisor magic and shift."""
     base = kv.iterator.toint()
-    common_ptx.st_shared_v4(addr, Int32(base & 0xFFFFFFFF), Int32(base >> 32), Int32(kv.stride[0]), Int32(kv.shape[1]))
+    page = Int32(kv.shape[1])
+    magic, shift = common_ptx.divisor_magic(page)
+    common_ptx.st_shared_v4(addr, Int32(base & 0xFFFFFFFF), Int32(base >> 32), Int32(kv.stride[0]), page)
+    common_ptx.st_shared_v4(addr + 16, magic, shift, 0, 0)
 
 
 @cute.jit
-def hand_over_tile(pt: ProducerThread, ok_a, ok_b, buf: Int32, last, fenced: bool = False):
+def hand_over_tile(pt: ProducerThread, ok_a, ok_b, buf: Int32, last, fenced: bool = False, copy=None):
     """Publish K buffer ``buf`` to the MMA warp groups.
 
     Writes the tile's ``tile_info`` (``info_words`` per buffer): its 64-bit validity mask (byte
@@ -108,50 +115,69 @@ def hand_over_tile(pt: ProducerThread, ok_a, ok_b, buf: Int32, last, fenced: boo
     end their loop over the request on it). Then makes the generic-proxy ``st.shared`` data
     visible to the wgmma (async proxy) readers (unless ``fenced``: the crossover fenced each
     column block before copying it) and arrives on ``k_full[buf]`` (one of the 128 producer
-    arrivals the consumers wait for; 129 with the crossover's expect_tx arrival).
+    arrivals the consumers wait for; 129 with the crossover's expect_tx arrival; 256 with two
+    producer warp groups). ``copy``: with two producers, this warp group's half (``ok_a`` its rows'
+    validity, ``ok_b`` unused); its group 0 writes the flag.
     """
     bal_a = cute.arch.vote_ballot_sync(ok_a)
-    bal_b = cute.arch.vote_ballot_sync(ok_b)
     info = pt.info_base + buf * (TILE.info_words * 4)
-    if pt.lane == 0:
-        vptr = cute.make_ptr(Uint8, info + pt.warp, cute.AddressSpace.smem, assumed_align=1)
-        cute.arch.store(vptr, Uint8(bal_a & 0xFF))
-        vptr_b = cute.make_ptr(Uint8, info + 4 + pt.warp, cute.AddressSpace.smem, assumed_align=1)
-        cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
-        if pt.warp == 0:
-            common_ptx.st_shared_i32(info + 8, common_ptx.select_i32(last, 1, 0))
+    if cutlass.const_expr(copy is None):
+        bal_b = cute.arch.vote_ballot_sync(ok_b)
+        if pt.lane == 0:
+            vptr = cute.make_ptr(Uint8, info + pt.warp, cute.AddressSpace.smem, assumed_align=1)
+            cute.arch.store(vptr, Uint8(bal_a & 0xFF))
+            vptr_b = cute.make_ptr(Uint8, info + 4 + pt.warp, cute.AddressSpace.smem, assumed_align=1)
+            cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
+            if pt.warp == 0:
+                common_ptx.st_shared_i32(info + 8, common_ptx.select_i32(last, 1, 0))
+    else:
+        if pt.lane == 0:
+            vptr = cute.make_ptr(Uint8, info + 4 * copy + pt.warp, cute.AddressSpace.smem, assumed_align=1)
+            cute.arch.store(vptr, Uint8(bal_a & 0xFF))
+            if (pt.warp == 0) & (copy == 0):
+                common_ptx.st_shared_i32(info + 8, common_ptx.select_i32(last, 1, 0))
     if cutlass.const_expr(not fenced):
         cute.arch.fence_view_async_shared()
     cute.arch.mbarrier_arrive(pt.k_full + buf)
 
 
 @cute.jit
-def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta):
+def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
     """Gather + dequantize the partition's compacted tiles into the two K buffers (one-CTA kernels).
 
     Tile T: the scan runs until ``tiles_ahead`` tiles past T are queued (or the partition is
     scanned) while T's rows are in flight; then each half of T is converted slot by slot with
     tile T+1's rows re-loaded behind it, the tile handed over with its last-tile flag, and tile
     T+2's rows prefetched into L2.
+
+    ``copy``: None with one producer warp group (a thread holds a row of each half); with two,
+    this warp group's index (an Int32, 0 or 1), which converts half ``copy`` of every tile (a
+    thread holds one row) and runs the whole scan on its own ring: the two scans are the same
+    steps, so both groups agree on every tile and flag without talking to each other.
     """
-    pt = producer_setup(cfg, g)
-    ring_base, counts_base = scan_smem(dyn_storage(cfg))
+    two = copy is not None
+    pt = producer_setup(cfg, g, copy if two else 0)
+    ring_base, counts_base = scan_smem(dyn_storage(cfg), copy if two else 0)
     ptid = pt.warp * 32 + pt.lane
-    st = ScanThread(ptid, pt.lane, pt.warp, ring_base, counts_base)
+    st = ScanThread(ptid, pt.lane, pt.warp, ring_base, counts_base, scan_barrier(copy) if two else int(Bar.INDEX_SCAN))
     half_b = TILE.tokens // 2
+    # The tile row of this thread's (first) row: half A's, or this warp group's half.
+    own = pt.tok_in_half + (copy * half_b if two else 0)
 
     reg_a = cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
-    reg_b = cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
+    reg_b = None if two else cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
 
     # ---- prologue: scan until tile 0 is queued, then issue both halves' loads
     (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = scan_until(
         cfg, g, cta, st, scan_begin(cfg, g, cta, ptid), TILE.tokens)
-    stamp(cta, Stamp.SCAN, ptid == 0)
-    idx_a, ok_a = ring_index(cfg, ring_base, pt.tok_in_half)
+    if cutlass.const_expr(not two):
+        stamp(cta, Stamp.SCAN, ptid == 0)
+    idx_a, ok_a = ring_index(cfg, ring_base, own)
     idx_b, ok_b = ring_index(cfg, ring_base, half_b + pt.tok_in_half)
     if tail > 0:
         issue_row_loads(cfg, pt, reg_a, idx_a)
-        issue_row_loads(cfg, pt, reg_b, idx_b)
+        if cutlass.const_expr(not two):
+            issue_row_loads(cfg, pt, reg_b, idx_b)
 
     t = Int32(0)
     while t * TILE.tokens < tail:
@@ -164,30 +190,41 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta):
         has_next = first + TILE.tokens < tail
 
         cute.arch.mbarrier_wait(pt.k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
-        stamp(cta, Stamp.K_FREE, ptid == 0)
+        if cutlass.const_expr(not two):
+            stamp(cta, Stamp.K_FREE, ptid == 0)
         tile_base = pt.sk_base + buf * cfg.tile.k_tile_bytes
         # Each 16-B slot of tile T is re-loaded with tile T+1's row as soon as it is converted
         # (row 0, never stored, when there is no tile T+1).
-        na_idx, na_ok = ring_index(cfg, ring_base, first + TILE.tokens + pt.tok_in_half)
-        nb_idx, nb_ok = ring_index(cfg, ring_base, first + TILE.tokens + half_b + pt.tok_in_half)
+        na_idx, na_ok = ring_index(cfg, ring_base, first + TILE.tokens + own)
         next_ok_a = na_ok & has_next
-        next_ok_b = nb_ok & has_next
+        next_ok_b = next_ok_a
         na_addr = row_address(cfg, pt, common_ptx.select_i32(next_ok_a, na_idx, 0))
-        nb_addr = row_address(cfg, pt, common_ptx.select_i32(next_ok_b, nb_idx, 0))
-        convert_store_reload(cfg, pt, reg_a, ok_a, tile_base, na_addr)
-        stamp(cta, Stamp.HALF_A, ptid == 0)
-        convert_store_reload(cfg, pt, reg_b, ok_b, tile_base + half_b * TILE.chunk_row_bytes, nb_addr)
+        if cutlass.const_expr(two):
+            convert_store_reload(cfg, pt, reg_a, ok_a, tile_base + copy * (half_b * TILE.chunk_row_bytes), na_addr)
+        else:
+            nb_idx, nb_ok = ring_index(cfg, ring_base, first + TILE.tokens + half_b + pt.tok_in_half)
+            next_ok_b = nb_ok & has_next
+            nb_addr = row_address(cfg, pt, common_ptx.select_i32(next_ok_b, nb_idx, 0))
+            convert_store_reload(cfg, pt, reg_a, ok_a, tile_base, na_addr)
+            stamp(cta, Stamp.HALF_A, ptid == 0)
+            convert_store_reload(cfg, pt, reg_b, ok_b, tile_base + half_b * TILE.chunk_row_bytes, nb_addr)
 
         bit = Uint32(1) << Uint32(t % 32)
-        hand_over_tile(pt, ok_a, ok_b, buf, (ends & bit) != Uint32(0))
-        stamp(cta, Stamp.HANDED_OVER, ptid == 0)
+        hand_over_tile(pt, ok_a, ok_b, buf, (ends & bit) != Uint32(0), copy=copy)
+        if cutlass.const_expr(not two):
+            stamp(cta, Stamp.HANDED_OVER, ptid == 0)
         ends = ends & ~bit
-        # Rows of tile T+2 into L2: threads with sub 0, 1 take half A's row, 2, 3 half B's.
+        # Rows of tile T+2 into L2: threads with sub 0, 1 take their half A's row (two producers:
+        # their own row), 2, 3 half B's.
         if cutlass.const_expr(cfg.tuning.prefetch_rows):
             if first + 2 * TILE.tokens < tail:
                 in_b = pt.sub >= 2
-                p_idx, p_ok = ring_index(
-                    cfg, ring_base, first + 2 * TILE.tokens + common_ptx.select_i32(in_b, half_b, 0) + pt.tok_in_half)
+                p_row = first + 2 * TILE.tokens + common_ptx.select_i32(in_b, half_b, 0) + pt.tok_in_half
+                if cutlass.const_expr(two):
+                    p_row = first + 2 * TILE.tokens + own
+                p_idx, p_ok = ring_index(cfg, ring_base, p_row)
+                if cutlass.const_expr(two):
+                    p_ok = p_ok & (pt.sub < 2)
                 if p_ok:
                     prefetch_row(cfg, row_address(cfg, pt, p_idx), pt.sub)
         ok_b = next_ok_b
@@ -343,17 +380,23 @@ def row_address(cfg: Sm90SparseDecodeConfig, pt: ProducerThread, idx: Int32):
     block below 2^31 bytes) for a format with block-major scales (an Int64 scale address per
     row in flight spilled the one-CTA producer with the extra pool)."""
     kv_base, stride0, page = pt.kv_base, pt.stride0, pt.page
+    fmt = cfg.tile.fmt
     if cutlass.const_expr(cfg.has_extra):
         # The pool's geometry from the shared table, loaded where it is used: both pools' values
         # held in registers for a select spilled the one-CTA producer.
         is_extra = idx < 0
         idx = common_ptx.select_i32(is_extra, -2 - idx, idx)
-        v = common_ptx.ld_shared_v4(pt.pools + common_ptx.select_i32(is_extra, 16, 0))
+        entry = pt.pools + common_ptx.select_i32(is_extra, POOL_ENTRY_BYTES, 0)
+        v = common_ptx.ld_shared_v4(entry)
+        w = common_ptx.ld_shared_v4(entry + 16)
         kv_base = (Int64(Uint32(common_ptx.vec_elem(v, 1))) << 32) | Int64(Uint32(common_ptx.vec_elem(v, 0)))
         stride0 = Int64(common_ptx.vec_elem(v, 2))
         page = common_ptx.vec_elem(v, 3)
-    fmt = cfg.tile.fmt
-    blk = Uint32(idx) // Uint32(page)
+        # The block by the pool's divisor magic: a division by the loaded page_block_size would
+        # recompute its reciprocal for every row, a chain of dependent instructions before the load.
+        blk = common_ptx.divide_by_magic(idx, common_ptx.vec_elem(w, 0), common_ptx.vec_elem(w, 1))
+    else:
+        blk = Uint32(idx) // Uint32(page)
     row = Uint32(idx) - blk * Uint32(page)
     data = kv_base + Int64(blk) * stride0 + Int64(row) * fmt.data_row_bytes
     if cutlass.const_expr(fmt.scales_in_row):

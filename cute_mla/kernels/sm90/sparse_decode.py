@@ -5,21 +5,24 @@ the partition's requests and, inside each request, 64-token K tiles of *valid* t
 out-of-range and past-``topk_length`` positions are dropped by the producer's index scan), so a
 request costs ``max(1, ceil(valid / 64))`` tiles, never more than its 64-position blocks.
 
-Roles (384 threads, three warp groups; each role is a module that takes the config and the
+Roles (384 threads, three warp groups; the swap-AB tile's 8-32 heads take 512, four, with two
+producers: ``RegisterBudget.producers``; each role is a module that takes the config and the
 bundles of ``cta.py``):
 
 * WG0 ``Role.SOFTMAX`` (``softmax.py``): QK, the online softmax, PV of O's left columns, and the
   request's final normalisation; it hands P and the row factors to WG1.
 * WG1 ``Role.PV_RIGHT`` (``pv.py``): PV of O's right columns.
 * WG2 ``Role.PRODUCER`` (``producer.py``, ``index_scan.py``; ``crossover.py`` in cluster
-  kernels): index compaction, row gather, FP8 dequant into the two K buffers.
+  kernels): index compaction, row gather, FP8 dequant into the two K buffers. With two producers
+  WG2 and WG3 each run the whole compaction and convert one half of every K tile.
 * Both MMA warp groups store their half of O (``epilogue.py``).
 
 The pipelines, named barriers and arrive counts are tabled in docs/architecture.md; in short:
-``q_full`` (TMA -> WG0), ``k_full[2]`` (producer, 128 arrivals, + 1 expect_tx in cluster kernels ->
+``q_full`` (TMA -> WG0), ``k_full[2]`` (producers, 128 arrivals each, + 1 expect_tx in cluster kernels ->
 WG0 and WG1), ``k_free[2]`` (WG0 + WG1, 256 arrivals -> producer), ``peer_free[2]`` (cluster
 kernels: peer producer -> producer), named barriers ``P_READY`` / ``P_FREE`` / ``Q_FREE`` (WG0 <->
-WG1), ``EPI_*`` (within an MMA warp group) and ``INDEX_SCAN`` (producer).
+WG1), ``EPI_*`` (within an MMA warp group) and ``INDEX_SCAN`` (producer; ``INDEX_SCAN_B`` the
+second one's).
 
 h_q = 128 runs the token's two 64-head CTAs side by side in grid x, as a cluster of 2 that shares
 each K tile (``Sm90Tuning.h128_cluster``); the plan's column pair runs an h_q = 64 split piece on a
@@ -72,12 +75,12 @@ def heads_dims_first(t: cute.Tensor) -> cute.Tensor:
     )
 
 
-def set_registers(target: int) -> None:
+def set_registers(budget: RegisterBudget, target: int) -> None:
     """``setmaxnreg`` of this warp group to ``target`` from the count every thread enters with
-    (``RegisterBudget.ENTRY``): an increase above it, a decrease below. A plain function."""
-    if target > RegisterBudget.ENTRY:
+    (``budget.entry``): an increase above it, a decrease below. A plain function."""
+    if target > budget.entry:
         setmaxregister_increase(target)
-    elif target < RegisterBudget.ENTRY:
+    elif target < budget.entry:
         setmaxregister_decrease(target)
 
 
@@ -157,7 +160,7 @@ class Sm90SparseDecode:
             extra_k_cache, extra_indices, extra_topk_length, request_order,
             scale_log2,
             q_layout, k_layout, p_layout, chunk_layout,
-        ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1,
+        ).launch(grid=grid, block=[cfg.tuning.registers.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  cluster=[2, 1, 1] if cfg.cluster else None)
 
     # ---------------------------------------------------------------- device side
@@ -231,14 +234,16 @@ class Sm90SparseDecode:
             g = Gmem(tma_q, mQ, tma_out, mOut, tma_oacc, mOAcc, mKV, mIdx, mTopkLen, mSink, mTileMd, mAccumOffsets,
                      mLse, mLseAcc, mExtraKV, mExtraIdx, mExtraLen, mOrder)
             regs = cfg.tuning.registers
-            if wg == Role.PRODUCER:
-                set_registers(regs.producer)
+            if wg >= Role.PRODUCER:
+                set_registers(regs, regs.producer)
                 if cutlass.const_expr(cfg.cluster):
                     producer_crossover(cfg, g, cta)
+                elif cutlass.const_expr(regs.producers == 2):
+                    producer(cfg, g, cta, wg - Role.PRODUCER)
                 else:
                     producer(cfg, g, cta)
             elif wg == Role.SOFTMAX:
-                set_registers(regs.softmax)
+                set_registers(regs, regs.softmax)
                 if cutlass.const_expr(cfg.swapped):
                     small.softmax_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
                                      swapped.SwappedOps(qk_mma, pv_rs_mma, chunk_layout), scale_log2)
@@ -246,7 +251,7 @@ class Sm90SparseDecode:
                     softmax_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
                                Ops(qk_mma, pv_rs_mma, pv_ss_mma, chunk_layout), scale_log2)
             else:
-                set_registers(regs.pv_right)
+                set_registers(regs, regs.pv_right)
                 if cutlass.const_expr(cfg.swapped):
                     small.pv_right_wg(cfg, g, cta, Smem(storage, sQ, sK, sP),
                                       swapped.SwappedOps(qk_mma, pv_ss_mma, chunk_layout))
@@ -273,7 +278,8 @@ class Sm90SparseDecode:
             cute.arch.mbarrier_init(q_full, 1)
             for i in cutlass.range_constexpr(TILE.k_bufs):
                 # Cluster kernels: + 1 arrive.expect_tx for the bytes of the peer's bulk copies.
-                cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg + (1 if cfg.cluster else 0))
+                cute.arch.mbarrier_init(k_full + i, TILE.threads_per_wg * cfg.tuning.registers.producers
+                                        + (1 if cfg.cluster else 0))
                 cute.arch.mbarrier_init(k_free + i, 2 * TILE.threads_per_wg)
                 if cutlass.const_expr(cfg.cluster):
                     cute.arch.mbarrier_init(storage.peer_free.data_ptr() + i, 1)
