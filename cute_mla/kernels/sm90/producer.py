@@ -167,13 +167,14 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
     reg_a = cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
     reg_b = None if two else cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
 
-    # ---- prologue: scan until tile 0 is queued, then issue both halves' loads
+    # ---- prologue: scan until tile 0 is queued, then issue this thread's rows' loads
     (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = scan_until(
         cfg, g, cta, st, scan_begin(cfg, g, cta, ptid), TILE.tokens)
-    if cutlass.const_expr(not two):
-        stamp(cta, Stamp.SCAN, ptid == 0)
+    stamp(cta, Stamp.SCAN, ptid == 0)
     idx_a, ok_a = ring_index(cfg, ring_base, own)
-    idx_b, ok_b = ring_index(cfg, ring_base, half_b + pt.tok_in_half)
+    ok_b = ok_a   # (two producers: no second row; carried through the loop unused)
+    if cutlass.const_expr(not two):
+        idx_b, ok_b = ring_index(cfg, ring_base, half_b + pt.tok_in_half)
     if tail > 0:
         issue_row_loads(cfg, pt, reg_a, idx_a)
         if cutlass.const_expr(not two):
@@ -190,8 +191,7 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
         has_next = first + TILE.tokens < tail
 
         cute.arch.mbarrier_wait(pt.k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
-        if cutlass.const_expr(not two):
-            stamp(cta, Stamp.K_FREE, ptid == 0)
+        stamp(cta, Stamp.K_FREE, ptid == 0)
         tile_base = pt.sk_base + buf * cfg.tile.k_tile_bytes
         # Each 16-B slot of tile T is re-loaded with tile T+1's row as soon as it is converted
         # (row 0, never stored, when there is no tile T+1).
@@ -211,20 +211,21 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
 
         bit = Uint32(1) << Uint32(t % 32)
         hand_over_tile(pt, ok_a, ok_b, buf, (ends & bit) != Uint32(0), copy=copy)
-        if cutlass.const_expr(not two):
-            stamp(cta, Stamp.HANDED_OVER, ptid == 0)
+        stamp(cta, Stamp.HANDED_OVER, ptid == 0)
         ends = ends & ~bit
-        # Rows of tile T+2 into L2: threads with sub 0, 1 take their half A's row (two producers:
-        # their own row), 2, 3 half B's.
+        # Rows of tile T+2 into L2, a row's lines by two of its four threads (``prefetch_row``):
+        # with one producer, threads with sub 0, 1 take half A's row, 2, 3 half B's; with two,
+        # sub 0, 1 take the thread's own row.
         if cutlass.const_expr(cfg.tuning.prefetch_rows):
             if first + 2 * TILE.tokens < tail:
-                in_b = pt.sub >= 2
-                p_row = first + 2 * TILE.tokens + common_ptx.select_i32(in_b, half_b, 0) + pt.tok_in_half
                 if cutlass.const_expr(two):
-                    p_row = first + 2 * TILE.tokens + own
-                p_idx, p_ok = ring_index(cfg, ring_base, p_row)
-                if cutlass.const_expr(two):
+                    p_idx, p_ok = ring_index(cfg, ring_base, first + 2 * TILE.tokens + own)
                     p_ok = p_ok & (pt.sub < 2)
+                else:
+                    in_b = pt.sub >= 2
+                    p_idx, p_ok = ring_index(
+                        cfg, ring_base,
+                        first + 2 * TILE.tokens + common_ptx.select_i32(in_b, half_b, 0) + pt.tok_in_half)
                 if p_ok:
                     prefetch_row(cfg, row_address(cfg, pt, p_idx), pt.sub)
         ok_b = next_ok_b
