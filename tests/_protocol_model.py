@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-AGENTS = ("P", "A", "B", "T", "U")   # producer, WG0, WG1, the Q TMA loads WG0 / WG1 issue
+AGENTS = ("P", "Q", "A", "B", "T", "U")   # producer(s), WG0, WG1, the Q TMA loads WG0 / WG1 issue
 
 
 def _vc():

@@ -1,5 +1,6 @@
 """A CPU model of the SM90 sparse decode kernel's swap-AB roles (8, 16 and 32 heads,
-``kernels/sm90/decode_small_roles.py``): the producer, WG0, WG1 and the Q TMA as generators that
+``kernels/sm90/decode_small_roles.py``): the two producer warp groups (each writes one half of
+every K tile and its half's mask bytes), WG0, WG1 and the Q TMA as generators that
 perform the roles' mbarrier and named-barrier operations and shared-memory accesses in program
 order, under random interleavings with vector clocks (``_protocol_model.py``). It checks the
 design, not the compiled kernel: keep it in step with the roles.
@@ -19,16 +20,35 @@ import pytest
 from _protocol_model import Race, World, join, run_roles, sync
 
 
-def producer(w, reqs):
+PRODUCERS = ("P", "Q")   # WG2 and WG3: halves 0 and 1 of every tile
+
+
+def k_tile(b):
+    """K buffer ``b``'s two halves (one per producer warp group)."""
+    return [f"K{b}.{half}" for half in range(len(PRODUCERS))]
+
+
+def info_of(b):
+    """K buffer ``b``'s tile_info parts: each half's mask bytes (half 0's also the last-tile flag)."""
+    return [f"info{b}.{half}" for half in range(len(PRODUCERS))]
+
+
+def producer(w, reqs, half):
+    me = PRODUCERS[half]
     n = 0
     for k in reqs:
         for _ in range(k):
             b = n % 2
             yield ("mbar", f"free{b}", n // 2 - 1)
-            w.access("P", f"K{b}", "w")
-            w.access("P", f"info{b}", "w")     # the tile's mask and its request's last-tile flag
-            w.mb_arrive("P", f"full{b}", 1)    # (the 128 producer threads' arrivals: one event)
+            w.access(me, k_tile(b)[half], "w")
+            w.access(me, info_of(b)[half], "w")
+            w.mb_arrive(me, f"full{b}", 1)    # (its 128 threads' arrivals: one event)
             n += 1
+
+
+def _read_info(w, a, b):
+    for part in info_of(b):
+        w.access(a, part, "r")
 
 
 def _load_q(w):
@@ -41,7 +61,7 @@ def _load_q(w):
 
 def _qk(w, b):
     tok = object()
-    w.wgmma_issue("A", ["Q0", "Q1", f"K{b}"], tok)
+    w.wgmma_issue("A", ["Q0", "Q1"] + k_tile(b), tok)
     return tok
 
 
@@ -56,10 +76,10 @@ def wg0(w, reqs):
             b = n % 2
             yield ("mbar", f"full{b}", n // 2)
             tok = _qk(w, b)
-            w.wgmma_retire("A", ["Q0", "Q1", f"K{b}"], tok)
+            w.wgmma_retire("A", ["Q0", "Q1"] + k_tile(b), tok)
         for t in range(k):
             b = n % 2
-            w.access("A", f"info{b}", "r")
+            _read_info(w, "A", b)
             if w.bug != "P before P_FREE":
                 yield from sync(w, "A", "P_FREE")
             w.access("A", "scale", "w")
@@ -68,9 +88,9 @@ def wg0(w, reqs):
                 yield from sync(w, "A", "P_FREE")
             yield from sync(w, "A", "P_READY")
             pv = object()
-            w.wgmma_issue("A", [f"K{b}", "P"], pv)
+            w.wgmma_issue("A", k_tile(b) + ["P"], pv)
             if t == k - 1:
-                w.wgmma_retire("A", [f"K{b}", "P"], pv)
+                w.wgmma_retire("A", k_tile(b) + ["P"], pv)
                 w.mb_arrive("A", f"free{b}", 1)
             else:
                 nb = (n + 1) % 2
@@ -78,11 +98,11 @@ def wg0(w, reqs):
                 qk = _qk(w, nb)
                 if w.bug == "free before the PV retired":
                     w.mb_arrive("A", f"free{b}", 1)
-                    w.wgmma_retire("A", [f"K{b}", "P"], pv)
+                    w.wgmma_retire("A", k_tile(b) + ["P"], pv)
                 else:
-                    w.wgmma_retire("A", [f"K{b}", "P"], pv)    # wait_group(1): the PV retired
+                    w.wgmma_retire("A", k_tile(b) + ["P"], pv)    # wait_group(1): the PV retired
                     w.mb_arrive("A", f"free{b}", 1)
-                w.wgmma_retire("A", ["Q0", "Q1", f"K{nb}"], qk)
+                w.wgmma_retire("A", ["Q0", "Q1"] + k_tile(nb), qk)
             n += 1
         # epilogue: the final factors to WG1, its half of the output staged in Q and stored
         yield from sync(w, "A", "P_FREE")
@@ -103,10 +123,10 @@ def wg1(w, reqs):
             yield from sync(w, "B", "P_READY")
             w.access("B", "scale", "r")
             yield ("mbar", f"full{b}", n // 2)
-            w.access("B", f"info{b}", "r")
+            _read_info(w, "B", b)
             pv = object()
-            w.wgmma_issue("B", [f"K{b}", "P"], pv)
-            w.wgmma_retire("B", [f"K{b}", "P"], pv)
+            w.wgmma_issue("B", k_tile(b) + ["P"], pv)
+            w.wgmma_retire("B", k_tile(b) + ["P"], pv)
             w.nb_arrive("B", "P_FREE")
             w.mb_arrive("B", f"free{b}", 1)
             n += 1
@@ -122,9 +142,11 @@ def run_protocol(reqs, seed: int, bug: str = ""):
     w = World(False, bug)
     w.mb_init("q_full", 1)
     for b in range(2):
-        w.mb_init(f"full{b}", 1)
+        # each producer warp group's 128 arrivals
+        w.mb_init(f"full{b}", 1 if bug == "k_full counts one producer" else len(PRODUCERS))
         w.mb_init(f"free{b}", 2)    # WG0's and WG1's 128 arrivals each
-    run_roles(w, {"P": producer(w, reqs), "A": wg0(w, reqs), "B": wg1(w, reqs)}, seed)
+    roles = {me: producer(w, reqs, half) for half, me in enumerate(PRODUCERS)}
+    run_roles(w, {**roles, "A": wg0(w, reqs), "B": wg1(w, reqs)}, seed)
 
 
 def _requests(seed):
@@ -137,7 +159,8 @@ def test_swap_ab_decode_protocol_has_no_deadlock_lap_or_race():
         run_protocol(_requests(seed), seed)
 
 
-@pytest.mark.parametrize("bug", ["no Q_FREE", "P before P_FREE", "free before the PV retired"])
+@pytest.mark.parametrize("bug", ["no Q_FREE", "P before P_FREE", "free before the PV retired",
+                                 "k_full counts one producer"])
 def test_the_model_catches_known_bugs(bug):
     with pytest.raises(Race):
         for seed in range(2000):
