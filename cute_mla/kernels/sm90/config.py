@@ -44,7 +44,6 @@ class Tile(FormatGeometry):
     chunk: int = 64  # dims per 128-B swizzle row
     k_bufs: int = 2
     threads_per_wg: int = 128
-    num_wgs: int = 3
     # Index compaction: the producer scans the top-k list in chunks of ``scan_chunk`` positions (one
     # per producer thread) and appends the valid token indices to a shared-memory ring of
     # ``ring_entries`` int32. In tile T's iteration a step starts while fewer than ``tiles_ahead``

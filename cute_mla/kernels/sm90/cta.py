@@ -1,6 +1,6 @@
 """What one CTA holds and walks: the bundles every role reads (global tensors, this CTA's work,
 shared memory), the shared-memory struct, and the walk of one ``tile_md`` partition, identical in
-the three warp groups.
+the warp groups.
 
 Partition row (``SchedField``): [begin_req, end_req (incl), begin_block (of begin_req), end_block
 (excl, of end_req), begin_split_idx, is_first_req_splitted, is_last_req_splitted, pad]. A request

@@ -92,6 +92,9 @@ class Sm90PrefillTuning:
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
             raise ValueError(f"Sm90PrefillTuning: registers takes a RegisterBudget, got {self.registers!r}")
+        if self.registers.producers != 1:
+            raise ValueError(f"Sm90PrefillTuning: registers.producers takes 1 (one producer warp group), "
+                             f"got {self.registers.producers}")
         if self.gather_l2 not in (None, "", "L2::64B", "L2::128B", "L2::256B"):
             raise ValueError(f"Sm90PrefillTuning: gather_l2 takes '', 'L2::64B', 'L2::128B' or 'L2::256B', "
                              f"got {self.gather_l2!r}")

@@ -102,7 +102,7 @@ class Sm90SparsePrefill:
         self.kernel(
             qk_mma, pv_rs_mma, pv_ss_mma, tma_q, q_tma, tma_out, out_tma, kv, indices, topk_length, attn_sink,
             max_logits, lse, scale_log2, q_layout, k_layout, p_layout, chunk_layout,
-        ).launch(grid=grid, block=[TILE.threads_per_wg * TILE.num_wgs, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[cfg.tuning.registers.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
