@@ -14,6 +14,7 @@ from cute_mla import archs, plan_sparse_decode
 from cute_mla.kernels import SparseDecodeTensors
 from cute_mla.kernels.sm90 import RegisterBudget, Sm90SparseDecodeConfig, Sm90Tuning, kernel_config
 from cute_mla.kernels.sm90.config import NS_SLOTS, Bar, Stamp
+from cute_mla.kernels.sm90.prefill_config import Sm90PrefillTuning
 from cute_mla.kernels.sm90.sparse_decode import compile as compile_sparse_decode, launch as launch_sparse_decode
 from cute_mla.playground import inspect as ki
 from _compile_helpers import compile_artifacts
@@ -180,6 +181,19 @@ def test_config_validation():
         Sm90SparseDecodeConfig(**dict(base, split=True), request_order=True)
     with pytest.raises(ValueError, match="RegisterBudget"):
         RegisterBudget(softmax=240, pv_right=160, producer=112 + 8)
+    # two producer warp groups: four warp groups enter with 128 registers and share 512
+    two = RegisterBudget(softmax=144, pv_right=112, producer=128, producers=2)
+    assert (two.warp_groups, two.threads, two.entry) == (4, 512, 128)
+    assert (REGS.warp_groups, REGS.threads, REGS.entry) == (3, 384, 168)
+    with pytest.raises(ValueError, match="summing to <= 512 with 2 producer"):
+        RegisterBudget(softmax=160, pv_right=128, producer=128, producers=2)
+    with pytest.raises(ValueError, match="producers takes 1 or 2, got 3"):
+        RegisterBudget(softmax=96, pv_right=96, producer=96, producers=3)
+    with pytest.raises(ValueError, match="producers: two producer warp groups run on the swap-AB tile only"):
+        kernel_config(**dict(base, h_q=64), tuning=Sm90Tuning(registers=two))
+    assert kernel_config(**dict(base, h_q=16)).tuning.registers == two
+    with pytest.raises(ValueError, match="registers.producers takes 1"):
+        Sm90PrefillTuning(registers=two)
     for bad in (dict(gather_l1=1), dict(gather_l1="no_allocate"), dict(gather_l2="L2::256B")):
         (key, value), = bad.items()
         with pytest.raises(ValueError, match=f"{key} takes '' .*got {re.escape(repr(value))}"):
