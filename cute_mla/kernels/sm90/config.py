@@ -54,6 +54,7 @@ class Tile(FormatGeometry):
     # ring position is a mask).
     scan_chunk: int = 128
     ring_entries: int = 256
+    scan_count_words: int = 8  # the scan's warp counts: two slots (by parity) of one per producer warp
     tiles_ahead: int = 3  # tiles T, T+1 (rows loaded during T) and T+2 (L2 prefetch) must be queued
     info_words: int = 4  # per K buffer: valid mask (2 words), last-tile-of-request flag, pad
     mbar_bytes: int = 8  # one mbarrier: consecutive mbarriers of an array are this far apart

@@ -91,7 +91,7 @@ def shared_storage(tile: Tile = TILE, pools: int = 1):
         peer_free: cute.struct.MemRange[Int64, TILE.k_bufs]  # cluster kernels: the peer may write buffer b
         # Per K buffer: 64-bit token mask + last-tile-of-request flag (producer -> consumers).
         tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
-        scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # producer: 2 x 4 warp counts
+        scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, TILE.scan_count_words], 16]
         row_scale: cute.struct.MemRange[Float32, TILE.heads]  # WG0 -> WG1 per-row O factor
         if pools > 1:
             pool_table: cute.struct.Align[cute.struct.MemRange[Int32, POOL_ENTRY_WORDS * pools], 16]
@@ -119,7 +119,7 @@ def swapped_storage(tile: Tile, pools: int, h: int, producers: int = 1):
         k_free: cute.struct.MemRange[Int64, TILE.k_bufs]
         peer_free: cute.struct.MemRange[Int64, TILE.k_bufs]   # (cluster kernels only; never initialised here)
         tile_info: cute.struct.Align[cute.struct.MemRange[Uint32, TILE.info_words * TILE.k_bufs], 16]
-        scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, 8 * producers], 16]
+        scan_counts: cute.struct.Align[cute.struct.MemRange[Int32, TILE.scan_count_words * producers], 16]
         if pools > 1:
             pool_table: cute.struct.Align[cute.struct.MemRange[Int32, POOL_ENTRY_WORDS * pools * producers], 16]
         ring: cute.struct.Align[cute.struct.MemRange[Int32, TILE.ring_entries * producers], 16]

@@ -66,6 +66,7 @@ assert TILE.scan_chunk == TILE.threads_per_wg, "one scanned position per produce
 # pads to <= that bound, rounded to a tile); entries from 64 (T + 1) on may still be read.
 assert TILE.ring_entries >= (TILE.tiles_ahead - 1) * TILE.tokens + TILE.scan_chunk, "ring too small"
 assert TILE.scan_chunk % TILE.tokens == 0, "a request end pads to a tile boundary inside one step"
+assert TILE.scan_count_words == 2 * (TILE.threads_per_wg // 32), "two slots of one count per warp (a slot: one 16-B load)"
 # The last-tile flag of tile T is read when T is handed over: T+1 must be queued by then (a request
 # can end at T only once a later position is scanned), hence at least two tiles ahead.
 assert TILE.tiles_ahead >= 2, "the last-tile flag needs tile T+1 queued"
@@ -91,7 +92,7 @@ def scan_smem(storage, copy=0):
     """(ring base, warp-counts base) shared addresses of a shared-storage struct; ``copy``: the
     producer warp group's (two producers each run the scan on their own ring and counts)."""
     return (storage.ring.data_ptr().toint() + copy * (TILE.ring_entries * 4),
-            storage.scan_counts.data_ptr().toint() + copy * 32)
+            storage.scan_counts.data_ptr().toint() + copy * (TILE.scan_count_words * 4))
 
 
 assert Bar.INDEX_SCAN_B == Bar.INDEX_SCAN + 1, "the second producer's scan barrier follows the first's"
@@ -171,7 +172,7 @@ def scan_step(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, st: ScanThread, st
     ok = (pos + st.ptid < end) & (raw >= 0) & (Int64(raw) < num_tokens)
     ballot = cute.arch.vote_ballot_sync(ok)
     below = cute.arch.popc(ballot & cute.arch.lanemask_lt())
-    slot = st.counts_base + parity * 16
+    slot = st.counts_base + parity * (TILE.scan_count_words // 2 * 4)
     if st.lane == 0:
         ptx.st_shared_i32(slot + st.warp * 4, cute.arch.popc(ballot))
     cute.arch.barrier(barrier_id=st.bar, number_of_threads=TILE.threads_per_wg)

@@ -31,7 +31,7 @@ from cutlass import Int32, Int64, Uint8, Uint32
 from ...dsl import ptx as common_ptx
 from . import ptx
 from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
-from .cta import POOL_ENTRY_WORDS, Cta, Gmem, dyn_storage, stamp
+from .cta import POOL_ENTRY_WORDS, Cta, Gmem, dyn_storage, pools, stamp
 from .index_scan import ScanThread, ring_index, scan_barrier, scan_begin, scan_smem, scan_until
 
 
@@ -85,10 +85,10 @@ def producer_setup(cfg: Sm90SparseDecodeConfig, g: Gmem, copy=0) -> ProducerThre
     info_base = storage.tile_info.data_ptr().toint()
     table = None
     if cutlass.const_expr(cfg.has_extra):
-        table = storage.pool_table.data_ptr().toint() + copy * (2 * POOL_ENTRY_BYTES)
+        table = storage.pool_table.data_ptr().toint() + copy * (pools(cfg) * POOL_ENTRY_BYTES)
         if cute.arch.thread_idx()[0] % TILE.threads_per_wg == 0:
-            # Read by row_address only after the first scan barrier (INDEX_SCAN) every producer
-            # thread passes before it computes a row address.
+            # Read by row_address only after the first scan barrier (its group's INDEX_SCAN) every
+            # producer thread of the group passes before it computes a row address.
             write_pool(table, g.mKV)
             write_pool(table + POOL_ENTRY_BYTES, g.mExtraKV)
     return ProducerThread(warp, lane, sub, tok_in_half, swz, kv_base, stride0, page, table, sk_base, info_base,
