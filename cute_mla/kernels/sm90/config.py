@@ -176,11 +176,10 @@ class RegisterBudget:
                              f"{self.entry * self.warp_groups} with {self.producers} producer warp group(s), got {self}")
 
 
-# The swap-AB tile's budget: its MMA warp groups hold 2h fp32 of O^T and h / 2 of S^T per
-# thread (h <= 32), while the producer's dequant is the tile's long pole; at the 64-head tile's
-# budget (producer 128) the producer spills at 8 and 16 heads. Two producer warp groups hold one
-# row of each tile a thread instead of two, at four warp groups' smaller entry count.
-SWAPPED_REGISTERS = RegisterBudget(softmax=160, pv_right=128, producer=216)
+# The swap-AB tile's budget: two producer warp groups, each thread holding one row of a tile (one
+# producer group holding two rows a thread took 216 registers, beside MMA groups at 160 / 128,
+# and measured slower: docs/performance.md); its MMA warp groups hold 2h fp32 of O^T and h / 2
+# of S^T per thread (h <= 32).
 TWO_PRODUCER_REGISTERS = RegisterBudget(softmax=144, pv_right=112, producer=128, producers=2)
 
 
@@ -274,7 +273,7 @@ class Sm90Tuning:
     # (the second CTA's reads hit L2). Halving each CTA's gather and conversion outweighs the
     # per-tile exchange with the peer on most h=128 shapes, not on all (docs/performance.md).
     h128_cluster: bool = True
-    # None: the tile's budget (the 64-head tile's RegisterBudget(), or SWAPPED_REGISTERS), set
+    # None: the tile's budget (the 64-head tile's RegisterBudget(), or TWO_PRODUCER_REGISTERS), set
     # when a config is made.
     registers: Optional[RegisterBudget] = None
     # Instrumentation: each CTA writes clock64 stamps of its phases (Stamp; %globaltimer in

@@ -30,7 +30,7 @@ from cutlass import Int32, Int64, Uint8, Uint32
 
 from ...dsl import ptx as common_ptx
 from . import ptx
-from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
+from .config import TILE, Sm90SparseDecodeConfig, Stamp
 from .cta import POOL_ENTRY_WORDS, Cta, Gmem, dyn_storage, pools, stamp
 from .index_scan import ScanThread, ring_index, scan_barrier, scan_begin, scan_smem, scan_until
 
@@ -119,23 +119,23 @@ def hand_over_tile(pt: ProducerThread, ok_a, ok_b, buf: Int32, last, fenced: boo
     producer warp groups). ``copy``: with two producers, this warp group's half (``ok_a`` its rows'
     validity, ``ok_b`` unused); its group 0 writes the flag.
     """
+    one = copy is None
     bal_a = cute.arch.vote_ballot_sync(ok_a)
+    bal_b = cute.arch.vote_ballot_sync(ok_b) if one else None
     info = pt.info_base + buf * (TILE.info_words * 4)
-    if cutlass.const_expr(copy is None):
-        bal_b = cute.arch.vote_ballot_sync(ok_b)
-        if pt.lane == 0:
-            vptr = cute.make_ptr(Uint8, info + pt.warp, cute.AddressSpace.smem, assumed_align=1)
-            cute.arch.store(vptr, Uint8(bal_a & 0xFF))
+    writes_flag = pt.warp == 0
+    if cutlass.const_expr(not one):
+        writes_flag = writes_flag & (copy == 0)
+    if pt.lane == 0:
+        # byte half * 4 + warp: one group writes both halves' bytes, two groups their own half's
+        vptr = cute.make_ptr(Uint8, info + 4 * (0 if one else copy) + pt.warp, cute.AddressSpace.smem,
+                             assumed_align=1)
+        cute.arch.store(vptr, Uint8(bal_a & 0xFF))
+        if cutlass.const_expr(one):
             vptr_b = cute.make_ptr(Uint8, info + 4 + pt.warp, cute.AddressSpace.smem, assumed_align=1)
             cute.arch.store(vptr_b, Uint8(bal_b & 0xFF))
-            if pt.warp == 0:
-                common_ptx.st_shared_i32(info + 8, common_ptx.select_i32(last, 1, 0))
-    else:
-        if pt.lane == 0:
-            vptr = cute.make_ptr(Uint8, info + 4 * copy + pt.warp, cute.AddressSpace.smem, assumed_align=1)
-            cute.arch.store(vptr, Uint8(bal_a & 0xFF))
-            if (pt.warp == 0) & (copy == 0):
-                common_ptx.st_shared_i32(info + 8, common_ptx.select_i32(last, 1, 0))
+        if writes_flag:
+            common_ptx.st_shared_i32(info + 8, common_ptx.select_i32(last, 1, 0))
     if cutlass.const_expr(not fenced):
         cute.arch.fence_view_async_shared()
     cute.arch.mbarrier_arrive(pt.k_full + buf)
@@ -156,13 +156,14 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
     steps, so both groups agree on every tile and flag without talking to each other.
     """
     two = copy is not None
-    pt = producer_setup(cfg, g, copy if two else 0)
-    ring_base, counts_base = scan_smem(dyn_storage(cfg), copy if two else 0)
+    group = copy if two else 0   # the warp group's ring, counts, pool table and scan barrier
+    pt = producer_setup(cfg, g, group)
+    ring_base, counts_base = scan_smem(dyn_storage(cfg), group)
     ptid = pt.warp * 32 + pt.lane
-    st = ScanThread(ptid, pt.lane, pt.warp, ring_base, counts_base, scan_barrier(copy) if two else int(Bar.INDEX_SCAN))
+    st = ScanThread(ptid, pt.lane, pt.warp, ring_base, counts_base, scan_barrier(group))
     half_b = TILE.tokens // 2
     # The tile row of this thread's (first) row: half A's, or this warp group's half.
-    own = pt.tok_in_half + (copy * half_b if two else 0)
+    own = pt.tok_in_half + group * half_b
 
     reg_a = cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
     reg_b = None if two else cute.make_rmem_tensor(cute.make_layout(cfg.tile.slots_per_row), Int32)
@@ -200,7 +201,7 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
         next_ok_b = next_ok_a
         na_addr = row_address(cfg, pt, common_ptx.select_i32(next_ok_a, na_idx, 0))
         if cutlass.const_expr(two):
-            convert_store_reload(cfg, pt, reg_a, ok_a, tile_base + copy * (half_b * TILE.chunk_row_bytes), na_addr)
+            convert_store_reload(cfg, pt, reg_a, ok_a, tile_base + group * (half_b * TILE.chunk_row_bytes), na_addr)
         else:
             nb_idx, nb_ok = ring_index(cfg, ring_base, first + TILE.tokens + half_b + pt.tok_in_half)
             next_ok_b = nb_ok & has_next
