@@ -47,6 +47,9 @@ call are replayed in turn, round by round (``bench.interleaved_median_us``: an o
 clock drift falls on both), each library's time the median of per-replay events; ratio =
 FlashMLA µs / cute-mla µs (above 1: cute-mla faster). The row reports the median over its draws
 of each library's time and of the per-draw ratio, and the lowest and highest per-draw ratio.
+With ``--layers`` each draw also times both libraries' graphs of LAYER_CALLS calls the same way
+(the per-call time an engine's decode step sees: no graph launch of its own) and the row reports
+that ratio's median and range too.
 Each library's transient memory (peak allocation during a decode step's first call beyond out
 and lse: ``testing.step_transient_bytes``) is measured on the row's first draw.
 
@@ -288,20 +291,22 @@ class VariantLibrary:
         return cute_mla.FlashMLASchedMeta(tuning=self.tuning), None
 
 
-def v4_prepare(mod, row, k_cache, extra_k_cache, check):
-    """(graph of one call on ``row``, the out its replays write, the metadata object it reads: keep
-    it, the check's result and the plan's fields): an eager call first (compile, plan, schedule),
-    checked (``check(out, lse)``, cute-mla's gate)."""
+def v4_prepare(mod, row, k_cache, extra_k_cache, check, layer_calls=False):
+    """(graph of one call on ``row``, with ``layer_calls`` a graph of LAYER_CALLS calls (else None),
+    the out the one-call graph's replays write, the metadata object they read: keep it, the check's
+    result and the plan's fields): an eager call first (compile, plan, schedule), checked
+    (``check(out, lse)``, cute-mla's gate)."""
     sched, _ = mod.get_mla_metadata()
     out, lse = v4_call(mod, sched, row, k_cache, extra_k_cache)
     torch.cuda.synchronize()
     res = dict(check=check(out, lse) or "ok")
     del out, lse
     gr, (go, _) = capture_graph(lambda: v4_call(mod, sched, row, k_cache, extra_k_cache))
+    layers = capture_graph(lambda: v4_call(mod, sched, row, k_cache, extra_k_cache), LAYER_CALLS)[0] if layer_calls else None
     plan = getattr(sched, "plan", None)
     if plan is not None:
         res.update(variant=plan.variant, schedule=plan.schedule, workspace_mib=plan.workspace_bytes / 2**20)
-    return gr, go, sched, res
+    return gr, layers, go, sched, res
 
 
 def v4_transient_mib(mod, row, k_cache, extra_k_cache):
@@ -319,10 +324,13 @@ def v4_run_draw(b, h, extra_topk, draw, pools, libs, args):
         sample_gen = torch.Generator(device="cuda").manual_seed(b * 1000 + h + extra_topk)
         return v4_check_sample(out, lse, row, k_cache, extra_k_cache, args.sample, sample_gen)
 
-    res, graphs, outs, keep = {}, {}, {}, []
+    res, graphs, layer_graphs, outs, keep = {}, {}, {}, {}, []
     for name, mod in libs.items():
         try:
-            graphs[name], outs[name], sched, res[name] = v4_prepare(mod, row, k_cache, extra_k_cache, check)
+            graphs[name], layers, outs[name], sched, res[name] = v4_prepare(mod, row, k_cache, extra_k_cache, check,
+                                                                            args.layers)
+            if layers is not None:
+                layer_graphs[name] = layers
             keep.append(sched)
             if draw == 0:
                 res[name]["transient_mib"] = v4_transient_mib(mod, row, k_cache, extra_k_cache)
@@ -331,6 +339,8 @@ def v4_run_draw(b, h, extra_topk, draw, pools, libs, args):
     try:
         for name, us in (bench.interleaved_median_us(graphs, before=args.flush) if graphs else {}).items():
             res[name]["us"] = us
+        for name, us in (bench.interleaved_median_us(layer_graphs) if layer_graphs else {}).items():
+            res[name]["layer_us"] = us / LAYER_CALLS
     except Exception as e:  # noqa: BLE001
         for name in graphs:
             res[name] = dict(error=f"timing: {type(e).__name__}: {e}"[:300])
@@ -355,6 +365,8 @@ def v4_run_row(b, h, extra_topk, pools, cute, fm, args):
         per.update(achieved(V4, rows, work(V4, h, b, rows)[0], per, args.copy_tbps))
         if "cute_us" in per and "flashmla_us" in per:
             per["ratio"] = per["flashmla_us"] / per["cute_us"]
+        if "cute_layer_us" in per and "flashmla_layer_us" in per:
+            per["layer_ratio"] = per["flashmla_layer_us"] / per["cute_layer_us"]
         if diff is not None:
             per["max_abs_diff_vs_flashmla"] = diff
         r["draws"].append(per)
@@ -366,7 +378,7 @@ def v4_run_row(b, h, extra_topk, pools, cute, fm, args):
             continue
         checks = [x[f"{lib}_check"] for x in draws]
         r[f"{lib}_check"] = next((c for c in checks if c != "ok"), "ok")
-        for k in ("us", "tflops", "tbps", "copy_share"):
+        for k in ("us", "layer_us", "tflops", "tbps", "copy_share"):
             if f"{lib}_{k}" in first:
                 r[f"{lib}_{k}"] = statistics.median(x[f"{lib}_{k}"] for x in draws)
         for k in ("transient_mib", "variant", "schedule", "workspace_mib"):
@@ -377,6 +389,10 @@ def v4_run_row(b, h, extra_topk, pools, cute, fm, args):
         r.update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
                  max_abs_diff_vs_flashmla=max(x["max_abs_diff_vs_flashmla"] for x in draws
                                               if "max_abs_diff_vs_flashmla" in x))
+    layer_ratios = [x["layer_ratio"] for x in draws if "layer_ratio" in x] if ratios else []
+    if layer_ratios:
+        r.update(layer_ratio=statistics.median(layer_ratios), layer_ratio_min=min(layer_ratios),
+                 layer_ratio_max=max(layer_ratios))
     return r
 
 
@@ -389,7 +405,8 @@ def v4_print_table(results, meta):
           f"; TF/s: the real heads' work; rows TB/s: the gathered rows' bytes, against the copy rate "
           f"{meta['copy_tbps']:.2f} TB/s)")
     print(f"{'b':>4} {'h':>4} {'extra':>6} | {'cute us':>8} {'TF/s':>6} {'rows TB/s':>12} {'MiB':>7} {'check':>6} | "
-          f"{'FlashMLA us':>11} {'TF/s':>6} {'MiB':>7} {'check':>6} | {'ratio':>6} {'range':>11} {'maxdiff':>8}")
+          f"{'FlashMLA us':>11} {'TF/s':>6} {'MiB':>7} {'check':>6} | {'ratio':>6} {'range':>11} {'maxdiff':>8}"
+          + (f" | per call in a {LAYER_CALLS}-call graph: cute / FlashMLA us, ratio (range)" if meta.get("layers") else ""))
     for r in results:
         head = f"{r['b']:>4} {r['h_q']:>4} {r['extra_topk']:>6} | "
         if "cute_error" in r:
@@ -405,6 +422,9 @@ def v4_print_table(results, meta):
             theirs = f"{'-':>11} {'-':>6} {'-':>7} {'-':>6}" if "flashmla_error" not in r else f"ERROR {r['flashmla_error'][:40]}"
         tail = (f"{r['ratio']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['max_abs_diff_vs_flashmla']:>8.1e}"
                 if "ratio" in r else f"{'-':>6} {'-':>11} {'-':>8}")
+        if "layer_ratio" in r:
+            tail += (f" | {r['cute_layer_us']:.1f} / {r['flashmla_layer_us']:.1f}, {r['layer_ratio']:.2f} "
+                     f"({r['layer_ratio_min']:.2f}-{r['layer_ratio_max']:.2f})")
         print(head + ours + " | " + theirs + " | " + tail)
     failed = [r for r in results if r.get("cute_check", "ok") != "ok"]
     for r in failed:
@@ -443,7 +463,7 @@ def v4_main(args):
     meta = dict(gpu=torch.cuda.get_device_name(), commit=commit_id(), torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 pool=POOL, page_block_size=PAGE, topk=V4_TOPK, masked=args.masked, sample=args.sample, draws=args.draws,
-                cold_l2=args.cold_l2, variant=args.variant, copy_tbps=args.copy_tbps,
+                cold_l2=args.cold_l2, variant=args.variant, copy_tbps=args.copy_tbps, layers=args.layers,
                 flashmla=fm is not None, command="python -m benchmarks.bench_sparse_decode " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
@@ -451,7 +471,7 @@ def v4_main(args):
     v4_print_table(results, meta)
 
 
-V4_ONLY = {"draws": 5, "cold_l2": False, "sample": 32, "variant": "default"}   # V4-only options, their defaults
+V4_ONLY = {"draws": 5, "cold_l2": False, "sample": 32, "variant": "default", "layers": False}   # V4-only options, their defaults
 
 
 def parse_args(argv=None):
@@ -474,6 +494,9 @@ def parse_args(argv=None):
     v4.add_argument("--cold-l2", action="store_true", default=None,
                     help=f"read {bench.L2_FLUSH_MIB} MiB before every timed replay: no input in L2, as an engine's layer")
     v4.add_argument("--sample", type=int, default=None, help="requests of each draw checked against the reference (default 32)")
+    v4.add_argument("--layers", action="store_true", default=None,
+                    help=f"also each call's time in one graph of {LAYER_CALLS} calls, both libraries interleaved "
+                         "(an engine's decode step: no graph launch of its own)")
     v4.add_argument("--variant", default=None,
                     help="cute-mla's kernel variant (a benchmarks.variants name, through FlashMLASchedMeta(tuning=...))")
     args = ap.parse_args(argv)

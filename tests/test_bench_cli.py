@@ -183,3 +183,22 @@ def test_gathered_rows_counts_valid_positions_within_lengths():
     assert bench.gathered_rows(idx, torch.tensor([2, 3], dtype=torch.int32)) == 1 + 3
     per_token = idx.expand(2, 3, 4)   # s_q 3: the lengths hold for each token of the request
     assert bench.gathered_rows(per_token, torch.tensor([4, 1], dtype=torch.int32)) == 3 * 2 + 3 * 1
+
+
+def test_v4_layers_option_and_column(capsys):
+    """``bench_sparse_decode --v4 --layers``: a --v4 option, and the table's per-call column of the
+    many-call graph with the ratio's range over the draws."""
+    from benchmarks import bench_sparse_decode as bsd
+    assert bsd.parse_args(["--v4", "--layers"]).layers is True
+    assert bsd.parse_args(["--v4"]).layers is False
+    with pytest.raises(SystemExit):
+        bsd.parse_args(["--layers"])
+    row = dict(b=128, h_q=8, extra_topk=512, cute_us=26.8, cute_tflops=25.0, cute_tbps=0.89, cute_copy_share=0.3,
+               cute_transient_mib=2.04, cute_check="ok", flashmla_us=52.3, flashmla_tflops=12.8,
+               flashmla_transient_mib=39.6, flashmla_check="ok", ratio=1.95, ratio_min=1.86, ratio_max=1.96,
+               max_abs_diff_vs_flashmla=2e-4, cute_layer_us=23.5, flashmla_layer_us=51.2, layer_ratio=2.18,
+               layer_ratio_min=2.15, layer_ratio_max=2.2)
+    meta = dict(gpu="GPU", commit="x", draws=5, cold_l2=False, copy_tbps=3.0, layers=True)
+    bsd.v4_print_table([row], meta)
+    out = capsys.readouterr().out
+    assert f"per call in a {bsd.LAYER_CALLS}-call graph" in out and "23.5 / 51.2, 2.18 (2.15-2.20)" in out
