@@ -330,7 +330,8 @@ def test_named_barriers_are_the_roles(artifacts):
 def test_timeline_is_instrumentation_only(artifacts, tmp_path):
     """``Sm90Tuning.timeline`` (the profile tool's timeline mode) reads the SM clock once per Stamp slot and
     the global timer once per ``NS_SLOTS`` slot (in the no-split kernel: a split kernel stages
-    o_accum at a second site per warp group); the default kernels read neither."""
+    o_accum at a second site per warp group), the swap-AB tile's too; the default kernels read
+    neither."""
     for name, (ptx, _) in artifacts.items():
         assert "%clock64" not in ptx and "%globaltimer" not in ptx, f"{name}: a default kernel reads a clock"
     cfg = kernel_config(h_q=64, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False,
@@ -340,6 +341,18 @@ def test_timeline_is_instrumentation_only(artifacts, tmp_path):
     with open(ptx) as f:
         text = f.read()
     assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS and s not in NS_SLOTS])
+    assert text.count("%globaltimer") == len(NS_SLOTS)
+    # The swap-AB tile (two producer warp groups): every slot but the epilogue's staging pair and
+    # HALF_A (Stamp's docstring), each at one site.
+    cfg = kernel_config(h_q=16, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False,
+                        tuning=Sm90Tuning(timeline=True))
+    assert cfg.swapped and cfg.tuning.registers.producers == 2
+    compile_sparse_decode(cfg, dump_dir=str(tmp_path / "swapped"))
+    ptx, _ = ki.find_artifacts(str(tmp_path / "swapped"), ARCH)
+    with open(ptx) as f:
+        text = f.read()
+    unwritten = {Stamp.EPI_STAGED, Stamp.WG1_EPI_STAGED, Stamp.HALF_A, Stamp.SLOTS}
+    assert text.count("%clock64") == len([s for s in Stamp if s not in unwritten and s not in NS_SLOTS])
     assert text.count("%globaltimer") == len(NS_SLOTS)
 
 

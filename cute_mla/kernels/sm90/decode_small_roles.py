@@ -35,8 +35,8 @@ from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ...dsl import ptx
-from .config import TILE, Bar, Sm90SparseDecodeConfig
-from .cta import Cta, Gmem, Smem, request_id, request_range, split_piece, split_rows_of_partition
+from .config import TILE, Bar, Sm90SparseDecodeConfig, Stamp
+from .cta import Cta, Gmem, Smem, request_id, request_range, split_piece, split_rows_of_partition, stamp
 from .mma import k_tensors_for_pv
 from .softmax import next_qk_behind_pv
 from .swapped import (SUM_BUF, Lane, SwappedOps, final_factors, get_factors, hand_over_tile, head_of, head_sums,
@@ -93,10 +93,13 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
         start, stop, _, _, _ = request_range(cfg, g, cta, req)
         rid = request_id(cfg, g, req)
         start_walk(st, g.tma_q, q_full, h * cfg.tile.d_qk * 2, cta.s_idx, rid, rq, ln, Bar.Q_FREE)
+        stamp(cta, Stamp.Q_READY, ln.wtid == 0)
         if start < stop:
             cute.arch.mbarrier_wait(k_full + n % TILE.k_bufs, (n // TILE.k_bufs) & 1)
+            stamp(cta, Stamp.K_READY, ln.wtid == 0)
             issue_qk_swapped(cfg.tile.d_qk, ops.qk, st.acc_s, st.tSrK, st.tSrQ, n % TILE.k_bufs)
             warpgroup.wait_group(0)
+            stamp(cta, Stamp.QK_DONE, ln.wtid == 0)
         # Compacted tiles: a request has at most stop - start tiles; the producer flags its last.
         active = start < stop
         for _ in cutlass.range(start, stop, unroll=1):
@@ -106,6 +109,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 swapped_softmax(st.acc_s, tile_word(info_base, buf, ln.warp, ln.lane), scale_log2, st.m, st.l, st.sc,
                                 st.s_x, buf, ln.warp, ln.lane, Bar.EPI_SOFTMAX)
                 hand_over_tile(st.s_scale, st.sc, st.p_base, st.acc_s, h, ln, Bar.P_FREE, Bar.P_READY)
+                stamp(cta, Stamp.P_READY, ln.wtid == 0)
                 issue_pv(ops.pv, st.acc_o, st.tOrV[None, None, None, buf], st.tOrP, st.sc, h)
                 next_qk_behind_pv(lambda b: issue_qk_swapped(cfg.tile.d_qk, ops.qk, st.acc_s, st.tSrK, st.tSrQ, b),
                                   k_full, k_free, n, last_word != 0)
@@ -113,10 +117,13 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
                 active = last_word == 0
 
         # ---- epilogue: the heads' sums over the 64 rows' threads, factors to WG1, output, st.lse
+        stamp(cta, Stamp.PV_DONE, ln.wtid == 0)
         head_sums(st.l, st.s_x, SUM_BUF, ln, Bar.EPI_SOFTMAX)
         is_split, acc_row = split_piece(cfg, cta, req, split_rows)
         final_factors(cfg, st, g.mSink, is_split, ln, h, Bar.P_FREE, Bar.P_READY)
+        stamp(cta, Stamp.EPI_FINAL, ln.wtid == 0)
         store_request(cfg, g, cta, smem, ops, st.acc_o, 0, req, split_rows, ln, Bar.EPI_SOFTMAX)
+        stamp(cta, Stamp.EPILOGUE, ln.wtid == 0)
         # The st.lse stores go after the output's (its staging fences the generic proxy).
         if (ln.warp == 0) & (ln.lane < 4):
             if is_split:
@@ -130,6 +137,7 @@ def softmax_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops: 
     # Balance the barriers WG1 arrived on once more than WG0 synced (a partition here has a request).
     cute.arch.barrier(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
     cute.arch.barrier(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)
+    stamp(cta, Stamp.EXIT_NS, ln.wtid == 0)
 
 
 @cute.jit
@@ -154,6 +162,7 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
             if active:
                 buf = n % TILE.k_bufs
                 cute.arch.barrier(barrier_id=Bar.P_READY, number_of_threads=PAIR_THREADS)
+                stamp(cta, Stamp.WG1_P, ln.wtid == 0)
                 get_factors(st.s_scale, st.sc, ln.quad)
                 # WG0 already waited for this buffer; waiting on the same phase gives WG1 its own
                 # acquire of the producer's writes (the producer cannot refill it before WG1 releases).
@@ -161,6 +170,7 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
                 last_word = last_of(info_base, buf)
                 issue_pv(ops.pv, st.acc_o, st.tOrV[None, None, None, buf], st.tOrP, st.sc, h)
                 warpgroup.wait_group(0)
+                stamp(cta, Stamp.WG1_PV_DONE, ln.wtid == 0)
                 cute.arch.barrier_arrive(barrier_id=Bar.P_FREE, number_of_threads=PAIR_THREADS)
                 cute.arch.mbarrier_arrive(k_free + buf)
                 n += 1
@@ -168,5 +178,6 @@ def pv_right_wg(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, smem: Smem, ops:
 
         take_final(st, ln, h, Bar.P_FREE, Bar.P_READY)
         store_request(cfg, g, cta, smem, ops, st.acc_o, 1, req, split_rows, ln, Bar.EPI_PV_RIGHT)
+        stamp(cta, Stamp.WG1_EPILOGUE, ln.wtid == 0)
         # The staging (in sQ) is no longer read: WG0 may load the next request's Q.
         cute.arch.barrier_arrive(barrier_id=Bar.Q_FREE, number_of_threads=PAIR_THREADS)

@@ -160,6 +160,9 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
     pt = producer_setup(cfg, g, group)
     ring_base, counts_base = scan_smem(dyn_storage(cfg), group)
     ptid = pt.warp * 32 + pt.lane
+    leader = ptid == 0   # writes the timeline's producer stamps (group 0's with two groups)
+    if cutlass.const_expr(two):
+        leader = leader & (group == 0)
     st = ScanThread(ptid, pt.lane, pt.warp, ring_base, counts_base, scan_barrier(group))
     half_b = TILE.tokens // 2
     # The tile row of this thread's (first) row: half A's, or this warp group's half.
@@ -171,7 +174,7 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
     # ---- prologue: scan until tile 0 is queued, then issue this thread's rows' loads
     (req, pos, end, has, r0, tail, ends, parity, scanning, raw, raw_next) = scan_until(
         cfg, g, cta, st, scan_begin(cfg, g, cta, ptid), TILE.tokens)
-    stamp(cta, Stamp.SCAN, ptid == 0)
+    stamp(cta, Stamp.SCAN, leader)
     idx_a, ok_a = ring_index(cfg, ring_base, own)
     ok_b = ok_a   # (two producers: no second row; carried through the loop unused)
     if cutlass.const_expr(not two):
@@ -192,7 +195,7 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
         has_next = first + TILE.tokens < tail
 
         cute.arch.mbarrier_wait(pt.k_free + buf, ((t // TILE.k_bufs) & 1) ^ 1)
-        stamp(cta, Stamp.K_FREE, ptid == 0)
+        stamp(cta, Stamp.K_FREE, leader)
         tile_base = pt.sk_base + buf * cfg.tile.k_tile_bytes
         # Each 16-B slot of tile T is re-loaded with tile T+1's row as soon as it is converted
         # (row 0, never stored, when there is no tile T+1).
@@ -207,12 +210,12 @@ def producer(cfg: Sm90SparseDecodeConfig, g: Gmem, cta: Cta, copy=None):
             next_ok_b = nb_ok & has_next
             nb_addr = row_address(cfg, pt, common_ptx.select_i32(next_ok_b, nb_idx, 0))
             convert_store_reload(cfg, pt, reg_a, ok_a, tile_base, na_addr)
-            stamp(cta, Stamp.HALF_A, ptid == 0)
+            stamp(cta, Stamp.HALF_A, leader)
             convert_store_reload(cfg, pt, reg_b, ok_b, tile_base + half_b * TILE.chunk_row_bytes, nb_addr)
 
         bit = Uint32(1) << Uint32(t % 32)
         hand_over_tile(pt, ok_a, ok_b, buf, (ends & bit) != Uint32(0), copy=copy)
-        stamp(cta, Stamp.HANDED_OVER, ptid == 0)
+        stamp(cta, Stamp.HANDED_OVER, leader)
         ends = ends & ~bit
         # Rows of tile T+2 into L2, a row's lines by two of its four threads (``prefetch_row``):
         # with one producer, threads with sub 0, 1 take half A's row, 2, 3 half B's; with two,
