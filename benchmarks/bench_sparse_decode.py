@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -301,8 +302,9 @@ def v4_prepare(mod, row, k_cache, extra_k_cache, check, layer_calls=False):
     torch.cuda.synchronize()
     res = dict(check=check(out, lse) or "ok")
     del out, lse
-    gr, (go, _) = capture_graph(lambda: v4_call(mod, sched, row, k_cache, extra_k_cache))
-    layers = capture_graph(lambda: v4_call(mod, sched, row, k_cache, extra_k_cache), LAYER_CALLS)[0] if layer_calls else None
+    one_call = functools.partial(v4_call, mod, sched, row, k_cache, extra_k_cache)
+    gr, (go, _) = capture_graph(one_call)
+    layers = capture_graph(one_call, LAYER_CALLS)[0] if layer_calls else None
     plan = getattr(sched, "plan", None)
     if plan is not None:
         res.update(variant=plan.variant, schedule=plan.schedule, workspace_mib=plan.workspace_bytes / 2**20)

@@ -327,6 +327,16 @@ def test_named_barriers_are_the_roles(artifacts):
         assert used and used <= {(int(b), n) for b, n in counts.items()}, (name, used)
 
 
+def timeline_ptx(h_q, out):
+    """(config, PTX) of the no-split V3.2 decode kernel at ``h_q`` compiled with the timeline."""
+    cfg = kernel_config(h_q=h_q, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False,
+                        tuning=Sm90Tuning(timeline=True))
+    compile_sparse_decode(cfg, dump_dir=str(out))
+    ptx, _ = ki.find_artifacts(str(out), ARCH)
+    with open(ptx) as f:
+        return cfg, f.read()
+
+
 def test_timeline_is_instrumentation_only(artifacts, tmp_path):
     """``Sm90Tuning.timeline`` (the profile tool's timeline mode) reads the SM clock once per Stamp slot and
     the global timer once per ``NS_SLOTS`` slot (in the no-split kernel: a split kernel stages
@@ -334,23 +344,13 @@ def test_timeline_is_instrumentation_only(artifacts, tmp_path):
     neither."""
     for name, (ptx, _) in artifacts.items():
         assert "%clock64" not in ptx and "%globaltimer" not in ptx, f"{name}: a default kernel reads a clock"
-    cfg = kernel_config(h_q=64, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False,
-                        tuning=Sm90Tuning(timeline=True))
-    compile_sparse_decode(cfg, dump_dir=str(tmp_path))
-    ptx, _ = ki.find_artifacts(str(tmp_path), ARCH)
-    with open(ptx) as f:
-        text = f.read()
+    _, text = timeline_ptx(64, tmp_path / "h64")
     assert text.count("%clock64") == len([s for s in Stamp if s != Stamp.SLOTS and s not in NS_SLOTS])
     assert text.count("%globaltimer") == len(NS_SLOTS)
     # The swap-AB tile (two producer warp groups): every slot but the epilogue's staging pair and
     # HALF_A (Stamp's docstring), each at one site.
-    cfg = kernel_config(h_q=16, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False,
-                        tuning=Sm90Tuning(timeline=True))
+    cfg, text = timeline_ptx(16, tmp_path / "swapped")
     assert cfg.swapped and cfg.tuning.registers.producers == 2
-    compile_sparse_decode(cfg, dump_dir=str(tmp_path / "swapped"))
-    ptx, _ = ki.find_artifacts(str(tmp_path / "swapped"), ARCH)
-    with open(ptx) as f:
-        text = f.read()
     unwritten = {Stamp.EPI_STAGED, Stamp.WG1_EPI_STAGED, Stamp.HALF_A, Stamp.SLOTS}
     assert text.count("%clock64") == len([s for s in Stamp if s not in unwritten and s not in NS_SLOTS])
     assert text.count("%globaltimer") == len(NS_SLOTS)
