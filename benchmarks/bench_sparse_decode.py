@@ -508,7 +508,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     given = [k for k in V4_ONLY if getattr(args, k) is not None]
     if given and not args.v4:
-        ap.error(f"--{given[0].replace('_', '-')} is a --v4 option")
+        hint = " (V3.2 rows' kernel variants: python -m benchmarks.variants --variants NAME,...)" if "variant" in given else ""
+        ap.error(f"--{given[0].replace('_', '-')} is a --v4 option{hint}")
     if args.v4 and args.sustained:
         ap.error("--sustained runs a V3.2 row (no --v4)")
     for k, default in V4_ONLY.items():
