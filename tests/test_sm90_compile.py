@@ -332,9 +332,7 @@ def timeline_ptx(h_q, out):
     cfg = kernel_config(h_q=h_q, format="V3.2", split=False, has_topk_length=False, has_attn_sink=False,
                         tuning=Sm90Tuning(timeline=True))
     compile_sparse_decode(cfg, dump_dir=str(out))
-    ptx, _ = ki.find_artifacts(str(out), ARCH)
-    with open(ptx) as f:
-        return cfg, f.read()
+    return cfg, ki.read_ptx(str(out), ARCH)
 
 
 def test_timeline_is_instrumentation_only(artifacts, tmp_path):
