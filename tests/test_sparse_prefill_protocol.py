@@ -45,11 +45,13 @@ def producer(w, items):
             c0, c1 = c0 + 1, c1 + odd
 
 
-def _qk(w, a, b, c):
+def _qk(w, a, b, c, after_qk0=False):
     tok = object()
     yield ("mbar", f"full{b}E", c)
     w.wgmma_issue(a, _q_parts(w) + [f"K{b}E"], tok)
     yield ("mbar", f"full{b}L", c)
+    if after_qk0:
+        yield from _sync(w, a, "QK_ORDER")
     w.wgmma_issue(a, [f"K{b}Lv", f"K{b}rope"], tok)
     w.wgmma_retire(a, _q_parts(w) + [f"K{b}E", f"K{b}Lv", f"K{b}rope"], tok)
     w.access(a, f"mask{b}", "r")
@@ -57,6 +59,8 @@ def _qk(w, a, b, c):
 
 def wg0_pair(w, c0, c1, odd):
     yield from _qk(w, "A", 0, c0)
+    if (odd and w.bug != "no QK_ORDER arrive") or w.bug == "QK_ORDER in the tail":
+        w.nb_arrive("A", "QK_ORDER")
     w.access("A", "maxA", "w")
     w.nb_arrive("A", "MAX_A")
     if not odd:
@@ -87,7 +91,7 @@ def wg0_pair(w, c0, c1, odd):
 
 def wg1_pair(w, c0, c1, odd):
     if odd:
-        yield from _qk(w, "B", 1, c1)
+        yield from _qk(w, "B", 1, c1, after_qk0=True)
     yield from _sync(w, "B", "MAX_A")
     w.access("B", "maxA", "r")
     if odd or w.bug == "P1_READY in the tail":
@@ -223,7 +227,8 @@ def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging):
 
 
 @pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
-                                 "free0L before the SS PV retired", "WG1 skips q_full"])
+                                 "free0L before the SS PV retired", "WG1 skips q_full", "no QK_ORDER arrive",
+                                 "QK_ORDER in the tail"])
 def test_the_protocol_model_catches_known_bugs(bug):
     with pytest.raises(Race):
         for seed in range(1500):

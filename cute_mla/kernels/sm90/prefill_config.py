@@ -54,6 +54,7 @@ class PrefillBar(IntEnum):
     P0_READY = max(Bar) + 3          # WG0 -> WG1, per pair: bf16 P0 (at mB) in its P buffer
     P1_READY = max(Bar) + 4          # WG1 -> WG0, per pair with an odd tile: bf16 P1 in its P buffer
     L_SUM = max(Bar) + 5             # WG0 <-> WG1 (both sync), per item: the row sums exchanged
+    QK_ORDER = max(Bar) + 6          # WG0 -> WG1, per pair with an odd tile: QK0 retired (WG1's late half waits)
     # the swap-AB tile (8, 16, 32 heads; ``prefill_small_roles.py``):
     PT_FREE = Bar.P_FREE             # WG1 -> WG0, per tile: P^T and the heads' factors read
     PT_READY = Bar.P_READY           # WG0 -> WG1 (both sync per tile), P^T and the factors written

@@ -7,11 +7,12 @@ A work item is one query token x 64 heads walking its token's top-k list in 64-p
 empty list), two at a time: tile 2i of the item in K buffer 0, tile 2i+1 (if any) in buffer 1.
 O is split by columns: WG0 owns O[:, :256], WG1 O[:, 256:].
 
-* WG0 (``Role.SOFTMAX``): per item Q by TMA; per pair S0 = Q K0^T, mA = max(M, rowmax S0) to
-  WG1, P0 = exp2(S0 - mA), the RS wgmma P0 V0[:, left] from registers; then mB from WG1, O_left,
+* WG0 (``Role.SOFTMAX``): per item Q by TMA; per pair S0 = Q K0^T, then ``QK_ORDER`` to WG1
+  (below), mA = max(M, rowmax S0) to WG1, P0 = exp2(S0 - mA), the RS wgmma P0 V0[:, left] from registers; then mB from WG1, O_left,
   its row sums and P0 rescaled by exp2(mA - mB), bf16 P0 to WG1, the SS wgmma P1 V1[:, left]
   with WG1's P from shared memory; the item's lse and max_logits.
-* WG1 (``Role.PV_RIGHT``): per pair S1 = Q K1^T, mB = max(mA, rowmax S1) to WG0, O_right and its
+* WG1 (``Role.PV_RIGHT``): per pair S1 = Q K1^T (its late half once WG0's QK retired),
+  mB = max(mA, rowmax S1) to WG0, O_right and its
   row sums rescaled by exp2(M - mB), P1 = exp2(S1 - mB), the RS wgmma P1 V1[:, right], bf16 P1
   to WG0, the SS wgmma P0 V0[:, right].
 * WG2 (``Role.PRODUCER``): the row gather with ``cp.async`` straight into the swizzled K tile
@@ -58,21 +59,28 @@ side arrives and the other syncs, once each):
 ===========  ===========  =========================================================  ==============
 id           direction    what it hands over                                         uses
 ===========  ===========  =========================================================  ==============
-MAX_A (7)    WG0 -> WG1   mA in ``row_max[0:64]``                                    every pair
-MAX_B (8)    WG1 -> WG0   mB in ``row_max[64:128]``                                  pairs with an odd tile
-P0_READY (9) WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
-P1_READY(10) WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
-L_SUM (11)   both sync    the item's row sums in ``row_sum``                         every item
+QK_ORDER(13) WG0 -> WG1   QK0 retired: WG1 issues the late half of QK1               pairs with an odd tile
+MAX_A (8)    WG0 -> WG1   mA in ``row_max[0:64]``                                    every pair
+MAX_B (9)    WG1 -> WG0   mB in ``row_max[64:128]``                                  pairs with an odd tile
+P0_READY(10) WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
+P1_READY(11) WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
+L_SUM (12)   both sync    the item's row sums in ``row_sum``                         every item
 EPI_WG0/1    one WG, 128  a staged output chunk written (``put_chunk``)              per chunk
 ===========  ===========  =========================================================  ==============
 
-No arrive can lap its sync: WG0 arrives MAX_A again only after syncing MAX_B (or, after an
-item's last pair, L_SUM), WG1 arrives MAX_B / P1_READY again only after syncing MAX_A, WG0
-arrives P0_READY again only after waiting ``k_full[0, late]``, which WG1 released after its SS
-PV of the last P0. Buffer reuse follows from the same chain: a P buffer is rewritten only after
-the ``k_full[b, late]`` phase that the reader's release opened, ``row_max`` halves only after
-the reader passed the next barrier, ``row_sum`` only after ``q_full`` of the next item (or,
-with the "ring", ``L_SUM`` of the item after: the sums are kept per item parity).
+The QKs of a pair are staggered (``QK_ORDER``): issued side by side, both would retire at the
+end of the two and both softmaxes would then run with the tensor cores idle; with WG1's late
+half behind QK0, WG0's softmax runs under it and WG1's under WG0's RS PV. WG1's early half still
+goes in at once, so its chunks cover a late half still in flight.
+
+No arrive can lap its sync: WG0 arrives MAX_A and QK_ORDER again only after syncing MAX_B (or,
+after an item's last pair, L_SUM), which WG1 reaches only past its QK_ORDER sync; WG1 arrives
+MAX_B / P1_READY again only after syncing MAX_A; WG0 arrives P0_READY again only after waiting
+``k_full[0, late]``, which WG1 released after its SS PV of the last P0. Buffer reuse follows
+from the same chain: a P buffer is rewritten only after the ``k_full[b, late]`` phase that the
+reader's release opened, ``row_max`` halves only after the reader passed the next barrier,
+``row_sum`` only after ``q_full`` of the next item (or, with the "ring", ``L_SUM`` of the item
+after: the sums are kept per item parity).
 ``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under random
 interleavings (deadlock, lapping and race checks; keep it in step with the roles).
 
@@ -459,16 +467,19 @@ def mma_wg(cfg: Sm90SparsePrefillConfig, smem: Smem, ops: Ops, wg: int) -> MmaWg
         thr_qk.partition_C(own[None, None, 0]), thr_ss.make_fragment_A(thr_ss.partition_A(other)), thr_rs)
 
 
-def qk_tile(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, buf: int, phase):
+def qk_tile(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, buf: int, phase, after_qk0: bool = False):
     """S = Q K^T over K buffer ``buf``: the early half's chunks once that half landed, then the
-    late half's (d_qk / 16 SS wgmma 64x64x16 in all), retired before it returns. A plain
-    function: its loops unroll at trace time."""
+    late half's (d_qk / 16 SS wgmma 64x64x16 in all), retired before it returns; ``after_qk0``
+    (WG1): the late half's only once WG0's QK retired (``QK_ORDER``). A plain function: its loops
+    unroll at trace time."""
     tSrK_b = v.tSrK[None, None, None, buf]
     v.acc_s.fill(0.0)
     for half in range(HALVES):
         cute.arch.mbarrier_wait(v.k_full + slot(buf, half), phase)
         if half == EARLY:
             warpgroup.fence()
+        if after_qk0 and half == LATE:
+            cute.arch.barrier(barrier_id=PrefillBar.QK_ORDER, number_of_threads=PAIR_THREADS)
         for c in half_chunks(cfg.tile, buf, half):
             for k in range(c * (TILE.chunk // 16), (c + 1) * (TILE.chunk // 16)):
                 cute.gemm(ops.qk, v.acc_s, v.tSrQ[None, None, k, 0], tSrK_b[None, None, k], v.acc_s)
@@ -502,6 +513,9 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     function: ``odd`` is a trace-time flag) that retires its wgmmas before it returns. Returns
     the rows' new running max (mB, or mA without an odd tile) and WG0's row sums at that max."""
     qk_tile(cfg, ops, v, 0, ph0)
+    if odd:
+        # QK1's late half goes in now: WG0's softmax runs under it, not beside WG1's.
+        cute.arch.barrier_arrive(barrier_id=PrefillBar.QK_ORDER, number_of_threads=PAIR_THREADS)
     lo, hi = tile_mask(v.mask_base, 0)
     mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
     ma0 = cute.arch.fmax(m0, mx0)
@@ -557,7 +571,7 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     mx0 = -Float32.inf
     mx1 = -Float32.inf
     if odd:
-        qk_tile(cfg, ops, v, 1, ph1)
+        qk_tile(cfg, ops, v, 1, ph1, after_qk0=True)
         lo, hi = tile_mask(v.mask_base, 1)
         mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
     cute.arch.barrier(barrier_id=PrefillBar.MAX_A, number_of_threads=PAIR_THREADS)
