@@ -59,7 +59,8 @@ def _qk(w, a, b, c, after_qk0=False):
 
 def wg0_pair(w, c0, c1, odd):
     yield from _qk(w, "A", 0, c0)
-    if (odd and w.bug != "no QK_ORDER arrive") or w.bug == "QK_ORDER in the tail":
+    late_arrive = w.bug in ("no QK_ORDER arrive", "QK_ORDER after MAX_B")
+    if (odd and not late_arrive) or w.bug == "QK_ORDER in the tail":
         w.nb_arrive("A", "QK_ORDER")
     w.access("A", "maxA", "w")
     w.nb_arrive("A", "MAX_A")
@@ -75,6 +76,8 @@ def wg0_pair(w, c0, c1, odd):
         return
     if w.bug != "no MAX_B sync":
         yield from _sync(w, "A", "MAX_B")
+    if w.bug == "QK_ORDER after MAX_B":
+        w.nb_arrive("A", "QK_ORDER")
     w.access("A", "maxB", "r")
     w.wgmma_retire("A", ["K0E"], rs)
     w.mb_arrive("A", "free0E", 128)
@@ -228,7 +231,7 @@ def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging):
 
 @pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
                                  "free0L before the SS PV retired", "WG1 skips q_full", "no QK_ORDER arrive",
-                                 "QK_ORDER in the tail"])
+                                 "QK_ORDER in the tail", "QK_ORDER after MAX_B"])
 def test_the_protocol_model_catches_known_bugs(bug):
     with pytest.raises(Race):
         for seed in range(1500):

@@ -37,7 +37,7 @@ class PrefillBar(IntEnum):
     """Named-barrier ids of the prefill kernel (0 is __syncthreads; 16 ids in all).
 
     ``Q_FREE`` and the two epilogue ids are :class:`~.config.Bar`'s, with the same use; the
-    ping-pong's own ids follow the last one of ``Bar`` (``INDEX_SCAN``, the decode producer's), so
+    ping-pong's own ids follow the last one of ``Bar`` (``INDEX_SCAN_B``, the decode producers'), so
     no id of the sm90 package means two things; the swap-AB tile's two reuse the ids of the decode
     kernel's P hand-over. Each is a 256-thread barrier between WG0 and WG1 (one side
     ``bar.arrive``, the other ``bar.sync``, once each per use) but ``L_SUM`` and ``PT_READY``

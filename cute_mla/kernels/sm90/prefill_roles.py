@@ -56,26 +56,27 @@ counted across the CTA's items by every role.
 Named barriers (:class:`~.prefill_config.PrefillBar`; 256 threads unless noted; per use one
 side arrives and the other syncs, once each):
 
-===========  ===========  =========================================================  ==============
-id           direction    what it hands over                                         uses
-===========  ===========  =========================================================  ==============
-QK_ORDER(13) WG0 -> WG1   QK0 retired: WG1 issues the late half of QK1               pairs with an odd tile
-MAX_A (8)    WG0 -> WG1   mA in ``row_max[0:64]``                                    every pair
-MAX_B (9)    WG1 -> WG0   mB in ``row_max[64:128]``                                  pairs with an odd tile
-P0_READY(10) WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
-P1_READY(11) WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
-L_SUM (12)   both sync    the item's row sums in ``row_sum``                         every item
-EPI_WG0/1    one WG, 128  a staged output chunk written (``put_chunk``)              per chunk
-===========  ===========  =========================================================  ==============
+=============  ===========  =========================================================  ==============
+id             direction    what it hands over                                         uses
+=============  ===========  =========================================================  ==============
+QK_ORDER (13)  WG0 -> WG1   QK0 retired: WG1 issues the late half of QK1               pairs with an odd tile
+MAX_A (8)      WG0 -> WG1   mA in ``row_max[0:64]``                                    every pair
+MAX_B (9)      WG1 -> WG0   mB in ``row_max[64:128]``                                  pairs with an odd tile
+P0_READY (10)  WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
+P1_READY (11)  WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
+L_SUM (12)     both sync    the item's row sums in ``row_sum``                         every item
+EPI_WG0/1      one WG, 128  a staged output chunk written (``put_chunk``)              per chunk
+=============  ===========  =========================================================  ==============
 
 The QKs of a pair are staggered (``QK_ORDER``): issued side by side, both would retire at the
 end of the two and both softmaxes would then run with the tensor cores idle; with WG1's late
 half behind QK0, WG0's softmax runs under it and WG1's under WG0's RS PV. WG1's early half still
 goes in at once, so its chunks cover a late half still in flight.
 
-No arrive can lap its sync: WG0 arrives MAX_A and QK_ORDER again only after syncing MAX_B (or,
-after an item's last pair, L_SUM), which WG1 reaches only past its QK_ORDER sync; WG1 arrives
-MAX_B / P1_READY again only after syncing MAX_A; WG0 arrives P0_READY again only after waiting
+No arrive can lap its sync: WG0 arrives MAX_A again only after syncing MAX_B (or, after an
+item's last pair, L_SUM), which WG1 reaches only past its MAX_A sync; WG0 arrives QK_ORDER only
+in a pair with an odd tile and then syncs MAX_B, which WG1 arrives only past its QK_ORDER sync;
+WG1 arrives MAX_B / P1_READY again only after syncing MAX_A; WG0 arrives P0_READY again only after waiting
 ``k_full[0, late]``, which WG1 released after its SS PV of the last P0. Buffer reuse follows
 from the same chain: a P buffer is rewritten only after the ``k_full[b, late]`` phase that the
 reader's release opened, ``row_max`` halves only after the reader passed the next barrier,
