@@ -59,8 +59,8 @@ def _qk(w, a, b, c, after_qk0=False):
 
 def wg0_pair(w, c0, c1, odd):
     yield from _qk(w, "A", 0, c0)
-    late_arrive = w.bug in ("no QK_ORDER arrive", "QK_ORDER after MAX_B")
-    if (odd and not late_arrive) or w.bug == "QK_ORDER in the tail":
+    arrive_here = odd and w.bug not in ("no QK_ORDER arrive", "QK_ORDER after MAX_B")
+    if arrive_here or w.bug == "QK_ORDER in the tail":
         w.nb_arrive("A", "QK_ORDER")
     w.access("A", "maxA", "w")
     w.nb_arrive("A", "MAX_A")

@@ -8,13 +8,12 @@ empty list), two at a time: tile 2i of the item in K buffer 0, tile 2i+1 (if any
 O is split by columns: WG0 owns O[:, :256], WG1 O[:, 256:].
 
 * WG0 (``Role.SOFTMAX``): per item Q by TMA; per pair S0 = Q K0^T, then ``QK_ORDER`` to WG1
-  (below), mA = max(M, rowmax S0) to WG1, P0 = exp2(S0 - mA), the RS wgmma P0 V0[:, left] from registers; then mB from WG1, O_left,
-  its row sums and P0 rescaled by exp2(mA - mB), bf16 P0 to WG1, the SS wgmma P1 V1[:, left]
-  with WG1's P from shared memory; the item's lse and max_logits.
+  (below), mA = max(M, rowmax S0) to WG1, P0 = exp2(S0 - mA), the RS wgmma P0 V0[:, left] from
+  registers; then mB from WG1, O_left, its row sums and P0 rescaled by exp2(mA - mB), bf16 P0 to
+  WG1, the SS wgmma P1 V1[:, left] with WG1's P from shared memory; the item's lse and max_logits.
 * WG1 (``Role.PV_RIGHT``): per pair S1 = Q K1^T (its late half once WG0's QK retired),
-  mB = max(mA, rowmax S1) to WG0, O_right and its
-  row sums rescaled by exp2(M - mB), P1 = exp2(S1 - mB), the RS wgmma P1 V1[:, right], bf16 P1
-  to WG0, the SS wgmma P0 V0[:, right].
+  mB = max(mA, rowmax S1) to WG0, O_right and its row sums rescaled by exp2(M - mB),
+  P1 = exp2(S1 - mB), the RS wgmma P1 V1[:, right], bf16 P1 to WG0, the SS wgmma P0 V0[:, right].
 * WG2 (``Role.PRODUCER``): the row gather with ``cp.async`` straight into the swizzled K tile
   (zero fill for an invalid position: negative, ``>= s_kv`` or past the length), the tile's
   validity mask, in half tiles with their own barriers (below).
@@ -76,12 +75,12 @@ goes in at once, so its chunks cover a late half still in flight.
 No arrive can lap its sync: WG0 arrives MAX_A again only after syncing MAX_B (or, after an
 item's last pair, L_SUM), which WG1 reaches only past its MAX_A sync; WG0 arrives QK_ORDER only
 in a pair with an odd tile and then syncs MAX_B, which WG1 arrives only past its QK_ORDER sync;
-WG1 arrives MAX_B / P1_READY again only after syncing MAX_A; WG0 arrives P0_READY again only after waiting
-``k_full[0, late]``, which WG1 released after its SS PV of the last P0. Buffer reuse follows
-from the same chain: a P buffer is rewritten only after the ``k_full[b, late]`` phase that the
-reader's release opened, ``row_max`` halves only after the reader passed the next barrier,
-``row_sum`` only after ``q_full`` of the next item (or, with the "ring", ``L_SUM`` of the item
-after: the sums are kept per item parity).
+WG1 arrives MAX_B / P1_READY again only after syncing MAX_A; WG0 arrives P0_READY again only
+after waiting ``k_full[0, late]``, which WG1 released after its SS PV of the last P0. Buffer
+reuse follows from the same chain: a P buffer is rewritten only after the ``k_full[b, late]``
+phase that the reader's release opened, ``row_max`` halves only after the reader passed the next
+barrier, ``row_sum`` only after ``q_full`` of the next item (or, with the "ring", ``L_SUM`` of
+the item after: the sums are kept per item parity).
 ``tests/test_sparse_prefill_protocol.py`` runs a transcription of these operations under random
 interleavings (deadlock, lapping and race checks; keep it in step with the roles).
 
