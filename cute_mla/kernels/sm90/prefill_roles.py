@@ -348,7 +348,8 @@ def producer(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem):
     layout). Per pair: tile 2i's early half (buffer 0), tile 2i+1's early half (buffer 1), then
     the late halves in the same order (the early halves are released mid-pair, the late ones at
     its end), or for the swap-AB tile whole tiles in order; the next pair's indices are loaded
-    first and, with ``prefetch_rows``, its rows prefetched into L2 after.
+    first and, with ``prefetch_rows``, its rows prefetched into L2 after (by a token's first head
+    block).
     The pairs of the CTA's items follow each other through the buffers, so the next item's first
     tiles are gathered while the MMA warp groups finish an item."""
     tile = cfg.tile
@@ -401,9 +402,12 @@ def producer(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem):
                     c1 += 1
             c0 += 1
             if cutlass.const_expr(cfg.tuning.prefetch_rows):
-                # The next pair's rows into L2 while this lane waits for the next free half.
-                prefetch_tile_rows(gl, nxt, 0, t0 + 2, w, tile.chunks)
-                prefetch_tile_rows(gl, nxt, PASSES, t0 + 3, w, tile.chunks)
+                # The next pair's rows into L2 while this lane waits for the next free half, from a
+                # token's first head block only: its second block walks the same rows beside it, and
+                # a second prefetch of a line only adds a request to L2.
+                if w.hblk == 0:
+                    prefetch_tile_rows(gl, nxt, 0, t0 + 2, w, tile.chunks)
+                    prefetch_tile_rows(gl, nxt, PASSES, t0 + 3, w, tile.chunks)
 
 
 @cute.jit
