@@ -112,10 +112,10 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     """``tuning`` with its None fields set by the shape's rule (the plan's; docs/performance.md,
     section 8, has the measurements). 128 heads: a row is read by the token's two head blocks side by
     side, so the gather keeps the 256-B L2 fill (the second block's copy hits the whole line) and,
-    at d_qk 576 (eighteen 64-B sectors a row, the MMA side longest), the first block prefetches
-    the next tiles' rows into L2 to keep HBM busy through the ping-pong's steps (the second
-    block's prefetches of the same lines would only add L2 requests). Fewer heads: each row is
-    read once, the walk is bound by the gather itself, and both hints only add L2 traffic. The
+    at d_qk 576 (eighteen 64-B sectors a row, the MMA side longest), the next tiles' rows are
+    prefetched into L2 (by the first block: ``producer``) to keep HBM busy through the ping-pong's
+    steps. Fewer heads: each row is read once, the walk is bound by the gather itself, and both
+    hints only add L2 traffic. The
     ping-pong tile (64 and 128 heads) loads Q and stores out evict_first, which keeps more of the
     rows in L2 where the walk is bound by HBM; the swap-AB tile's Q and out are a small share of its
     traffic and go without a policy. At d_qk 512 the ping-pong stages out outside Q
