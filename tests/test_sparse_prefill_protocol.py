@@ -57,8 +57,11 @@ def _qk(w, a, b, c, after_qk0=False):
     w.access(a, f"mask{b}", "r")
 
 
-def wg0_pair(w, c0, c1, odd):
+def wg0_pair(w, c0, c1, odd, early_q=False):
+    """``early_q`` (``q_at_last_qk``): the next item's Q once this pair's last QK retired."""
     yield from _qk(w, "A", 0, c0)
+    if early_q and not odd:
+        _load_q(w, "A", _q_parts(w))
     arrive_here = odd and w.bug not in ("no QK_ORDER arrive", "QK_ORDER after MAX_B")
     if arrive_here or w.bug == "QK_ORDER in the tail":
         w.nb_arrive("A", "QK_ORDER")
@@ -74,12 +77,16 @@ def wg0_pair(w, c0, c1, odd):
         w.mb_arrive("A", "free0E", 128)
         w.mb_arrive("A", "free0L", 128)
         return
+    if early_q and w.bug == "early Q before MAX_B":
+        _load_q(w, "A", _q_parts(w))
     if w.bug != "no MAX_B sync":
         yield from _sync(w, "A", "MAX_B")
     if w.bug == "QK_ORDER after MAX_B":
         w.nb_arrive("A", "QK_ORDER")
     w.access("A", "maxB", "r")
     w.wgmma_retire("A", ["K0E"], rs)
+    if early_q and w.bug != "early Q before MAX_B":
+        _load_q(w, "A", _q_parts(w))
     w.mb_arrive("A", "free0E", 128)
     w.access("A", _p(w, 0), "w")
     w.nb_arrive("A", "P0_READY")
@@ -138,7 +145,14 @@ def _load_q(w, a, parts):
     w.mb_arrive(t, "q_full", len(parts))
 
 
-def _epilogue(w, a, half, rq, staging):
+def _early_q(w, n):
+    """Whether WG0 loads the next Q in an item of ``n`` tiles' last pair (``q_at_last_qk``): with
+    two tiles or more, where WG1 passed its q_full wait before WG0's MAX_B sync of an earlier or
+    the last pair; an item of one tile has no MAX_B, so WG1 may not have waited yet."""
+    return w.q_at_last_qk and (n > 1 or w.bug == "early Q in a one-tile item")
+
+
+def _epilogue(w, a, half, rq, staging, n=0):
     """L_SUM, then out staged and stored as ``staging`` says: "ring", in the group's own P buffer and its sO chunk, WG0 loading the next Q right after L_SUM; "q_reload",
     in sQ's half, WG0 expecting the next Q and loading its RoPE chunk after L_SUM and each group
     reloading its half behind its stores. The row sums by item parity with the "ring" (with
@@ -148,7 +162,7 @@ def _epilogue(w, a, half, rq, staging):
     w.access(a, f"sum{half}{par}", "w")
     yield from _sync(w, a, "L_SUM")
     w.access(a, f"sum{1 - half}{par}", "r")
-    if a == "A" and not last and staging == "ring":
+    if a == "A" and not last and staging == "ring" and not _early_q(w, n):
         _load_q(w, "A", _q_parts(w))
     if a == "A" and not last and staging == "q_reload":
         w.mb_arrive("A", "q_full", 1)                  # expect_tx of the whole Q
@@ -165,14 +179,20 @@ def _epilogue(w, a, half, rq, staging):
         _load_q(w, a, regions if w.bug != "reload before the read" else [])
 
 
-def _item_tiles(w, pair, c, n):
+def _item_tiles(w, pair, c, n, early_q=False):
     """A group's part of an item of ``n`` tiles (the kernel's ``item_tiles``): its full pairs, then
-    the last tile alone where ``n`` is odd; ``c`` = [buffer 0's, buffer 1's] phase counts, advanced."""
-    for _ in range(n // 2):
-        yield from pair(w, c[0], c[1], True)
+    the last tile alone where ``n`` is odd; ``c`` = [buffer 0's, buffer 1's] phase counts, advanced.
+    ``early_q`` (WG0): the next item's Q in the last pair."""
+    kw = {}
+    for i in range(n // 2):
+        if early_q:
+            kw = {"early_q": i == n // 2 - 1 and n % 2 == 0}
+        yield from pair(w, c[0], c[1], True, **kw)
         c[0], c[1] = c[0] + 1, c[1] + 1
     if n % 2:
-        yield from pair(w, c[0], c[1], False)
+        if early_q:
+            kw = {"early_q": True}
+        yield from pair(w, c[0], c[1], False, **kw)
         c[0] += 1
 
 
@@ -184,8 +204,9 @@ def wg0(w, items, staging):
         _load_q(w, "A", _q_parts(w))
     for rq, n in enumerate(items):
         yield ("mbar", "q_full", rq)
-        yield from _item_tiles(w, wg0_pair, c, n)
-        yield from _epilogue(w, "A", 0, rq, staging)
+        early = staging == "ring" and rq + 1 < len(items) and _early_q(w, n)
+        yield from _item_tiles(w, wg0_pair, c, n, early)
+        yield from _epilogue(w, "A", 0, rq, staging, n)
 
 
 def wg1(w, items, staging):
@@ -197,10 +218,12 @@ def wg1(w, items, staging):
         yield from _epilogue(w, "B", 1, rq, staging)
 
 
-def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, staging: str = "q_reload"):
+def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, staging: str = "q_reload",
+                 q_at_last_qk: bool = False):
     """One interleaving of the ping-pong's roles with out staged as ``staging`` says
-    (``Sm90PrefillTuning.staging``), or (``swapped``) of the swap-AB tile's."""
+    (``Sm90PrefillTuning.staging``, and ``q_at_last_qk``), or (``swapped``) of the swap-AB tile's."""
     w = World(p_in_k, bug)
+    w.q_at_last_qk = q_at_last_qk
     w.n_items = len(items)
     # "q_reload": WG0's expect and one completion per Q part; otherwise one load of all of Q
     parts = 2 + p_in_k
@@ -222,11 +245,13 @@ def _items(seed):
     return [rnd.choice(range(8)) for _ in range(rnd.randint(0, 5))]
 
 
-@pytest.mark.parametrize("p_in_k, staging", [(False, "ring"), (True, "q_reload"), (False, "q_reload")],
-                         ids=["d512_ring", "d576_q_reload", "d512_q_reload"])
-def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging):
+@pytest.mark.parametrize("p_in_k, staging, q_at_last_qk",
+                         [(False, "ring", False), (False, "ring", True), (True, "q_reload", False),
+                          (False, "q_reload", False)],
+                         ids=["d512_ring", "d512_ring_q_at_last_qk", "d576_q_reload", "d512_q_reload"])
+def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging, q_at_last_qk):
     for seed in range(1500):
-        run_protocol(_items(seed), p_in_k, seed, staging=staging)
+        run_protocol(_items(seed), p_in_k, seed, staging=staging, q_at_last_qk=q_at_last_qk)
 
 
 @pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
@@ -238,16 +263,20 @@ def test_the_protocol_model_catches_known_bugs(bug):
             run_protocol(_items(seed), True, seed, bug)
 
 
-@pytest.mark.parametrize("bug, p_in_k, staging", [("one row_sum", False, "ring"), ("stage in the other P", False, "ring"),
-                                                   ("reload before the read", True, "q_reload")])
-def test_the_early_q_models_catch_known_bugs(bug, p_in_k, staging):
+@pytest.mark.parametrize("bug, p_in_k, staging, q_at_last_qk",
+                         [("one row_sum", False, "ring", False), ("stage in the other P", False, "ring", False),
+                          ("reload before the read", True, "q_reload", False),
+                          ("early Q before MAX_B", False, "ring", True), ("early Q in a one-tile item", False, "ring", True)])
+def test_the_early_q_models_catch_known_bugs(bug, p_in_k, staging, q_at_last_qk):
     """Where WG0 loads the next Q early: with the "ring" and without the row sums kept per item
     parity, WG0 (an item of one tile or none waits for nothing) can write the next item's sums
     before WG1 read this item's; out staged in the other group's P buffer races that group's next P; a Q chunk
-    reloaded before its store read the staging races the store."""
+    reloaded before its store read the staging races the store. With ``q_at_last_qk``: a load
+    before ``MAX_B`` races WG1's QK1 reading Q; one in an item of one tile can complete q_full's
+    phase before WG1 waited for the item's (an ambiguous parity wait)."""
     with pytest.raises(Race):
         for seed in range(1500):
-            run_protocol(_items(seed), p_in_k, seed, bug, staging=staging)
+            run_protocol(_items(seed), p_in_k, seed, bug, staging=staging, q_at_last_qk=q_at_last_qk)
 
 
 # ------------------------------------------------------------------------------------ arithmetic

@@ -89,6 +89,9 @@ class Sm90PrefillTuning:
     # read it (the RoPE chunk right after the sums). The swap-AB tile: "q", in its Q buffer, the
     # next Q once WG1's stores read it (``Q_FREE``).
     staging: Optional[str] = None
+    # With the "ring": WG0 loads the next item's Q as soon as the item's last QK retired (in its
+    # last pair), not after the row sums are exchanged; items of one tile or none keep the latter.
+    q_at_last_qk: Optional[bool] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
@@ -103,6 +106,8 @@ class Sm90PrefillTuning:
             raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
         if self.staging not in (None,) + STAGINGS:
             raise ValueError(f"Sm90PrefillTuning: staging takes one of {', '.join(STAGINGS)}, got {self.staging!r}")
+        if self.q_at_last_qk is not None and not isinstance(self.q_at_last_qk, bool):
+            raise ValueError(f"Sm90PrefillTuning: q_at_last_qk takes a bool, got {self.q_at_last_qk!r}")
         if self.qo_policy not in (None, "") + L2_POLICIES:
             raise ValueError(f"Sm90PrefillTuning: qo_policy takes '' or one of {', '.join(L2_POLICIES)}, "
                              f"got {self.qo_policy!r}")
@@ -125,7 +130,8 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     pair = h_q > TILE.heads
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
             "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
-            "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload")}
+            "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload"),
+            "q_at_last_qk": False}
     return fill_unset(tuning, rule)
 
 
@@ -169,6 +175,8 @@ class Sm90SparsePrefillConfig:
         if self.tuning.staging == "ring" and self.d_qk != V4.d_qk:
             raise ValueError(f"staging: the 'ring' is built for d_qk {V4.d_qk} (no room in shared memory "
                              f"otherwise), got h_q {self.h_q}, d_qk {self.d_qk}")
+        if self.tuning.q_at_last_qk and self.tuning.staging != "ring":
+            raise ValueError(f"q_at_last_qk: takes the 'ring' staging, got {self.tuning.staging!r}")
         if self.arch != archs.SM90.name:
             raise ValueError(f"arch: got {self.arch!r}, accepted: {archs.SM90.name!r}")
 

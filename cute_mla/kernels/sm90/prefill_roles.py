@@ -193,6 +193,17 @@ def work_of(cfg: Sm90SparsePrefillConfig, g: Gmem, item: Int32) -> Work:
     return Work(s_idx, item % cfg.n_hblk, length, n_tiles)
 
 
+class EarlyQ(NamedTuple):
+    """WG0's load of the next item's whole Q (``q_at_last_qk``): what :func:`load_q` takes."""
+
+    g: Gmem
+    nxt: Cta
+    q_full: object
+    tQgQ: cute.Tensor
+    tQsQ: cute.Tensor
+    warp: Int32
+
+
 class Smem(NamedTuple):
     """The shared-memory struct and the tensors the MMAs read: Q, the two K tiles, and the P
     buffers of K buffers 0 and 1 (:func:`p_tensors`)."""
@@ -512,11 +523,16 @@ def hand_p(src: cute.Tensor, v: MmaWg, bar: int):
 
 
 def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0, l1,
-             odd: bool):
+             odd: bool, early_q: Optional[EarlyQ] = None, load_q_now=None):
     """WG0's part of one pair (``odd``: the pair has tile 2i+1). Straight-line code (a plain
     function: ``odd`` is a trace-time flag) that retires its wgmmas before it returns. Returns
-    the rows' new running max (mB, or mA without an odd tile) and WG0's row sums at that max."""
+    the rows' new running max (mB, or mA without an odd tile) and WG0's row sums at that max.
+    ``early_q``: where ``load_q_now`` holds, the next item's Q is loaded once this pair's last
+    QK retired (after ``MAX_B``: WG1's QK1 retired before its arrive; without an odd tile, after
+    QK0), at a point with no wgmma in flight."""
     qk_tile(cfg, ops, v, 0, ph0)
+    if early_q is not None and not odd:
+        load_q_if(cfg, early_q, load_q_now)
     if odd:
         # QK1's late half goes in now: WG0's softmax runs under it, not beside WG1's.
         cute.arch.barrier_arrive(barrier_id=PrefillBar.QK_ORDER, number_of_threads=PAIR_THREADS)
@@ -551,6 +567,8 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     f0 = exp2(ma0 - mb0)
     f1 = exp2(ma1 - mb1)
     warpgroup.wait_group(0)
+    if early_q is not None:
+        load_q_if(cfg, early_q, load_q_now)
     cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
     scale_rows(v.acc_o, f0, f1)
     scale_rows(v.acc_s, f0, f1)
@@ -735,22 +753,40 @@ def store_ring(cfg: Sm90SparsePrefillConfig, smem: Smem, cta: Cta, v: MmaWg, to:
 
 
 @cute.jit
+def load_q_if(cfg: Sm90SparsePrefillConfig, e: EarlyQ, pred):
+    """:func:`load_q` of ``e`` where ``pred`` holds."""
+    if pred:
+        load_q(cfg, e.g, e.nxt, e.q_full, e.tQgQ, e.tQsQ, e.warp, 0, qo_policy(cfg))
+
+
+@cute.jit
 def item_tiles(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, wg: cutlass.Constexpr, scale_log2: Float32,
-               n_tiles: Int32, c0: Int32, c1: Int32):
+               n_tiles: Int32, c0: Int32, c1: Int32, early_q: Optional[EarlyQ] = None, has_next=False):
     """MMA warp group ``wg``'s part of an item's tiles: its full pairs, then the last tile alone
     where the count is odd (straight-line code after the loop, module docstring). ``c0`` / ``c1``:
-    buffer 0's / 1's phase counts, returned advanced with the item's running max and row sums."""
+    buffer 0's / 1's phase counts, returned advanced with the item's running max and row sums.
+    ``early_q`` (WG0, ``q_at_last_qk``): the next item's Q in the last pair where ``has_next`` and
+    the item has two tiles or more."""
     pair = wg0_pair if cutlass.const_expr(wg == 0) else wg1_pair
     m0 = Float32(-1e30)
     m1 = Float32(-1e30)
     l0 = Float32(0.0)
     l1 = Float32(0.0)
-    for _ in cutlass.range(0, n_tiles // 2, unroll=1):
-        m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
+    n_pairs = n_tiles // 2
+    for i in cutlass.range(0, n_pairs, unroll=1):
+        if cutlass.const_expr(early_q is None):
+            m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
+        else:
+            last = has_next & (i == n_pairs - 1) & (n_tiles % 2 == 0)
+            m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True, early_q, last)
         c0 += 1
         c1 += 1
     if n_tiles % 2 == 1:
-        m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
+        if cutlass.const_expr(early_q is None):
+            m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
+        else:
+            m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False, early_q,
+                                  has_next & (n_tiles > 1))
         c0 += 1
     return m0, m1, l0, l1, c0, c1
 
@@ -786,12 +822,19 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         w = work_of(cfg, g, item)
         v.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
-        m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
-        l0, l1 = item_sums(cfg, smem, v, 0, rq, l0, l1)
         has_next = item + step < end
         nxt = item_cta(cfg, item + step)
+        if cutlass.const_expr(cfg.tuning.q_at_last_qk):
+            m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1,
+                                                EarlyQ(g, nxt, q_full, tQgQ, tQsQ, v.warp), has_next)
+        else:
+            m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
+        l0, l1 = item_sums(cfg, smem, v, 0, rq, l0, l1)
         if cutlass.const_expr(cfg.tuning.staging == "ring"):
-            if has_next:
+            load_now = has_next
+            if cutlass.const_expr(cfg.tuning.q_at_last_qk):
+                load_now = has_next & (w.n_tiles <= 1)   # the others loaded it in their last pair
+            if load_now:
                 load_q(cfg, g, nxt, q_full, tQgQ, tQsQ, v.warp, 0, qo_policy(cfg))
         if cutlass.const_expr(cfg.tuning.staging == "q_reload"):
             if has_next:
