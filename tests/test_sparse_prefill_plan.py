@@ -94,6 +94,7 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
 
     def knobs(h_q, d_qk, tuning=None):
         t = pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True, tuning=tuning).tuning
+        assert t.q_at_last_qk == (t.staging == "ring")
         return t.gather_l2, t.prefetch_rows, t.qo_policy, t.staging
 
     assert knobs(128, 576) == ("L2::256B", True, "evict_first", "q_reload")
@@ -107,7 +108,8 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
     assert knobs(128, 576, pc.Sm90PrefillTuning(gather_l2="")) == ("", True, "evict_first", "q_reload")
     assert knobs(16, 576, pc.Sm90PrefillTuning(qo_policy="evict_first")) == ("", False, "evict_first", "q")
     assert knobs(64, 512, pc.Sm90PrefillTuning(qo_policy="", staging="q_reload")) == ("", False, "", "q_reload")
-    explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False, qo_policy="evict_first", staging="ring")
+    explicit = pc.Sm90PrefillTuning(gather_l2="L2::256B", prefetch_rows=False, qo_policy="evict_first", staging="ring",
+                                    q_at_last_qk=True)
     a = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False)
     b = pc.kernel_config(h_q=128, d_qk=512, has_topk_length=True, has_attn_sink=False, tuning=explicit)
     assert a == b and hash(a) == hash(b)

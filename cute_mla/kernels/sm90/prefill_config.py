@@ -128,10 +128,10 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     for it and reloads each Q chunk as its output store frees it ("q_reload"). The swap-AB tile
     stages in its Q buffer ("q")."""
     pair = h_q > TILE.heads
+    staging = tuning.staging or ("q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload"))
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
-            "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
-            "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload"),
-            "q_at_last_qk": False}
+            "qo_policy": "" if h_q in SMALL_HEADS else "evict_first", "staging": staging,
+            "q_at_last_qk": staging == "ring"}
     return fill_unset(tuning, rule)
 
 

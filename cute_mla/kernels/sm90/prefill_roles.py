@@ -822,14 +822,17 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         w = work_of(cfg, g, item)
         v.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
-        has_next = item + step < end
-        nxt = item_cta(cfg, item + step)
         if cutlass.const_expr(cfg.tuning.q_at_last_qk):
+            has_next = item + step < end
+            nxt = item_cta(cfg, item + step)
             m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1,
                                                 EarlyQ(g, nxt, q_full, tQgQ, tQsQ, v.warp), has_next)
         else:
             m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
         l0, l1 = item_sums(cfg, smem, v, 0, rq, l0, l1)
+        if cutlass.const_expr(not cfg.tuning.q_at_last_qk):
+            has_next = item + step < end
+            nxt = item_cta(cfg, item + step)
         if cutlass.const_expr(cfg.tuning.staging == "ring"):
             load_now = has_next
             if cutlass.const_expr(cfg.tuning.q_at_last_qk):
