@@ -115,10 +115,9 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     at d_qk 576 (eighteen 64-B sectors a row, the MMA side longest), the next tiles' rows are
     prefetched into L2 (by the first block: ``producer``) to keep HBM busy through the ping-pong's
     steps. Fewer heads: each row is read once, the walk is bound by the gather itself, and both
-    hints only add L2 traffic. The
-    ping-pong tile (64 and 128 heads) loads Q and stores out evict_first, which keeps more of the
-    rows in L2 where the walk is bound by HBM; the swap-AB tile's Q and out are a small share of its
-    traffic and go without a policy. At d_qk 512 the ping-pong stages out outside Q
+    hints only add L2 traffic. The ping-pong tile (64 and 128 heads) loads Q and stores out
+    evict_first, which keeps more of the rows in L2 where the walk is bound by HBM; the swap-AB
+    tile's Q and out are a small share of its traffic and go without a policy. At d_qk 512 the ping-pong stages out outside Q
     (``staging`` "ring"), so the next item's Q loads under the output stores; d_qk 576 has no room
     for it and reloads each Q chunk as its output store frees it ("q_reload"). The swap-AB tile
     stages in its Q buffer ("q")."""
