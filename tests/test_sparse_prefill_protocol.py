@@ -29,32 +29,50 @@ def _p(w, b):   # the P buffer of K buffer b
     return f"K{b}rope" if w.p_in_k else f"P{b}"
 
 
+def _half(w, b, h):
+    """K buffer b's half h ("E" gathered first, "L" second, with the mask) as resources: "K{b}own"
+    the V chunks of WG b's O block, "K{b}oth" the other V chunks, the RoPE chunk. With ``early_p0``
+    buffer 1's halves swap (``prefill_roles.half_chunks``)."""
+    if w.early_p0 and b == 1:
+        return ["K1oth", "K1rope"] if h == "E" else ["K1own", "mask1"]
+    return [f"K{b}own"] if h == "E" else [f"K{b}oth", f"K{b}rope", f"mask{b}"]
+
+
+def _oh(w, b):
+    """The half of buffer b the other group's SS PV reads (``prefill_roles.other_half``)."""
+    return "E" if w.early_p0 and b == 1 else "L"
+
+
 def producer(w, items):
     c0 = c1 = 0
     for n in items:
         for pr in range((n + 1) // 2):
             odd = 2 * pr + 1 < n
-            for b, h in [(0, "E")] + [(1, "E")] * odd + [(0, "L")] + [(1, "L")] * odd:
+            if w.early_p0:
+                order = [(0, "E"), (0, "L")] + [(1, "E"), (1, "L")] * odd
+            else:
+                order = [(0, "E")] + [(1, "E")] * odd + [(0, "L")] + [(1, "L")] * odd
+            for b, h in order:
                 yield ("mbar", f"free{b}{h}", (c0 if b == 0 else c1) - 1)
-                if h == "E":
-                    w.access("P", f"K{b}E", "w")
-                else:
-                    for r in (f"K{b}Lv", f"K{b}rope", f"mask{b}"):
-                        w.access("P", r, "w")
+                for r in _half(w, b, h):
+                    w.access("P", r, "w")
                 w.mb_arrive("P", f"full{b}{h}", 132 if h == "L" else 128)
             c0, c1 = c0 + 1, c1 + odd
 
 
-def _qk(w, a, b, c, after_qk0=False):
+def _qk(w, a, b, c, after_qk0=False, retire=True):
     tok = object()
     yield ("mbar", f"full{b}E", c)
-    w.wgmma_issue(a, _q_parts(w) + [f"K{b}E"], tok)
+    w.wgmma_issue(a, _q_parts(w) + [r for r in _half(w, b, "E") if not r.startswith("mask")], tok)
     yield ("mbar", f"full{b}L", c)
     if after_qk0:
         yield from _sync(w, a, "QK_ORDER")
-    w.wgmma_issue(a, [f"K{b}Lv", f"K{b}rope"], tok)
-    w.wgmma_retire(a, _q_parts(w) + [f"K{b}E", f"K{b}Lv", f"K{b}rope"], tok)
-    w.access(a, f"mask{b}", "r")
+    w.wgmma_issue(a, [r for r in _half(w, b, "L") if not r.startswith("mask")], tok)
+    res = _q_parts(w) + [f"K{b}own", f"K{b}oth", f"K{b}rope"]
+    if retire:
+        w.wgmma_retire(a, res, tok)
+        w.access(a, f"mask{b}", "r")
+    return tok, res
 
 
 def wg0_pair(w, c0, c1, odd):
@@ -64,13 +82,16 @@ def wg0_pair(w, c0, c1, odd):
         w.nb_arrive("A", "QK_ORDER")
     w.access("A", "maxA", "w")
     w.nb_arrive("A", "MAX_A")
-    if not odd:
+    early = odd and w.early_p0
+    if not odd or early:
         w.access("A", _p(w, 0), "w")
         w.nb_arrive("A", "P0_READY")
+    if early:
+        w.mb_arrive("A", "free0L", 128)
     rs = object()
-    w.wgmma_issue("A", ["K0E"], rs)
+    w.wgmma_issue("A", ["K0own"], rs)
     if not odd:
-        w.wgmma_retire("A", ["K0E"], rs)
+        w.wgmma_retire("A", ["K0own"], rs)
         w.mb_arrive("A", "free0E", 128)
         w.mb_arrive("A", "free0L", 128)
         return
@@ -79,20 +100,54 @@ def wg0_pair(w, c0, c1, odd):
     if w.bug == "QK_ORDER after MAX_B":
         w.nb_arrive("A", "QK_ORDER")
     w.access("A", "maxB", "r")
-    w.wgmma_retire("A", ["K0E"], rs)
+    w.wgmma_retire("A", ["K0own"], rs)
     w.mb_arrive("A", "free0E", 128)
-    w.access("A", _p(w, 0), "w")
-    w.nb_arrive("A", "P0_READY")
-    w.mb_arrive("A", "free0L", 128)
+    if not early:
+        w.access("A", _p(w, 0), "w")
+        w.nb_arrive("A", "P0_READY")
+        w.mb_arrive("A", "free0L", 128)
     yield from _sync(w, "A", "P1_READY")
-    yield ("mbar", "full1L", c1)
+    yield ("mbar", f"full1{_oh(w, 1)}", c1)
     ss = object()
-    w.wgmma_issue("A", [_p(w, 1), "K1Lv"], ss)
-    w.wgmma_retire("A", [_p(w, 1), "K1Lv"], ss)
-    w.mb_arrive("A", "free1L", 128)
+    w.wgmma_issue("A", [_p(w, 1), "K1oth"], ss)
+    w.wgmma_retire("A", [_p(w, 1), "K1oth"], ss)
+    w.mb_arrive("A", f"free1{_oh(w, 1)}", 128)
+
+
+def wg1_pair_early_p0(w, c0, c1):
+    """``prefill_roles.wg1_pair_early_p0``: QK1 in flight, the SS PV of P0 (at mA), then QK1
+    retired, P1 handed over, the PV of P0 retired (buffer 0 free), the RS PV of P1."""
+    tok, res = yield from _qk(w, "B", 1, c1, after_qk0=True, retire=False)
+    yield from _sync(w, "B", "MAX_A")
+    w.access("B", "maxA", "r")
+    yield from _sync(w, "B", "P0_READY")
+    yield ("mbar", "full0L", c0)
+    ss = object()
+    w.wgmma_issue("B", [_p(w, 0), "K0oth"], ss)
+    if w.bug == "free0L before the SS PV retired":
+        w.mb_arrive("B", "free0L", 128)
+    if w.bug == "P1 before QK1 retired":
+        w.access("B", _p(w, 1), "w")
+    w.wgmma_retire("B", res, tok)
+    w.access("B", "mask1", "r")
+    w.access("B", "maxB", "w")
+    w.nb_arrive("B", "MAX_B")
+    w.access("B", _p(w, 1), "w")
+    w.nb_arrive("B", "P1_READY")
+    w.mb_arrive("B", f"free1{_oh(w, 1)}", 128)
+    w.wgmma_retire("B", [_p(w, 0), "K0oth"], ss)
+    if w.bug != "free0L before the SS PV retired":
+        w.mb_arrive("B", "free0L", 128)
+    rs = object()
+    w.wgmma_issue("B", ["K1own"], rs)
+    w.wgmma_retire("B", ["K1own"], rs)
+    w.mb_arrive("B", "free1L" if _oh(w, 1) == "E" else "free1E", 128)
 
 
 def wg1_pair(w, c0, c1, odd):
+    if odd and w.early_p0:
+        yield from wg1_pair_early_p0(w, c0, c1)
+        return
     if odd:
         yield from _qk(w, "B", 1, c1, after_qk0=True)
     yield from _sync(w, "B", "MAX_A")
@@ -102,20 +157,20 @@ def wg1_pair(w, c0, c1, odd):
             w.access("B", "maxB", "w")
             w.nb_arrive("B", "MAX_B")
             rs = object()
-            w.wgmma_issue("B", ["K1E"], rs)
+            w.wgmma_issue("B", ["K1own"], rs)
             w.access("B", _p(w, 1), "w")
         w.nb_arrive("B", "P1_READY")
     if odd or w.bug != "tail skips P0_READY":
         yield from _sync(w, "B", "P0_READY")
     yield ("mbar", "full0L", c0)
     ss = object()
-    w.wgmma_issue("B", [_p(w, 0), "K0Lv"], ss)
+    w.wgmma_issue("B", [_p(w, 0), "K0oth"], ss)
     if w.bug == "free0L before the SS PV retired":
         w.mb_arrive("B", "free0L", 128)
     if odd:
-        w.wgmma_retire("B", ["K1E"], rs)
+        w.wgmma_retire("B", ["K1own"], rs)
         w.mb_arrive("B", "free1E", 128)
-    w.wgmma_retire("B", [_p(w, 0), "K0Lv"], ss)
+    w.wgmma_retire("B", [_p(w, 0), "K0oth"], ss)
     if w.bug != "free0L before the SS PV retired":
         w.mb_arrive("B", "free0L", 128)
     if odd:
@@ -197,10 +252,13 @@ def wg1(w, items, staging):
         yield from _epilogue(w, "B", 1, rq, staging)
 
 
-def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, staging: str = "q_reload"):
+def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, staging: str = "q_reload",
+                 early_p0: bool = False):
     """One interleaving of the ping-pong's roles with out staged as ``staging`` says
-    (``Sm90PrefillTuning.staging``), or (``swapped``) of the swap-AB tile's."""
+    (``Sm90PrefillTuning.staging``; ``early_p0`` as that knob says), or (``swapped``) of the
+    swap-AB tile's."""
     w = World(p_in_k, bug)
+    w.early_p0 = early_p0
     w.n_items = len(items)
     # "q_reload": WG0's expect and one completion per Q part; otherwise one load of all of Q
     parts = 2 + p_in_k
@@ -208,8 +266,8 @@ def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = 
     for b in range(2):
         w.mb_init(f"full{b}E", 128)
         w.mb_init(f"full{b}L", 132)
-        w.mb_init(f"free{b}E", 256 if swapped else 128)
-        w.mb_init(f"free{b}L", 256)
+        for h in "EL":
+            w.mb_init(f"free{b}{h}", 256 if swapped or h == _oh(w, b) else 128)
     if swapped:
         roles = {"P": swapped_producer(w, items), "A": swapped_wg0(w, items), "B": swapped_wg1(w, items)}
     else:
@@ -222,20 +280,32 @@ def _items(seed):
     return [rnd.choice(range(8)) for _ in range(rnd.randint(0, 5))]
 
 
+@pytest.mark.parametrize("early_p0", [False, True], ids=["late_p0", "early_p0"])
 @pytest.mark.parametrize("p_in_k, staging", [(False, "ring"), (True, "q_reload"), (False, "q_reload")],
                          ids=["d512_ring", "d576_q_reload", "d512_q_reload"])
-def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging):
+def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging, early_p0):
     for seed in range(1500):
-        run_protocol(_items(seed), p_in_k, seed, staging=staging)
+        run_protocol(_items(seed), p_in_k, seed, staging=staging, early_p0=early_p0)
 
 
+@pytest.mark.parametrize("early_p0", [False, True], ids=["late_p0", "early_p0"])
 @pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
                                  "free0L before the SS PV retired", "WG1 skips q_full", "no QK_ORDER arrive",
                                  "QK_ORDER in the tail", "QK_ORDER after MAX_B"])
-def test_the_protocol_model_catches_known_bugs(bug):
+def test_the_protocol_model_catches_known_bugs(bug, early_p0):
+    if early_p0 and bug == "P1_READY in the tail":
+        pytest.skip("the early_p0 pair is the odd pair's own code: its tail is the default's")
     with pytest.raises(Race):
         for seed in range(1500):
-            run_protocol(_items(seed), True, seed, bug)
+            run_protocol(_items(seed), True, seed, bug, early_p0=early_p0)
+
+
+def test_the_early_p0_model_catches_p1_over_the_rope_chunk_in_flight():
+    """With ``early_p0`` WG1's QK1 is still in flight when it issues the PV of P0: P1 written to
+    the RoPE chunk (d_qk 576) before QK1 retired races QK1's read of it."""
+    with pytest.raises(Race):
+        for seed in range(1500):
+            run_protocol(_items(seed), True, seed, "P1 before QK1 retired", early_p0=True)
 
 
 @pytest.mark.parametrize("bug, p_in_k, staging", [("one row_sum", False, "ring"), ("stage in the other P", False, "ring"),
@@ -390,8 +460,9 @@ def _bf16(x):
     return b.astype(np.uint32).view(np.float32)
 
 
-def _pingpong_row(s, v, valid, scale_log2, sink):
-    """One row through the kernel's order of operations; returns (out, lse, max_logit)."""
+def _pingpong_row(s, v, valid, scale_log2, sink, early_p0=False):
+    """One row through the kernel's order of operations (``early_p0``: WG1's PV of P0 at mA
+    first); returns (out, lse, max_logit)."""
     tiles = len(s) // 64
     m, l0, l1 = np.float32(-1e30), np.float32(0), np.float32(0)
     o = np.zeros(512, np.float32)
@@ -407,6 +478,18 @@ def _pingpong_row(s, v, valid, scale_log2, sink):
         if odd:                                                 # WG1: MAX_B
             s1 = masked[(t0 + 1) * 64:(t0 + 2) * 64]
             mb = np.float32(max(ma, s1.max()))
+        if odd and early_p0:                                    # WG1: P0 at mA, then P1 at mB
+            sa = np.float32(np.exp2(m - ma))
+            o[256:] = o[256:] * sa + _bf16(p0) @ v[t0 * 64:(t0 + 1) * 64, 256:]
+            f = np.float32(np.exp2(ma - mb))
+            p1 = np.exp2(s1 - mb).astype(np.float32)
+            o[256:] = o[256:] * f + _bf16(p1) @ v[(t0 + 1) * 64:(t0 + 2) * 64, 256:]
+            l1 = l1 * sa * f + p1.sum(dtype=np.float32)
+            o[:256] *= f                                        # WG0 after MAX_B
+            l0 = l0 * f
+            o[:256] += _bf16(p1) @ v[(t0 + 1) * 64:(t0 + 2) * 64, :256]
+            m = mb
+            continue
         sc = np.float32(np.exp2(m - mb))
         o[256:] *= sc
         l1 = l1 * sc
@@ -437,7 +520,8 @@ def _reference_row(s, v, valid, scale, sink):
     return np.exp(z - lse_o) @ v.astype(np.float64), lse, mx
 
 
-def test_pingpong_arithmetic_is_softmax_attention():
+@pytest.mark.parametrize("early_p0", [False, True], ids=["late_p0", "early_p0"])
+def test_pingpong_arithmetic_is_softmax_attention(early_p0):
     rng = np.random.default_rng(0)
     scale = 0.5
     for _ in range(200):
@@ -449,7 +533,7 @@ def test_pingpong_arithmetic_is_softmax_attention():
             k = int(rng.integers(0, n // 64))
             valid[k * 64:(k + 1) * 64] = False                  # a fully masked tile
         sink = None if rng.random() < 0.5 else float(rng.standard_normal())
-        out, lse, mx = _pingpong_row(s, v, valid, np.float32(scale * np.log2(np.e)), sink)
+        out, lse, mx = _pingpong_row(s, v, valid, np.float32(scale * np.log2(np.e)), sink, early_p0)
         ref_out, ref_lse, ref_mx = _reference_row(s, v, valid, scale, sink)
         for got, want in ((lse, ref_lse), (mx, ref_mx)):
             assert (np.isinf(got) and got == want) or abs(got - want) <= 1e-4 * max(1.0, abs(want))

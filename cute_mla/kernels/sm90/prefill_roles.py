@@ -137,15 +137,31 @@ def slot(buf: int, half: int) -> int:
     return buf * HALVES + half
 
 
-def half_chunks(tile: Tile, buf: int, half: int) -> tuple:
+def half_chunks(cfg: Sm90SparsePrefillConfig, buf: int, half: int) -> tuple:
     """The 64-dim chunks of K buffer ``buf``'s ``half`` (compile time). Early: the V columns of the
     warp group whose tile sits in the buffer (buffer b's tile is WG b's, which owns O column block
-    b); late: the other V columns, then the RoPE chunk (d_qk 576)."""
+    b); late: the other V columns, then the RoPE chunk (d_qk 576). With ``early_p0`` buffer 1's
+    halves swap: WG0's PV of P1 (those other columns, P1 in the RoPE chunk) then retires before
+    WG1's own."""
+    if buf == 1 and cfg.tuning.early_p0:
+        half = 1 - half
     own = tuple(range(buf * V_CHUNKS_PER_WG, (buf + 1) * V_CHUNKS_PER_WG))
     if half == EARLY:
         return own
     v_chunks = TILE.d_v // TILE.chunk
-    return tuple(c for c in range(v_chunks) if c not in own) + tuple(range(v_chunks, tile.chunks))
+    return tuple(c for c in range(v_chunks) if c not in own) + tuple(range(v_chunks, cfg.tile.chunks))
+
+
+def other_half(cfg: Sm90SparsePrefillConfig, buf: int) -> int:
+    """The half of K buffer ``buf`` that holds the other warp group's V columns (and the RoPE
+    chunk, P of d_qk 576): what that group's SS PV reads."""
+    return EARLY if buf == 1 and cfg.tuning.early_p0 else LATE
+
+
+def k_free_arrivals(cfg: Sm90SparsePrefillConfig, buf: int, half: int) -> int:
+    """Arrivals per phase of ``k_free[buf, half]``: the owner alone for its own V columns, both MMA
+    groups for the half the other group's SS PV reads (:func:`other_half`)."""
+    return K_FREE_ARRIVALS[LATE if half == other_half(cfg, buf) else EARLY]
 
 
 def p_in_k(tile: Tile) -> bool:
@@ -300,7 +316,7 @@ def gather_half(cfg: Sm90SparsePrefillConfig, gl: GatherLane, cur: cute.Tensor, 
     tile = cfg.tile
     cute.arch.mbarrier_wait(k_free + slot(buf, half), phase ^ 1)
     tile_base = gl.sk_base + buf * tile.k_tile_bytes
-    chunks = half_chunks(tile, buf, half)
+    chunks = half_chunks(cfg, buf, half)
     bits = Uint32(0)
     for i in cutlass.range_constexpr(PASSES):
         row = gl.first_row + i * TOKENS_PER_PASS
@@ -382,10 +398,11 @@ def producer(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem):
             load_tile_indices(gl, idx_row, nxt, PASSES, t0 + 3, w.n_tiles)
             ph0 = c0 & 1
             ph1 = c1 & 1
-            if cutlass.const_expr(cfg.swapped):
+            if cutlass.const_expr(cfg.swapped or cfg.tuning.early_p0):
                 # Whole tiles in order: the swap-AB tile's WG0 waits for all of tile t+1 (its QK
                 # behind tile t's PV) before it releases tile t's buffer, so tile 2i+1's early half
-                # cannot come before tile 2i's late half.
+                # cannot come before tile 2i's late half; with ``early_p0`` buffer 0 is free
+                # mid-pair, buffer 1 at its end.
                 gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, EARLY)
                 gather_half(cfg, gl, cur, 0, t0, w.length, k_full, k_free, ph0, 0, LATE)
                 if has_odd:
@@ -471,11 +488,12 @@ def mma_wg(cfg: Sm90SparsePrefillConfig, smem: Smem, ops: Ops, wg: int) -> MmaWg
         thr_qk.partition_C(own[None, None, 0]), thr_ss.make_fragment_A(thr_ss.partition_A(other)), thr_rs)
 
 
-def qk_tile(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, buf: int, phase, after_qk0: bool = False):
+def qk_tile(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, buf: int, phase, after_qk0: bool = False,
+            retire: bool = True):
     """S = Q K^T over K buffer ``buf``: the early half's chunks once that half landed, then the
-    late half's (d_qk / 16 SS wgmma 64x64x16 in all), retired before it returns; ``after_qk0``
-    (WG1): the late half's only once WG0's QK retired (``QK_ORDER``). A plain function: its loops
-    unroll at trace time."""
+    late half's (d_qk / 16 SS wgmma 64x64x16 in all, two commit groups), retired before it returns
+    unless ``retire`` is off; ``after_qk0`` (WG1): the late half's only once WG0's QK retired
+    (``QK_ORDER``). A plain function: its loops unroll at trace time."""
     tSrK_b = v.tSrK[None, None, None, buf]
     v.acc_s.fill(0.0)
     for half in range(HALVES):
@@ -484,11 +502,12 @@ def qk_tile(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, buf: int, phase, a
             warpgroup.fence()
         if after_qk0 and half == LATE:
             cute.arch.barrier(barrier_id=PrefillBar.QK_ORDER, number_of_threads=PAIR_THREADS)
-        for c in half_chunks(cfg.tile, buf, half):
+        for c in half_chunks(cfg, buf, half):
             for k in range(c * (TILE.chunk // 16), (c + 1) * (TILE.chunk // 16)):
                 cute.gemm(ops.qk, v.acc_s, v.tSrQ[None, None, k, 0], tSrK_b[None, None, k], v.acc_s)
         warpgroup.commit_group()
-    warpgroup.wait_group(0)
+    if retire:
+        warpgroup.wait_group(0)
 
 
 @cute.jit
@@ -533,9 +552,13 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     l1 = l1 * sc1 + s1
     scale_rows(v.acc_o, sc0, sc1)
     v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
-    if not odd:
-        # mB = mA: P0 is final; handed over before the RS PV reads its registers.
+    early = odd and cfg.tuning.early_p0
+    if not odd or early:
+        # mB = mA, or WG1 rescales its O to mA for P0: P0 is final; handed over before the RS PV
+        # reads its registers.
         hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
+    if early:
+        cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
     warpgroup.fence()
     cute.gemm(ops.pv_rs, v.acc_o, v.tOrP, v.tOrV_rs[None, None, None, 0], v.acc_o)
     warpgroup.commit_group()
@@ -553,18 +576,60 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     warpgroup.wait_group(0)
     cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
     scale_rows(v.acc_o, f0, f1)
-    scale_rows(v.acc_s, f0, f1)
-    v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
-    hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
-    cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
+    if not early:
+        scale_rows(v.acc_s, f0, f1)
+        v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
+        hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
+        cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
     cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
-    cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
+    cute.arch.mbarrier_wait(v.k_full + slot(1, other_half(cfg, 1)), ph1)
     warpgroup.fence()
     cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 1], v.acc_o)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
-    cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))    # V1[:, left] and P1 read
+    cute.arch.mbarrier_arrive(v.k_free + slot(1, other_half(cfg, 1)))    # V1[:, left] and P1 read
     return mb0, mb1, l0 * f0, l1 * f1
+
+
+def wg1_pair_early_p0(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0,
+                      l1):
+    """WG1's part of a pair with an odd tile under ``early_p0``: QK1 issued, then (O_right and its
+    sums rescaled to mA) the SS PV of WG0's P0 at mA while QK1 runs, which frees K buffer 0; then
+    its softmax at mB, P1 handed over, O_right rescaled from mA to mB and the RS PV of P1."""
+    qk_tile(cfg, ops, v, 1, ph1, after_qk0=True, retire=False)
+    cute.arch.barrier(barrier_id=PrefillBar.MAX_A, number_of_threads=PAIR_THREADS)
+    ma0 = v.s_max[v.row0]
+    ma1 = v.s_max[v.row0 + 8]
+    sc0 = exp2(m0 - ma0)
+    sc1 = exp2(m1 - ma1)
+    scale_rows(v.acc_o, sc0, sc1)
+    cute.arch.barrier(barrier_id=PrefillBar.P0_READY, number_of_threads=PAIR_THREADS)
+    cute.arch.mbarrier_wait(v.k_full + slot(0, LATE), ph0)
+    warpgroup.fence()
+    cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 0], v.acc_o)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)   # QK1 retired (its two groups), the PV of P0 still running
+    lo, hi = tile_mask(v.mask_base, 1)
+    mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
+    mb0 = cute.arch.fmax(ma0, mx0)
+    mb1 = cute.arch.fmax(ma1, mx1)
+    put_rows(v.s_max, TILE.heads, v.row0, v.quad, mb0, mb1)
+    cute.arch.barrier_arrive(barrier_id=PrefillBar.MAX_B, number_of_threads=PAIR_THREADS)
+    s0, s1 = exp_rows(v.acc_s, mb0, mb1)
+    v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
+    hand_p(v.tOrP_as_c, v, PrefillBar.P1_READY)
+    cute.arch.mbarrier_arrive(v.k_free + slot(1, other_half(cfg, 1)))   # QK1 retired, P1 written
+    f0 = exp2(ma0 - mb0)
+    f1 = exp2(ma1 - mb1)
+    warpgroup.wait_group(0)
+    cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))   # V0[:, right] and P0 read
+    scale_rows(v.acc_o, f0, f1)
+    warpgroup.fence()
+    cute.gemm(ops.pv_rs, v.acc_o, v.tOrP, v.tOrV_rs[None, None, None, 1], v.acc_o)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    cute.arch.mbarrier_arrive(v.k_free + slot(1, 1 - other_half(cfg, 1)))   # V1[:, right] read
+    return mb0, mb1, l0 * sc0 * f0 + s0, l1 * sc1 * f1 + s1
 
 
 def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0, l1,
@@ -572,6 +637,8 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     """WG1's part of one pair (``odd``: the pair has tile 2i+1, else no QK, no P, no RS PV, and
     mB = mA). Straight-line code that retires its wgmmas before it returns. Returns the rows' new
     running max and WG1's row sums at that max."""
+    if odd and cfg.tuning.early_p0:
+        return wg1_pair_early_p0(cfg, ops, v, scale_log2, ph0, ph1, m0, m1, l0, l1)
     mx0 = -Float32.inf
     mx1 = -Float32.inf
     if odd:

@@ -32,8 +32,8 @@ from .epilogue import LOG2E, bf16_block_layout
 from .mma import Ops, make_mmas, smem_layouts
 from .prefill_config import (DEFAULT_TUNING, Config, Sm90PrefillTuning, Sm90SparsePrefillConfig,  # noqa: F401
                              Tuning, config_for, kernel_config, tensor_maps)
-from .prefill_roles import (HALVES, K_FREE_ARRIVALS, K_FULL_ARRIVALS, Gmem, Smem, mma_wg0, mma_wg1, p_tensors, producer,
-                            shared_storage, slot)
+from .prefill_roles import (HALVES, K_FULL_ARRIVALS, Gmem, Smem, k_free_arrivals, mma_wg0, mma_wg1, p_tensors,
+                            producer, shared_storage, slot)
 from . import prefill_small_roles as small
 from . import swapped
 
@@ -131,13 +131,13 @@ class Sm90SparsePrefill:
         wg = cute.arch.make_warp_uniform(tidx // TILE.threads_per_wg)
 
         storage = SmemAllocator().allocate(storage_struct(cfg))
-        k_free_arrivals = small.K_FREE_ARRIVALS_SWAPPED if cfg.swapped else K_FREE_ARRIVALS
         if tidx == 0:
             cute.arch.mbarrier_init(storage.q_full.data_ptr(), 1)
             for b in cutlass.range_constexpr(TILE.k_bufs):
                 for h in cutlass.range_constexpr(HALVES):
                     cute.arch.mbarrier_init(storage.k_full.data_ptr() + slot(b, h), K_FULL_ARRIVALS[h])
-                    cute.arch.mbarrier_init(storage.k_free.data_ptr() + slot(b, h), k_free_arrivals[h])
+                    cute.arch.mbarrier_init(storage.k_free.data_ptr() + slot(b, h),
+                                            small.K_FREE_ARRIVALS_SWAPPED[h] if cfg.swapped else k_free_arrivals(cfg, b, h))
         cute.arch.mbarrier_init_fence()
         if tidx < 32:
             cpasync.prefetch_descriptor(tma_q)
