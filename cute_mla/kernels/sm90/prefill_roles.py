@@ -18,6 +18,15 @@ O is split by columns: WG0 owns O[:, :256], WG1 O[:, 256:].
   (zero fill for an invalid position: negative, ``>= s_kv`` or past the length), the tile's
   validity mask, in half tiles with their own barriers (below).
 
+P0 at WG0's max (``Sm90PrefillTuning.early_p0``). WG0 hands P0 over at mA right after its
+softmax (and releases its share of buffer 0's late half then); WG1 issues QK1, rescales O_right
+and its sums to mA and issues the SS wgmma P0 V0[:, right] while QK1 runs; once QK1 retired, its
+softmax at mB, P1 handed over, and once the PV of P0 retired (buffer 0 free, mid-pair) O_right
+rescaled from mA to mB and the RS wgmma P1 V1[:, right]. WG0 no longer rescales and re-sends P0.
+Buffer 1's halves swap (the one WG0's SS PV reads frees first) and the producer gathers whole
+tiles in order. Without it (FlashMLA's order) WG1's PV of P0 is its last step, so buffer 0's late
+half, which the next pair's QK0 waits for, frees only at the pair's end.
+
 The last pair of an item with an odd tile count has no odd tile: WG1 skips its QK, its P and its
 RS PV (mB = mA), WG0 skips MAX_B, P1_READY and its SS PV, and buffer 1 is not filled. That pair
 runs after the pair loop as its own straight-line code (``odd=False``): every dynamic loop
@@ -45,6 +54,8 @@ barrier                   arrivals per phase                         waited by
                           its P stored, the other once its SS PV
                           retired
 ========================  =========================================  ===================================
+
+(With ``early_p0`` buffer 1's halves swap, and so do its ``k_free`` counts: :func:`k_free_arrivals`.)
 
 (The swap-AB tile, ``prefill_small_roles.py``, counts 256 on both ``k_free`` halves and takes
 the tiles whole, in order.)
