@@ -21,6 +21,7 @@ import torch
 import cute_mla
 from cute_mla.testing import (
     PREFILL_HEADS,
+    SparsePrefillInputs,
     check_prefill,
     make_prefill_inputs,
     non_contiguous,
@@ -181,6 +182,62 @@ def test_nan_in_unread_kv_rows_changes_nothing(h_q, d_qk, topk_length):
         assert not torch.isnan(b).any(), f"{name}: NaN reached the result"
         assert torch.equal(a, b), f"{name}: differs from the run without NaN"
     check_prefill(*poisoned, *x.reference())
+
+
+# ---------------------------------------------------------------- (c2) logits whose running max moves
+
+
+def _moving_max_inputs(h_q: int, d_qk: int, topk: int, pattern: str, sink: bool, seed: int):
+    """Logits laid along each token's list so the rows' running max moves: up a ramp (every tile
+    for short lists, every few tiles for long ones), by rare spikes, or by steps of a saw; a head's
+    slope ``c_h`` (logit ~ c_h * f(position)) is random, zero or negative, so in one 64-head block
+    some rows move and others never do. With invalid slots (-1), an empty row, and two fully
+    masked tiles in another row. FlashMLA's random inputs barely move the max after a list's first
+    tile."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    s_q, s_kv = 12, topk + 64
+    scale = d_qk ** -0.5
+    u = torch.randn(d_qk, generator=g, device="cuda")
+    u /= u.norm()
+    pos = torch.arange(topk, device="cuda", dtype=torch.float32)
+    if pattern == "ramp":
+        f = pos / topk * 60.0
+    elif pattern == "spikes":
+        f = torch.where(torch.rand(topk, generator=g, device="cuda") < 0.03, 25.0, 0.0)
+    else:   # "saw"
+        f = (pos // 64) % 3 * 10.0
+    rows = torch.randperm(s_kv, generator=g, device="cuda")[:topk]
+    kv = torch.randn(s_kv, d_qk, generator=g, device="cuda") * 0.3
+    kv[rows] += f[:, None] * u[None, :] / scale
+    c = torch.rand(s_q, h_q, generator=g, device="cuda") * 2.0 - 0.5
+    c[:, ::7] = 0.0
+    q = c[:, :, None] * u[None, None, :] + torch.randn(s_q, h_q, d_qk, generator=g, device="cuda") * 0.05
+    idx = rows.int().repeat(s_q, 1)
+    idx = torch.where(torch.rand(idx.shape, generator=g, device="cuda") < 0.1, torch.full_like(idx, -1), idx)
+    idx[0] = -1
+    if topk >= 192:
+        idx[1, 64:192] = -1
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(h_q, generator=g, device="cuda") * 3.0
+        attn_sink[::5] = float("-inf")
+    return SparsePrefillInputs(q.bfloat16(), kv.bfloat16().view(s_kv, 1, d_qk), idx.view(s_q, 1, topk), scale,
+                               attn_sink, None)
+
+
+@pytest.mark.parametrize("pattern", ["ramp", "spikes", "saw"])
+@pytest.mark.parametrize("topk", [128, 448, 2048])
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("h_q", [64, 128, 16])
+def test_running_max_that_moves(h_q, d_qk, topk, pattern):
+    """The rescaling of O, P and the row sums where the running max moves within a pair, across
+    pairs, for some rows of a block and not others: out, max_logits and lse match the reference
+    within FlashMLA's tolerances."""
+    x = _moving_max_inputs(h_q, d_qk, topk, pattern, sink=topk != 448,
+                           seed=zlib.crc32(f"moving-{h_q}-{d_qk}-{topk}-{pattern}".encode()))
+    out, max_logits, lse = run(x)
+    torch.cuda.synchronize()
+    check_prefill(out, max_logits, lse, *x.reference())
 
 
 # ---------------------------------------------------------------- (d) out=
