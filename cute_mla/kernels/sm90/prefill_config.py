@@ -22,6 +22,7 @@ from .config import L2_POLICIES, SWAPPED_HEADS, TILE, Bar, RegisterBudget, Tile,
 WIDTHS = {V32.d_qk: V32, V4.d_qk: V4}
 HEADS = (8, 16, 32, 64, 128)
 STAGINGS = ("q", "ring", "q_reload")   # ``Sm90PrefillTuning.staging``
+LAZY_MAX = ("", "queue", "retire")     # ``Sm90PrefillTuning.lazy_max``
 SMALL_HEADS = SWAPPED_HEADS   # the head counts that run on the swap-AB tile (``prefill_small_roles.py``)
 
 
@@ -89,11 +90,13 @@ class Sm90PrefillTuning:
     # read it (the RoPE chunk right after the sums). The swap-AB tile: "q", in its Q buffer, the
     # next Q once WG1's stores read it (``Q_FREE``).
     staging: Optional[str] = None
-    # The ping-pong's running max kept lazily: a row's base moves only when a tile's max passes it
-    # by more than ``LAZY_MAX_STEP`` (log2 units), so P <= 2^step. Where no row of the pair's
-    # tiles moved it (most pairs once the rows' maxima settle), WG0 hands P0 over as computed and
-    # queues its PV of P1 behind its own tile's, with no drain and no rescale in between.
-    lazy_max: Optional[bool] = None
+    # The ping-pong's running max kept lazily ("" = off): a row's base moves only when a tile's
+    # max passes it by more than ``LAZY_MAX_STEP`` (log2 units), so P <= 2^step. Where no row of
+    # the pair's tiles moved it (most pairs once the rows' maxima settle), WG0 hands P0 over as
+    # computed, with no rescale, and then "queue": queues its PV of P1 behind its own tile's (no
+    # drain; buffer 0's early half released after the PV of P1 is issued), or "retire": waits for
+    # its own tile's PV, releases that half, then the PV of P1.
+    lazy_max: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
@@ -106,8 +109,8 @@ class Sm90PrefillTuning:
                              f"got {self.gather_l2!r}")
         if self.prefetch_rows is not None and not isinstance(self.prefetch_rows, bool):
             raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
-        if self.lazy_max is not None and not isinstance(self.lazy_max, bool):
-            raise ValueError(f"Sm90PrefillTuning: lazy_max takes a bool, got {self.lazy_max!r}")
+        if self.lazy_max not in (None,) + LAZY_MAX:
+            raise ValueError(f"Sm90PrefillTuning: lazy_max takes '', 'queue' or 'retire', got {self.lazy_max!r}")
         if self.staging not in (None,) + STAGINGS:
             raise ValueError(f"Sm90PrefillTuning: staging takes one of {', '.join(STAGINGS)}, got {self.staging!r}")
         if self.qo_policy not in (None, "") + L2_POLICIES:
@@ -132,7 +135,7 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
             "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
             "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload"),
-            "lazy_max": h_q not in SMALL_HEADS}
+            "lazy_max": "" if h_q in SMALL_HEADS else "queue"}
     return fill_unset(tuning, rule)
 
 

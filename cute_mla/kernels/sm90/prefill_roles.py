@@ -23,8 +23,9 @@ the tile's max passes it by more than :data:`LAZY_MAX_STEP` (so P <= 2^8); the r
 are kept apart for max_logits (WG1 publishes its tiles' in ``row_max[128:192]`` with mB). WG1
 also writes one flag per warp, any of its rows moved in this pair (``row_max[192:196]``, before
 ``MAX_B``). Where no row moved (f = 1, the same for the whole group), WG0 hands P0 over as
-computed right after ``MAX_B`` and queues the SS PV of P1 behind its RS PV, releasing buffer 0's
-early half once the RS PV retired (:func:`wg0_tail_lazy`); otherwise it takes the default's path.
+computed right after ``MAX_B``, with no rescale, then queues the SS PV of P1 behind its RS PV
+("queue": buffer 0's early half released only once the PV of P1 is issued) or first retires the
+RS PV ("retire"; :func:`wg0_tail_lazy`); otherwise it takes the default's path.
 
 The last pair of an item with an odd tile count has no odd tile: WG1 skips its QK, its P and its
 RS PV (mB = mA), WG0 skips MAX_B, P1_READY and its SS PV, and buffer 1 is not filled. That pair
@@ -68,7 +69,7 @@ id             direction    what it hands over                                  
 =============  ===========  =========================================================  ==============
 QK_ORDER (13)  WG0 -> WG1   QK0 retired: WG1 issues the late half of QK1               pairs with an odd tile
 MAX_A (8)      WG0 -> WG1   mA in ``row_max[0:64]``                                    every pair
-MAX_B (9)      WG1 -> WG0   mB in ``row_max[64:128]``                                  pairs with an odd tile
+MAX_B (9)      WG1 -> WG0   mB in ``row_max[64:128]`` (``lazy_max``: + [128:196))      pairs with an odd tile
 P0_READY (10)  WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
 P1_READY (11)  WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
 L_SUM (12)     both sync    the item's row sums in ``row_sum``                         every item
@@ -457,7 +458,7 @@ class MmaWg(NamedTuple):
     k_full: object
     k_free: object
     mask_base: Int32
-    s_max: cute.Tensor        # row_max: [0, 64) mA, [64, 128) mB
+    s_max: cute.Tensor        # row_max: [0, 64) mA, [64, 128) mB (``lazy_max``: then WG1's true maxima, its flags)
     tSrQ: cute.Tensor
     tSrK: cute.Tensor
     tOrV_rs: cute.Tensor      # V[:, own columns] of both buffers, B of the RS PV
@@ -566,7 +567,7 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     the rows' new running max (mB, or mA without an odd tile), WG0's row sums at that max and
     (``lazy_max``, where the running max is P's base, not the rows' max) their true maxima
     ``t0``, ``t1`` so far."""
-    lazy = cfg.tuning.lazy_max
+    lazy = bool(cfg.tuning.lazy_max)
     qk_tile(cfg, ops, v, 0, ph0)
     if odd:
         # QK1's late half goes in now: WG0's softmax runs under it, not beside WG1's.
@@ -591,7 +592,9 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
         # mB = mA: P0 is final; handed over before the RS PV reads its registers.
         hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
     if odd and lazy:
-        v.rP.store(v.acc_s.load().to(BFloat16))   # P0 to hand over after MAX_B while the RS PV reads tOrP
+        # P0 to hand over after MAX_B. The compiler may merge this copy with tOrP: the store then
+        # reads the RS PV's operand registers while it runs, as WG1's hand-over of P1 does.
+        v.rP.store(v.acc_s.load().to(BFloat16))
     warpgroup.fence()
     cute.gemm(ops.pv_rs, v.acc_o, v.tOrP, v.tOrV_rs[None, None, None, 0], v.acc_o)
     warpgroup.commit_group()
@@ -609,7 +612,7 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     if lazy:
         t0 = cute.arch.fmax(t0, v.s_max[2 * TILE.heads + v.row0])
         t1 = cute.arch.fmax(t1, v.s_max[2 * TILE.heads + v.row0 + 8])
-        wg0_tail_lazy(ops, v, ph1, f0, f1, any_moved(v))
+        wg0_tail_lazy(cfg, ops, v, ph1, f0, f1, any_moved(v))
         return mb0, mb1, l0 * f0, l1 * f1, t0, t1
     warpgroup.wait_group(0)
     cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
@@ -629,11 +632,13 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
 
 
 @cute.jit
-def wg0_tail_lazy(ops: Ops, v: MmaWg, ph1, f0: Float32, f1: Float32, moved):
+def wg0_tail_lazy(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, ph1, f0: Float32, f1: Float32, moved):
     """WG0's pair after ``MAX_B`` with ``lazy_max`` (the RS PV of P0 in flight; ``moved`` is the
-    same in the whole group). No row moved its base (``f`` = 1): P0 as computed (``rP``) handed
-    over at once and the SS PV of P1 queued behind the RS PV. Otherwise the default's order: the
-    RS PV retired, O_left and P0 rescaled, P0 handed over, the SS PV. Both retire every wgmma."""
+    same in the whole group). No row moved its base (``f`` = 1): P0 as computed handed over at
+    once, then ("queue") the SS PV of P1 queued behind the RS PV, buffer 0's early half released
+    once the RS PV retired behind it, or ("retire") the RS PV retired and that half released
+    before the wait for P1. Otherwise the default's order: the RS PV retired, O_left and P0
+    rescaled, P0 handed over, the SS PV. Every path retires every wgmma."""
     if moved:
         warpgroup.wait_group(0)
         cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
@@ -642,6 +647,17 @@ def wg0_tail_lazy(ops: Ops, v: MmaWg, ph1, f0: Float32, f1: Float32, moved):
         v.rP.store(v.acc_s.load().to(BFloat16))
         hand_p(v.rP, v, PrefillBar.P0_READY)
         cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
+        cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
+        cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
+        warpgroup.fence()
+        cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 1], v.acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+    elif cutlass.const_expr(cfg.tuning.lazy_max == "retire"):
+        hand_p(v.rP, v, PrefillBar.P0_READY)
+        cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
         cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
         cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
         warpgroup.fence()
@@ -668,7 +684,7 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     mB = mA). Straight-line code that retires its wgmmas before it returns. Returns the rows' new
     running max, WG1's row sums at that max and (``lazy_max``) the true maxima of its tiles, which
     it publishes with mB for WG0's max_logits."""
-    lazy = cfg.tuning.lazy_max
+    lazy = bool(cfg.tuning.lazy_max)
     mx0 = -Float32.inf
     mx1 = -Float32.inf
     if odd:
@@ -849,7 +865,7 @@ def item_tiles(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, wg: cutlass.Con
     m1 = Float32(-1e30)
     l0 = Float32(0.0)
     l1 = Float32(0.0)
-    if cutlass.const_expr(cfg.tuning.lazy_max):
+    if cutlass.const_expr(bool(cfg.tuning.lazy_max)):
         t0 = -Float32.inf   # the rows' true maxima (the running max is P's base)
         t1 = -Float32.inf
         for _ in cutlass.range(0, n_tiles // 2, unroll=1):
