@@ -621,14 +621,20 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
     hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
     cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
+    wg0_pv_p1(ops, v, ph1)
+    warpgroup.wait_group(0)
+    cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))    # V1[:, left] and P1 read
+    return mb0, mb1, l0 * f0, l1 * f1, mb0, mb1
+
+
+def wg0_pv_p1(ops: Ops, v: MmaWg, ph1):
+    """WG0: once WG1's P1 is in its P buffer and buffer 1's late half landed, the SS wgmma
+    P1 V1[:, left] issued and committed (not retired). A plain function, traced inline."""
     cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
     cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
     warpgroup.fence()
     cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 1], v.acc_o)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
-    cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))    # V1[:, left] and P1 read
-    return mb0, mb1, l0 * f0, l1 * f1, mb0, mb1
 
 
 @cute.jit
@@ -647,31 +653,19 @@ def wg0_tail_lazy(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, ph1, f0: Flo
         v.rP.store(v.acc_s.load().to(BFloat16))
         hand_p(v.rP, v, PrefillBar.P0_READY)
         cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
-        cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
-        cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
-        warpgroup.fence()
-        cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 1], v.acc_o)
-        warpgroup.commit_group()
+        wg0_pv_p1(ops, v, ph1)
         warpgroup.wait_group(0)
     elif cutlass.const_expr(cfg.tuning.lazy_max == "retire"):
         hand_p(v.rP, v, PrefillBar.P0_READY)
         cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
         warpgroup.wait_group(0)
         cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
-        cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
-        cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
-        warpgroup.fence()
-        cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 1], v.acc_o)
-        warpgroup.commit_group()
+        wg0_pv_p1(ops, v, ph1)
         warpgroup.wait_group(0)
     else:
         hand_p(v.rP, v, PrefillBar.P0_READY)
         cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
-        cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
-        cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
-        warpgroup.fence()
-        cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 1], v.acc_o)
-        warpgroup.commit_group()
+        wg0_pv_p1(ops, v, ph1)
         warpgroup.wait_group(1)
         cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
         warpgroup.wait_group(0)
