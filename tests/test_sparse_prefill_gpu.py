@@ -195,31 +195,32 @@ def _moving_max_inputs(h_q: int, d_qk: int, topk: int, pattern: str, sink: bool,
     masked tiles in another row. FlashMLA's random inputs barely move the max after a list's first
     tile."""
     g = torch.Generator(device="cuda").manual_seed(seed)
+    draw = dict(generator=g, device="cuda")
     s_q, s_kv = 12, topk + 64
     scale = d_qk ** -0.5
-    u = torch.randn(d_qk, generator=g, device="cuda")
+    u = torch.randn(d_qk, **draw)
     u /= u.norm()
     pos = torch.arange(topk, device="cuda", dtype=torch.float32)
     if pattern == "ramp":
         f = pos / topk * 60.0
     elif pattern == "spikes":
-        f = torch.where(torch.rand(topk, generator=g, device="cuda") < 0.03, 25.0, 0.0)
+        f = torch.where(torch.rand(topk, **draw) < 0.03, 25.0, 0.0)
     else:   # "saw"
         f = (pos // 64) % 3 * 10.0
-    rows = torch.randperm(s_kv, generator=g, device="cuda")[:topk]
-    kv = torch.randn(s_kv, d_qk, generator=g, device="cuda") * 0.3
+    rows = torch.randperm(s_kv, **draw)[:topk]
+    kv = torch.randn(s_kv, d_qk, **draw) * 0.3
     kv[rows] += f[:, None] * u[None, :] / scale
-    c = torch.rand(s_q, h_q, generator=g, device="cuda") * 2.0 - 0.5
+    c = torch.rand(s_q, h_q, **draw) * 2.0 - 0.5
     c[:, ::7] = 0.0
-    q = c[:, :, None] * u[None, None, :] + torch.randn(s_q, h_q, d_qk, generator=g, device="cuda") * 0.05
+    q = c[:, :, None] * u[None, None, :] + torch.randn(s_q, h_q, d_qk, **draw) * 0.05
     idx = rows.int().repeat(s_q, 1)
-    idx = torch.where(torch.rand(idx.shape, generator=g, device="cuda") < 0.1, torch.full_like(idx, -1), idx)
+    idx[torch.rand(idx.shape, **draw) < 0.1] = -1
     idx[0] = -1
     if topk >= 192:
         idx[1, 64:192] = -1
     attn_sink = None
     if sink:
-        attn_sink = torch.randn(h_q, generator=g, device="cuda") * 3.0
+        attn_sink = torch.randn(h_q, **draw) * 3.0
         attn_sink[::5] = float("-inf")
     return SparsePrefillInputs(q.bfloat16(), kv.bfloat16().view(s_kv, 1, d_qk), idx.view(s_q, 1, topk), scale,
                                attn_sink, None)

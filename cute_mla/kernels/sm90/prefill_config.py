@@ -117,10 +117,10 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     steps. Fewer heads: each row is read once, the walk is bound by the gather itself, and both
     hints only add L2 traffic. The ping-pong tile (64 and 128 heads) loads Q and stores out
     evict_first, which keeps more of the rows in L2 where the walk is bound by HBM; the swap-AB
-    tile's Q and out are a small share of its traffic and go without a policy. At d_qk 512 the ping-pong stages out outside Q
-    (``staging`` "ring"), so the next item's Q loads under the output stores; d_qk 576 has no room
-    for it and reloads each Q chunk as its output store frees it ("q_reload"). The swap-AB tile
-    stages in its Q buffer ("q")."""
+    tile's Q and out are a small share of its traffic and go without a policy. At d_qk 512 the
+    ping-pong stages out outside Q (``staging`` "ring"), so the next item's Q loads under the
+    output stores; d_qk 576 has no room for it and reloads each Q chunk as its output store frees
+    it ("q_reload"). The swap-AB tile stages in its Q buffer ("q")."""
     pair = h_q > TILE.heads
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
             "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
