@@ -131,6 +131,25 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
         pc.Sm90PrefillTuning(staging="sQ")
 
 
+def test_sm90_lazy_max_rule_and_refusals():
+    """The lazy running max: on by the rule at 128 heads with d_qk 576 only, either way when set
+    on the ping-pong tile, refused on the swap-AB tile, and a non-bool named."""
+    from cute_mla.kernels.sm90 import prefill_config as pc
+
+    def lazy(h_q, d_qk, tuning=None):
+        return pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True, tuning=tuning).tuning.lazy_max
+
+    assert [lazy(h, d) for h in (64, 128) for d in (576, 512)] == [False, False, True, False]
+    assert [lazy(h, 576) for h in (8, 16, 32)] == [False] * 3
+    assert lazy(128, 512, pc.Sm90PrefillTuning(lazy_max=True)) is True
+    assert lazy(128, 576, pc.Sm90PrefillTuning(lazy_max=False)) is False
+    with pytest.raises(ValueError, match="lazy_max: a knob of the ping-pong tile .* got h_q 16"):
+        pc.kernel_config(h_q=16, d_qk=576, has_topk_length=False, has_attn_sink=False,
+                         tuning=pc.Sm90PrefillTuning(lazy_max=True))
+    with pytest.raises(ValueError, match="lazy_max takes a bool, got 'retire'"):
+        pc.Sm90PrefillTuning(lazy_max="retire")
+
+
 def test_sm90_staging_ring_fits_and_is_reported():
     """The staging ring fits the CTA's shared memory at d_qk 512 and the report counts it."""
     from cute_mla.archs import SMEM_PER_CTA

@@ -79,11 +79,21 @@ def wg0_pair(w, c0, c1, odd):
     if w.bug == "QK_ORDER after MAX_B":
         w.nb_arrive("A", "QK_ORDER")
     w.access("A", "maxB", "r")
-    w.wgmma_retire("A", ["K0E"], rs)
-    w.mb_arrive("A", "free0E", 128)
+    kept = w.lazy_max and w.rnd.random() < 0.7    # lazy_max: no row moved its base (WG1's flags)
+    if w.lazy_max:
+        w.access("A", "flags", "r")
+    if not kept:
+        w.wgmma_retire("A", ["K0E"], rs)
+        w.mb_arrive("A", "free0E", 128)
     w.access("A", _p(w, 0), "w")
     w.nb_arrive("A", "P0_READY")
     w.mb_arrive("A", "free0L", 128)
+    if kept:
+        if w.bug == "lazy: free0E before the RS PV retired":
+            w.mb_arrive("A", "free0E", 128)
+        w.wgmma_retire("A", ["K0E"], rs)
+        if w.bug != "lazy: free0E before the RS PV retired":
+            w.mb_arrive("A", "free0E", 128)
     yield from _sync(w, "A", "P1_READY")
     yield ("mbar", "full1L", c1)
     ss = object()
@@ -100,7 +110,11 @@ def wg1_pair(w, c0, c1, odd):
     if odd or w.bug == "P1_READY in the tail":
         if odd:
             w.access("B", "maxB", "w")
+            if w.lazy_max and w.bug != "lazy: flags after MAX_B":
+                w.access("B", "flags", "w")
             w.nb_arrive("B", "MAX_B")
+            if w.bug == "lazy: flags after MAX_B":
+                w.access("B", "flags", "w")
             rs = object()
             w.wgmma_issue("B", ["K1E"], rs)
             w.access("B", _p(w, 1), "w")
@@ -197,10 +211,14 @@ def wg1(w, items, staging):
         yield from _epilogue(w, "B", 1, rq, staging)
 
 
-def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, staging: str = "q_reload"):
+def run_protocol(items, p_in_k: bool, seed: int, bug: str = "", swapped: bool = False, staging: str = "q_reload",
+                 lazy_max: bool = False):
     """One interleaving of the ping-pong's roles with out staged as ``staging`` says
-    (``Sm90PrefillTuning.staging``), or (``swapped``) of the swap-AB tile's."""
+    (``Sm90PrefillTuning.staging``; ``lazy_max``: WG0's pair after MAX_B takes either of its two
+    paths at random), or (``swapped``) of the swap-AB tile's."""
     w = World(p_in_k, bug)
+    w.lazy_max = lazy_max
+    w.rnd = random.Random(seed + 7)
     w.n_items = len(items)
     # "q_reload": WG0's expect and one completion per Q part; otherwise one load of all of Q
     parts = 2 + p_in_k
@@ -222,11 +240,22 @@ def _items(seed):
     return [rnd.choice(range(8)) for _ in range(rnd.randint(0, 5))]
 
 
+@pytest.mark.parametrize("lazy_max", [False, True], ids=["max", "lazy_max"])
 @pytest.mark.parametrize("p_in_k, staging", [(False, "ring"), (True, "q_reload"), (False, "q_reload")],
                          ids=["d512_ring", "d576_q_reload", "d512_q_reload"])
-def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging):
+def test_barrier_protocol_has_no_deadlock_lap_or_race(p_in_k, staging, lazy_max):
     for seed in range(1500):
-        run_protocol(_items(seed), p_in_k, seed, staging=staging)
+        run_protocol(_items(seed), p_in_k, seed, staging=staging, lazy_max=lazy_max)
+
+
+@pytest.mark.parametrize("bug", ["lazy: free0E before the RS PV retired", "lazy: flags after MAX_B"])
+def test_the_lazy_max_model_catches_known_bugs(bug):
+    """With ``lazy_max``, where no row moved its base, WG0 hands P0 over while its RS PV of P0
+    still reads buffer 0's early half: that half is free only once the RS PV retired; the flags
+    WG1 writes must be written before it arrives on ``MAX_B``, after which WG0 reads them."""
+    with pytest.raises(Race):
+        for seed in range(1500):
+            run_protocol(_items(seed), True, seed, bug, lazy_max=True)
 
 
 @pytest.mark.parametrize("bug", ["no MAX_B sync", "P1_READY in the tail", "tail skips P0_READY",
@@ -390,28 +419,41 @@ def _bf16(x):
     return b.astype(np.uint32).view(np.float32)
 
 
-def _pingpong_row(s, v, valid, scale_log2, sink):
-    """One row through the kernel's order of operations; returns (out, lse, max_logit)."""
+def _base(m, x, lazy):
+    """The running max after a tile whose max is x (``prefill_roles.new_base``)."""
+    if lazy:
+        return np.float32(x) if x - m > 8.0 else m
+    return np.float32(max(m, x))
+
+
+def _pingpong_row(s, v, valid, scale_log2, sink, lazy=False):
+    """One row through the kernel's order of operations (``lazy``: ``lazy_max``, P's base moved
+    only past 8 log2 units, the true max kept apart); returns (out, lse, max_logit)."""
     tiles = len(s) // 64
     m, l0, l1 = np.float32(-1e30), np.float32(0), np.float32(0)
+    top = -np.inf
     o = np.zeros(512, np.float32)
     masked = np.where(valid, s * scale_log2, -np.inf).astype(np.float32)
     for pr in range((tiles + 1) // 2):
         t0, odd = 2 * pr, 2 * pr + 1 < tiles
         s0 = masked[t0 * 64:(t0 + 1) * 64]
-        ma = np.float32(max(m, s0.max()))                       # WG0: MAX_A
+        ma = _base(m, s0.max(), lazy)                           # WG0: MAX_A
+        top = max(top, s0.max())
         p0 = np.exp2(s0 - ma).astype(np.float32)
+        assert p0.max(initial=0) <= 2.0 ** 8                   # P's bound with the lazy base
         l0 = l0 * np.float32(np.exp2(m - ma)) + p0.sum(dtype=np.float32)
         o[:256] = o[:256] * np.float32(np.exp2(m - ma)) + _bf16(p0) @ v[t0 * 64:(t0 + 1) * 64, :256]
         mb = ma
         if odd:                                                 # WG1: MAX_B
             s1 = masked[(t0 + 1) * 64:(t0 + 2) * 64]
-            mb = np.float32(max(ma, s1.max()))
+            mb = _base(ma, s1.max(), lazy)
+            top = max(top, s1.max())
         sc = np.float32(np.exp2(m - mb))
         o[256:] *= sc
         l1 = l1 * sc
         if odd:
             p1 = np.exp2(s1 - mb).astype(np.float32)
+            assert p1.max(initial=0) <= 2.0 ** 8
             l1 += p1.sum(dtype=np.float32)
             o[256:] += _bf16(p1) @ v[(t0 + 1) * 64:(t0 + 2) * 64, 256:]
             f = np.float32(np.exp2(ma - mb))                    # WG0 after MAX_B
@@ -424,7 +466,7 @@ def _pingpong_row(s, v, valid, scale_log2, sink):
     if l_sum == 0:
         return np.zeros(512), np.inf, -np.inf
     denom = l_sum + (np.exp2(sink * np.log2(np.e) - m) if sink is not None else 0)
-    return o / denom, np.log(l_sum) + m * np.log(2), m * np.log(2)
+    return o / denom, np.log(l_sum) + m * np.log(2), top * np.log(2)
 
 
 def _reference_row(s, v, valid, scale, sink):
@@ -437,7 +479,8 @@ def _reference_row(s, v, valid, scale, sink):
     return np.exp(z - lse_o) @ v.astype(np.float64), lse, mx
 
 
-def test_pingpong_arithmetic_is_softmax_attention():
+@pytest.mark.parametrize("lazy", [False, True], ids=["max", "lazy_max"])
+def test_pingpong_arithmetic_is_softmax_attention(lazy):
     rng = np.random.default_rng(0)
     scale = 0.5
     for _ in range(200):
@@ -449,7 +492,7 @@ def test_pingpong_arithmetic_is_softmax_attention():
             k = int(rng.integers(0, n // 64))
             valid[k * 64:(k + 1) * 64] = False                  # a fully masked tile
         sink = None if rng.random() < 0.5 else float(rng.standard_normal())
-        out, lse, mx = _pingpong_row(s, v, valid, np.float32(scale * np.log2(np.e)), sink)
+        out, lse, mx = _pingpong_row(s, v, valid, np.float32(scale * np.log2(np.e)), sink, lazy)
         ref_out, ref_lse, ref_mx = _reference_row(s, v, valid, scale, sink)
         for got, want in ((lse, ref_lse), (mx, ref_mx)):
             assert (np.isinf(got) and got == want) or abs(got - want) <= 1e-4 * max(1.0, abs(want))

@@ -89,6 +89,12 @@ class Sm90PrefillTuning:
     # read it (the RoPE chunk right after the sums). The swap-AB tile: "q", in its Q buffer, the
     # next Q once WG1's stores read it (``Q_FREE``).
     staging: Optional[str] = None
+    # The ping-pong's running max kept lazily: a row's base moves only when a tile's max passes
+    # it by more than ``LAZY_MAX_STEP`` (log2 units), so P <= 2^step. Where no row of the pair's
+    # tiles moved it (most pairs once the rows' maxima settle), WG0 hands P0 over as computed,
+    # with no rescale, before it retires its own tile's PV; the pair's bookkeeping (true maxima
+    # for max_logits, WG1's moved flags) is paid on every pair.
+    lazy_max: Optional[bool] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
@@ -101,6 +107,8 @@ class Sm90PrefillTuning:
                              f"got {self.gather_l2!r}")
         if self.prefetch_rows is not None and not isinstance(self.prefetch_rows, bool):
             raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
+        if self.lazy_max is not None and not isinstance(self.lazy_max, bool):
+            raise ValueError(f"Sm90PrefillTuning: lazy_max takes a bool, got {self.lazy_max!r}")
         if self.staging not in (None,) + STAGINGS:
             raise ValueError(f"Sm90PrefillTuning: staging takes one of {', '.join(STAGINGS)}, got {self.staging!r}")
         if self.qo_policy not in (None, "") + L2_POLICIES:
@@ -120,11 +128,14 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     tile's Q and out are a small share of its traffic and go without a policy. At d_qk 512 the
     ping-pong stages out outside Q (``staging`` "ring"), so the next item's Q loads under the
     output stores; d_qk 576 has no room for it and reloads each Q chunk as its output store frees
-    it ("q_reload"). The swap-AB tile stages in its Q buffer ("q")."""
+    it ("q_reload"). The swap-AB tile stages in its Q buffer ("q"). The lazy running max pays
+    per pair (true maxima, WG1's flags, a branch) to save WG0's drain before P0's hand-over; it
+    goes where a token's list is longest beside the heaviest MMA side (128 heads, d_qk 576)."""
     pair = h_q > TILE.heads
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
             "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
-            "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload")}
+            "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload"),
+            "lazy_max": pair and d_qk == V32.d_qk}
     return fill_unset(tuning, rule)
 
 
@@ -165,6 +176,8 @@ class Sm90SparsePrefillConfig:
         if self.tuning.staging == "q" and not self.swapped:
             raise ValueError(f"staging: the ping-pong tile ({self.h_q} heads) stages out in a 'ring' (d_qk "
                              f"{V4.d_qk}) or in Q reloaded behind its stores ('q_reload'), got 'q'")
+        if self.tuning.lazy_max and self.swapped:
+            raise ValueError(f"lazy_max: a knob of the ping-pong tile (64 and 128 heads), got h_q {self.h_q}")
         if self.tuning.staging == "ring" and self.d_qk != V4.d_qk:
             raise ValueError(f"staging: the 'ring' is built for d_qk {V4.d_qk} (no room in shared memory "
                              f"otherwise), got h_q {self.h_q}, d_qk {self.d_qk}")

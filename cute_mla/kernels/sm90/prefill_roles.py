@@ -18,6 +18,14 @@ O is split by columns: WG0 owns O[:, :256], WG1 O[:, 256:].
   (zero fill for an invalid position: negative, ``>= s_kv`` or past the length), the tile's
   validity mask, in half tiles with their own barriers (below).
 
+The lazy running max (``Sm90PrefillTuning.lazy_max``). mA and mB move a row's base only when
+the tile's max passes it by more than :data:`LAZY_MAX_STEP` (so P <= 2^8); the rows' true maxima
+are kept apart for max_logits (WG1 publishes its tiles' in ``row_max[128:192]`` with mB). WG1
+also writes one flag per warp, any of its rows moved in this pair (``row_max[192:196]``, before
+``MAX_B``). Where no row moved (f = 1, the same for the whole group), WG0 hands P0 over as
+computed right after ``MAX_B``, with no rescale, then retires its RS PV, releases buffer 0's
+early half and waits for P1 (:func:`wg0_tail_lazy`); otherwise it takes the default's path.
+
 The last pair of an item with an odd tile count has no odd tile: WG1 skips its QK, its P and its
 RS PV (mB = mA), WG0 skips MAX_B, P1_READY and its SS PV, and buffer 1 is not filled. That pair
 runs after the pair loop as its own straight-line code (``odd=False``): every dynamic loop
@@ -60,7 +68,7 @@ id             direction    what it hands over                                  
 =============  ===========  =========================================================  ==============
 QK_ORDER (13)  WG0 -> WG1   QK0 retired: WG1 issues the late half of QK1               pairs with an odd tile
 MAX_A (8)      WG0 -> WG1   mA in ``row_max[0:64]``                                    every pair
-MAX_B (9)      WG1 -> WG0   mB in ``row_max[64:128]``                                  pairs with an odd tile
+MAX_B (9)      WG1 -> WG0   mB in ``row_max[64:128]`` (``lazy_max``: + [128:196))      pairs with an odd tile
 P0_READY (10)  WG0 -> WG1   bf16 P0 at mB in P buffer 0 (+ proxy fence)                every pair
 P1_READY (11)  WG1 -> WG0   bf16 P1 in P buffer 1 (+ proxy fence)                      pairs with an odd tile
 L_SUM (12)     both sync    the item's row sums in ``row_sum``                         every item
@@ -128,6 +136,10 @@ V_CHUNKS_PER_WG = TILE.half_v // TILE.chunk   # 4: the 64-dim chunks of one warp
 K_FULL_ARRIVALS = (TILE.threads_per_wg, TILE.threads_per_wg + TILE.threads_per_wg // 32)
 K_FREE_ARRIVALS = (TILE.threads_per_wg, 2 * TILE.threads_per_wg)
 LN2 = math.log(2.0)
+# ``lazy_max``: a row's base moves only past this many log2 units (P <= 2^8 in bf16 and fp32).
+LAZY_MAX_STEP = 8.0
+# ``row_max`` with ``lazy_max``: mA, mB, WG1's true running max, then one moved-flag per WG1 warp.
+LAZY_ROW_MAX = 3 * TILE.heads + 4
 assert TILE.chunk_row_bytes == 8 * 16, "a K tile row of one 64-dim chunk is eight 16-B units, one per lane of a group"
 assert TILE.k_bufs == 2, "tiles go in pairs: 2i in buffer 0, 2i+1 in buffer 1"
 
@@ -193,6 +205,18 @@ def work_of(cfg: Sm90SparsePrefillConfig, g: Gmem, item: Int32) -> Work:
     return Work(s_idx, item % cfg.n_hblk, length, n_tiles)
 
 
+class RowStats(NamedTuple):
+    """An item's statistics of a thread's two accumulator rows once the sums are whole: the
+    running max (P's base), the row sums at it, and the rows' true maxima (max_logits)."""
+
+    m0: Float32
+    m1: Float32
+    l0: Float32
+    l1: Float32
+    t0: Float32
+    t1: Float32
+
+
 class Smem(NamedTuple):
     """The shared-memory struct and the tensors the MMAs read: Q, the two K tiles, and the P
     buffers of K buffers 0 and 1 (:func:`p_tensors`)."""
@@ -205,7 +229,7 @@ class Smem(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def shared_storage(tile: Tile, staging: str):
+def shared_storage(tile: Tile, staging: str, lazy_max: bool = False):
     """The CTA's shared memory, one struct: the barriers, the tiles' masks, the row maxima and
     sums the MMA warp groups exchange, Q (also the output staging with "q_reload"), two K
     tiles, for d_qk 512 the two P buffers (d_qk 576 keeps P in the K tiles' RoPE chunks) and with
@@ -226,7 +250,7 @@ def shared_storage(tile: Tile, staging: str):
         k_full: cute.struct.MemRange[Int64, n_bar]
         k_free: cute.struct.MemRange[Int64, n_bar]
         tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
-        row_max: cute.struct.MemRange[Float32, 2 * TILE.heads]   # mA (WG0), mB (WG1)
+        row_max: cute.struct.MemRange[Float32, LAZY_ROW_MAX if lazy_max else 2 * TILE.heads]   # mA (WG0), mB (WG1)
         row_sum: cute.struct.MemRange[Float32, sums]             # an item's row sums of WG0, WG1
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
@@ -433,7 +457,7 @@ class MmaWg(NamedTuple):
     k_full: object
     k_free: object
     mask_base: Int32
-    s_max: cute.Tensor        # row_max: [0, 64) mA, [64, 128) mB
+    s_max: cute.Tensor        # row_max: [0, 64) mA, [64, 128) mB (``lazy_max``: then WG1's true maxima, its flags)
     tSrQ: cute.Tensor
     tSrK: cute.Tensor
     tOrV_rs: cute.Tensor      # V[:, own columns] of both buffers, B of the RS PV
@@ -463,7 +487,7 @@ def mma_wg(cfg: Sm90SparsePrefillConfig, smem: Smem, ops: Ops, wg: int) -> MmaWg
     return MmaWg(
         warp, lane % 4, warp * 16 + lane // 4,
         smem.storage.k_full.data_ptr(), smem.storage.k_free.data_ptr(), smem.storage.tile_mask.data_ptr().toint(),
-        smem.storage.row_max.get_tensor(cute.make_layout(2 * TILE.heads)),
+        smem.storage.row_max.get_tensor(cute.make_layout(LAZY_ROW_MAX if cfg.tuning.lazy_max else 2 * TILE.heads)),
         thr_qk.make_fragment_A(thr_qk.partition_A(smem.sQ)), thr_qk.make_fragment_B(thr_qk.partition_B(smem.sK)),
         thr_rs.make_fragment_B(thr_rs.partition_B(sV)), thr_ss.make_fragment_B(thr_ss.partition_B(sV)),
         thr_rs.make_fragment_C(thr_rs.partition_shape_C((TILE.heads, cfg.pv_cols))), acc_s,
@@ -503,6 +527,30 @@ def exp2(x):
     return cute.math.exp2(x, fastmath=True)
 
 
+def new_base(cfg: Sm90SparsePrefillConfig, m, x):
+    """A row's running max (its P's base) after a tile whose max is ``x``: max(m, x), or with
+    ``lazy_max`` m until x passes it by more than :data:`LAZY_MAX_STEP`."""
+    if cfg.tuning.lazy_max:
+        return Float32(cutlass.select_(x - m > Float32(LAZY_MAX_STEP), x, m))
+    return cute.arch.fmax(m, x)
+
+
+@cute.jit
+def put_moved(v: MmaWg, moved):
+    """WG1 (``lazy_max``): this warp's flag (any of its rows' base moved in this pair) after the
+    true maxima in ``row_max``."""
+    ballot = Uint32(cute.arch.vote_ballot_sync(moved))
+    if cute.arch.lane_idx() == 0:
+        v.s_max[3 * TILE.heads + v.warp] = Float32(cutlass.select_(ballot != Uint32(0), Float32(1.0), Float32(0.0)))
+
+
+def any_moved(v: MmaWg):
+    """WG0 (``lazy_max``), after ``MAX_B``: whether any row of the pair moved its base (the same
+    value in every thread of the group)."""
+    f = v.s_max[3 * TILE.heads] + v.s_max[3 * TILE.heads + 1] + v.s_max[3 * TILE.heads + 2] + v.s_max[3 * TILE.heads + 3]
+    return f > Float32(0.0)
+
+
 def hand_p(src: cute.Tensor, v: MmaWg, bar: int):
     """bf16 ``src`` (this thread's P fragment, accumulator layout) into this warp group's P
     buffer, fenced for the other group's SS wgmma, then ``bar`` arrived."""
@@ -511,19 +559,25 @@ def hand_p(src: cute.Tensor, v: MmaWg, bar: int):
     cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=PAIR_THREADS)
 
 
-def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0, l1,
+def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0, l1, t0, t1,
              odd: bool):
     """WG0's part of one pair (``odd``: the pair has tile 2i+1). Straight-line code (a plain
     function: ``odd`` is a trace-time flag) that retires its wgmmas before it returns. Returns
-    the rows' new running max (mB, or mA without an odd tile) and WG0's row sums at that max."""
+    the rows' new running max (mB, or mA without an odd tile), WG0's row sums at that max and
+    (``lazy_max``, where the running max is P's base, not the rows' max) their true maxima
+    ``t0``, ``t1`` so far."""
+    lazy = bool(cfg.tuning.lazy_max)
     qk_tile(cfg, ops, v, 0, ph0)
     if odd:
         # QK1's late half goes in now: WG0's softmax runs under it, not beside WG1's.
         cute.arch.barrier_arrive(barrier_id=PrefillBar.QK_ORDER, number_of_threads=PAIR_THREADS)
     lo, hi = tile_mask(v.mask_base, 0)
     mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
-    ma0 = cute.arch.fmax(m0, mx0)
-    ma1 = cute.arch.fmax(m1, mx1)
+    ma0 = new_base(cfg, m0, mx0)
+    ma1 = new_base(cfg, m1, mx1)
+    if lazy:
+        t0 = cute.arch.fmax(t0, mx0)
+        t1 = cute.arch.fmax(t1, mx1)
     put_rows(v.s_max, 0, v.row0, v.quad, ma0, ma1)
     cute.arch.barrier_arrive(barrier_id=PrefillBar.MAX_A, number_of_threads=PAIR_THREADS)
     sc0 = exp2(m0 - ma0)
@@ -536,6 +590,10 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     if not odd:
         # mB = mA: P0 is final; handed over before the RS PV reads its registers.
         hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
+    if odd and lazy:
+        # P0 to hand over after MAX_B. The compiler may merge this copy with tOrP: the store then
+        # reads the RS PV's operand registers while it runs, as WG1's hand-over of P1 does.
+        v.rP.store(v.acc_s.load().to(BFloat16))
     warpgroup.fence()
     cute.gemm(ops.pv_rs, v.acc_o, v.tOrP, v.tOrV_rs[None, None, None, 0], v.acc_o)
     warpgroup.commit_group()
@@ -543,35 +601,74 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
         warpgroup.wait_group(0)
         cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))
         cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))
-        return ma0, ma1, l0, l1
+        return ma0, ma1, l0, l1, (t0 if lazy else ma0), (t1 if lazy else ma1)
 
     cute.arch.barrier(barrier_id=PrefillBar.MAX_B, number_of_threads=PAIR_THREADS)
     mb0 = v.s_max[TILE.heads + v.row0]
     mb1 = v.s_max[TILE.heads + v.row0 + 8]
     f0 = exp2(ma0 - mb0)
     f1 = exp2(ma1 - mb1)
+    if lazy:
+        t0 = cute.arch.fmax(t0, v.s_max[2 * TILE.heads + v.row0])
+        t1 = cute.arch.fmax(t1, v.s_max[2 * TILE.heads + v.row0 + 8])
+        wg0_tail_lazy(ops, v, ph1, f0, f1, any_moved(v))
+        return mb0, mb1, l0 * f0, l1 * f1, t0, t1
+    wg0_rescaled_p0(ops, v, ph1, f0, f1, v.tOrP_as_c)
+    cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))    # V1[:, left] and P1 read
+    return mb0, mb1, l0 * f0, l1 * f1, mb0, mb1
+
+
+def wg0_rescaled_p0(ops: Ops, v: MmaWg, ph1, f0: Float32, f1: Float32, p_regs: cute.Tensor):
+    """WG0 after ``MAX_B`` where a row's base moved: the RS PV of P0 retired, O_left and P0
+    rescaled to mB, P0 handed over from ``p_regs``, then the SS PV of P1 issued and retired. A
+    plain function, traced inline."""
     warpgroup.wait_group(0)
     cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
     scale_rows(v.acc_o, f0, f1)
     scale_rows(v.acc_s, f0, f1)
-    v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
-    hand_p(v.tOrP_as_c, v, PrefillBar.P0_READY)
+    p_regs.store(v.acc_s.load().to(BFloat16))
+    hand_p(p_regs, v, PrefillBar.P0_READY)
     cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
+    wg0_pv_p1(ops, v, ph1)
+    warpgroup.wait_group(0)
+
+
+def wg0_pv_p1(ops: Ops, v: MmaWg, ph1):
+    """WG0: once WG1's P1 is in its P buffer and buffer 1's late half landed, the SS wgmma
+    P1 V1[:, left] issued and committed (not retired). A plain function, traced inline."""
     cute.arch.barrier(barrier_id=PrefillBar.P1_READY, number_of_threads=PAIR_THREADS)
     cute.arch.mbarrier_wait(v.k_full + slot(1, LATE), ph1)
     warpgroup.fence()
     cute.gemm(ops.pv_ss, v.acc_o, v.tOrP_other[None, None, None, 0], v.tOrV_ss[None, None, None, 1], v.acc_o)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
-    cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))    # V1[:, left] and P1 read
-    return mb0, mb1, l0 * f0, l1 * f1
 
 
-def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0, l1,
+@cute.jit
+def wg0_tail_lazy(ops: Ops, v: MmaWg, ph1, f0: Float32, f1: Float32, moved):
+    """WG0's pair after ``MAX_B`` with ``lazy_max`` (the RS PV of P0 in flight; ``moved`` is the
+    same in the whole group). No row moved its base (``f`` = 1): P0 as computed handed over at
+    once, then the RS PV retired and buffer 0's early half released before the wait for P1.
+    Otherwise the default's order: the RS PV retired, O_left and P0 rescaled, P0 handed over.
+    Both paths then issue the SS PV of P1 and retire every wgmma before they merge."""
+    if moved:
+        wg0_rescaled_p0(ops, v, ph1, f0, f1, v.rP)
+    else:
+        hand_p(v.rP, v, PrefillBar.P0_READY)
+        cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))    # QK0 retired, P0 written
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(v.k_free + slot(0, EARLY))   # V0[:, left] read
+        wg0_pv_p1(ops, v, ph1)
+        warpgroup.wait_group(0)
+    cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))        # V1[:, left] and P1 read
+
+
+def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float32, ph0, ph1, m0, m1, l0, l1, t0, t1,
              odd: bool):
     """WG1's part of one pair (``odd``: the pair has tile 2i+1, else no QK, no P, no RS PV, and
     mB = mA). Straight-line code that retires its wgmmas before it returns. Returns the rows' new
-    running max and WG1's row sums at that max."""
+    running max, WG1's row sums at that max and (``lazy_max``) the true maxima of its tiles, which
+    it publishes with mB for WG0's max_logits."""
+    lazy = bool(cfg.tuning.lazy_max)
     mx0 = -Float32.inf
     mx1 = -Float32.inf
     if odd:
@@ -582,9 +679,16 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     mb0 = v.s_max[v.row0]
     mb1 = v.s_max[v.row0 + 8]
     if odd:
-        mb0 = cute.arch.fmax(mb0, mx0)
-        mb1 = cute.arch.fmax(mb1, mx1)
+        ma0 = mb0
+        ma1 = mb1
+        mb0 = new_base(cfg, ma0, mx0)
+        mb1 = new_base(cfg, ma1, mx1)
         put_rows(v.s_max, TILE.heads, v.row0, v.quad, mb0, mb1)
+        if lazy:
+            t0 = cute.arch.fmax(t0, mx0)
+            t1 = cute.arch.fmax(t1, mx1)
+            put_rows(v.s_max, 2 * TILE.heads, v.row0, v.quad, t0, t1)
+            put_moved(v, (mb0 != ma0) | (mb1 != ma1))
         cute.arch.barrier_arrive(barrier_id=PrefillBar.MAX_B, number_of_threads=PAIR_THREADS)
     sc0 = exp2(m0 - mb0)
     sc1 = exp2(m1 - mb1)
@@ -613,7 +717,7 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     cute.arch.mbarrier_arrive(v.k_free + slot(0, LATE))       # V0[:, right] and P0 read
     if odd:
         cute.arch.mbarrier_arrive(v.k_free + slot(1, LATE))   # QK1 retired, P1 written
-    return mb0, mb1, l0, l1
+    return mb0, mb1, l0, l1, (t0 if lazy else mb0), (t1 if lazy else mb1)
 
 
 @cute.jit
@@ -639,14 +743,14 @@ def item_sums(cfg: Sm90SparsePrefillConfig, smem: Smem, v: MmaWg, wg: cutlass.Co
 
 @cute.jit
 def item_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: MmaWg, w: Work,
-             wg: cutlass.Constexpr, m0: Float32, m1: Float32, l0: Float32, l1: Float32, nxt: Cta, has_next):
+             wg: cutlass.Constexpr, r: RowStats, nxt: Cta, has_next):
     """An item's output in MMA warp group ``wg`` once the sums are whole: the final factors (the
     sink folded in), this group's O half staged and stored by TMA as ``staging`` says (in its ring,
     :func:`store_ring`; in sQ with the next item ``nxt``'s Q chunks reloaded behind the stores,
     :func:`store_q_reload`); WG0 also writes lse and max_logits."""
     head0 = w.hblk * TILE.heads + v.row0
-    o_scale0, lse0 = finalize_row(cfg, g.mSink, l0, m0, False, head0)
-    o_scale1, lse1 = finalize_row(cfg, g.mSink, l1, m1, False, head0 + 8)
+    o_scale0, lse0 = finalize_row(cfg, g.mSink, r.l0, r.m0, False, head0)
+    o_scale1, lse1 = finalize_row(cfg, g.mSink, r.l1, r.m1, False, head0 + 8)
     scale_rows(v.acc_o, o_scale0, o_scale1)
     to = BlockStore(g.tma_out, g.mOut, ops.chunk_layout, qo_policy(cfg))
     bar_id = PrefillBar.EPI_WG1 if wg else PrefillBar.EPI_WG0
@@ -658,8 +762,8 @@ def item_out(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, v: Mma
         if v.quad == 0:
             g.mLse[w.s_idx, head0] = lse0
             g.mLse[w.s_idx, head0 + 8] = lse1
-            g.mMax[w.s_idx, head0] = max_logit(l0, m0)
-            g.mMax[w.s_idx, head0 + 8] = max_logit(l1, m1)
+            g.mMax[w.s_idx, head0] = max_logit(r.l0, r.t0)
+            g.mMax[w.s_idx, head0 + 8] = max_logit(r.l1, r.t1)
 
 
 @cute.jit
@@ -745,14 +849,17 @@ def item_tiles(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, wg: cutlass.Con
     m1 = Float32(-1e30)
     l0 = Float32(0.0)
     l1 = Float32(0.0)
+    # the rows' true maxima: apart from the running max (P's base) with ``lazy_max``, else it
+    t0 = -Float32.inf if cfg.tuning.lazy_max else m0
+    t1 = -Float32.inf if cfg.tuning.lazy_max else m1
     for _ in cutlass.range(0, n_tiles // 2, unroll=1):
-        m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, True)
+        m0, m1, l0, l1, t0, t1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, t0, t1, True)
         c0 += 1
         c1 += 1
     if n_tiles % 2 == 1:
-        m0, m1, l0, l1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, False)
+        m0, m1, l0, l1, t0, t1 = pair(cfg, ops, v, scale_log2, c0 & 1, c1 & 1, m0, m1, l0, l1, t0, t1, False)
         c0 += 1
-    return m0, m1, l0, l1, c0, c1
+    return m0, m1, l0, l1, t0, t1, c0, c1
 
 
 @cute.jit
@@ -786,7 +893,7 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         w = work_of(cfg, g, item)
         v.acc_o.fill(0.0)
         cute.arch.mbarrier_wait(q_full, rq & 1)
-        m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
+        m0, m1, l0, l1, t0, t1, c0, c1 = item_tiles(cfg, ops, v, 0, scale_log2, w.n_tiles, c0, c1)
         l0, l1 = item_sums(cfg, smem, v, 0, rq, l0, l1)
         has_next = item + step < end
         nxt = item_cta(cfg, item + step)
@@ -799,7 +906,7 @@ def mma_wg0(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
                     expect_q(cfg, smem)
                     for c in cutlass.range_constexpr(2 * V_CHUNKS_PER_WG, cfg.tile.chunks):
                         load_q_chunk(cfg, g, smem, ops, nxt, c)
-        item_out(cfg, g, smem, ops, v, w, 0, m0, m1, l0, l1, nxt, has_next)
+        item_out(cfg, g, smem, ops, v, w, 0, RowStats(m0, m1, l0, l1, t0, t1), nxt, has_next)
         rq += 1
 
 
@@ -819,9 +926,10 @@ def mma_wg1(cfg: Sm90SparsePrefillConfig, g: Gmem, smem: Smem, ops: Ops, scale_l
         v.acc_o.fill(0.0)
         # Q landed: this group's QKs read it, and its staging (which may alias Q) waits for it.
         cute.arch.mbarrier_wait(q_full, rq & 1)
-        m0, m1, l0, l1, c0, c1 = item_tiles(cfg, ops, v, 1, scale_log2, w.n_tiles, c0, c1)
+        m0, m1, l0, l1, t0, t1, c0, c1 = item_tiles(cfg, ops, v, 1, scale_log2, w.n_tiles, c0, c1)
         l0, l1 = item_sums(cfg, smem, v, 1, rq, l0, l1)
-        item_out(cfg, g, smem, ops, v, w, 1, m0, m1, l0, l1, item_cta(cfg, item + step), item + step < end)
+        item_out(cfg, g, smem, ops, v, w, 1, RowStats(m0, m1, l0, l1, t0, t1), item_cta(cfg, item + step),
+                 item + step < end)
         rq += 1
 
 
