@@ -138,8 +138,16 @@ K_FREE_ARRIVALS = (TILE.threads_per_wg, 2 * TILE.threads_per_wg)
 LN2 = math.log(2.0)
 # ``lazy_max``: a row's base moves only past this many log2 units (P <= 2^8 in bf16 and fp32).
 LAZY_MAX_STEP = 8.0
-# ``row_max`` with ``lazy_max``: mA, mB, WG1's true running max, then one moved-flag per WG1 warp.
-LAZY_ROW_MAX = 3 * TILE.heads + 4
+# ``row_max``: mA at 0, mB at ``heads``; with ``lazy_max`` then WG1's true maxima and one
+# moved-flag per WG1 warp.
+ROW_TRUE_MAX = 2 * TILE.heads
+ROW_MOVED = 3 * TILE.heads
+WARPS_PER_WG = TILE.threads_per_wg // 32
+
+
+def row_max_len(lazy_max: bool) -> int:
+    """Floats in ``row_max``: the two groups' bases, and with ``lazy_max`` the true maxima and flags."""
+    return ROW_MOVED + WARPS_PER_WG if lazy_max else ROW_TRUE_MAX
 assert TILE.chunk_row_bytes == 8 * 16, "a K tile row of one 64-dim chunk is eight 16-B units, one per lane of a group"
 assert TILE.k_bufs == 2, "tiles go in pairs: 2i in buffer 0, 2i+1 in buffer 1"
 
@@ -250,7 +258,7 @@ def shared_storage(tile: Tile, staging: str, lazy_max: bool = False):
         k_full: cute.struct.MemRange[Int64, n_bar]
         k_free: cute.struct.MemRange[Int64, n_bar]
         tile_mask: cute.struct.Align[cute.struct.MemRange[Uint32, MASK_BYTES // 4 * TILE.k_bufs], 16]
-        row_max: cute.struct.MemRange[Float32, LAZY_ROW_MAX if lazy_max else 2 * TILE.heads]   # mA (WG0), mB (WG1)
+        row_max: cute.struct.MemRange[Float32, row_max_len(lazy_max)]   # mA (WG0), mB (WG1), ...
         row_sum: cute.struct.MemRange[Float32, sums]             # an item's row sums of WG0, WG1
         sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.q_elems], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[BFloat16, tile.k_bufs * tile.k_tile_elems], 1024]
@@ -487,7 +495,7 @@ def mma_wg(cfg: Sm90SparsePrefillConfig, smem: Smem, ops: Ops, wg: int) -> MmaWg
     return MmaWg(
         warp, lane % 4, warp * 16 + lane // 4,
         smem.storage.k_full.data_ptr(), smem.storage.k_free.data_ptr(), smem.storage.tile_mask.data_ptr().toint(),
-        smem.storage.row_max.get_tensor(cute.make_layout(LAZY_ROW_MAX if cfg.tuning.lazy_max else 2 * TILE.heads)),
+        smem.storage.row_max.get_tensor(cute.make_layout(row_max_len(cfg.tuning.lazy_max))),
         thr_qk.make_fragment_A(thr_qk.partition_A(smem.sQ)), thr_qk.make_fragment_B(thr_qk.partition_B(smem.sK)),
         thr_rs.make_fragment_B(thr_rs.partition_B(sV)), thr_ss.make_fragment_B(thr_ss.partition_B(sV)),
         thr_rs.make_fragment_C(thr_rs.partition_shape_C((TILE.heads, cfg.pv_cols))), acc_s,
@@ -541,13 +549,15 @@ def put_moved(v: MmaWg, moved):
     true maxima in ``row_max``."""
     ballot = Uint32(cute.arch.vote_ballot_sync(moved))
     if cute.arch.lane_idx() == 0:
-        v.s_max[3 * TILE.heads + v.warp] = Float32(cutlass.select_(ballot != Uint32(0), Float32(1.0), Float32(0.0)))
+        v.s_max[ROW_MOVED + v.warp] = Float32(cutlass.select_(ballot != Uint32(0), Float32(1.0), Float32(0.0)))
 
 
 def any_moved(v: MmaWg):
     """WG0 (``lazy_max``), after ``MAX_B``: whether any row of the pair moved its base (the same
     value in every thread of the group)."""
-    f = v.s_max[3 * TILE.heads] + v.s_max[3 * TILE.heads + 1] + v.s_max[3 * TILE.heads + 2] + v.s_max[3 * TILE.heads + 3]
+    f = v.s_max[ROW_MOVED]
+    for w in range(1, WARPS_PER_WG):
+        f = f + v.s_max[ROW_MOVED + w]
     return f > Float32(0.0)
 
 
@@ -566,7 +576,7 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     the rows' new running max (mB, or mA without an odd tile), WG0's row sums at that max and
     (``lazy_max``, where the running max is P's base, not the rows' max) their true maxima
     ``t0``, ``t1`` so far."""
-    lazy = bool(cfg.tuning.lazy_max)
+    lazy = cfg.tuning.lazy_max
     qk_tile(cfg, ops, v, 0, ph0)
     if odd:
         # QK1's late half goes in now: WG0's softmax runs under it, not beside WG1's.
@@ -609,8 +619,8 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     f0 = exp2(ma0 - mb0)
     f1 = exp2(ma1 - mb1)
     if lazy:
-        t0 = cute.arch.fmax(t0, v.s_max[2 * TILE.heads + v.row0])
-        t1 = cute.arch.fmax(t1, v.s_max[2 * TILE.heads + v.row0 + 8])
+        t0 = cute.arch.fmax(t0, v.s_max[ROW_TRUE_MAX + v.row0])
+        t1 = cute.arch.fmax(t1, v.s_max[ROW_TRUE_MAX + v.row0 + 8])
         wg0_tail_lazy(ops, v, ph1, f0, f1, any_moved(v))
         return mb0, mb1, l0 * f0, l1 * f1, t0, t1
     wg0_rescaled_p0(ops, v, ph1, f0, f1, v.tOrP_as_c)
@@ -668,7 +678,7 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     mB = mA). Straight-line code that retires its wgmmas before it returns. Returns the rows' new
     running max, WG1's row sums at that max and (``lazy_max``) the true maxima of its tiles, which
     it publishes with mB for WG0's max_logits."""
-    lazy = bool(cfg.tuning.lazy_max)
+    lazy = cfg.tuning.lazy_max
     mx0 = -Float32.inf
     mx1 = -Float32.inf
     if odd:
@@ -687,7 +697,7 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
         if lazy:
             t0 = cute.arch.fmax(t0, mx0)
             t1 = cute.arch.fmax(t1, mx1)
-            put_rows(v.s_max, 2 * TILE.heads, v.row0, v.quad, t0, t1)
+            put_rows(v.s_max, ROW_TRUE_MAX, v.row0, v.quad, t0, t1)
             put_moved(v, (mb0 != ma0) | (mb1 != ma1))
         cute.arch.barrier_arrive(barrier_id=PrefillBar.MAX_B, number_of_threads=PAIR_THREADS)
     sc0 = exp2(m0 - mb0)

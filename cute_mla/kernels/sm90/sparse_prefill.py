@@ -194,7 +194,7 @@ def storage_struct(cfg: Sm90SparsePrefillConfig):
     """The shared-memory struct of the config's tile (swap-AB or ping-pong, with its staging)."""
     if cfg.swapped:
         return small.swapped_storage(cfg.tile, cfg.h_q)
-    return shared_storage(cfg.tile, cfg.tuning.staging, bool(cfg.tuning.lazy_max))
+    return shared_storage(cfg.tile, cfg.tuning.staging, cfg.tuning.lazy_max)
 
 
 def smem_bytes(cfg: Sm90SparsePrefillConfig) -> int:
