@@ -150,6 +150,25 @@ def test_sm90_lazy_max_rule_and_refusals():
         pc.Sm90PrefillTuning(lazy_max="retire")
 
 
+def test_sm90_skip_unit_scale_rule_and_refusals():
+    """Skipping O's rescale where no row moved: with the lazy running max by the rule, either
+    way when set on the ping-pong tile, refused on the swap-AB tile, a non-bool named."""
+    from cute_mla.kernels.sm90 import prefill_config as pc
+
+    def skip(h_q, d_qk, tuning=None):
+        return pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=True, has_attn_sink=False,
+                                tuning=tuning).tuning.skip_unit_scale
+
+    assert [skip(h, d) for h in (64, 128) for d in (576, 512)] == [False, False, True, False]
+    assert [skip(h, 512) for h in (8, 16, 32)] == [False] * 3
+    assert skip(64, 512, pc.Sm90PrefillTuning(skip_unit_scale=True)) is True
+    with pytest.raises(ValueError, match="skip_unit_scale: a knob of the ping-pong tile .* got h_q 8"):
+        pc.kernel_config(h_q=8, d_qk=512, has_topk_length=False, has_attn_sink=False,
+                         tuning=pc.Sm90PrefillTuning(skip_unit_scale=True))
+    with pytest.raises(ValueError, match="skip_unit_scale takes a bool, got 1"):
+        pc.Sm90PrefillTuning(skip_unit_scale=1)
+
+
 def test_sm90_staging_ring_fits_and_is_reported():
     """The staging ring fits the CTA's shared memory at d_qk 512 and the report counts it."""
     from cute_mla.archs import SMEM_PER_CTA

@@ -95,6 +95,9 @@ class Sm90PrefillTuning:
     # with no rescale, before it retires its own tile's PV; the pair's bookkeeping (true maxima
     # for max_logits, WG1's moved flags) is paid on every pair.
     lazy_max: Optional[bool] = None
+    # Each MMA warp skips rescaling its O rows where none of them moved its base in this tile
+    # (every factor exactly 1, so out is bit-identical): with ``lazy_max`` that is most tiles.
+    skip_unit_scale: Optional[bool] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
@@ -109,6 +112,8 @@ class Sm90PrefillTuning:
             raise ValueError(f"Sm90PrefillTuning: prefetch_rows takes a bool, got {self.prefetch_rows!r}")
         if self.lazy_max is not None and not isinstance(self.lazy_max, bool):
             raise ValueError(f"Sm90PrefillTuning: lazy_max takes a bool, got {self.lazy_max!r}")
+        if self.skip_unit_scale is not None and not isinstance(self.skip_unit_scale, bool):
+            raise ValueError(f"Sm90PrefillTuning: skip_unit_scale takes a bool, got {self.skip_unit_scale!r}")
         if self.staging not in (None,) + STAGINGS:
             raise ValueError(f"Sm90PrefillTuning: staging takes one of {', '.join(STAGINGS)}, got {self.staging!r}")
         if self.qo_policy not in (None, "") + L2_POLICIES:
@@ -135,7 +140,7 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
             "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
             "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload"),
-            "lazy_max": pair and d_qk == V32.d_qk}
+            "lazy_max": pair and d_qk == V32.d_qk, "skip_unit_scale": pair and d_qk == V32.d_qk}
     return fill_unset(tuning, rule)
 
 
@@ -176,6 +181,8 @@ class Sm90SparsePrefillConfig:
         if self.tuning.staging == "q" and not self.swapped:
             raise ValueError(f"staging: the ping-pong tile ({self.h_q} heads) stages out in a 'ring' (d_qk "
                              f"{V4.d_qk}) or in Q reloaded behind its stores ('q_reload'), got 'q'")
+        if self.tuning.skip_unit_scale and self.swapped:
+            raise ValueError(f"skip_unit_scale: a knob of the ping-pong tile (64 and 128 heads), got h_q {self.h_q}")
         if self.tuning.lazy_max and self.swapped:
             raise ValueError(f"lazy_max: a knob of the ping-pong tile (64 and 128 heads), got h_q {self.h_q}")
         if self.tuning.staging == "ring" and self.d_qk != V4.d_qk:

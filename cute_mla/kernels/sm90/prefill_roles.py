@@ -561,6 +561,24 @@ def any_moved(v: MmaWg):
     return f > Float32(0.0)
 
 
+def scale_o(cfg: Sm90SparsePrefillConfig, v: MmaWg, sc0: Float32, sc1: Float32, moved):
+    """O's two rows of this thread times ``sc0``, ``sc1``, the factors from the rows' old base to
+    their new one (``skip_unit_scale``: only in a warp where some row's base ``moved``,
+    :func:`scale_o_if_moved`)."""
+    if cfg.tuning.skip_unit_scale:
+        scale_o_if_moved(v, sc0, sc1, moved)
+    else:
+        scale_rows(v.acc_o, sc0, sc1)
+
+
+@cute.jit
+def scale_o_if_moved(v: MmaWg, sc0: Float32, sc1: Float32, moved):
+    """:func:`scale_o` in a warp where a row's base moved; elsewhere every factor is exp2(0) and
+    O stays as it is. No wgmma is in flight here, so the branch merges with nothing pending."""
+    if cute.arch.vote_any_sync(moved):
+        scale_rows(v.acc_o, sc0, sc1)
+
+
 def hand_p(src: cute.Tensor, v: MmaWg, bar: int):
     """bf16 ``src`` (this thread's P fragment, accumulator layout) into this warp group's P
     buffer, fenced for the other group's SS wgmma, then ``bar`` arrived."""
@@ -595,7 +613,7 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     s0, s1 = exp_rows(v.acc_s, ma0, ma1)
     l0 = l0 * sc0 + s0
     l1 = l1 * sc1 + s1
-    scale_rows(v.acc_o, sc0, sc1)
+    scale_o(cfg, v, sc0, sc1, (ma0 != m0) | (ma1 != m1))
     v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
     if not odd:
         # mB = mA: P0 is final; handed over before the RS PV reads its registers.
@@ -702,7 +720,7 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
         cute.arch.barrier_arrive(barrier_id=PrefillBar.MAX_B, number_of_threads=PAIR_THREADS)
     sc0 = exp2(m0 - mb0)
     sc1 = exp2(m1 - mb1)
-    scale_rows(v.acc_o, sc0, sc1)
+    scale_o(cfg, v, sc0, sc1, (mb0 != m0) | (mb1 != m1))
     l0 = l0 * sc0
     l1 = l1 * sc1
     if odd:
