@@ -132,16 +132,16 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
 
 
 def test_sm90_lazy_max_rule_and_refusals():
-    """The lazy running max: on by the rule at 128 heads with d_qk 576 only, either way when set
-    on the ping-pong tile, refused on the swap-AB tile, and a non-bool named."""
+    """The lazy running max: on by the rule on the ping-pong tile (64 and 128 heads), either way
+    when set there, refused on the swap-AB tile, and a non-bool named."""
     from cute_mla.kernels.sm90 import prefill_config as pc
 
     def lazy(h_q, d_qk, tuning=None):
         return pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True, tuning=tuning).tuning.lazy_max
 
-    assert [lazy(h, d) for h in (64, 128) for d in (576, 512)] == [False, False, True, False]
+    assert [lazy(h, d) for h in (64, 128) for d in (576, 512)] == [True] * 4
     assert [lazy(h, 576) for h in (8, 16, 32)] == [False] * 3
-    assert lazy(128, 512, pc.Sm90PrefillTuning(lazy_max=True)) is True
+    assert lazy(64, 512, pc.Sm90PrefillTuning(lazy_max=False)) is False
     assert lazy(128, 576, pc.Sm90PrefillTuning(lazy_max=False)) is False
     with pytest.raises(ValueError, match="lazy_max: a knob of the ping-pong tile .* got h_q 16"):
         pc.kernel_config(h_q=16, d_qk=576, has_topk_length=False, has_attn_sink=False,
@@ -151,17 +151,17 @@ def test_sm90_lazy_max_rule_and_refusals():
 
 
 def test_sm90_skip_unit_scale_rule_and_refusals():
-    """Skipping O's rescale where no row moved: with the lazy running max by the rule, either
-    way when set on the ping-pong tile, refused on the swap-AB tile, a non-bool named."""
+    """Skipping O's rescale where no row moved: on by the rule with the lazy running max (the
+    ping-pong tile), either way when set there, refused on the swap-AB tile, a non-bool named."""
     from cute_mla.kernels.sm90 import prefill_config as pc
 
     def skip(h_q, d_qk, tuning=None):
         return pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=True, has_attn_sink=False,
                                 tuning=tuning).tuning.skip_unit_scale
 
-    assert [skip(h, d) for h in (64, 128) for d in (576, 512)] == [False, False, True, False]
+    assert [skip(h, d) for h in (64, 128) for d in (576, 512)] == [True] * 4
     assert [skip(h, 512) for h in (8, 16, 32)] == [False] * 3
-    assert skip(64, 512, pc.Sm90PrefillTuning(skip_unit_scale=True)) is True
+    assert skip(64, 512, pc.Sm90PrefillTuning(skip_unit_scale=False)) is False
     with pytest.raises(ValueError, match="skip_unit_scale: a knob of the ping-pong tile .* got h_q 8"):
         pc.kernel_config(h_q=8, d_qk=512, has_topk_length=False, has_attn_sink=False,
                          tuning=pc.Sm90PrefillTuning(skip_unit_scale=True))

@@ -133,14 +133,16 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     tile's Q and out are a small share of its traffic and go without a policy. At d_qk 512 the
     ping-pong stages out outside Q (``staging`` "ring"), so the next item's Q loads under the
     output stores; d_qk 576 has no room for it and reloads each Q chunk as its output store frees
-    it ("q_reload"). The swap-AB tile stages in its Q buffer ("q"). The lazy running max pays
-    per pair (true maxima, WG1's flags, a branch) to save WG0's drain before P0's hand-over; it
-    goes where a token's list is longest beside the heaviest MMA side (128 heads, d_qk 576)."""
+    it ("q_reload"). The swap-AB tile stages in its Q buffer ("q"). The ping-pong keeps its
+    running max lazily and skips O's rescale in a warp where no row moved: together they save
+    WG0's drain before P0's hand-over and most of O's rescales, for the pair's bookkeeping (true
+    maxima, WG1's flags, a vote and a branch)."""
     pair = h_q > TILE.heads
+    pingpong = h_q not in SMALL_HEADS
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
-            "qo_policy": "" if h_q in SMALL_HEADS else "evict_first",
-            "staging": "q" if h_q in SMALL_HEADS else ("ring" if d_qk == V4.d_qk else "q_reload"),
-            "lazy_max": pair and d_qk == V32.d_qk, "skip_unit_scale": pair and d_qk == V32.d_qk}
+            "qo_policy": "evict_first" if pingpong else "",
+            "staging": ("ring" if d_qk == V4.d_qk else "q_reload") if pingpong else "q",
+            "lazy_max": pingpong, "skip_unit_scale": pingpong}
     return fill_unset(tuning, rule)
 
 
