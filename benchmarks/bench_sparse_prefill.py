@@ -70,8 +70,8 @@ s_kv; a case matches when every key does) joined by ``;``; a selector naming all
 matches no listed case adds that case (e.g. FlashMLA's ``d_qk=576,h_q=128,topk=2048,s_kv=98304``).
 
 ``--variant KEY=VALUE`` (repeatable; cases mode): a third runner, cute-mla's kernel compiled with
-that ``Tuning`` (the plan's own launcher, ``interface.prefill.launch``, on the same inputs, outputs
-allocated as the public call does), checked on the sample rows and timed alternating with the two
+that ``Tuning`` (the public call's host path, ``interface.prefill.eager_call``, on the same
+inputs: the two differ by the kernel alone), checked on the sample rows and timed alternating with the two
 libraries; a second table gives its µs against the default's (e.g. ``prefetch_rows=true``: the
 row prefetch on shapes whose rule leaves it off; a field not given keeps the shape's rule).
 """
@@ -87,6 +87,7 @@ import os
 import random
 import re
 import statistics
+import time
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -329,21 +330,26 @@ def timed_or_errors(runners: Dict[str, List[Tuple[str, Callable]]], args, row: d
 
 def alternating_us(runners: Dict[str, List[Tuple[str, Callable]]], iters: int, warmup: int) -> Dict[str, dict]:
     """Each runner is a list of stages (name, fn); per iteration every runner in turn, an event before
-    and after each stage, synchronized after each runner. Returns {runner: {stage: [µs...], "total": [µs...]}}."""
+    and after each stage, synchronized after each runner. Returns {runner: {stage: [µs...], "total": [µs...],
+    "host": [µs...]}}: "host" is the host's time from the first event to the last one's record, the
+    runner's Python and launch path, which an idle GPU waits through inside "total"."""
     for _ in range(warmup):
         for stages in runners.values():
             for _, fn in stages:
                 fn()
     torch.cuda.synchronize()
-    times = {k: {name: [] for name, _ in stages} | {"total": []} for k, stages in runners.items()}
+    times = {k: {name: [] for name, _ in stages} | {"total": [], "host": []} for k, stages in runners.items()}
     for _ in range(iters):
         for k, stages in runners.items():
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
+            t0 = time.perf_counter()
             ev[0].record()
             for (_, fn), e in zip(stages, ev[1:]):
                 fn()
                 e.record()
+            host = time.perf_counter() - t0
             torch.cuda.synchronize()
+            times[k]["host"].append(host * 1e6)
             for (name, _), a, b in zip(stages, ev, ev[1:]):
                 times[k][name].append(a.elapsed_time(b) * 1e3)
             times[k]["total"].append(ev[0].elapsed_time(ev[-1]) * 1e3)
@@ -357,26 +363,13 @@ def summary(samples: List[float]) -> dict:
 # ---- the cases mode --------------------------------------------------------------------------------
 
 def variant_fwd(tuning) -> Callable:
-    """A ``flash_mla_sparse_fwd``-like call (the signature :func:`fwd_call` uses) that launches
-    cute-mla's kernel compiled with ``tuning`` through the plan's launcher (no padding: the arch's
-    kernel must take the call's heads, as SM90's takes every supported count)."""
-    from cute_mla.archs import device_arch
+    """A ``flash_mla_sparse_fwd``-like call (the signature :func:`fwd_call` uses) of cute-mla's
+    kernel compiled with ``tuning``, through the public call's own host path (checks, plan,
+    launch), so that its time differs from the default's by the kernel alone."""
     from cute_mla.interface import prefill as api
-    from cute_mla.kernels import SparsePrefillTensors
-    from cute_mla.plan.sparse_prefill import plan_sparse_prefill
 
     def fwd(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
-        s_q, h_q, d_qk = q.shape
-        plan = plan_sparse_prefill(s_q, h_q, d_qk, indices.shape[-1], arch=device_arch(q.device),
-                                   has_topk_length=topk_length is not None)
-        if plan.padded:
-            raise ValueError(f"--variant: {plan.arch} pads {h_q} heads; the variant runner takes unpadded plans only")
-        out = torch.empty(s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
-        ml = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-        lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-        api.launch(plan, SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out, ml,
-                                              lse, softmax_scale=float(sm_scale)), tuning)
-        return out, ml, lse
+        return api.eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, None, tuning)
 
     return fwd
 
@@ -415,6 +408,7 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
     for key, t in times.items():
         s = summary(t["call"])
         row.update({f"{key}_{k}": v for k, v in s.items()})
+        row[f"{key}_host_us"] = statistics.median(t["host"])
         row[f"{key}_tflops"] = flop / s["us"] * 1e-6
         row[f"{key}_tbps"] = nbytes / s["us"] * 1e-6
     if "cute_us" in row and "flashmla_us" in row:
@@ -425,7 +419,8 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
     return row
 
 
-RUN_KEYS = ("cute_us", "flashmla_us", "variant_us", "ratio", "variant_speedup")
+RUN_KEYS = ("cute_us", "flashmla_us", "variant_us", "ratio", "variant_speedup", "cute_host_us", "flashmla_host_us",
+            "variant_host_us")
 
 
 def run_of(row: dict) -> dict:
@@ -492,6 +487,12 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
             ratio += f" ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}, {len(r['runs'])})"
         cells.append(ratio)
         lines.append("| " + " | ".join(cells) + " |")
+    names = {**LIBS, "variant": "the variant"}
+    hosts = {key: [r[f"{key}_host_us"] for r in rows if f"{key}_host_us" in r] for key in names}
+    if any(hosts.values()):
+        lines += ["", "Host time of a call (its Python and launch path, which the idle GPU waits through inside "
+                  "each µs above), median over the rows' medians: "
+                  + ", ".join(f"{names[k]} {statistics.median(v):.1f} µs" for k, v in hosts.items() if v)]
     if meta.get("variant"):
         lines += ["", f"cute-mla's default kernel against the variant `{meta['variant']}` (same run, same inputs); "
                   "speedup = variant µs / default µs", "",

@@ -150,3 +150,44 @@ def test_valid_arguments_reach_the_device_check(h_q, d_qk, features):
                   indices=torch.zeros(s_q + 1, 2, topk + 128, dtype=I32)[:s_q, :1, :topk])
     with pytest.raises(UnsupportedDeviceError):
         cute_mla.flash_mla_sparse_fwd(**kw)
+
+
+def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
+    """The argument checks run once per call signature (every layer of a prefill step has the
+    same); the scale is checked on every call, an out is kept apart from the inputs on every call,
+    and a call whose tensors differ in anything checked runs the checks again and fails as before.
+    The CUDA requirement, the device's facts and the launch are stubbed so that this runs on a CPU."""
+    from cute_mla.interface import prefill
+
+    monkeypatch.setattr(prefill, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(prefill.ops, "device_facts", lambda device: ("sm_90a", 132))
+    monkeypatch.setattr(prefill, "_run", lambda plan, t, tuning=None: (None, None))
+    monkeypatch.setattr(prefill, "_checked", {})
+    runs = []
+    full = prefill.check_call
+    monkeypatch.setattr(prefill, "check_call", lambda *a: runs.append(1) or full(*a))
+    buf = torch.zeros(S_Q * H_Q * D_QK + S_Q * H_Q * 512 + 64, dtype=BF16)
+    q = buf[:S_Q * H_Q * D_QK].view(S_Q, H_Q, D_QK)
+    beside = buf[S_Q * H_Q * D_QK:S_Q * H_Q * D_QK + S_Q * H_Q * 512].view(S_Q, H_Q, 512)
+    inside = buf[64:64 + S_Q * H_Q * 512].view(S_Q, H_Q, 512)     # 128 bytes in: beside's alignment
+    call(q=q, out=beside)
+    call(q=q.clone(), out=beside.clone(), sm_scale=0.5)                 # the same signature
+    assert len(runs) == 1 and len(prefill._checked) == 1
+    with pytest.raises(ValueError, match="^sm_scale: got inf"):
+        call(q=q, out=beside, sm_scale=float("inf"))
+    with pytest.raises(ValueError, match=r"^out: its memory \[0x[0-9a-f]+, 0x[0-9a-f]+\) overlaps q's"):
+        call(q=q, out=inside)
+    assert len(runs) == 1
+    bad = [
+        (dict(indices=torch.zeros(S_Q, 1, TOPK, dtype=torch.int64)), DTYPE_ERROR, "^indices:"),
+        (dict(q=torch.zeros(S_Q * H_Q * D_QK + 1, dtype=BF16)[1:].view(S_Q, H_Q, D_QK)), ValueError,
+         "^q: the data pointer must be 16-byte aligned"),
+        (dict(out=torch.zeros(S_Q, H_Q, 256, dtype=BF16)), ValueError, "^out:"),
+        (dict(attn_sink=[0.0] * H_Q), TypeError, "^attn_sink: expected a torch.Tensor"),
+        (dict(d_v=256), ValueError, "^d_v: got 256"),
+        (dict(q=torch._neg_view(torch.zeros(S_Q, H_Q, D_QK, dtype=BF16))), ValueError, "^q: a lazily negated view"),
+    ]
+    for over, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            call(**over)
+    assert len(runs) == 1 + len(bad)

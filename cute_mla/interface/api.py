@@ -22,8 +22,9 @@ from ..plan.schedule import Schedule, make_schedule
 from . import ops
 from ..kernels import SparseDecodeTensors, cache_bytes
 from .launcher import Launcher, allocate_workspace, launcher_of, on_device_of
-from .validate import (CACHE_BASE, FP32_MAX, KV_CACHE_DTYPES, check_aligned_strides, check_distinct_elements,
-                       check_out_apart, check_pointer, check_tensor, check_vector, span_bytes)
+from .validate import (CACHE_BASE, FP32_MAX, KV_CACHE_DTYPES, SIGNATURE_ERRORS, check_aligned_strides,
+                       check_distinct_elements, check_out_apart, check_pointer, check_tensor, check_vector, span_bytes,
+                       tensor_signature)
 
 _NO_WORKSPACE = (None, None)
 
@@ -285,23 +286,12 @@ def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, ex
     every call, before the launch."""
     if type(head_dim_v) is not int:
         return None
+    sig = tensor_signature
     try:
-        return (head_dim_v, _signature(q), _signature(k_cache), _signature(indices), _signature(attn_sink),
-                _signature(topk_length), _signature(out), _signature(extra_k_cache), _signature(extra_indices),
-                _signature(extra_topk_length))
-    except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+        return (head_dim_v, sig(q), sig(k_cache), sig(indices), sig(attn_sink), sig(topk_length), sig(out),
+                sig(extra_k_cache), sig(extra_indices), sig(extra_topk_length))
+    except SIGNATURE_ERRORS:
         return None
-
-
-def _signature(t):
-    """What the checks read of one tensor: its type, dtype, shape, strides, device, base-pointer
-    alignment and neg bit; None for None (an absent optional; raises for what is not a strided
-    tensor)."""
-    if t is None:
-        return None
-    if t.layout is not torch.strided:
-        raise TypeError
-    return type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15, t.is_neg()
 
 
 def _require_cuda(q) -> None:

@@ -6,7 +6,8 @@ no schedule, no split, no workspace), pads 8, 16 or 32 heads to the kernel's 64 
 kernel has no small tile
 (``SparsePrefillPlan.padded``), and launches the registry's kernel for the device's arch on the
 current stream: no host synchronization, nothing read back, ``out`` at the caller's address when
-given. Eager calls run :func:`_run` directly; a call being traced goes through
+given. Eager calls run :func:`eager_call` (the checks once per call signature, then :func:`_run`);
+a call being traced goes through
 ``cute_mla::sparse_prefill`` (the same :func:`_run`, padding included, inside one graph node),
 whose fake implementation gives the outputs' shapes.
 """
@@ -25,8 +26,9 @@ from ..plan.sparse_prefill import D_V, SparsePrefillPlan, check_problem, plan_sp
 from .launcher import on_device_of
 from . import ops
 from .ops import NAMESPACE
-from .validate import (FP32_MAX, check_aligned_strides, check_apart, check_deferred, check_distinct_elements,
-                       check_not_neg, check_tensor, check_vector)
+from .validate import (FP32_MAX, SIGNATURE_ERRORS, check_aligned_strides, check_apart, check_deferred,
+                       check_distinct_elements, check_not_neg, check_out_apart, check_tensor, check_vector, span_bytes,
+                       tensor_signature)
 
 
 
@@ -40,8 +42,7 @@ def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tu
     s_q, h_q, d_qk = q.shape
     if not isinstance(d_v, numbers.Integral) or d_v != D_V:
         raise ValueError(f"d_v: got {d_v!r}, accepted: {D_V}")
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not abs(float(sm_scale)) <= FP32_MAX:
-        raise ValueError(f"sm_scale: got {sm_scale!r}, accepted: a finite float")
+    check_scale(sm_scale)
     check_tensor("kv", kv, dtypes=(torch.bfloat16,), dim=3, device=q.device, shape_doc="(s_kv, 1, d_qk)")
     if kv.shape[1] != 1 or kv.shape[2] != d_qk:
         raise ValueError(f"kv: expected shape (s_kv, 1, {d_qk}) (one latent KV head, q's d_qk), got {tuple(kv.shape)}")
@@ -66,15 +67,65 @@ def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tu
         check_aligned_strides("out", out, tma=True)
         if not torch.compiler.is_compiling():
             check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length)
+    _require_cuda(q)
+    return s_q, h_q, d_qk, topk
+
+
+def _require_cuda(q) -> None:
     if q.device.type != "cuda":
         raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90); got tensors on {q.device}")
-    return s_q, h_q, d_qk, topk
+
+
+def check_scale(sm_scale) -> None:
+    if type(sm_scale) is float and abs(sm_scale) <= FP32_MAX:    # the common case, without the ABC checks
+        return
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not abs(float(sm_scale)) <= FP32_MAX:
+        raise ValueError(f"sm_scale: got {sm_scale!r}, accepted: a finite float")
 
 
 def check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length) -> None:
     """out shares no bytes with an input (the kernel reads them while it writes out)."""
-    for name, t in (("q", q), ("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
+    for name, t in _inputs(q, kv, indices, attn_sink, topk_length):
         check_apart("out", out, name, t)
+
+
+def _inputs(q, kv, indices, attn_sink, topk_length):
+    """(name, tensor or None) of everything a call reads, in one order."""
+    return ("q", q), ("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)
+
+
+_MAX_CHECKED = 64
+# call signatures (d_v and each tensor's tensor_signature) that passed check_call ->
+# ((s_q, h_q, d_qk, topk), None without out, else out's and the inputs' byte spans)
+_checked: dict = {}
+
+
+def checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tuple[int, int, int, int]:
+    """:func:`check_call` once per call signature: the checks depend only on d_v's value, the
+    scale's and each tensor's ``tensor_signature``, so a repeated signature (every layer of a
+    prefill step) pays the key, a dict lookup, the scale's check and, with ``out``, the address
+    comparisons that keep it apart from the inputs."""
+    key = None
+    if type(d_v) is int:
+        sig = tensor_signature
+        try:
+            key = (d_v, sig(q), sig(kv), sig(indices), sig(attn_sink), sig(topk_length), sig(out))
+        except SIGNATURE_ERRORS:
+            key = None
+    known = _checked.get(key) if key is not None else None
+    if known is not None:
+        check_scale(sm_scale)
+        if known[1] is not None:
+            check_out_apart(out, _inputs(q, kv, indices, attn_sink, topk_length), known[1])
+        return known[0]
+    dims = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+    spans = None if out is None else (span_bytes(out), tuple(None if t is None else span_bytes(t)
+                                                             for _, t in _inputs(q, kv, indices, attn_sink, topk_length)))
+    if key is not None:
+        if len(_checked) >= _MAX_CHECKED:
+            _checked.clear()
+        _checked[key] = dims, spans
+    return dims
 
 
 # ----------------------------------------------------------------------------------- launches
@@ -95,23 +146,24 @@ def launch(plan: SparsePrefillPlan, t: SparsePrefillTensors, tuning=None) -> Non
     mod.launch(compiled, cfg, t)
 
 
-def _run(plan: SparsePrefillPlan, t: SparsePrefillTensors) -> Tuple[torch.Tensor, torch.Tensor]:
+def _run(plan: SparsePrefillPlan, t: SparsePrefillTensors, tuning=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The call on checked tensors with its ``out``: heads padded where the plan says (q and the
     sink copied with zero / -inf heads, the kernel's out, max_logits and lse of the padded heads,
-    the first h_q copied back), the kernel launched; returns (max_logits, lse)."""
+    the first h_q copied back), the kernel (``tuning``: :func:`launch`'s) launched; returns
+    (max_logits, lse)."""
     s_q, h = plan.s_q, plan.kernel_h_q
     max_logits = torch.empty(s_q, h, dtype=torch.float32, device=t.q.device)
     lse = torch.empty(s_q, h, dtype=torch.float32, device=t.q.device)
     if not s_q:
         return max_logits[:, :plan.h_q], lse[:, :plan.h_q]
     if not plan.padded:
-        launch(plan, t._replace(max_logits=max_logits, lse=lse))
+        launch(plan, t._replace(max_logits=max_logits, lse=lse), tuning)
         return max_logits, lse
     pad = h - plan.h_q
     q = torch.nn.functional.pad(t.q, (0, 0, 0, pad))        # zero heads: scores 0, harmless, dropped below
     sink = None if t.attn_sink is None else torch.nn.functional.pad(t.attn_sink, (0, pad), value=float("-inf"))
     out = torch.empty(s_q, h, plan.d_v, dtype=torch.bfloat16, device=t.q.device)
-    launch(plan, t._replace(q=q, attn_sink=sink, out=out, max_logits=max_logits, lse=lse))
+    launch(plan, t._replace(q=q, attn_sink=sink, out=out, max_logits=max_logits, lse=lse), tuning)
     t.out.copy_(out[:, :plan.h_q])
     return max_logits[:, :plan.h_q].contiguous(), lse[:, :plan.h_q].contiguous()
 
@@ -136,19 +188,31 @@ def flash_mla_sparse_fwd(
     the valid positions of ``sm_scale * q.k``; lse (s_q, h_q) fp32, natural log, without the sink.
     A token with no valid position gets out 0, max_logits -inf, lse +inf.
     """
-    s_q, h_q, d_qk, topk = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+    if torch.compiler.is_compiling():
+        s_q, h_q, _, _ = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+        if out is None:
+            out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
+        t = SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
+                                 softmax_scale=float(sm_scale))
+        arch, _ = ops.device_facts(q.device)    # (the shapes were checked by check_call; the op plans)
+        max_logits, lse = torch.ops.cute_mla.sparse_prefill(*t[:_N_INPUTS], out, t.softmax_scale, arch)
+        return out, max_logits, lse
+    return eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+
+
+def eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning=None):
+    """:func:`flash_mla_sparse_fwd` outside a trace: checked (once per call signature), planned and
+    launched on q's device. ``tuning``: the kernel's variant knobs (the arch's tuning type; None:
+    the shape's rule), so that a benchmark's variant pays the same host path as the call."""
+    s_q, h_q, d_qk, topk = checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
     if out is None:
         out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
     t = SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
                              softmax_scale=float(sm_scale))
-    if torch.compiler.is_compiling():
-        arch, _ = ops.device_facts(q.device)    # (the shapes were checked by check_call; the op plans)
-        max_logits, lse = torch.ops.cute_mla.sparse_prefill(*t[:_N_INPUTS], out, t.softmax_scale, arch)
-        return out, max_logits, lse
     with on_device_of(q):
         arch, _ = ops.device_facts(q.device)
         plan = plan_sparse_prefill(s_q, h_q, d_qk, topk, arch=arch, has_topk_length=topk_length is not None)
-        max_logits, lse = _run(plan, t)
+        max_logits, lse = _run(plan, t, tuning)
         return out, max_logits, lse
 
 

@@ -163,3 +163,19 @@ def check_deferred(tensors, caches) -> None:
         check_pointer(name, t)
     for name, t in caches:
         check_pointer(name, t, what=CACHE_BASE)
+
+
+def tensor_signature(t):
+    """What the tensor checks read of one argument: its type, dtype, shape, strides, device,
+    base-pointer alignment and neg bit; None for None (an absent optional). Raises for what is not
+    a strided tensor: the caller then runs the full checks, which name it. Calls whose arguments
+    have the same signatures pass or fail the same checks, so an API keeps the signatures that
+    passed and a repeated call pays this and a dict lookup."""
+    if t is None:
+        return None
+    if t.layout is not torch.strided:
+        raise TypeError
+    return type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15, t.is_neg()
+
+
+SIGNATURE_ERRORS = (AttributeError, RuntimeError, TypeError, NotImplementedError)   # tensor_signature of a non-tensor
