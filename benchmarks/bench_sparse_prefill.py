@@ -121,6 +121,9 @@ LIBS = {"cute": "cute-mla", "flashmla": "FlashMLA"}
 KIND = "sparse-prefill"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MIB = 2 ** 20
+# A GPU sleep of about a millisecond, longer than any call's host path (measured up to ~0.25 ms),
+# ahead of the "gpu" timing (alternating_us)
+GPU_SLEEP_CYCLES = 2_000_000
 DEVICE = "cuda"             # where inputs are made (the helpers take another, e.g. for a CPU check of them)
 
 
@@ -331,14 +334,16 @@ def timed_or_errors(runners: Dict[str, List[Tuple[str, Callable]]], args, row: d
 def alternating_us(runners: Dict[str, List[Tuple[str, Callable]]], iters: int, warmup: int) -> Dict[str, dict]:
     """Each runner is a list of stages (name, fn); per iteration every runner in turn, an event before
     and after each stage, synchronized after each runner. Returns {runner: {stage: [µs...], "total": [µs...],
-    "host": [µs...]}}: "host" is the host's time from the first event to the last one's record, the
-    runner's Python and launch path, which an idle GPU waits through inside "total"."""
+    "host": [µs...], "gpu": [µs...]}}: "host" is the host's time from the first event to the last one's record,
+    the runner's Python and launch path, which an idle GPU waits through inside "total"; "gpu" times the
+    same stages again behind a GPU sleep of ``GPU_SLEEP_CYCLES`` (the host's path then runs while the GPU
+    is busy), which is the GPU's time of the call alone."""
     for _ in range(warmup):
         for stages in runners.values():
             for _, fn in stages:
                 fn()
     torch.cuda.synchronize()
-    times = {k: {name: [] for name, _ in stages} | {"total": [], "host": []} for k, stages in runners.items()}
+    times = {k: {name: [] for name, _ in stages} | {"total": [], "host": [], "gpu": []} for k, stages in runners.items()}
     for _ in range(iters):
         for k, stages in runners.items():
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
@@ -353,6 +358,13 @@ def alternating_us(runners: Dict[str, List[Tuple[str, Callable]]], iters: int, w
             for (name, _), a, b in zip(stages, ev, ev[1:]):
                 times[k][name].append(a.elapsed_time(b) * 1e3)
             times[k]["total"].append(ev[0].elapsed_time(ev[-1]) * 1e3)
+            torch.cuda._sleep(GPU_SLEEP_CYCLES)
+            ev[0].record()
+            for _, fn in stages:
+                fn()
+            ev[-1].record()
+            torch.cuda.synchronize()
+            times[k]["gpu"].append(ev[0].elapsed_time(ev[-1]) * 1e3)
     return times
 
 
@@ -409,18 +421,21 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
         s = summary(t["call"])
         row.update({f"{key}_{k}": v for k, v in s.items()})
         row[f"{key}_host_us"] = statistics.median(t["host"])
+        row[f"{key}_gpu_us"] = statistics.median(t["gpu"])
         row[f"{key}_tflops"] = flop / s["us"] * 1e-6
         row[f"{key}_tbps"] = nbytes / s["us"] * 1e-6
     if "cute_us" in row and "flashmla_us" in row:
         row["ratio"] = row["flashmla_us"] / row["cute_us"]
     if "cute_us" in row and "variant_us" in row:
         row["variant_speedup"] = row["variant_us"] / row["cute_us"]
+    if "cute_gpu_us" in row and "flashmla_gpu_us" in row:
+        row["gpu_ratio"] = row["flashmla_gpu_us"] / row["cute_gpu_us"]
     row["runs"] = [run_of(row)]
     return row
 
 
 RUN_KEYS = ("cute_us", "flashmla_us", "variant_us", "ratio", "variant_speedup", "cute_host_us", "flashmla_host_us",
-            "variant_host_us")
+            "variant_host_us", "cute_gpu_us", "flashmla_gpu_us", "variant_gpu_us", "gpu_ratio")
 
 
 def run_of(row: dict) -> dict:
@@ -493,6 +508,16 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
         lines += ["", "Host time of a call (its Python and launch path, which the idle GPU waits through inside "
                   "each µs above), median over the rows' medians: "
                   + ", ".join(f"{names[k]} {statistics.median(v):.1f} µs" for k, v in hosts.items() if v)]
+    if any("gpu_ratio" in r for r in rows):
+        lines += ["", "GPU time of a call (the same call behind a GPU sleep, so the host's path runs while the GPU "
+                  "is busy; median of the runs' medians, the ratio the median of the runs' ratios):", "",
+                  "| d_qk/h_q/topk/s_kv | cute-mla GPU µs | FlashMLA GPU µs | ratio |", "|---|---|---|---|"]
+        for r in rows:
+            if "gpu_ratio" in r:
+                runs = [x["gpu_ratio"] for x in r.get("runs", ()) if "gpu_ratio" in x]
+                span = f" ({min(runs):.3f}-{max(runs):.3f}, {len(runs)})" if len(runs) > 1 else ""
+                lines.append(f"| {r['case']} | {r['cute_gpu_us']:.1f} | {r['flashmla_gpu_us']:.1f} | "
+                             f"{r['gpu_ratio']:.3f}{span} |")
     if meta.get("variant"):
         lines += ["", f"cute-mla's default kernel against the variant `{meta['variant']}` (same run, same inputs); "
                   "speedup = variant µs / default µs", "",
