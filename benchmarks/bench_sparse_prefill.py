@@ -22,7 +22,12 @@ s_q * h_q * (d_qk + d_v) * 2 (each gathered row once per query row, plus q and o
 
 **Timing**: eager calls, CUDA events around each call, the libraries alternating call by call
 (each call synchronized); ``--warmup`` calls of each first, then the median of ``--iters`` (also
-the lowest and highest). Ratio = FlashMLA µs / cute-mla µs (above 1: cute-mla faster).
+the lowest and highest). Ratio = FlashMLA µs / cute-mla µs (above 1: cute-mla faster). This call
+time starts on an idle GPU, so it holds the host's path to the launch: the host time of each call
+(``perf_counter`` from the first event to the last one's record) is recorded beside it. Cases
+mode also times each call again behind a GPU sleep of ``GPU_SLEEP_CYCLES``, so that the host's
+path runs while the GPU is busy: the GPU time of the call alone (an iteration whose host time
+outlasted its sleep is counted in ``<lib>_gpu_exposed``), with its own ratio table.
 **Transient**: ``testing.transient_bytes`` around one call, the decode benchmark's measure: the
 peak bytes requested from torch's allocator during the call beyond those held before, less the
 returned out, max_logits and lse. **Check**: ``--sample`` query rows of each library's out,
@@ -71,7 +76,7 @@ matches no listed case adds that case (e.g. FlashMLA's ``d_qk=576,h_q=128,topk=2
 
 ``--variant KEY=VALUE`` (repeatable; cases mode): a third runner, cute-mla's kernel compiled with
 that ``Tuning`` (the public call's host path, ``interface.prefill.eager_call``, on the same
-inputs: the two differ by the kernel alone), checked on the sample rows and timed alternating with the two
+inputs: the two differ by the kernel and the tuning's lookup), checked on the sample rows and timed alternating with the two
 libraries; a second table gives its µs against the default's (e.g. ``prefetch_rows=true``: the
 row prefetch on shapes whose rule leaves it off; a field not given keeps the shape's rule).
 """
@@ -87,8 +92,8 @@ import os
 import random
 import re
 import statistics
-import time
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):   # run as a file: the repository root on the path, for ``benchmarks.*``
@@ -121,8 +126,8 @@ LIBS = {"cute": "cute-mla", "flashmla": "FlashMLA"}
 KIND = "sparse-prefill"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MIB = 2 ** 20
-# A GPU sleep of about a millisecond, longer than any call's host path (measured up to ~0.25 ms),
-# ahead of the "gpu" timing (alternating_us)
+# The GPU sleep ahead of the "gpu" timing (alternating_us): it must outlast a call's host path, or
+# the GPU idles inside the timed events again (such iterations are counted, not dropped)
 GPU_SLEEP_CYCLES = 2_000_000
 DEVICE = "cuda"             # where inputs are made (the helpers take another, e.g. for a CPU check of them)
 
@@ -324,26 +329,29 @@ def timed_or_errors(runners: Dict[str, List[Tuple[str, Callable]]], args, row: d
     """:func:`alternating_us` of ``runners`` (none: {}); a failure is written into ``row`` as each
     runner's ``<name>_error`` and gives {}."""
     try:
-        return alternating_us(runners, args.iters, args.warmup) if runners else {}
+        return alternating_us(runners, args.iters, args.warmup, gpu=not args.routes) if runners else {}
     except Exception as e:  # noqa: BLE001
         for name in runners:
             row[f"{name}_error"] = "timing: " + one_line(e)
         return {}
 
 
-def alternating_us(runners: Dict[str, List[Tuple[str, Callable]]], iters: int, warmup: int) -> Dict[str, dict]:
+def alternating_us(runners: Dict[str, List[Tuple[str, Callable]]], iters: int, warmup: int,
+                   gpu: bool = False) -> Dict[str, dict]:
     """Each runner is a list of stages (name, fn); per iteration every runner in turn, an event before
     and after each stage, synchronized after each runner. Returns {runner: {stage: [µs...], "total": [µs...],
-    "host": [µs...], "gpu": [µs...]}}: "host" is the host's time from the first event to the last one's record,
-    the runner's Python and launch path, which an idle GPU waits through inside "total"; "gpu" times the
-    same stages again behind a GPU sleep of ``GPU_SLEEP_CYCLES`` (the host's path then runs while the GPU
-    is busy), which is the GPU's time of the call alone."""
+    "host": [µs...]}}: "host" is the host's time from the first event to the last one's record, the runner's
+    Python and launch path, which an idle GPU waits through inside "total". ``gpu``: the stages are timed
+    again behind a GPU sleep of ``GPU_SLEEP_CYCLES`` (the host's path then runs while the GPU is busy), "gpu"
+    [µs...] the GPU's time of the call alone and "gpu_exposed" [bool...] whether that iteration's host path
+    outlasted its sleep (then the GPU waited inside "gpu" too)."""
     for _ in range(warmup):
         for stages in runners.values():
             for _, fn in stages:
                 fn()
     torch.cuda.synchronize()
-    times = {k: {name: [] for name, _ in stages} | {"total": [], "host": [], "gpu": []} for k, stages in runners.items()}
+    keys = ("total", "host") + (("gpu", "gpu_exposed") if gpu else ())
+    times = {k: {name: [] for name, _ in stages} | {key: [] for key in keys} for k, stages in runners.items()}
     for _ in range(iters):
         for k, stages in runners.items():
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
@@ -358,13 +366,20 @@ def alternating_us(runners: Dict[str, List[Tuple[str, Callable]]], iters: int, w
             for (name, _), a, b in zip(stages, ev, ev[1:]):
                 times[k][name].append(a.elapsed_time(b) * 1e3)
             times[k]["total"].append(ev[0].elapsed_time(ev[-1]) * 1e3)
+            if not gpu:
+                continue
+            slept = torch.cuda.Event(enable_timing=True)
+            slept.record()
             torch.cuda._sleep(GPU_SLEEP_CYCLES)
+            t0 = time.perf_counter()
             ev[0].record()
             for _, fn in stages:
                 fn()
             ev[-1].record()
+            host = time.perf_counter() - t0
             torch.cuda.synchronize()
             times[k]["gpu"].append(ev[0].elapsed_time(ev[-1]) * 1e3)
+            times[k]["gpu_exposed"].append(host * 1e3 > slept.elapsed_time(ev[0]))
     return times
 
 
@@ -377,7 +392,7 @@ def summary(samples: List[float]) -> dict:
 def variant_fwd(tuning) -> Callable:
     """A ``flash_mla_sparse_fwd``-like call (the signature :func:`fwd_call` uses) of cute-mla's
     kernel compiled with ``tuning``, through the public call's own host path (checks, plan,
-    launch), so that its time differs from the default's by the kernel alone."""
+    launch), so that its time differs from the default's by the kernel (and the tuning's lookup)."""
     from cute_mla.interface import prefill as api
 
     def fwd(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
@@ -421,7 +436,9 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
         s = summary(t["call"])
         row.update({f"{key}_{k}": v for k, v in s.items()})
         row[f"{key}_host_us"] = statistics.median(t["host"])
-        row[f"{key}_gpu_us"] = statistics.median(t["gpu"])
+        if t.get("gpu"):
+            row[f"{key}_gpu_us"] = statistics.median(t["gpu"])
+            row[f"{key}_gpu_exposed"] = sum(t["gpu_exposed"])
         row[f"{key}_tflops"] = flop / s["us"] * 1e-6
         row[f"{key}_tbps"] = nbytes / s["us"] * 1e-6
     if "cute_us" in row and "flashmla_us" in row:
@@ -430,12 +447,18 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
         row["variant_speedup"] = row["variant_us"] / row["cute_us"]
     if "cute_gpu_us" in row and "flashmla_gpu_us" in row:
         row["gpu_ratio"] = row["flashmla_gpu_us"] / row["cute_gpu_us"]
+    if "cute_gpu_us" in row and "variant_gpu_us" in row:
+        row["variant_gpu_speedup"] = row["variant_gpu_us"] / row["cute_gpu_us"]
     row["runs"] = [run_of(row)]
     return row
 
 
 RUN_KEYS = ("cute_us", "flashmla_us", "variant_us", "ratio", "variant_speedup", "cute_host_us", "flashmla_host_us",
-            "variant_host_us", "cute_gpu_us", "flashmla_gpu_us", "variant_gpu_us", "gpu_ratio")
+            "variant_host_us", "cute_gpu_us", "flashmla_gpu_us", "variant_gpu_us", "gpu_ratio", "variant_gpu_speedup")
+# a runner's figures (per run and in the row), dropped with its time when it fails in a run
+LIB_RUN_KEYS = ("us", "host_us", "gpu_us")
+RATIOS = {"cute": ("ratio", "variant_speedup", "gpu_ratio", "variant_gpu_speedup"), "flashmla": ("ratio", "gpu_ratio"),
+          "variant": ("variant_speedup", "variant_gpu_speedup")}
 
 
 def run_of(row: dict) -> dict:
@@ -450,14 +473,14 @@ def merge_runs(prev: dict, new: dict) -> dict:
     a library that failed in either has its error and no time."""
     runs = prev.get("runs", [run_of(prev)]) + new.get("runs", [run_of(new)])
     row = {**prev, **new, "runs": runs}
-    for key, ratios in (("cute", ("ratio", "variant_speedup")), ("flashmla", ("ratio",)), ("variant", ("variant_speedup",))):
+    for key, ratios in RATIOS.items():
         error = new.get(f"{key}_error", prev.get(f"{key}_error"))
         if error is not None:
             row[f"{key}_error"] = error
             for r in runs:
-                for k in (f"{key}_us",) + ratios:
+                for k in tuple(f"{key}_{f}" for f in LIB_RUN_KEYS) + ratios:
                     r.pop(k, None)
-            for k in ("us_min", "us_max", "tflops", "tbps"):
+            for k in ("us_min", "us_max", "tflops", "tbps", "gpu_exposed"):
                 row.pop(f"{key}_{k}", None)
     for k in RUN_KEYS + ("ratio_min", "ratio_max"):
         row.pop(k, None)
@@ -516,20 +539,22 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
             if "gpu_ratio" in r:
                 runs = [x["gpu_ratio"] for x in r.get("runs", ()) if "gpu_ratio" in x]
                 span = f" ({min(runs):.3f}-{max(runs):.3f}, {len(runs)})" if len(runs) > 1 else ""
+                exposed = sum(r.get(f"{k}_gpu_exposed", 0) for k in LIBS)
                 lines.append(f"| {r['case']} | {r['cute_gpu_us']:.1f} | {r['flashmla_gpu_us']:.1f} | "
-                             f"{r['gpu_ratio']:.3f}{span} |")
+                             f"{r['gpu_ratio']:.3f}{span}{f'; {exposed} iterations not hidden' if exposed else ''} |")
     if meta.get("variant"):
         lines += ["", f"cute-mla's default kernel against the variant `{meta['variant']}` (same run, same inputs); "
                   "speedup = variant µs / default µs", "",
-                  "| d_qk/h_q/topk/s_kv | default µs | variant µs | TFLOP/s | check | speedup |", "|---|---|---|---|---|---|"]
+                  "| d_qk/h_q/topk/s_kv | default µs | variant µs | TFLOP/s | check | speedup | GPU time speedup |",
+                  "|---|---|---|---|---|---|---|"]
         for r in rows:
             if "variant_us" in r:
                 check = r.get("variant_check", "-")
                 lines.append(f"| {r['case']} | {r.get('cute_us', float('nan')):.1f} | {r['variant_us']:.1f} | "
                              f"{r['variant_tflops']:.1f} | {check if check in ('ok', 'not checked') else 'FAIL: ' + check} | "
-                             f"{r.get('variant_speedup', float('nan')):.3f} |")
+                             f"{r.get('variant_speedup', float('nan')):.3f} | {r.get('variant_gpu_speedup', float('nan')):.3f} |")
             else:
-                lines.append(f"| {r['case']} | - | error: {r.get('variant_error', '-')} | - | - | - |".replace("\n", " "))
+                lines.append(f"| {r['case']} | - | error: {r.get('variant_error', '-')} | - | - | - | - |".replace("\n", " "))
     return "\n".join(lines)
 
 

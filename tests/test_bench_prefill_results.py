@@ -18,7 +18,9 @@ def _section(mode, rows, commit="abc1234", gpu="NVIDIA H100 80GB HBM3"):
 def _row(case, cute_us, flashmla_us, check="ok"):
     r = dict(case=case, flop=1e12, bytes=1e9, cute_us=cute_us, flashmla_us=flashmla_us, cute_check=check,
              flashmla_check="ok", cute_transient_mib=0.0, flashmla_transient_mib=0.0,
-             ratio=flashmla_us / cute_us, cute_tflops=1e6 / cute_us, flashmla_tflops=1e6 / flashmla_us)
+             ratio=flashmla_us / cute_us, cute_tflops=1e6 / cute_us, flashmla_tflops=1e6 / flashmla_us,
+             cute_host_us=60.0, flashmla_host_us=50.0, cute_gpu_us=cute_us - 60.0, flashmla_gpu_us=flashmla_us - 50.0,
+             cute_gpu_exposed=0, flashmla_gpu_exposed=0, gpu_ratio=(flashmla_us - 50.0) / (cute_us - 60.0))
     r["runs"] = [bench.run_of(r)]
     return r
 
@@ -39,6 +41,7 @@ def test_a_case_run_again_adds_a_run_and_reports_the_median(tmp_path):
     md = (tmp_path / "h100-abc1234-sparse-prefill.md").read_text()
     assert "| 512/64/512/8192 | 650.0 |" in md and "1.050 (0.900-1.100, 3) |" in md
     assert "the ratio the median of the runs' ratios" in md
+    assert "| 512/64/512/8192 | 590.0 | 610.0 | 1.072 (0.906-1.130, 3) |" in md      # GPU time: medians, ratio range
 
 
 def test_a_failed_run_leaves_an_error_not_a_time(tmp_path):
@@ -54,8 +57,11 @@ def test_a_failed_run_leaves_an_error_not_a_time(tmp_path):
     path, = tmp_path.glob("*-sparse-prefill.json")
     r, = json.load(open(path))["cases"]["results"]
     assert r["cute_error"] == "timing: RuntimeError: boom" and "cute_us" not in r and "ratio" not in r
-    assert r["flashmla_us"] == 645.0 and len(r["runs"]) == 2
-    assert "error: timing: RuntimeError: boom" in (tmp_path / path.name.replace(".json", ".md")).read_text()
+    assert not {"cute_host_us", "cute_gpu_us", "cute_gpu_exposed", "gpu_ratio"} & set(r)
+    assert not any(k.startswith("cute_") or k == "gpu_ratio" for run in r["runs"] for k in run)
+    assert r["flashmla_us"] == 645.0 and r["flashmla_gpu_us"] == 595.0 and len(r["runs"]) == 2
+    md = (tmp_path / path.name.replace(".json", ".md")).read_text()
+    assert "error: timing: RuntimeError: boom" in md and "GPU time of a call" not in md and "cute-mla 60.0 µs" not in md
 
 
 def test_other_settings_replace_the_section(tmp_path):
