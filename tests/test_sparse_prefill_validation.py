@@ -186,6 +186,7 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
         (dict(attn_sink=[0.0] * H_Q), TypeError, "^attn_sink: expected a torch.Tensor"),
         (dict(d_v=256), ValueError, "^d_v: got 256"),
         (dict(q=torch._neg_view(torch.zeros(S_Q, H_Q, D_QK, dtype=BF16))), ValueError, "^q: a lazily negated view"),
+        (dict(q=_strided_last((S_Q, H_Q, D_QK), BF16)), ValueError, "^q: the last dim must be contiguous"),
     ]
     for over, exc, msg in bad:
         with pytest.raises(exc, match=msg):

@@ -15,7 +15,6 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..archs import UnsupportedDeviceError
 from ..formats import detect_format
 from ..plan import SparseDecodePlan, SparseDecodePolicy, check_problem
 from ..plan.schedule import Schedule, make_schedule
@@ -25,6 +24,7 @@ from .launcher import Launcher, allocate_workspace, launcher_of, on_device_of
 from .validate import (CACHE_BASE, FP32_MAX, KV_CACHE_DTYPES, SIGNATURE_ERRORS, check_aligned_strides,
                        check_distinct_elements, check_out_apart, check_pointer, check_tensor, check_vector, span_bytes,
                        tensor_signature)
+from .validate import require_cuda as _require_cuda   # one name per module: the CPU tests stub it
 
 _NO_WORKSPACE = (None, None)
 
@@ -292,11 +292,6 @@ def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, ex
                 sig(extra_k_cache), sig(extra_indices), sig(extra_topk_length))
     except SIGNATURE_ERRORS:
         return None
-
-
-def _require_cuda(q) -> None:
-    if q.device.type != "cuda":
-        raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
 
 
 def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):

@@ -20,7 +20,6 @@ from typing import Optional, Tuple
 import torch
 
 from .. import registry
-from ..archs import UnsupportedDeviceError
 from ..kernels import SPARSE_PREFILL_INPUTS, SPARSE_PREFILL_OPTIONAL, SparsePrefillTensors
 from ..plan.sparse_prefill import D_V, SparsePrefillPlan, check_problem, plan_sparse_prefill
 from .launcher import on_device_of
@@ -29,6 +28,7 @@ from .ops import NAMESPACE
 from .validate import (FP32_MAX, SIGNATURE_ERRORS, check_aligned_strides, check_apart, check_deferred,
                        check_distinct_elements, check_not_neg, check_out_apart, check_tensor, check_vector, span_bytes,
                        tensor_signature)
+from .validate import require_cuda as _require_cuda   # one name per module: the CPU tests stub it
 
 
 
@@ -71,12 +71,8 @@ def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tu
     return s_q, h_q, d_qk, topk
 
 
-def _require_cuda(q) -> None:
-    if q.device.type != "cuda":
-        raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90); got tensors on {q.device}")
-
-
 def check_scale(sm_scale) -> None:
+    """The softmax scale reaches the kernels as a float32: a finite real number (not a bool)."""
     if type(sm_scale) is float and abs(sm_scale) <= FP32_MAX:    # the common case, without the ABC checks
         return
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not abs(float(sm_scale)) <= FP32_MAX:
@@ -94,17 +90,17 @@ def _inputs(q, kv, indices, attn_sink, topk_length):
     return ("q", q), ("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)
 
 
+# A prefill step's calls share a few signatures (one per chunk length), so a small table cleared
+# when full holds them; checked_call's key -> ((s_q, h_q, d_qk, topk), None without out, else out's
+# and the inputs' byte spans)
 _MAX_CHECKED = 64
-# call signatures (d_v and each tensor's tensor_signature) that passed check_call ->
-# ((s_q, h_q, d_qk, topk), None without out, else out's and the inputs' byte spans)
 _checked: dict = {}
 
 
 def checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tuple[int, int, int, int]:
-    """:func:`check_call` once per call signature: the checks depend only on d_v's value, the
-    scale's and each tensor's ``tensor_signature``, so a repeated signature (every layer of a
-    prefill step) pays the key, a dict lookup, the scale's check and, with ``out``, the address
-    comparisons that keep it apart from the inputs."""
+    """:func:`check_call` once per call signature (d_v and each tensor's ``tensor_signature``): a
+    repeated signature (every layer of a prefill step) pays the key, a dict lookup, the scale's
+    check and, with ``out``, the address comparisons that keep it apart from the inputs."""
     key = None
     if type(d_v) is int:
         sig = tensor_signature
@@ -190,10 +186,8 @@ def flash_mla_sparse_fwd(
     """
     if torch.compiler.is_compiling():
         s_q, h_q, _, _ = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
-        if out is None:
-            out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
-        t = SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
-                                 softmax_scale=float(sm_scale))
+        t = _bundle(q, kv, indices, sm_scale, attn_sink, topk_length, out, s_q, h_q)
+        out = t.out
         arch, _ = ops.device_facts(q.device)    # (the shapes were checked by check_call; the op plans)
         max_logits, lse = torch.ops.cute_mla.sparse_prefill(*t[:_N_INPUTS], out, t.softmax_scale, arch)
         return out, max_logits, lse
@@ -205,15 +199,21 @@ def eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tunin
     launched on q's device. ``tuning``: the kernel's variant knobs (the arch's tuning type; None:
     the shape's rule), so that a benchmark's variant pays the same host path as the call."""
     s_q, h_q, d_qk, topk = checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
-    if out is None:
-        out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
-    t = SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
-                             softmax_scale=float(sm_scale))
+    t = _bundle(q, kv, indices, sm_scale, attn_sink, topk_length, out, s_q, h_q)
     with on_device_of(q):
         arch, _ = ops.device_facts(q.device)
         plan = plan_sparse_prefill(s_q, h_q, d_qk, topk, arch=arch, has_topk_length=topk_length is not None)
         max_logits, lse = _run(plan, t, tuning)
-        return out, max_logits, lse
+        return t.out, max_logits, lse
+
+
+def _bundle(q, kv, indices, sm_scale, attn_sink, topk_length, out, s_q, h_q) -> SparsePrefillTensors:
+    """A checked call's bundle (kv and indices without their head dim), its out allocated when not
+    given."""
+    if out is None:
+        out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
+    return SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
+                                softmax_scale=float(sm_scale))
 
 
 # ------------------------------------------------------------------------------ the traced form

@@ -11,6 +11,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..archs import UnsupportedDeviceError
+
 KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 FP32_MAX = torch.finfo(torch.float32).max   # a softmax scale reaches the kernels as a float32
 
@@ -168,9 +170,10 @@ def check_deferred(tensors, caches) -> None:
 def tensor_signature(t):
     """What the tensor checks read of one argument: its type, dtype, shape, strides, device,
     base-pointer alignment and neg bit; None for None (an absent optional). Raises for what is not
-    a strided tensor: the caller then runs the full checks, which name it. Calls whose arguments
-    have the same signatures pass or fail the same checks, so an API keeps the signatures that
-    passed and a repeated call pays this and a dict lookup."""
+    a strided tensor: the caller then runs the full checks, which name it. Arguments of the same
+    signatures pass or fail the same per-tensor checks, so an API keeps the signatures that passed
+    and a repeated call pays this and a dict lookup; what depends on addresses (out apart from the
+    inputs) the API still checks on every call."""
     if t is None:
         return None
     if t.layout is not torch.strided:
@@ -179,3 +182,9 @@ def tensor_signature(t):
 
 
 SIGNATURE_ERRORS = (AttributeError, RuntimeError, TypeError, NotImplementedError)   # tensor_signature of a non-tensor
+
+
+def require_cuda(q) -> None:
+    """The device check, after every argument check: the kernels run on a CUDA GPU."""
+    if q.device.type != "cuda":
+        raise UnsupportedDeviceError(f"q: cute-mla kernels run on a CUDA GPU (SM90 or SM100); got tensors on {q.device}")
