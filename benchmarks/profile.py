@@ -18,6 +18,10 @@ Nsight Compute (decode kernel and, where the plan splits, the combine)::
     ncu --import OUT/rep.ncu-rep --page details --csv        # per-kernel metrics
     ncu --import OUT/rep.ncu-rep --page source --csv --print-source sass   # per-SASS stall samples
 
+``--ncu-prefill D_QK,H_Q,TOPK,S_KV``: the same for one ``flash_mla_sparse_fwd`` call of that case of
+``bench_sparse_prefill`` (s_q 4096, FlashMLA's strided inputs, sinks; cute-mla's, or ``--lib flashmla``
+FlashMLA's), e.g. both libraries at 576,128,2048,32768 in two reports.
+
 ``--host``: the eager call's host time, per call over ``--calls`` back-to-back calls (the GPU work
 of a small call is shorter than its host work, so the calls do not queue), split into its parts
 (the metadata's launcher, ``allocate_workspace``, ``Launcher.main`` / ``combine``), FlashMLA's call
@@ -52,6 +56,7 @@ inputs. (A one-request-per-CTA form, which forced the plan, is ``benchmarks/v4_t
     python -m benchmarks.profile --v4 "128,128,1024;512,128,1024"
     python -m benchmarks.profile --ncu [--row 1,1024,128] [--variant NAME] [--topk 2048] [--masked 0.2]
     python -m benchmarks.profile --ncu --v4-row 512,8,512 [--variant NAME]
+    python -m benchmarks.profile --ncu-prefill 576,128,2048,32768 [--lib flashmla]
     python -m benchmarks.profile --host [--row 1,1,64] [--calls 400]
     python -m benchmarks.profile --launch [--row 1,1,64] [--calls 400]
     python -m benchmarks.profile --timeline [--heads 64,128] [--s-q 1] [--topk 2048] [--replays 10] [--variant no_pf]
@@ -255,6 +260,25 @@ def ncu_one_call(args):
     sched = filled(cute_mla, q, cache, idx, tuning)
     profile_one(lambda: call(cute_mla, sched, q, cache, idx))
     print(f"profiled one call of b={b} s_q={s_q} h={h} top-k {topk} masked {args.masked} variant {args.variant}")
+
+
+def ncu_one_prefill_call(args):
+    """``--ncu-prefill d_qk,h_q,topk,s_kv``: one sparse prefill call of a ``bench_sparse_prefill``
+    case on its inputs, cute-mla's or FlashMLA's (``--lib``)."""
+    from benchmarks import bench_sparse_prefill as bsp
+
+    try:
+        case = tuple(int(v) for v in args.ncu_prefill.split(","))
+    except ValueError:
+        case = ()
+    if len(case) != 4:
+        raise SystemExit(f"--ncu-prefill: d_qk,h_q,topk,s_kv, got {args.ncu_prefill!r}")
+    fn = bsp.sparse_fwd_of(cute_mla if args.lib == "cute" else flashmla())
+    if fn is None:
+        raise SystemExit(f"--lib {args.lib}: no flash_mla_sparse_fwd in this environment")
+    x = bsp.make_case(case, bsp.S_Q, False, False)
+    profile_one(lambda: bsp.fwd_call(fn, x))
+    print(f"profiled one {args.lib} sparse prefill call of {bsp.case_label(case)} (s_q {bsp.S_Q})")
 
 
 def ncu_one_v4_call(args, tuning):
@@ -569,6 +593,8 @@ def main():
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--v4", default=None, help="V4 rows b,h,extra;... (per-kernel device times)")
     mode.add_argument("--ncu", action="store_true", help="one call bracketed for Nsight Compute")
+    mode.add_argument("--ncu-prefill", default=None, metavar="D_QK,H_Q,TOPK,S_KV",
+                      help="one sparse prefill call of a bench_sparse_prefill case for Nsight Compute")
     mode.add_argument("--host", action="store_true", help="the eager call's host time by part")
     mode.add_argument("--launch", action="store_true", help="the decode launch taken apart (module docstring)")
     mode.add_argument("--timeline", action="store_true", help="where a CTA's cycles go, per phase (SM90)")
@@ -582,6 +608,7 @@ def main():
     ap.add_argument("--masked", type=float, default=0.2, help="--ncu")
     ap.add_argument("--topk", type=int, default=None, help="--ncu: the row's top-k (2048); --timeline: only its cases")
     ap.add_argument("--variant", default="default", help="--ncu, --timeline: a benchmarks.variants name")
+    ap.add_argument("--lib", choices=("cute", "flashmla"), default="cute", help="--ncu-prefill: whose call")
     ap.add_argument("--calls", type=int, default=400, help="--host, --launch")
     ap.add_argument("--heads", default="64", help="--timeline: h_q values, e.g. 64,128")
     ap.add_argument("--s-q", type=int, default=1, help="--timeline: query tokens of the one request (small)")
@@ -594,6 +621,8 @@ def main():
         return per_kernel_v4(v4_parse_rows(args.v4))
     if args.ncu:
         return ncu_one_call(args)
+    if args.ncu_prefill:
+        return ncu_one_prefill_call(args)
     if args.host:
         return host_parts(args)
     if args.timeline:
