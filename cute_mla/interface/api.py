@@ -21,9 +21,8 @@ from ..plan.schedule import Schedule, make_schedule
 from . import ops
 from ..kernels import SparseDecodeTensors, cache_bytes
 from .launcher import Launcher, allocate_workspace, launcher_of, on_device_of
-from .validate import (CACHE_BASE, FP32_MAX, KV_CACHE_DTYPES, SIGNATURE_ERRORS, check_aligned_strides,
-                       check_distinct_elements, check_out_apart, check_pointer, check_tensor, check_vector, span_bytes,
-                       tensor_signature)
+from .validate import (CACHE_BASE, FP32_MAX, KV_CACHE_DTYPES, call_key, check_aligned_strides, check_distinct_elements,
+                       check_pointer, check_tensor, check_vector, known_call, remember)
 from .validate import require_cuda as _require_cuda   # one name per module: the CPU tests stub it
 
 _NO_WORKSPACE = (None, None)
@@ -238,23 +237,16 @@ def _checked_call(sched, q, k_cache, head_dim_v, indices, attn_sink, topk_length
 
 def checked_once(cache: dict, limit: int, args, then: Callable):
     """((dims, spans, then(dims)), fresh) of a call's tensors ``args`` (q, k_cache, head_dim_v,
-    indices, attn_sink, topk_length, out, extra): the checks run once per tensor signature
-    (_tensor_key), their result kept in ``cache`` (cleared past ``limit`` entries); a given out is
-    checked apart from the inputs on every call, by address against the signature's byte spans."""
+    indices, attn_sink, topk_length, out, extra): ``_validate_tensors`` once per signature
+    (:func:`_tensor_key`; ``validate.known_call`` / ``remember``), ``then(dims)`` after it."""
     q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra = args
     key = _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, *extra)
-    known = cache.get(key) if key is not None else None
+    inputs = None if out is None else _inputs(q, k_cache, indices, attn_sink, topk_length, extra)
+    known = known_call(cache, key, out, inputs)
     if known is not None:
-        if known[1] is not None:
-            check_out_apart(out, _inputs(q, k_cache, indices, attn_sink, topk_length, extra), known[1])
         return known, False
     dims = _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra)
-    known = dims, _out_spans(out, q, k_cache, indices, attn_sink, topk_length, extra), then(dims)
-    if key is not None:
-        if len(cache) >= limit:
-            cache.clear()
-        cache[key] = known
-    return known, True
+    return remember(cache, limit, key, dims, out, inputs, then), True
 
 
 def _inputs(q, k_cache, indices, attn_sink, topk_length, extra):
@@ -264,34 +256,14 @@ def _inputs(q, k_cache, indices, attn_sink, topk_length, extra):
             ("extra_topk_length", extra[2]))
 
 
-def _out_spans(out, q, k_cache, indices, attn_sink, topk_length, extra):
-    """None without out; else the byte spans of out and of the inputs (they follow from the
-    signature, so a known signature only compares addresses), this call's out checked apart from
-    the inputs."""
-    if out is None:
-        return None
-    inputs = _inputs(q, k_cache, indices, attn_sink, topk_length, extra)
-    spans = span_bytes(out), tuple(None if t is None else span_bytes(t) for _, t in inputs)
-    check_out_apart(out, inputs, spans)
-    return spans
-
-
 _MAX_VALIDATED = 16
 
 
 def _tensor_key(q, k_cache, indices, attn_sink, topk_length, out, head_dim_v, extra_k_cache, extra_indices,
                 extra_topk_length):
-    """Everything _validate_tensors depends on, hashable; None if an argument is not a strided
-    tensor (the full checks then run and name it). One tuple built in one expression: this runs on
-    every call, before the launch."""
-    if type(head_dim_v) is not int:
-        return None
-    sig = tensor_signature
-    try:
-        return (head_dim_v, sig(q), sig(k_cache), sig(indices), sig(attn_sink), sig(topk_length), sig(out),
-                sig(extra_k_cache), sig(extra_indices), sig(extra_topk_length))
-    except SIGNATURE_ERRORS:
-        return None
+    """Everything _validate_tensors depends on (:func:`validate.call_key`)."""
+    return call_key(head_dim_v, q, k_cache, indices, attn_sink, topk_length, out, extra_k_cache, extra_indices,
+                    extra_topk_length)
 
 
 def _validate_tensors(q, k_cache, head_dim_v, indices, attn_sink, topk_length, out, extra=(None, None, None)):

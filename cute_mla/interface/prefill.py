@@ -25,9 +25,8 @@ from ..plan.sparse_prefill import D_V, SparsePrefillPlan, check_problem, plan_sp
 from .launcher import on_device_of
 from . import ops
 from .ops import NAMESPACE
-from .validate import (FP32_MAX, SIGNATURE_ERRORS, check_aligned_strides, check_apart, check_deferred,
-                       check_distinct_elements, check_not_neg, check_out_apart, check_tensor, check_vector, span_bytes,
-                       tensor_signature)
+from .validate import (FP32_MAX, call_key, check_aligned_strides, check_apart, check_deferred, check_distinct_elements,
+                       check_not_neg, check_tensor, check_vector, known_call, remember)
 from .validate import require_cuda as _require_cuda   # one name per module: the CPU tests stub it
 
 
@@ -36,8 +35,9 @@ from .validate import require_cuda as _require_cuda   # one name per module: the
 
 
 def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tuple[int, int, int, int]:
-    """Every argument check of a call; returns (s_q, h_q, d_qk, topk). Base pointers and neg bits
-    of a call being traced are checked by the op, on the real tensors."""
+    """Every check of one argument's type, shape, strides and value; returns (s_q, h_q, d_qk,
+    topk). out apart from the inputs (their addresses) and the device follow (:func:`checked_call`);
+    base pointers and neg bits of a call being traced are checked by the op, on the real tensors."""
     check_tensor("q", q, dtypes=(torch.bfloat16,), dim=3, shape_doc="(s_q, h_q, d_qk)")
     s_q, h_q, d_qk = q.shape
     if not isinstance(d_v, numbers.Integral) or d_v != D_V:
@@ -65,9 +65,6 @@ def check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tu
         check_distinct_elements("out", out)
         # written by TMA on SM90; checked on every arch, so the layouts a call takes do not depend on it
         check_aligned_strides("out", out, tma=True)
-        if not torch.compiler.is_compiling():
-            check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length)
-    _require_cuda(q)
     return s_q, h_q, d_qk, topk
 
 
@@ -91,37 +88,23 @@ def _inputs(q, kv, indices, attn_sink, topk_length):
 
 
 # A prefill step's calls share a few signatures (one per chunk length), so a small table cleared
-# when full holds them; checked_call's key -> ((s_q, h_q, d_qk, topk), None without out, else out's
-# and the inputs' byte spans)
+# when full holds them (validate.remember)
 _MAX_CHECKED = 64
 _checked: dict = {}
 
 
 def checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tuple[int, int, int, int]:
-    """:func:`check_call` once per call signature (d_v and each tensor's ``tensor_signature``): a
-    repeated signature (every layer of a prefill step) pays the key, a dict lookup, the scale's
-    check and, with ``out``, the address comparisons that keep it apart from the inputs."""
-    key = None
-    if type(d_v) is int:
-        sig = tensor_signature
-        try:
-            key = (d_v, sig(q), sig(kv), sig(indices), sig(attn_sink), sig(topk_length), sig(out))
-        except SIGNATURE_ERRORS:
-            key = None
-    known = _checked.get(key) if key is not None else None
+    """(s_q, h_q, d_qk, topk) of a call, its arguments checked: :func:`check_call`, out apart from
+    the inputs and the device check once per call signature (``validate.known_call`` /
+    ``remember``), the scale and out's addresses against the inputs' on every call."""
+    key = call_key(d_v, q, kv, indices, attn_sink, topk_length, out)
+    inputs = None if out is None else _inputs(q, kv, indices, attn_sink, topk_length)
+    known = known_call(_checked, key, out, inputs)
     if known is not None:
         check_scale(sm_scale)
-        if known[1] is not None:
-            check_out_apart(out, _inputs(q, kv, indices, attn_sink, topk_length), known[1])
         return known[0]
     dims = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
-    spans = None if out is None else (span_bytes(out), tuple(None if t is None else span_bytes(t)
-                                                             for _, t in _inputs(q, kv, indices, attn_sink, topk_length)))
-    if key is not None:
-        if len(_checked) >= _MAX_CHECKED:
-            _checked.clear()
-        _checked[key] = dims, spans
-    return dims
+    return remember(_checked, _MAX_CHECKED, key, dims, out, inputs, lambda dims: _require_cuda(q))[0]
 
 
 # ----------------------------------------------------------------------------------- launches
@@ -186,6 +169,7 @@ def flash_mla_sparse_fwd(
     """
     if torch.compiler.is_compiling():
         s_q, h_q, _, _ = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+        _require_cuda(q)
         t = _bundle(q, kv, indices, sm_scale, attn_sink, topk_length, out, s_q, h_q)
         out = t.out
         arch, _ = ops.device_facts(q.device)    # (the shapes were checked by check_call; the op plans)

@@ -7,7 +7,7 @@ given and what is accepted. Nothing here reads device memory.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -181,7 +181,55 @@ def tensor_signature(t):
     return type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15, t.is_neg()
 
 
-SIGNATURE_ERRORS = (AttributeError, RuntimeError, TypeError, NotImplementedError)   # tensor_signature of a non-tensor
+_SIGNATURE_ERRORS = (AttributeError, RuntimeError, TypeError, NotImplementedError)   # tensor_signature of a non-tensor
+
+
+def call_key(d_v, t0, t1, t2, t3, t4, t5, t6=None, t7=None, t8=None) -> Optional[tuple]:
+    """A call's signature, hashable: its value dim ``d_v`` (an exact int) and each tensor's (or
+    None's) :func:`tensor_signature`; None where an argument is neither (the full checks then run
+    and name it). It runs on every call before the launch, so it is one tuple of fixed length (an
+    API with fewer tensors leaves the last None)."""
+    if type(d_v) is not int:
+        return None
+    sig = tensor_signature
+    try:
+        return d_v, sig(t0), sig(t1), sig(t2), sig(t3), sig(t4), sig(t5), sig(t6), sig(t7), sig(t8)
+    except _SIGNATURE_ERRORS:
+        return None
+
+
+def known_call(cache: dict, key: Optional[tuple], out, inputs):
+    """The record :func:`remember` kept for a call signature ``key`` (:func:`call_key`), its out
+    compared with ``inputs``' addresses ((name, tensor or None) pairs, read only when out is given)
+    against the byte spans kept with it; None for a signature not seen (its checks are to run)."""
+    known = cache.get(key) if key is not None else None
+    if known is not None and known[1] is not None:
+        check_out_apart(out, inputs, known[1])
+    return known
+
+
+def remember(cache: dict, limit: int, key: Optional[tuple], dims, out, inputs, then: Callable) -> tuple:
+    """(dims, spans, then(dims)) of a call whose argument checks just passed with ``dims``: out
+    kept apart from ``inputs`` (its byte spans and theirs kept), then ``then(dims)`` (the device
+    check, or the plan and schedule a signature fixes); kept in ``cache`` under ``key`` (cleared
+    past ``limit`` entries), so that the signature's next calls pay :func:`known_call` alone."""
+    known = dims, _out_spans(out, inputs), then(dims)
+    if key is not None:
+        if len(cache) >= limit:
+            cache.clear()
+        cache[key] = known
+    return known
+
+
+def _out_spans(out, inputs):
+    """None without out; else the byte spans of out and of the inputs (they follow from the
+    signature, so a known signature only compares addresses), this call's out checked apart from
+    the inputs."""
+    if out is None:
+        return None
+    spans = span_bytes(out), tuple(None if t is None else span_bytes(t) for _, t in inputs)
+    check_out_apart(out, inputs, spans)
+    return spans
 
 
 def require_cuda(q) -> None:
