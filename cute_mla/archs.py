@@ -33,9 +33,11 @@ class ArchSpec:
     major: int                   # compute capability of the GPUs that run it, exactly: an 'a' target's
     minor: int                   # features exist only there (sm_90a on 9.0, sm_100a on 10.0, not 10.3)
     default_num_sms: int         # planning without a device (``cute-mla plan``); a device's own count otherwise
+    # The L2 of the arch's datacenter parts, where a plan rule reads it (None: no rule does)
+    l2_bytes: Optional[int] = None
 
 
-SM90 = ArchSpec(name="sm_90a", family="Hopper", major=9, minor=0, default_num_sms=132)
+SM90 = ArchSpec(name="sm_90a", family="Hopper", major=9, minor=0, default_num_sms=132, l2_bytes=50 * 2**20)
 SM100 = ArchSpec(name="sm_100a", family="Blackwell", major=10, minor=0, default_num_sms=148)
 
 ARCHS: Dict[str, ArchSpec] = {a.name: a for a in (SM90, SM100)}

@@ -85,7 +85,8 @@ def _plan_from_args(args, s_q=None):
         _refuse_options(args.op, (("--b", args.b != 1), ("--extra-topk", bool(args.extra_topk)),
                                   ("--extra-topk-length", args.extra_topk_length)))
         return plan_call(s_q or args.s_q, args.h_q, fmt.d_qk, args.topk, arch=args.arch,
-                         has_topk_length=args.topk_length)
+                         has_topk_length=args.topk_length, s_kv=getattr(args, "s_kv", None))
+    _refuse_options(args.op, (("--s-kv", getattr(args, "s_kv", None) is not None),))
     _check_extra_pool(fmt, "--extra-topk" if args.extra_topk else None, args.extra_topk_length)
     num_sms = archs.get(args.arch).default_num_sms if args.num_sms is None else args.num_sms
     return plan_call(args.b, s_q or args.s_q, args.h_q, fmt.d_qk, args.topk, arch=args.arch, num_sms=num_sms,
@@ -103,9 +104,9 @@ def _refuse_options(op: str, given) -> None:
 def cmd_plan(args) -> int:
     plan = _plan_from_args(args)
     if args.json and plan.op == registry.SPARSE_PREFILL.name:
-        d = {k: getattr(plan, k) for k in ("op", "arch", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "kernel",
-                                           "kernel_h_q", "tile", "padded", "split", "workspace_bytes", "padding_bytes",
-                                           "items")}
+        d = {k: getattr(plan, k) for k in ("op", "arch", "s_q", "h_q", "d_qk", "topk", "has_topk_length", "s_kv",
+                                           "kv_fits_l2", "kernel", "kernel_h_q", "tile", "padded", "split",
+                                           "workspace_bytes", "padding_bytes", "items")}
         d["tensor_maps"] = list(plan.tensor_maps)
         print(json.dumps(d, indent=2))
     elif args.json:
@@ -315,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--b", type=positive_int, default=1, help="requests (default 1)")
     sp.add_argument("--s-q", type=positive_int, default=1, help="query tokens per request (default 1)")
     sp.add_argument("--topk", type=positive_int, default=2048, help="the main top-k list's length (default 2048)")
+    sp.add_argument("--s-kv", type=positive_int, default=None,
+                    help="sparse_prefill: kv's rows (whether they fit the L2 picks a kernel knob; default unknown)")
     sp.add_argument("--extra-topk", type=int, default=0,
                     help="the extra KV pool's list length, a multiple of 64 (V4; default 0: no extra pool)")
     sp.add_argument("--arch", default=archs.SM90.name, choices=archs.SUPPORTED_ARCHS, help="default %(default)s")

@@ -54,7 +54,14 @@ def describe(variant: Variant) -> str:
     parts = []
     for name in fields:
         v = getattr(cfg, name)
-        if name in ("arch",) or v is False or v is None or (name == "tuning" and _default_tuning(cfg) == v):
+        if name == "tuning" and dataclasses.is_dataclass(v):
+            base = _default_tuning(cfg)
+            changed = [f"{f.name}={getattr(v, f.name)!r}" for f in dataclasses.fields(v)
+                       if getattr(v, f.name) != getattr(base, f.name)]
+            if changed:     # a plan rule's knob (the shape's default tuning reads as nothing)
+                parts.append(f"tuning({', '.join(changed)})")
+            continue
+        if name in ("arch",) or v is False or v is None:
             continue
         parts.append(name if v is True else f"{name}={v}")
     return " ".join([kernel] + parts)

@@ -241,6 +241,32 @@ def test_running_max_that_moves(h_q, d_qk, topk, pattern):
     check_prefill(out, max_logits, lse, *x.reference())
 
 
+# The ping-pong's knobs off their rule (the paths a variant takes): a plain running max, O rescaled
+# in every warp, and the row prefetch at rows that fit the L2 (the rule turns it on only past it).
+OTHER_KNOBS = {"eager_max": dict(lazy_max=False, skip_unit_scale=False),
+               "every_rescale": dict(skip_unit_scale=False),
+               "prefetch": dict(prefetch_rows=True)}
+
+
+@pytest.mark.parametrize("knobs", list(OTHER_KNOBS))
+@pytest.mark.parametrize("pattern", ["ramp", "saw"])
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_running_max_that_moves_with_other_knobs(h_q, d_qk, pattern, knobs):
+    """The moving-max inputs (an odd tile count: the pair without its odd tile too) through the
+    public call's eager path with the ping-pong's knobs set off their rule: the reference within
+    FlashMLA's tolerances."""
+    from cute_mla.interface.prefill import eager_call
+    from cute_mla.kernels.sm90.prefill_config import Sm90PrefillTuning
+
+    x = _moving_max_inputs(h_q, d_qk, 448, pattern, sink=True,
+                           seed=zlib.crc32(f"knobs-{h_q}-{d_qk}-{pattern}-{knobs}".encode()))
+    out, max_logits, lse = eager_call(x.q, x.kv, x.indices, x.sm_scale, D_V, x.attn_sink, x.topk_length, None,
+                                      Sm90PrefillTuning(**OTHER_KNOBS[knobs]))
+    torch.cuda.synchronize()
+    check_prefill(out, max_logits, lse, *x.reference())
+
+
 # ---------------------------------------------------------------- (d) out=
 
 

@@ -72,10 +72,36 @@ def test_variants_cover_every_kernel_config_a_plan_takes():
     for h_q in SUPPORTED_H_Q:
         for d_qk in (576, 512):
             for tl in (False, True):
-                plan = plan_sparse_prefill(8, h_q, d_qk, 128, arch="sm_90a", has_topk_length=tl)
-                for sink in (False, True):
-                    assert mod.config_for(plan, sink) in configs
-    assert len(configs) == 40   # 8, 16, 32, 64, 128 heads x 2 widths x topk_length x sink
+                for s_kv in (None, 1, 32768, 65536, 2**31 - 1):
+                    plan = plan_sparse_prefill(8, h_q, d_qk, 128, arch="sm_90a", has_topk_length=tl, s_kv=s_kv)
+                    for sink in (False, True):
+                        assert mod.config_for(plan, sink) in configs
+    # 8, 16, 32, 64, 128 heads x 2 widths x topk_length x sink, and 576/128 with and without the
+    # row prefetch (kv rows past or in the L2)
+    assert len(configs) == 44
+
+
+def test_kv_rows_in_l2_turn_the_128_head_prefetch_off():
+    """The plan says whether kv's rows fit the arch's L2 (its bytes at d_qk, against
+    ``ArchSpec.l2_bytes``); the SM90 rule prefetches rows into L2 only at 128 heads and d_qk 576 with
+    rows past it (or unknown); an explicit knob wins."""
+    from cute_mla import archs, registry
+    mod = registry.config_module("sparse_prefill", "sm_90a")
+    fit = archs.SM90.l2_bytes // (576 * 2)
+    for s_kv, fits in ((None, False), (1, True), (32768, True), (fit, True), (fit + 1, False), (65536, False)):
+        plan = plan_sparse_prefill(4096, 128, 576, 2048, arch="sm_90a", s_kv=s_kv)
+        assert plan.kv_fits_l2 is fits
+        assert mod.config_for(plan, True).tuning.prefetch_rows is not fits
+        assert mod.config_for(plan, True, mod.Tuning(prefetch_rows=True)).tuning.prefetch_rows
+    assert plan_sparse_prefill(4096, 128, 512, 1024, arch="sm_90a", s_kv=fit + 1).kv_fits_l2   # 1024-B rows
+    for h_q, d_qk in ((128, 512), (64, 576), (16, 576)):
+        for s_kv in (1, 65536):
+            plan = plan_sparse_prefill(4096, h_q, d_qk, 2048, arch="sm_90a", s_kv=s_kv)
+            assert not mod.config_for(plan, False).tuning.prefetch_rows
+    assert not plan_sparse_prefill(4096, 128, 576, 2048, arch="sm_100a", s_kv=1).kv_fits_l2  # no L2 rule there
+    for bad in (0, -1, 2.0, "1"):
+        with pytest.raises(ValueError, match="^s_kv: got"):
+            plan_sparse_prefill(4096, 128, 576, 2048, arch="sm_90a", s_kv=bad)
 
 
 # -------------------------------------------------------------------------------------------- CLI
@@ -97,6 +123,8 @@ def test_sm90_tuning_rule_by_shape_and_explicit_knobs_win():
         return t.gather_l2, t.prefetch_rows, t.qo_policy, t.staging
 
     assert knobs(128, 576) == ("L2::256B", True, "evict_first", "q_reload")
+    in_l2 = pc.kernel_config(h_q=128, d_qk=576, has_topk_length=False, has_attn_sink=True, kv_fits_l2=True).tuning
+    assert (in_l2.gather_l2, in_l2.prefetch_rows) == ("L2::256B", False)
     assert knobs(128, 512) == ("L2::256B", False, "evict_first", "ring")
     assert knobs(64, 576) == ("", False, "evict_first", "q_reload")
     assert knobs(64, 512) == ("", False, "evict_first", "ring")
@@ -206,6 +234,13 @@ def test_cli_plan_names_the_padding_and_no_workspace():
              "--json")
     d = json.loads(r.stdout)
     assert (d["op"], d["kernel_h_q"], d["workspace_bytes"], d["split"]) == ("sparse_prefill", 128, 0, False)
+    assert (d["s_kv"], d["kv_fits_l2"]) == (None, False)
+    r = _cli("plan", "--op", "sparse_prefill", "--s-q", "4096", "--h-q", "128", "--d-qk", "576", "--topk", "2048",
+             "--s-kv", "32768")
+    assert r.returncode == 0, r.stderr
+    assert "s_kv=32768 (rows in L2)" in r.stdout
+    r = _cli("plan", "--op", "sparse_decode", "--s-kv", "32768")
+    assert r.returncode != 0 and "--s-kv: not an option of --op sparse_decode" in r.stderr
 
 
 def test_cli_plan_refuses_decode_only_options():
@@ -227,8 +262,10 @@ def test_cli_compile_writes_ptx_cubin_and_resources(tmp_path):
 # ---------------------------------------------------------------------------------------- compile
 
 
-@pytest.mark.parametrize("h_q, d_qk", [(64, 576), (128, 512), (8, 576), (16, 576), (16, 512), (32, 576), (32, 512)])
-def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, tmp_path):
+@pytest.mark.parametrize("h_q, d_qk, kv_fits_l2", [(64, 576, False), (128, 512, False), (128, 576, True), (8, 576, False),
+                                                  (16, 576, False), (16, 512, False), (32, 576, False),
+                                                  (32, 512, False)])
+def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, kv_fits_l2, tmp_path):
     """Every wgmma pipelined (ptxas serializes them all when a pending accumulator crosses a
     branch merge), no local memory, the gather as cp.async with zero fill. 8, 16 and 32 heads in
     the swap-AB tile: wgmma m64n{h_q}k16 only (QK twice in the code: before an item's first tile
@@ -237,7 +274,7 @@ def test_sm90_kernel_compiles_without_spills_or_serialized_wgmma(h_q, d_qk, tmp_
     from cute_mla.kernels.sm90 import sparse_prefill as m
     from cute_mla.playground import inspect as ki
 
-    cfg = m.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=True, has_attn_sink=True)
+    cfg = m.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=True, has_attn_sink=True, kv_fits_l2=kv_fits_l2)
     assert cfg.swapped == (h_q < 64)
     m.compile(cfg, dump_dir=str(tmp_path))
     ptx, cubin = ki.find_artifacts(str(tmp_path), "sm_90a")

@@ -156,12 +156,14 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
     """The argument checks run once per call signature (every layer of a prefill step has the
     same); the scale is checked on every call, an out is kept apart from the inputs on every call,
     and a call whose tensors differ in anything checked runs the checks again and fails as before.
-    The CUDA requirement, the device's facts and the launch are stubbed so that this runs on a CPU."""
+    The CUDA requirement, the device's facts, the kernel and the launch are stubbed so that this
+    runs on a CPU."""
     from cute_mla.interface import prefill
 
     monkeypatch.setattr(prefill, "_require_cuda", lambda q: None)
     monkeypatch.setattr(prefill.ops, "device_facts", lambda device: ("sm_90a", 132))
-    monkeypatch.setattr(prefill, "_run", lambda plan, t, tuning=None: (None, None))
+    monkeypatch.setattr(prefill, "launcher_of", lambda plan, has_attn_sink, tuning=None: None)
+    monkeypatch.setattr(prefill, "_run", lambda plan, launcher, *args: (None, None, None))
     monkeypatch.setattr(prefill, "_checked", {})
     runs = []
     full = prefill.check_call

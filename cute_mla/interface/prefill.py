@@ -6,8 +6,8 @@ no schedule, no split, no workspace), pads 8, 16 or 32 heads to the kernel's 64 
 kernel has no small tile
 (``SparsePrefillPlan.padded``), and launches the registry's kernel for the device's arch on the
 current stream: no host synchronization, nothing read back, ``out`` at the caller's address when
-given. Eager calls run :func:`eager_call` (the checks once per call signature, then :func:`_run`);
-a call being traced goes through
+given. Eager calls run :func:`eager_call` (the checks, the plan and the kernel's launcher once per
+call signature, then :func:`_run`); a call being traced goes through
 ``cute_mla::sparse_prefill`` (the same :func:`_run`, padding included, inside one graph node),
 whose fake implementation gives the outputs' shapes.
 """
@@ -93,58 +93,92 @@ _MAX_CHECKED = 64
 _checked: dict = {}
 
 
-def checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out) -> Tuple[int, int, int, int]:
-    """(s_q, h_q, d_qk, topk) of a call, its arguments checked: :func:`check_call`, out apart from
-    the inputs and the device check once per call signature (``validate.known_call`` /
-    ``remember``), the scale and out's addresses against the inputs' on every call."""
+def checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning=None):
+    """(plan, launcher) of a call, its arguments checked: :func:`check_call`, out apart from the
+    inputs, the device check and what the signature fixes (:func:`_prepare`: the plan, the
+    kernel) once per call signature and ``tuning`` (``validate.known_call`` / ``remember``); the
+    scale and out's addresses against the inputs' on every call."""
     key = call_key(d_v, q, kv, indices, attn_sink, topk_length, out)
+    if tuning is not None and key is not None:
+        key = key, tuning
     inputs = None if out is None else _inputs(q, kv, indices, attn_sink, topk_length)
     known = known_call(_checked, key, out, inputs)
     if known is not None:
         check_scale(sm_scale)
-        return known[0]
+        return known[2]
     dims = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
-    return remember(_checked, _MAX_CHECKED, key, dims, out, inputs, lambda dims: _require_cuda(q))[0]
+    return remember(_checked, _MAX_CHECKED, key, dims, out, inputs,
+                    lambda dims: _prepare(q, kv.shape[0], dims, attn_sink is not None, topk_length is not None, tuning))[2]
+
+
+def _prepare(q, kv_rows: int, dims, has_attn_sink: bool, has_topk_length: bool, tuning) -> tuple:
+    """(plan, launcher) of a checked call of ``dims`` (s_q, h_q, d_qk, topk) and kv's rows on q's
+    device, after the device check: all of it follows from the call signature (the device is
+    part of it)."""
+    _require_cuda(q)
+    s_q, h_q, d_qk, topk = dims
+    arch, _ = ops.device_facts(q.device)
+    plan = plan_sparse_prefill(s_q, h_q, d_qk, topk, arch=arch, has_topk_length=has_topk_length, s_kv=kv_rows)
+    return plan, launcher_of(plan, has_attn_sink, tuning)
 
 
 # ----------------------------------------------------------------------------------- launches
 
 
-_kernels: dict = {}   # (plan's arch, kernel config) -> (module, config, compiled)
+class PrefillLauncher:
+    """A plan's kernel resolved once (kernel module, config, compiled entry), so that a call only
+    allocates its outputs and launches. One per (arch, kernel heads, d_qk, topk_length, sink,
+    tuning): what the config depends on, not the call's lengths."""
+
+    __slots__ = ("mod", "cfg", "compiled")
+
+    def __init__(self, plan: SparsePrefillPlan, has_attn_sink: bool, tuning=None):
+        self.mod = registry.kernel_module(plan.op, plan.arch)
+        self.cfg = registry.config_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning)
+        self.compiled = self.mod.compile(self.cfg)
+
+    def __call__(self, t: SparsePrefillTensors) -> None:
+        """The kernel on ``t`` (heads already the kernel's, s_q >= 1) on the current stream."""
+        self.mod.launch(self.compiled, self.cfg, t)
 
 
-def launch(plan: SparsePrefillPlan, t: SparsePrefillTensors, tuning=None) -> None:
-    """The plan's kernel on ``t`` (heads already the kernel's), compiled once per config."""
-    key = (plan.arch, plan.kernel_h_q, plan.d_qk, plan.has_topk_length, t.attn_sink is not None, tuning)
-    entry = _kernels.get(key)
-    if entry is None:
-        mod = registry.kernel_module(plan.op, plan.arch)
-        cfg = registry.config_module(plan.op, plan.arch).config_for(plan, t.attn_sink is not None, tuning)
-        entry = _kernels[key] = (mod, cfg, mod.compile(cfg))
-    mod, cfg, compiled = entry
-    mod.launch(compiled, cfg, t)
+_launchers: dict = {}
 
 
-def _run(plan: SparsePrefillPlan, t: SparsePrefillTensors, tuning=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The call on checked tensors with its ``out``: heads padded where the plan says (q and the
-    sink copied with zero / -inf heads, the kernel's out, max_logits and lse of the padded heads,
-    the first h_q copied back), the kernel (``tuning``: :func:`launch`'s) launched; returns
-    (max_logits, lse)."""
+def launcher_of(plan: SparsePrefillPlan, has_attn_sink: bool, tuning=None) -> PrefillLauncher:
+    """The process's one :class:`PrefillLauncher` for a plan's kernel (``tuning``: the arch's
+    tuning type, a variant; None: the shape's rule)."""
+    key = (plan.arch, plan.kernel_h_q, plan.d_qk, plan.has_topk_length, has_attn_sink, tuning)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = _launchers[key] = PrefillLauncher(plan, has_attn_sink, tuning)
+    return launcher
+
+
+def _run(plan: SparsePrefillPlan, launcher: PrefillLauncher, q, kv, indices, softmax_scale: float, attn_sink,
+         topk_length, out) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The call on checked tensors (kv and indices without their head dim), launched by
+    ``launcher``; returns (out, max_logits, lse), out allocated when not given. Heads padded where
+    the plan says: q and the sink copied with zero / -inf heads, the kernel's out, max_logits and
+    lse of the padded heads, the first h_q copied back."""
     s_q, h = plan.s_q, plan.kernel_h_q
-    max_logits = torch.empty(s_q, h, dtype=torch.float32, device=t.q.device)
-    lse = torch.empty(s_q, h, dtype=torch.float32, device=t.q.device)
+    device = q.device
+    if out is None:
+        out = torch.empty((s_q, plan.h_q, plan.d_v), dtype=torch.bfloat16, device=device)
+    max_logits = torch.empty((s_q, h), dtype=torch.float32, device=device)
+    lse = torch.empty((s_q, h), dtype=torch.float32, device=device)
     if not s_q:
-        return max_logits[:, :plan.h_q], lse[:, :plan.h_q]
+        return out, max_logits[:, :plan.h_q], lse[:, :plan.h_q]
     if not plan.padded:
-        launch(plan, t._replace(max_logits=max_logits, lse=lse), tuning)
-        return max_logits, lse
+        launcher(SparsePrefillTensors(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, softmax_scale))
+        return out, max_logits, lse
     pad = h - plan.h_q
-    q = torch.nn.functional.pad(t.q, (0, 0, 0, pad))        # zero heads: scores 0, harmless, dropped below
-    sink = None if t.attn_sink is None else torch.nn.functional.pad(t.attn_sink, (0, pad), value=float("-inf"))
-    out = torch.empty(s_q, h, plan.d_v, dtype=torch.bfloat16, device=t.q.device)
-    launch(plan, t._replace(q=q, attn_sink=sink, out=out, max_logits=max_logits, lse=lse), tuning)
-    t.out.copy_(out[:, :plan.h_q])
-    return max_logits[:, :plan.h_q].contiguous(), lse[:, :plan.h_q].contiguous()
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad))        # zero heads: scores 0, harmless, dropped below
+    sink = None if attn_sink is None else torch.nn.functional.pad(attn_sink, (0, pad), value=float("-inf"))
+    out_k = torch.empty((s_q, h, plan.d_v), dtype=torch.bfloat16, device=device)
+    launcher(SparsePrefillTensors(q, kv, indices, topk_length, sink, out_k, max_logits, lse, softmax_scale))
+    out.copy_(out_k[:, :plan.h_q])
+    return out, max_logits[:, :plan.h_q].contiguous(), lse[:, :plan.h_q].contiguous()
 
 
 def flash_mla_sparse_fwd(
@@ -170,8 +204,10 @@ def flash_mla_sparse_fwd(
     if torch.compiler.is_compiling():
         s_q, h_q, _, _ = check_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
         _require_cuda(q)
-        t = _bundle(q, kv, indices, sm_scale, attn_sink, topk_length, out, s_q, h_q)
-        out = t.out
+        if out is None:
+            out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
+        t = SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
+                                 softmax_scale=float(sm_scale))
         arch, _ = ops.device_facts(q.device)    # (the shapes were checked by check_call; the op plans)
         max_logits, lse = torch.ops.cute_mla.sparse_prefill(*t[:_N_INPUTS], out, t.softmax_scale, arch)
         return out, max_logits, lse
@@ -179,25 +215,14 @@ def flash_mla_sparse_fwd(
 
 
 def eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning=None):
-    """:func:`flash_mla_sparse_fwd` outside a trace: checked (once per call signature), planned and
-    launched on q's device. ``tuning``: the kernel's variant knobs (the arch's tuning type; None:
-    the shape's rule), so that a benchmark's variant pays the same host path as the call."""
-    s_q, h_q, d_qk, topk = checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
-    t = _bundle(q, kv, indices, sm_scale, attn_sink, topk_length, out, s_q, h_q)
+    """:func:`flash_mla_sparse_fwd` outside a trace: checked, planned and its kernel resolved once
+    per call signature, then launched on q's device. ``tuning``: the kernel's variant knobs (the
+    arch's tuning type; None: the shape's rule), so that a benchmark's variant pays the same host
+    path as the call."""
+    plan, launcher = checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning)
     with on_device_of(q):
-        arch, _ = ops.device_facts(q.device)
-        plan = plan_sparse_prefill(s_q, h_q, d_qk, topk, arch=arch, has_topk_length=topk_length is not None)
-        max_logits, lse = _run(plan, t, tuning)
-        return t.out, max_logits, lse
-
-
-def _bundle(q, kv, indices, sm_scale, attn_sink, topk_length, out, s_q, h_q) -> SparsePrefillTensors:
-    """A checked call's bundle (kv and indices without their head dim), its out allocated when not
-    given."""
-    if out is None:
-        out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
-    return SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
-                                softmax_scale=float(sm_scale))
+        return _run(plan, launcher, q, kv.squeeze(1), indices.squeeze(1), float(sm_scale), attn_sink, topk_length,
+                    out)
 
 
 # ------------------------------------------------------------------------------ the traced form
@@ -220,10 +245,12 @@ def _op_impl(q, kv, indices, topk_length, attn_sink, out, softmax_scale, arch):
     check_deferred((("q", q), ("out", out), ("kv", kv)), ())      # their neg bits and base pointers
     check_out_apart_from_inputs(out, q, kv, indices, attn_sink, topk_length)
     s_q, h, d_qk = q.shape
-    plan = plan_sparse_prefill(s_q, h, d_qk, indices.shape[-1], arch=arch, has_topk_length=topk_length is not None)
+    plan = plan_sparse_prefill(s_q, h, d_qk, indices.shape[-1], arch=arch, has_topk_length=topk_length is not None,
+                               s_kv=kv.shape[0])
     with on_device_of(q):
-        return _run(plan, SparsePrefillTensors(q, kv, indices, topk_length, attn_sink, out,
-                                               softmax_scale=softmax_scale))
+        _, max_logits, lse = _run(plan, launcher_of(plan, attn_sink is not None), q, kv, indices, softmax_scale,
+                                  attn_sink, topk_length, out)
+    return max_logits, lse
 
 
 def _op_fake(q, kv, indices, topk_length, attn_sink, out, softmax_scale, arch):

@@ -6,7 +6,8 @@ no schedule and no split, so no workspace. 8, 16 or 32 heads: on SM90 natively i
 (the top-k rows on the MMA's M side, the heads on N: the MMAs do the heads' work only; the config
 module's ``kernel_tile``), on an arch whose kernel takes 64 or 128 only on a copy of q padded with
 zero heads (and a padded out, max_logits and lse, whose first h_q heads are copied back): the plan
-names those transient bytes.
+names those transient bytes. The plan also says whether the call's kv rows fit the arch's L2
+(``kv_fits_l2``): a config rule reads it (on SM90, whether the gather prefetches rows into L2).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import Optional
 
 from .. import archs, registry
 
@@ -42,8 +44,16 @@ class SparsePrefillPlan:
     kernel_h_q: int             # heads the kernel runs: h_q, or 64 where the arch pads 8/16/32 (config module's kernel_heads)
     kernel: str                 # the arch's kernel name (registry.OpSpec.kernels)
     tile: str = "heads on M"    # the MMA tile (config module's kernel_tile): "heads on N (swap-AB)" for SM90's 8/16/32
+    s_kv: Optional[int] = None  # kv rows (None: not known, planned as rows past the L2)
     d_v: int = D_V
     op: str = OP
+
+    @property
+    def kv_fits_l2(self) -> bool:
+        """The call's kv rows fit the arch's L2 (``archs.ArchSpec.l2_bytes``), so the walks find
+        them there; False where either is unknown."""
+        l2 = archs.get(self.arch).l2_bytes
+        return self.s_kv is not None and l2 is not None and self.s_kv * self.d_qk * 2 <= l2
 
     @property
     def padded(self) -> bool:
@@ -82,9 +92,14 @@ class SparsePrefillPlan:
         tile = (f"; MMA tile: the {self.h_q} heads on N, the top-k rows on M (swap-AB)"
                 if self.tile != SparsePrefillPlan.tile else "")
         return (f"{self.kernel} on {self.arch}: s_q={self.s_q} h_q={self.h_q} d_qk={self.d_qk} topk={self.topk}"
-                f"{' with topk_length' if self.has_topk_length else ''}; {self.items} work items (one query token x "
+                f"{' with topk_length' if self.has_topk_length else ''}"
+                f"{'' if self.s_kv is None else f' s_kv={self.s_kv} (rows {self._l2_text()})'}; {self.items} work items (one query token x "
                 f"{heads} heads each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 "
                 f"bytes{pad}{tile}")
+
+
+    def _l2_text(self) -> str:
+        return "in L2" if self.kv_fits_l2 else "past L2"
 
 
 def check_problem(s_q: int, h_q: int, d_qk: int, topk: int) -> None:
@@ -106,27 +121,33 @@ def check_problem(s_q: int, h_q: int, d_qk: int, topk: int) -> None:
 
 @functools.lru_cache(maxsize=4096)
 def plan_sparse_prefill(s_q: int, h_q: int, d_qk: int, topk: int, *, arch: str, has_topk_length: bool = False,
-                        policy=None) -> SparsePrefillPlan:
-    """The plan of a call. ``policy``: none yet (the op has one rule); taken for the registry's
-    planner signature."""
+                        s_kv: Optional[int] = None, policy=None) -> SparsePrefillPlan:
+    """The plan of a call (``s_kv``: kv's rows, where known). ``policy``: none yet (the op has one
+    rule); taken for the registry's planner signature."""
     archs.get(arch)
     check_problem(s_q, h_q, d_qk, topk)
+    if s_kv is not None and (not isinstance(s_kv, int) or s_kv < 1):
+        raise ValueError(f"s_kv: got {s_kv!r}, accepted: a positive int (kv's rows) or None")
     kernel = registry.op(OP).kernel(arch).name
     mod = registry.config_module(OP, arch)
     return SparsePrefillPlan(arch=arch, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=topk, has_topk_length=has_topk_length,
-                             kernel_h_q=mod.kernel_heads(h_q), kernel=kernel, tile=mod.kernel_tile(h_q))
+                             kernel_h_q=mod.kernel_heads(h_q), kernel=kernel, tile=mod.kernel_tile(h_q), s_kv=s_kv)
 
 
 def kernel_variants(arch: str, h_qs=SUPPORTED_H_Q, formats=None, kernels=None):
-    """Every (kernel name, config) a sparse prefill plan on ``arch`` can compile: the kernel's head
-    count for each of ``h_qs``, each key width (``formats``: format names whose key width to take,
-    default both), with and without a sink and ``topk_length``."""
+    """Every (kernel name, config) a sparse prefill plan on ``arch`` can compile: the plans of each
+    of ``h_qs``, each key width (``formats``: format names whose key width to take, default both),
+    with and without ``topk_length``, kv rows in and past the L2, each with and without a sink
+    (the arch's ``config_for``; plans of one config listed once)."""
     from ..formats import format_named
     spec = registry.op(OP)
     if kernels is not None and spec.name not in kernels:
         return []
     widths = SUPPORTED_D_QK if formats is None else tuple(dict.fromkeys(format_named(f).d_qk for f in formats))
     mod = registry.config_module(OP, arch)
-    kernel_hs = tuple(dict.fromkeys(mod.kernel_heads(h) for h in h_qs))
-    return [(spec.name, mod.kernel_config(h_q=h, d_qk=d, has_topk_length=tl, has_attn_sink=sink))
-            for h, d, tl, sink in itertools.product(kernel_hs, widths, (False, True), (False, True))]
+    configs = {}
+    for h, d, tl, s_kv in itertools.product(h_qs, widths, (False, True), (1, None)):
+        plan = plan_sparse_prefill(1, h, d, BLOCK_TOPK, arch=arch, has_topk_length=tl, s_kv=s_kv)
+        for sink in (False, True):
+            configs.setdefault(mod.config_for(plan, sink), None)
+    return [(spec.name, cfg) for cfg in configs]

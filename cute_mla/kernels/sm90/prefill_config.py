@@ -121,13 +121,14 @@ class Sm90PrefillTuning:
                              f"got {self.qo_policy!r}")
 
 
-def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90PrefillTuning:
+def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int, kv_fits_l2: bool = False) -> Sm90PrefillTuning:
     """``tuning`` with its None fields set by the shape's rule (the plan's; docs/performance.md,
     section 8, has the measurements). 128 heads: a row is read by the token's two head blocks side by
     side, so the gather keeps the 256-B L2 fill (the second block's copy hits the whole line) and,
-    at d_qk 576 (eighteen 64-B sectors a row, the MMA side longest), the next tiles' rows are
-    prefetched into L2 (by the first block: ``producer``) to keep HBM busy through the ping-pong's
-    steps. Fewer heads: each row is read once, the walk is bound by the gather itself, and both
+    at d_qk 576 (eighteen 64-B sectors a row, the MMA side longest) with kv rows past the L2
+    (``kv_fits_l2`` False: the plan's), the next tiles' rows are prefetched into L2 (by the first
+    block: ``producer``) to keep HBM busy through the ping-pong's steps; where the rows fit the L2
+    the walks find them there, and the prefetches only add L2 requests and power. Fewer heads: each row is read once, the walk is bound by the gather itself, and both
     hints only add L2 traffic. The ping-pong tile (64 and 128 heads) loads Q and stores out
     evict_first, which keeps more of the rows in L2 where the walk is bound by HBM; the swap-AB
     tile's Q and out are a small share of its traffic and go without a policy. At d_qk 512 the
@@ -139,7 +140,7 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int) -> Sm90Prefil
     maxima, WG1's flags, a vote and a branch)."""
     pair = h_q > TILE.heads
     pingpong = h_q not in SMALL_HEADS
-    rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk,
+    rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk and not kv_fits_l2,
             "qo_policy": "evict_first" if pingpong else "",
             "staging": ("ring" if d_qk == V4.d_qk else "q_reload") if pingpong else "q",
             "lazy_max": pingpong, "skip_unit_scale": pingpong}
@@ -226,17 +227,21 @@ def kernel_tile(h_q: int) -> str:
 Tuning = Sm90PrefillTuning
 
 
-def kernel_config(*, h_q: int, d_qk: int, has_topk_length: bool, has_attn_sink: bool,
-                  tuning=None) -> Sm90SparsePrefillConfig:
-    """Any valid config by keyword; ``tuning`` None is the default."""
+def kernel_config(*, h_q: int, d_qk: int, has_topk_length: bool, has_attn_sink: bool, tuning=None,
+                  kv_fits_l2: bool = False) -> Sm90SparsePrefillConfig:
+    """Any valid config by keyword; ``tuning`` None is the default, its open knobs set by the
+    shape's rule (:func:`resolve_tuning`, with ``kv_fits_l2``)."""
+    tuning = DEFAULT_TUNING if tuning is None else tuning
+    if isinstance(tuning, Sm90PrefillTuning):     # (the config refuses any other, by name)
+        tuning = resolve_tuning(tuning, h_q, d_qk, kv_fits_l2)
     return Sm90SparsePrefillConfig(h_q=h_q, d_qk=d_qk, has_topk_length=has_topk_length, has_attn_sink=has_attn_sink,
-                                   tuning=DEFAULT_TUNING if tuning is None else tuning)
+                                   tuning=tuning)
 
 
 def config_for(plan, has_attn_sink: bool, tuning=None) -> Sm90SparsePrefillConfig:
     """The config a sparse prefill plan's calls compile (the launcher's call)."""
     return kernel_config(h_q=plan.kernel_h_q, d_qk=plan.d_qk, has_topk_length=plan.has_topk_length,
-                         has_attn_sink=has_attn_sink, tuning=tuning)
+                         has_attn_sink=has_attn_sink, tuning=tuning, kv_fits_l2=plan.kv_fits_l2)
 
 
 def tensor_maps(cfg: Sm90SparsePrefillConfig) -> tuple:
