@@ -28,6 +28,12 @@ time starts on an idle GPU, so it holds the host's path to the launch: the host 
 mode also times each call again behind a GPU sleep of ``GPU_SLEEP_CYCLES``, so that the host's
 path runs while the GPU is busy: the GPU time of the call alone (an iteration whose host time
 outlasted its sleep is counted in ``<lib>_gpu_exposed``), with its own ratio table.
+``--sustained S`` adds a third timing: each runner's calls back to back for about S seconds (no
+sync between them, so the GPU never idles and its clock settles under the card's power cap, as
+through an engine's prefill of many layers), the runners in turn, ``SUSTAINED_ROUNDS`` rounds:
+µs per call, mJ per call (NVML's energy counter) and the SM clock, the median over the rounds.
+The idle-GPU call above starts each call from the clock an idle card boosts to; a long sustained
+run sits at the cap, where a call's time follows its energy.
 **Transient**: ``testing.transient_bytes`` around one call, the decode benchmark's measure: the
 peak bytes requested from torch's allocator during the call beyond those held before, less the
 returned out, max_logits and lse. **Check**: ``--sample`` query rows of each library's out,
@@ -383,6 +389,53 @@ def alternating_us(runners: Dict[str, List[Tuple[str, Callable]]], iters: int, w
     return times
 
 
+SUSTAINED_ROUNDS = 3
+
+
+def sustained_us(runners: Dict[str, List[Tuple[str, Callable]]], seconds: float,
+                 call_us: Dict[str, float]) -> Dict[str, dict]:
+    """Each runner's calls back to back (the module docstring's sustained timing): about
+    ``seconds`` of them (``call_us``: a runner's µs a call, to count them), the runners in turn,
+    ``SUSTAINED_ROUNDS`` rounds. Returns {runner: {"us": [...], "mj": [...], "mhz": [...]}}, one
+    entry per round (mJ and MHz empty without NVML)."""
+    meter = _nvml_meter()
+    out = {k: {"us": [], "mj": [], "mhz": []} for k in runners}
+    for _ in range(SUSTAINED_ROUNDS):
+        for k, stages in runners.items():
+            n = max(10, int(seconds / (call_us[k] * 1e-6)))
+            for _, fn in stages:
+                fn()
+            torch.cuda.synchronize()
+            start = meter() if meter else None
+            step, clocks = max(1, n // 8), []
+            t0 = time.perf_counter()
+            for i in range(n):
+                for _, fn in stages:
+                    fn()
+                if meter and i % step == step // 2:      # the clock while the queue runs
+                    clocks.append(meter()[1])
+            torch.cuda.synchronize()
+            out[k]["us"].append((time.perf_counter() - t0) / n * 1e6)
+            if meter:
+                out[k]["mj"].append((meter()[0] - start[0]) / n)
+                out[k]["mhz"].append(statistics.mean(clocks))
+    return out
+
+
+def _nvml_meter() -> Optional[Callable[[], Tuple[float, float]]]:
+    """A function of () -> (the current GPU's energy counter in mJ, its SM clock in MHz) through
+    NVML, or None where pynvml or the device's NVML index is not available."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(torch.cuda.current_device()))
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception:  # noqa: BLE001 -- no meter: the sustained µs alone
+        return None
+    return lambda: (float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)),
+                    float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)))
+
+
 def summary(samples: List[float]) -> dict:
     return dict(us=statistics.median(samples), us_min=min(samples), us_max=max(samples))
 
@@ -449,16 +502,33 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
         row["gpu_ratio"] = row["flashmla_gpu_us"] / row["cute_gpu_us"]
     if "cute_gpu_us" in row and "variant_gpu_us" in row:
         row["variant_gpu_speedup"] = row["variant_gpu_us"] / row["cute_gpu_us"]
+    if getattr(args, "sustained", 0) and times:
+        timed = {k: v for k, v in runners.items() if k in times}
+        try:
+            sus = sustained_us(timed, args.sustained, {k: row[f"{k}_us"] for k in timed})
+        except Exception as e:  # noqa: BLE001
+            row["sustained_error"] = one_line(e)
+            sus = {}
+        for key, t in sus.items():
+            row[f"{key}_sus_us"] = statistics.median(t["us"])
+            if t["mj"]:
+                row[f"{key}_sus_mj"] = statistics.median(t["mj"])
+                row[f"{key}_sus_mhz"] = statistics.median(t["mhz"])
+        if "cute_sus_us" in row and "flashmla_sus_us" in row:
+            row["sus_ratio"] = row["flashmla_sus_us"] / row["cute_sus_us"]
+        if "cute_sus_us" in row and "variant_sus_us" in row:
+            row["variant_sus_speedup"] = row["variant_sus_us"] / row["cute_sus_us"]
     row["runs"] = [run_of(row)]
     return row
 
 
-RUN_KEYS = ("cute_us", "flashmla_us", "variant_us", "ratio", "variant_speedup", "cute_host_us", "flashmla_host_us",
-            "variant_host_us", "cute_gpu_us", "flashmla_gpu_us", "variant_gpu_us", "gpu_ratio", "variant_gpu_speedup")
 # a runner's figures (per run and in the row), dropped with its time when it fails in a run
-LIB_RUN_KEYS = ("us", "host_us", "gpu_us")
-RATIOS = {"cute": ("ratio", "variant_speedup", "gpu_ratio", "variant_gpu_speedup"), "flashmla": ("ratio", "gpu_ratio"),
-          "variant": ("variant_speedup", "variant_gpu_speedup")}
+LIB_RUN_KEYS = ("us", "host_us", "gpu_us", "sus_us", "sus_mj", "sus_mhz")
+RUN_KEYS = (tuple(f"{lib}_{k}" for k in LIB_RUN_KEYS for lib in ("cute", "flashmla", "variant"))
+            + ("ratio", "variant_speedup", "gpu_ratio", "variant_gpu_speedup", "sus_ratio", "variant_sus_speedup"))
+RATIOS = {"cute": ("ratio", "variant_speedup", "gpu_ratio", "variant_gpu_speedup", "sus_ratio", "variant_sus_speedup"),
+          "flashmla": ("ratio", "gpu_ratio", "sus_ratio"),
+          "variant": ("variant_speedup", "variant_gpu_speedup", "variant_sus_speedup")}
 
 
 def run_of(row: dict) -> dict:
@@ -542,17 +612,33 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
                 exposed = sum(r.get(f"{k}_gpu_exposed", 0) for k in LIBS)
                 lines.append(f"| {r['case']} | {r['cute_gpu_us']:.1f} | {r['flashmla_gpu_us']:.1f} | "
                              f"{r['gpu_ratio']:.3f}{span}{f'; {exposed} iterations not hidden' if exposed else ''} |")
+    if any("sus_ratio" in r for r in rows):
+        lines += ["", f"Sustained time of a call (the calls back to back for about {meta.get('sustained', 0):g} s "
+                  f"per library, {SUSTAINED_ROUNDS} rounds alternating: the GPU at its power cap; µs and mJ per "
+                  "call, the SM clock; medians of the runs' medians, the ratio the median of the runs' ratios):", "",
+                  "| d_qk/h_q/topk/s_kv | cute-mla µs | mJ | MHz | FlashMLA µs | mJ | MHz | ratio |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "sus_ratio" in r:
+                runs = [x["sus_ratio"] for x in r.get("runs", ()) if "sus_ratio" in x]
+                span = f" ({min(runs):.3f}-{max(runs):.3f}, {len(runs)})" if len(runs) > 1 else ""
+                cells = [f"{r[f'{k}_sus_us']:.1f} | " + " | ".join(
+                    f"{r[f'{k}_sus_{m}']:.0f}" if f"{k}_sus_{m}" in r else "-" for m in ("mj", "mhz"))
+                    for k in LIBS]
+                lines.append(f"| {r['case']} | {' | '.join(cells)} | {r['sus_ratio']:.3f}{span} |")
     if meta.get("variant"):
         lines += ["", f"cute-mla's default kernel against the variant `{meta['variant']}` (same run, same inputs); "
                   "speedup = variant µs / default µs", "",
-                  "| d_qk/h_q/topk/s_kv | default µs | variant µs | TFLOP/s | check | speedup | GPU time speedup |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| d_qk/h_q/topk/s_kv | default µs | variant µs | TFLOP/s | check | speedup | GPU time speedup |"
+                  + (" sustained speedup |" if any("variant_sus_speedup" in r for r in rows) else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if any("variant_sus_speedup" in r for r in rows) else "")]
         for r in rows:
             if "variant_us" in r:
                 check = r.get("variant_check", "-")
                 lines.append(f"| {r['case']} | {r.get('cute_us', float('nan')):.1f} | {r['variant_us']:.1f} | "
                              f"{r['variant_tflops']:.1f} | {check if check in ('ok', 'not checked') else 'FAIL: ' + check} | "
-                             f"{r.get('variant_speedup', float('nan')):.3f} | {r.get('variant_gpu_speedup', float('nan')):.3f} |")
+                             f"{r.get('variant_speedup', float('nan')):.3f} | {r.get('variant_gpu_speedup', float('nan')):.3f} |"
+                             + (f" {r['variant_sus_speedup']:.3f} |" if "variant_sus_speedup" in r else ""))
             else:
                 lines.append(f"| {r['case']} | - | error: {r.get('variant_error', '-')} | - | - | - | - |".replace("\n", " "))
     return "\n".join(lines)
@@ -582,7 +668,8 @@ def cases_main(args) -> dict:
             print(json.dumps(r), flush=True)
     results = list(results.values())
     meta = run_meta(args, mode="cases", s_q=args.s_q, layout="packed" if args.contiguous else "strided (FlashMLA's)",
-                    topk_length=args.topk_length, sm_scale=PERF_SM_SCALE, flashmla=fm is not None, variant=variant)
+                    topk_length=args.topk_length, sm_scale=PERF_SM_SCALE, flashmla=fm is not None, variant=variant,
+                    sustained=args.sustained)
     print()
     print(cases_table(meta, results))
     return dict(meta=meta, results=results)
@@ -909,6 +996,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-s", type=float, default=2.0, help="seconds of bf16 matmuls first (clocks up)")
     ap.add_argument("--save", nargs="?", const=RESULTS, default=None, metavar="DIR",
                     help="write JSON and markdown into benchmarks/results (the index updated), or into DIR")
+    ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
+                    help="cases mode: also time each library's calls back to back for about S seconds (0: not)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
                     help="cases mode: also time cute-mla's kernel with this Tuning field (repeatable), e.g. prefetch_rows=true")
     ap.add_argument("--install", default=None, metavar="FILE.json",

@@ -97,3 +97,27 @@ def test_repeat_is_for_the_cases():
         bench.parse_args(["--routes", "--repeat", "2"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeat", "0"])
+
+
+def test_sustained_timing_adds_its_table_and_merges_by_run(tmp_path):
+    """``--sustained`` rows: µs, mJ and MHz per library and the sustained ratio, merged over runs as
+    the other timings are (medians, the ratio's range), in a table of their own."""
+    def sus(row, cute, flashmla):
+        row.update(cute_sus_us=cute, flashmla_sus_us=flashmla, cute_sus_mj=cute * 0.7, flashmla_sus_mj=flashmla * 0.7,
+                   cute_sus_mhz=1500.0, flashmla_sus_mhz=1450.0, sus_ratio=flashmla / cute)
+        row["runs"] = [bench.run_of(row)]
+        return row
+
+    d = str(tmp_path)
+    section = _section("cases", [sus(_row("576/128/2048/32768", 4000.0, 4300.0), 4100.0, 4510.0)])
+    section["cases"]["meta"]["sustained"] = 1.5
+    bench.save(section, d)
+    section = _section("cases", [sus(_row("576/128/2048/32768", 4000.0, 4300.0), 4000.0, 4320.0)])
+    section["cases"]["meta"]["sustained"] = 1.5
+    bench.save(section, d)
+    path, = tmp_path.glob("*-sparse-prefill.json")
+    r, = json.load(open(path))["cases"]["results"]
+    assert r["cute_sus_us"] == 4050.0 and r["sus_ratio"] == pytest.approx((1.1 + 1.08) / 2)
+    md = (tmp_path / "h100-abc1234-sparse-prefill.md").read_text()
+    assert "Sustained time of a call (the calls back to back for about 1.5 s" in md
+    assert "| 576/128/2048/32768 | 4050.0 | 2835 | 1500 | 4415.0 | 3090 | 1450 | 1.090 (1.080-1.100, 2) |" in md
