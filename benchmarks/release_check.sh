@@ -7,11 +7,14 @@
 #   v4        the V4 grid against FlashMLA (README's V4 table, 5 draws a row), V4_S (150) s
 #   v32       the V3.2 grid against FlashMLA (README's table; V32_ROWS: all, quick (~15 s) or
 #             "b,s_q,h;..."), V32_S s (default: the time left)
+#   prefill   the sparse prefill table against FlashMLA (idle-GPU call, GPU and sustained time, two
+#             runs; README's prefill table), PREFILL_S (300) s, its JSON and markdown in $OUT
 #   demo      cute-mla demo
 #   examples  every GPU example, then `cute-mla bench --shape 1x8192x128 --vs flashmla --plot`
 #             (the playground; the bench writes its results JSON next to the plot when matplotlib
 #             is missing, and `cute-mla bench --replot` draws it anywhere)
-# e.g. STEPS="examples" for the playground alone, STEPS="tests demo v32" for tests, demo and grid.
+# e.g. STEPS="examples" for the playground alone, STEPS="tests demo v32" for tests, demo and grid,
+# STEPS="tests prefill" for the suite and the prefill table.
 # Each step's log lands in $OUT/<step>.log (OUT default ./artifacts), the results JSON in
 # $OUT/v4.json and $OUT/v32.json, the GPU's name, driver and clocks in $OUT/gpu.txt; each step
 # prints its exit status, wall time and its log's last lines; the script exits 1 if any step
@@ -50,6 +53,8 @@ want tests && TAIL=12 run tests "${TESTS_S:-330}" python3 -m pytest -q -rf -p no
 want v4 && TAIL=30 run v4 "${V4_S:-150}" python3 -m benchmarks.bench_sparse_decode --v4 --draws 5 --out "$OUT/v4.json"
 want v32 && TAIL=40 run v32 "${V32_S:-$((BUDGET - SECONDS))}" python3 -m benchmarks.bench_sparse_decode --rows "${V32_ROWS:-all}" \
   --json "$OUT/v32.json"
+want prefill && TAIL=40 run prefill "${PREFILL_S:-300}" python3 benchmarks/bench_sparse_prefill.py --iters 5 --warmup 2 \
+  --warmup-s 0.5 --repeat 2 --sustained 1 --save "$OUT"
 want demo && run demo 120 python3 -m cute_mla.cli demo
 if want examples; then
   run 06_a_first_kernel 120 python3 examples/06_a_first_kernel.py
