@@ -162,7 +162,8 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
 
     monkeypatch.setattr(prefill, "_require_cuda", lambda q: None)
     monkeypatch.setattr(prefill.ops, "device_facts", lambda device: ("sm_90a", 132))
-    monkeypatch.setattr(prefill, "launcher_of", lambda plan, has_attn_sink, tuning=None: None)
+    plans = []
+    monkeypatch.setattr(prefill, "launcher_of", lambda plan, has_attn_sink, tuning=None: plans.append(plan))
     monkeypatch.setattr(prefill, "_run", lambda plan, launcher, *args: (None, None, None))
     monkeypatch.setattr(prefill, "_checked", {})
     runs = []
@@ -175,6 +176,7 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
     call(q=q, out=beside)
     call(q=q.clone(), out=beside.clone(), sm_scale=0.5)                 # the same signature
     assert len(runs) == 1 and len(prefill._checked) == 1
+    assert len(plans) == 1 and plans[0].s_kv == S_KV and plans[0].s_q == S_Q     # planned once per signature
     with pytest.raises(ValueError, match="^sm_scale: got inf"):
         call(q=q, out=beside, sm_scale=float("inf"))
     with pytest.raises(ValueError, match=r"^out: its memory \[0x[0-9a-f]+, 0x[0-9a-f]+\) overlaps q's"):
@@ -194,3 +196,8 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
         with pytest.raises(exc, match=msg):
             call(**over)
     assert len(runs) == 1 + len(bad)
+    # kv's rows are part of the signature and of the plan: past the L2 is another plan
+    from cute_mla import archs
+    past_l2 = archs.SM90.l2_bytes // (D_QK * 2) + 1
+    call(q=q, out=beside, kv=torch.zeros(past_l2, 1, D_QK, dtype=BF16))
+    assert len(runs) == 2 + len(bad) and [p.kv_fits_l2 for p in plans] == [True, False]
