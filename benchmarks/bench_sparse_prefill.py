@@ -570,6 +570,12 @@ def merge_runs(prev: dict, new: dict) -> dict:
     return row
 
 
+def runs_span(row: dict, key: str) -> str:
+    """" (lowest-highest, runs)" of a ratio over a row's runs, or "" for one run."""
+    runs = [x[key] for x in row.get("runs", ()) if key in x]
+    return f" ({min(runs):.3f}-{max(runs):.3f}, {len(runs)})" if len(runs) > 1 else ""
+
+
 def cases_table(meta: dict, rows: Sequence[dict]) -> str:
     lines = [f"{meta['gpu']}  commit {meta['commit']}  {meta['date']}",
              f"sparse prefill, s_q {meta['s_q']}, sinks on, {meta['layout']} q/kv/indices, "
@@ -607,8 +613,7 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
                   "| d_qk/h_q/topk/s_kv | cute-mla GPU µs | FlashMLA GPU µs | ratio |", "|---|---|---|---|"]
         for r in rows:
             if "gpu_ratio" in r:
-                runs = [x["gpu_ratio"] for x in r.get("runs", ()) if "gpu_ratio" in x]
-                span = f" ({min(runs):.3f}-{max(runs):.3f}, {len(runs)})" if len(runs) > 1 else ""
+                span = runs_span(r, "gpu_ratio")
                 exposed = sum(r.get(f"{k}_gpu_exposed", 0) for k in LIBS)
                 lines.append(f"| {r['case']} | {r['cute_gpu_us']:.1f} | {r['flashmla_gpu_us']:.1f} | "
                              f"{r['gpu_ratio']:.3f}{span}{f'; {exposed} iterations not hidden' if exposed else ''} |")
@@ -620,8 +625,7 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "sus_ratio" in r:
-                runs = [x["sus_ratio"] for x in r.get("runs", ()) if "sus_ratio" in x]
-                span = f" ({min(runs):.3f}-{max(runs):.3f}, {len(runs)})" if len(runs) > 1 else ""
+                span = runs_span(r, "sus_ratio")
                 cells = [f"{r[f'{k}_sus_us']:.1f} | " + " | ".join(
                     f"{r[f'{k}_sus_{m}']:.0f}" if f"{k}_sus_{m}" in r else "-" for m in ("mj", "mhz"))
                     for k in LIBS]

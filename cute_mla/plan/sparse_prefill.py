@@ -89,17 +89,14 @@ class SparsePrefillPlan:
         pad = (f"; {self.h_q} heads run as {self.kernel_h_q} (zero heads padded: {self.padding_bytes / 2**20:.1f} MiB "
                "transient)") if self.padded else ""
         heads = min(self.kernel_h_q, 64)
+        kv = "" if self.s_kv is None else f" s_kv={self.s_kv} (rows {'in' if self.kv_fits_l2 else 'past'} L2)"
         tile = (f"; MMA tile: the {self.h_q} heads on N, the top-k rows on M (swap-AB)"
                 if self.tile != SparsePrefillPlan.tile else "")
         return (f"{self.kernel} on {self.arch}: s_q={self.s_q} h_q={self.h_q} d_qk={self.d_qk} topk={self.topk}"
                 f"{' with topk_length' if self.has_topk_length else ''}"
-                f"{'' if self.s_kv is None else f' s_kv={self.s_kv} (rows {self._l2_text()})'}; {self.items} work items (one query token x "
+                f"{kv}; {self.items} work items (one query token x "
                 f"{heads} heads each, its whole list of {self.topk // BLOCK_TOPK} K tiles), no split, workspace 0 "
                 f"bytes{pad}{tile}")
-
-
-    def _l2_text(self) -> str:
-        return "in L2" if self.kv_fits_l2 else "past L2"
 
 
 def check_problem(s_q: int, h_q: int, d_qk: int, topk: int) -> None:
