@@ -325,17 +325,17 @@ def test_launch_passes_entry_order_and_a_one_row_kv():
     dummy = CompiledKernel(key="dummy", fn=lambda *a: calls.append(a))
     s_q, h, topk = 3, 64, 128
     q = torch.zeros(s_q, h, 576, dtype=torch.bfloat16)
-    idx = torch.zeros(s_q, topk, dtype=torch.int32)
+    idx = torch.zeros(s_q, 1, topk, dtype=torch.int32)
     out = torch.zeros(s_q, h, 512, dtype=torch.bfloat16)
     ml, lse = torch.zeros(s_q, h), torch.zeros(s_q, h)
     cfg = _cfg(VARIANTS[0])
-    kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 1, 576, dtype=torch.bfloat16)
     sp.launch(dummy, cfg, SparsePrefillTensors(q, kv, idx, None, None, out, ml, lse, softmax_scale=0.25))
     assert calls[0] == (q, kv, idx, None, None, out, ml, lse, 0.25)
-    one = torch.zeros(1, 600, dtype=torch.bfloat16)[:, :576].as_strided((1, 576), (3, 1))
+    one = torch.zeros(1, 600, dtype=torch.bfloat16)[:, :576].as_strided((1, 1, 576), (3, 5, 1))
     sp.launch(dummy, cfg, SparsePrefillTensors(q, one, idx, None, None, out, ml, lse, softmax_scale=0.25))
     fixed = calls[1][1]
-    assert fixed.stride() == (576, 1) and fixed.data_ptr() == one.data_ptr() and torch.equal(fixed, one)
+    assert fixed.stride() == (576, 576, 1) and fixed.data_ptr() == one.data_ptr() and torch.equal(fixed, one)
 
 
 def test_cli_compiles_the_prefill_kernel(tmp_path):

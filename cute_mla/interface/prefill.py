@@ -157,7 +157,7 @@ def launcher_of(plan: SparsePrefillPlan, has_attn_sink: bool, tuning=None) -> Pr
 
 def _run(plan: SparsePrefillPlan, launcher: PrefillLauncher, q, kv, indices, softmax_scale: float, attn_sink,
          topk_length, out) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The call on checked tensors (kv and indices without their head dim), launched by
+    """The call on checked tensors (kv and indices with their unit head dim), launched by
     ``launcher``; returns (out, max_logits, lse), out allocated when not given. Heads padded where
     the plan says: q and the sink copied with zero / -inf heads, the kernel's out, max_logits and
     lse of the padded heads, the first h_q copied back."""
@@ -206,8 +206,7 @@ def flash_mla_sparse_fwd(
         _require_cuda(q)
         if out is None:
             out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
-        t = SparsePrefillTensors(q, kv.squeeze(1), indices.squeeze(1), topk_length, attn_sink, out,
-                                 softmax_scale=float(sm_scale))
+        t = SparsePrefillTensors(q, kv, indices, topk_length, attn_sink, out, softmax_scale=float(sm_scale))
         arch, _ = ops.device_facts(q.device)    # (the shapes were checked by check_call; the op plans)
         max_logits, lse = torch.ops.cute_mla.sparse_prefill(*t[:_N_INPUTS], out, t.softmax_scale, arch)
         return out, max_logits, lse
@@ -221,8 +220,7 @@ def eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tunin
     path as the call."""
     plan, launcher = checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning)
     with on_device_of(q):
-        return _run(plan, launcher, q, kv.squeeze(1), indices.squeeze(1), float(sm_scale), attn_sink, topk_length,
-                    out)
+        return _run(plan, launcher, q, kv, indices, float(sm_scale), attn_sink, topk_length, out)
 
 
 # ------------------------------------------------------------------------------ the traced form

@@ -64,8 +64,8 @@ class SparsePrefillTensors(NamedTuple):
     from its input fields (:data:`SPARSE_PREFILL_INPUTS`); the kernel's ``ENTRY`` picks its fields."""
 
     q: torch.Tensor                                # (s_q, h, d_qk) bf16
-    kv: torch.Tensor                               # (s_kv, d_qk) bf16 (the call's (s_kv, 1, d_qk) without its unit dim)
-    indices: torch.Tensor                          # (s_q, topk) int32
+    kv: torch.Tensor                               # (s_kv, 1, d_qk) bf16, as the call gives it
+    indices: torch.Tensor                          # (s_q, 1, topk) int32, as the call gives it
     topk_length: Optional[torch.Tensor] = None     # (s_q,) int32
     attn_sink: Optional[torch.Tensor] = None       # (h,) fp32
     out: Optional[torch.Tensor] = None             # (s_q, h, d_v) bf16

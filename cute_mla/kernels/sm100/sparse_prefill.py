@@ -55,8 +55,8 @@ class Sm100SparsePrefill:
     def __call__(
         self,
         q: cute.Tensor,            # (s_q, h_q, d_qk) bf16
-        kv: cute.Tensor,           # (s_kv, d_qk) bf16
-        indices: cute.Tensor,      # (s_q, topk) int32
+        kv: cute.Tensor,           # (s_kv, 1, d_qk) bf16
+        indices: cute.Tensor,      # (s_q, 1, topk) int32
         topk_length: Optional[cute.Tensor],  # (s_q,) int32
         attn_sink: Optional[cute.Tensor],    # (h_q,) fp32
         out: cute.Tensor,          # (s_q, h_q, 512) bf16
@@ -66,6 +66,7 @@ class Sm100SparsePrefill:
         stream,
     ):
         tile = self.tile
+        kv, indices = prefill_entry.without_head_dim(kv), prefill_entry.without_head_dim(indices)
         qk_mma, pv_mma = tiled_mmas()
         L = smem_layouts(qk_mma, pv_mma, tile)
 
@@ -200,5 +201,5 @@ def launch(compiled: CompiledKernel, cfg: Sm100SparsePrefillConfig, t: SparsePre
     kv = t.kv
     if kv.shape[0] == 1 and kv.stride(0) % 8:
         # one row: its stride is free to the caller, but the gather4 tensor map takes it (16-B multiple)
-        t = t._replace(kv=kv.as_strided(tuple(kv.shape), (kv.shape[1], 1)))
+        t = t._replace(kv=kv.as_strided(tuple(kv.shape), (kv.shape[2], kv.shape[2], 1)))
     compiled.fn(*prefill_entry.entry_of(t), float(t.softmax_scale))

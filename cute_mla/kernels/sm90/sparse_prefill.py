@@ -59,8 +59,8 @@ class Sm90SparsePrefill:
     def __call__(
         self,
         q: cute.Tensor,            # (s_q, h_q, d_qk) bf16
-        kv: cute.Tensor,           # (s_kv, d_qk) bf16
-        indices: cute.Tensor,      # (s_q, topk) int32
+        kv: cute.Tensor,           # (s_kv, 1, d_qk) bf16
+        indices: cute.Tensor,      # (s_q, 1, topk) int32
         topk_length: Optional[cute.Tensor],  # (s_q,) int32
         attn_sink: Optional[cute.Tensor],    # (h_q,) fp32
         out: cute.Tensor,          # (s_q, h_q, 512) bf16
@@ -72,6 +72,7 @@ class Sm90SparsePrefill:
     ):
         cfg = self.cfg
         tile = cfg.tile
+        kv, indices = prefill_entry.without_head_dim(kv), prefill_entry.without_head_dim(indices)
         heads = TILE.heads   # rows of the Q and out TMA boxes
         if cutlass.const_expr(cfg.swapped):
             # The swap-AB tile: QK and PV with the heads on N (both groups' PV is SS: WG0 takes
