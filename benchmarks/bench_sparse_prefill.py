@@ -494,14 +494,6 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
             row[f"{key}_gpu_exposed"] = sum(t["gpu_exposed"])
         row[f"{key}_tflops"] = flop / s["us"] * 1e-6
         row[f"{key}_tbps"] = nbytes / s["us"] * 1e-6
-    if "cute_us" in row and "flashmla_us" in row:
-        row["ratio"] = row["flashmla_us"] / row["cute_us"]
-    if "cute_us" in row and "variant_us" in row:
-        row["variant_speedup"] = row["variant_us"] / row["cute_us"]
-    if "cute_gpu_us" in row and "flashmla_gpu_us" in row:
-        row["gpu_ratio"] = row["flashmla_gpu_us"] / row["cute_gpu_us"]
-    if "cute_gpu_us" in row and "variant_gpu_us" in row:
-        row["variant_gpu_speedup"] = row["variant_gpu_us"] / row["cute_gpu_us"]
     if getattr(args, "sustained", 0) and times:
         timed = {k: v for k, v in runners.items() if k in times}
         try:
@@ -514,21 +506,23 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
             if t["mj"]:
                 row[f"{key}_sus_mj"] = statistics.median(t["mj"])
                 row[f"{key}_sus_mhz"] = statistics.median(t["mhz"])
-        if "cute_sus_us" in row and "flashmla_sus_us" in row:
-            row["sus_ratio"] = row["flashmla_sus_us"] / row["cute_sus_us"]
-        if "cute_sus_us" in row and "variant_sus_us" in row:
-            row["variant_sus_speedup"] = row["variant_sus_us"] / row["cute_sus_us"]
+    for name, timing, lib in RATIO_DEFS:
+        if f"cute_{timing}" in row and f"{lib}_{timing}" in row:
+            row[name] = row[f"{lib}_{timing}"] / row[f"cute_{timing}"]
     row["runs"] = [run_of(row)]
     return row
 
 
 # a runner's figures (per run and in the row), dropped with its time when it fails in a run
 LIB_RUN_KEYS = ("us", "host_us", "gpu_us", "sus_us", "sus_mj", "sus_mhz")
+# a row's ratios: (key, the timing it divides, the runner whose time is over cute-mla's)
+RATIO_DEFS = (("ratio", "us", "flashmla"), ("variant_speedup", "us", "variant"),
+              ("gpu_ratio", "gpu_us", "flashmla"), ("variant_gpu_speedup", "gpu_us", "variant"),
+              ("sus_ratio", "sus_us", "flashmla"), ("variant_sus_speedup", "sus_us", "variant"))
 RUN_KEYS = (tuple(f"{lib}_{k}" for k in LIB_RUN_KEYS for lib in ("cute", "flashmla", "variant"))
-            + ("ratio", "variant_speedup", "gpu_ratio", "variant_gpu_speedup", "sus_ratio", "variant_sus_speedup"))
-RATIOS = {"cute": ("ratio", "variant_speedup", "gpu_ratio", "variant_gpu_speedup", "sus_ratio", "variant_sus_speedup"),
-          "flashmla": ("ratio", "gpu_ratio", "sus_ratio"),
-          "variant": ("variant_speedup", "variant_gpu_speedup", "variant_sus_speedup")}
+            + tuple(name for name, _, _ in RATIO_DEFS))
+# the ratios a runner's failure drops
+RATIOS = {key: tuple(name for name, _, lib in RATIO_DEFS if key in ("cute", lib)) for key in ("cute", "flashmla", "variant")}
 
 
 def run_of(row: dict) -> dict:
@@ -631,11 +625,12 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
                     for k in LIBS]
                 lines.append(f"| {r['case']} | {' | '.join(cells)} | {r['sus_ratio']:.3f}{span} |")
     if meta.get("variant"):
+        sustained = any("variant_sus_speedup" in r for r in rows)
         lines += ["", f"cute-mla's default kernel against the variant `{meta['variant']}` (same run, same inputs); "
                   "speedup = variant µs / default µs", "",
                   "| d_qk/h_q/topk/s_kv | default µs | variant µs | TFLOP/s | check | speedup | GPU time speedup |"
-                  + (" sustained speedup |" if any("variant_sus_speedup" in r for r in rows) else ""),
-                  "|---|---|---|---|---|---|---|" + ("---|" if any("variant_sus_speedup" in r for r in rows) else "")]
+                  + (" sustained speedup |" if sustained else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if sustained else "")]
         for r in rows:
             if "variant_us" in r:
                 check = r.get("variant_check", "-")
