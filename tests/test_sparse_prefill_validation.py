@@ -152,6 +152,38 @@ def test_valid_arguments_reach_the_device_check(h_q, d_qk, features):
         cute_mla.flash_mla_sparse_fwd(**kw)
 
 
+def test_launcher_follows_the_config_its_plan_compiles(monkeypatch):
+    """A launcher per compiled config: plans that differ in the lengths alone share one, and
+    plans whose kv is on either side of the L2 (which the 128-head d_qk 576 rule reads for the row
+    prefetch) get their own, in either order, as does a variant. The kernel module is stubbed, so
+    nothing compiles."""
+    from cute_mla import archs
+    from cute_mla.interface import prefill
+    from cute_mla.plan.sparse_prefill import plan_sparse_prefill
+
+    class Stub:
+        compile = staticmethod(lambda cfg: ("compiled", cfg))
+
+    monkeypatch.setattr(prefill.registry, "kernel_module", lambda op, arch: Stub)
+    monkeypatch.setattr(prefill, "_by_config", {})
+    monkeypatch.setattr(prefill, "_by_plan", {})
+    past_l2 = archs.SM90.l2_bytes // (576 * 2) + 1
+    fits, past = (plan_sparse_prefill(4096, 128, 576, 2048, arch="sm_90a", s_kv=n) for n in (8192, past_l2))
+    a, b = prefill.launcher_of(fits, True), prefill.launcher_of(past, True)
+    assert (a.cfg.tuning.prefetch_rows, b.cfg.tuning.prefetch_rows) == (False, True)
+    assert a.compiled == ("compiled", a.cfg) and b is not a
+    for s_q, s_kv, same in ((7, 1024, a), (4096, 2 * past_l2, b), (1, past_l2, b)):
+        assert prefill.launcher_of(plan_sparse_prefill(s_q, 128, 576, 2048, arch="sm_90a", s_kv=s_kv), True) is same
+    assert prefill.launcher_of(fits, False) is not a
+    variant = prefill.launcher_of(fits, True, prefill.registry.config_module(fits.op, fits.arch).Tuning(prefetch_rows=True))
+    assert variant.cfg == b.cfg and variant is b     # a variant naming the rule's other choice is that config
+    monkeypatch.setattr(prefill, "_MAX_PLANS", 2)
+    prefill._by_plan.clear()
+    assert prefill.launcher_of(past, True) is b and prefill.launcher_of(fits, True) is a
+    assert prefill.launcher_of(plan_sparse_prefill(3, 128, 576, 2048, arch="sm_90a", s_kv=64), True) is a
+    assert len(prefill._by_plan) == 1 and len(prefill._by_config) == 3     # the full table was cleared
+
+
 def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
     """The argument checks run once per call signature (every layer of a prefill step has the
     same); the scale is checked on every call, an out is kept apart from the inputs on every call,

@@ -126,32 +126,43 @@ def _prepare(q, kv_rows: int, dims, has_attn_sink: bool, has_topk_length: bool, 
 
 
 class PrefillLauncher:
-    """A plan's kernel resolved once (kernel module, config, compiled entry), so that a call only
-    allocates its outputs and launches. One per (arch, kernel heads, d_qk, topk_length, sink,
-    tuning): what the config depends on, not the call's lengths."""
+    """A config's kernel resolved once (kernel module, compiled entry), so that a call only
+    allocates its outputs and launches."""
 
     __slots__ = ("mod", "cfg", "compiled")
 
-    def __init__(self, plan: SparsePrefillPlan, has_attn_sink: bool, tuning=None):
-        self.mod = registry.kernel_module(plan.op, plan.arch)
-        self.cfg = registry.config_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning)
-        self.compiled = self.mod.compile(self.cfg)
+    def __init__(self, arch: str, op: str, cfg):
+        self.mod = registry.kernel_module(op, arch)
+        self.cfg = cfg
+        self.compiled = self.mod.compile(cfg)
 
     def __call__(self, t: SparsePrefillTensors) -> None:
         """The kernel on ``t`` (heads already the kernel's, s_q >= 1) on the current stream."""
         self.mod.launch(self.compiled, self.cfg, t)
 
 
-_launchers: dict = {}
+_by_config: dict = {}   # (arch, config) -> PrefillLauncher
+# (plan, sink, tuning) -> its config's launcher: a call's lookup without resolving the config
+# again; a plan holds the call's lengths, so the table is cleared when full
+_by_plan: dict = {}
+_MAX_PLANS = 256
 
 
 def launcher_of(plan: SparsePrefillPlan, has_attn_sink: bool, tuning=None) -> PrefillLauncher:
-    """The process's one :class:`PrefillLauncher` for a plan's kernel (``tuning``: the arch's
-    tuning type, a variant; None: the shape's rule)."""
-    key = (plan.arch, plan.kernel_h_q, plan.d_qk, plan.has_topk_length, has_attn_sink, tuning)
-    launcher = _launchers.get(key)
+    """The process's one :class:`PrefillLauncher` for the config a plan's calls compile
+    (``tuning``: the arch's tuning type, a variant; None: the shape's rule). Plans that differ only
+    in what the config ignores (the lengths) share it, and a plan fact that a config rule reads
+    (whether kv fits the L2) picks its own."""
+    key = (plan, has_attn_sink, tuning)
+    launcher = _by_plan.get(key)
     if launcher is None:
-        launcher = _launchers[key] = PrefillLauncher(plan, has_attn_sink, tuning)
+        cfg = registry.config_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning)
+        launcher = _by_config.get((plan.arch, cfg))
+        if launcher is None:
+            launcher = _by_config[plan.arch, cfg] = PrefillLauncher(plan.arch, plan.op, cfg)
+        if len(_by_plan) >= _MAX_PLANS:
+            _by_plan.clear()
+        _by_plan[key] = launcher
     return launcher
 
 
