@@ -20,7 +20,9 @@ Every module named here keeps one protocol (checked by ``tests/test_registry.py`
   ``Tuning`` (its variant-knob type, or None), ``kernel_config(**fields)`` (any valid config by
   keyword: tests, tools), ``config_for(plan, has_attn_sink, tuning=None) -> Config`` (the config a
   plan's calls compile), ``tensor_maps(cfg)`` (the TMA descriptors it builds) and, for an op with a
-  split-KV workspace, ``ACCUM_DTYPE`` (what its split variant writes).
+  split-KV workspace, ``ACCUM_DTYPE`` (what its split variant writes). A sparse prefill ``Config``
+  also says which scales it is exact at (``takes_scale(softmax_scale)``) and gives the form of
+  itself that takes every scale (``any_scale()``), which the launcher runs for the others.
 
 Nothing here imports a kernel module until asked (:func:`kernel_module`), and plans read only the
 config modules (:func:`config_module`): ``import cute_mla`` stays cheap and plans work without the

@@ -63,6 +63,8 @@ def test_kernel_modules_keep_the_protocol(op, arch):
         assert not [n for n in HELPER_PROTOCOL if not hasattr(hmod, n)], hmod.__name__
     if "combine" in registry.op(op).helpers:     # a split-KV op: what its split variant writes
         assert hasattr(mod, "ACCUM_DTYPE")
+    if op == "sparse_prefill":                   # the scales a config is exact at, and its form for all
+        assert callable(mod.Config.takes_scale) and callable(mod.Config.any_scale)
 
 
 @pytest.mark.parametrize("op, arch", ENTRIES)

@@ -242,10 +242,12 @@ def test_running_max_that_moves(h_q, d_qk, topk, pattern):
 
 
 # The ping-pong's knobs off their rule (the paths a variant takes): a plain running max, O rescaled
-# in every warp, and the row prefetch at rows that fit the L2 (the rule turns it on only past it).
+# in every warp, the row prefetch at rows that fit the L2 (the rule turns it on only past it), and
+# P as exp2(S * scale - m) in two ops (the kernel that a scale ``ffma_exp`` cannot take runs).
 OTHER_KNOBS = {"eager_max": dict(lazy_max=False, skip_unit_scale=False),
                "every_rescale": dict(skip_unit_scale=False),
-               "prefetch": dict(prefetch_rows=True)}
+               "prefetch": dict(prefetch_rows=True),
+               "two_op_exp": dict(ffma_exp=False)}
 
 
 @pytest.mark.parametrize("knobs", list(OTHER_KNOBS))
@@ -263,6 +265,26 @@ def test_running_max_that_moves_with_other_knobs(h_q, d_qk, pattern, knobs):
                            seed=zlib.crc32(f"knobs-{h_q}-{d_qk}-{pattern}-{knobs}".encode()))
     out, max_logits, lse = eager_call(x.q, x.kv, x.indices, x.sm_scale, D_V, x.attn_sink, x.topk_length, None,
                                       Sm90PrefillTuning(**OTHER_KNOBS[knobs]))
+    torch.cuda.synchronize()
+    check_prefill(out, max_logits, lse, *x.reference())
+
+
+# Scales the ping-pong's one-FFMA softmax cannot take (its config's ``takes_scale``), which the
+# launcher runs on the config's ``any_scale`` form, and the least one it takes.
+SCALES = {"negative": lambda d_qk: -d_qk ** -0.5, "zero": lambda d_qk: 0.0, "subnormal": lambda d_qk: 1e-39,
+          "least_normal": lambda d_qk: 2.0 ** -126}
+
+
+@pytest.mark.parametrize("scale", list(SCALES))
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("h_q", [64, 128, 16])
+def test_any_scale(h_q, d_qk, scale):
+    """The moving-max inputs at a negative, a zero, a subnormal and the least normal scale through
+    the public call: the reference within FlashMLA's tolerances (a max over scaled logits is a min
+    of the raw ones at a negative scale; masked slots stay out at every scale)."""
+    x = _moving_max_inputs(h_q, d_qk, 448, "saw", sink=True, seed=zlib.crc32(f"scale-{h_q}-{d_qk}-{scale}".encode()))
+    x.sm_scale = SCALES[scale](d_qk)
+    out, max_logits, lse = run(x)
     torch.cuda.synchronize()
     check_prefill(out, max_logits, lse, *x.reference())
 

@@ -7,6 +7,7 @@ padded head count pads in the graph, and a bad input is refused by name inside t
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import re
@@ -176,6 +177,36 @@ def test_sm90_lazy_max_rule_and_refusals():
                          tuning=pc.Sm90PrefillTuning(lazy_max=True))
     with pytest.raises(ValueError, match="lazy_max takes a bool, got 'retire'"):
         pc.Sm90PrefillTuning(lazy_max="retire")
+
+
+def test_sm90_ffma_exp_rule_scales_and_refusals():
+    """One FFMA an element in the softmax: on by the rule on the ping-pong tile, off when set so,
+    refused on the swap-AB tile and as a non-bool. A config with it takes only scales of at least
+    the smallest normal fp32 (zero, negative and subnormal scales would turn a masked -inf into
+    NaN or +inf, or a max into a min); its ``any_scale`` form is the same config without it, and
+    every other config (SM100's too) takes every scale and is its own ``any_scale``."""
+    from cute_mla.kernels.sm100 import prefill_config as pc100
+    from cute_mla.kernels.sm90 import prefill_config as pc
+
+    def cfg(h_q, d_qk=576, tuning=None):
+        return pc.kernel_config(h_q=h_q, d_qk=d_qk, has_topk_length=False, has_attn_sink=True, tuning=tuning)
+
+    assert [cfg(h, d).tuning.ffma_exp for h in (64, 128) for d in (576, 512)] == [True] * 4
+    assert [cfg(h).tuning.ffma_exp for h in (8, 16, 32)] == [False] * 3
+    on, off = cfg(128), cfg(128, tuning=pc.Sm90PrefillTuning(ffma_exp=False))
+    assert off.tuning.ffma_exp is False and on != off
+    scales = (0.0416, 1.0, pc.MIN_FFMA_SCALE, 1e30, 0.0, -0.0, -0.0416, 1e-39, pc.MIN_FFMA_SCALE / 2)
+    assert [on.takes_scale(x) for x in scales] == [True] * 4 + [False] * 5
+    assert all(off.takes_scale(x) for x in scales) and all(cfg(16).takes_scale(x) for x in scales)
+    small = cfg(16)
+    assert on.any_scale() == off and off.any_scale() is off and small.any_scale() is small
+    assert dataclasses.replace(on.any_scale().tuning, ffma_exp=True) == on.tuning     # only the knob differs
+    sm100 = pc100.kernel_config(h_q=128, d_qk=576, has_topk_length=False, has_attn_sink=True)
+    assert all(sm100.takes_scale(x) for x in scales) and sm100.any_scale() is sm100
+    with pytest.raises(ValueError, match="ffma_exp: a knob of the ping-pong tile .* got h_q 32"):
+        cfg(32, tuning=pc.Sm90PrefillTuning(ffma_exp=True))
+    with pytest.raises(ValueError, match="ffma_exp takes a bool, got 1"):
+        pc.Sm90PrefillTuning(ffma_exp=1)
 
 
 def test_sm90_skip_unit_scale_rule_and_refusals():

@@ -184,6 +184,38 @@ def test_launcher_follows_the_config_its_plan_compiles(monkeypatch):
     assert len(prefill._by_plan) == 1 and len(prefill._by_config) == 3     # the full table was cleared
 
 
+def test_launcher_runs_a_scale_its_config_does_not_take_on_the_any_scale_form(monkeypatch):
+    """A call whose scale the config does not take (the ping-pong's ``ffma_exp``: zero, negative
+    or subnormal) launches the config's ``any_scale`` form, made on first use and kept; any other
+    scale, and every scale of a config that takes them all, the launcher's own kernel. The kernel
+    module is stubbed: each launch records the config it ran."""
+    from cute_mla.interface import prefill
+    from cute_mla.kernels import SparsePrefillTensors
+    from cute_mla.plan.sparse_prefill import plan_sparse_prefill
+
+    ran = []
+
+    class Stub:
+        compile = staticmethod(lambda cfg: cfg)
+        launch = staticmethod(lambda compiled, cfg, t: ran.append((compiled, cfg, t.softmax_scale)))
+
+    monkeypatch.setattr(prefill.registry, "kernel_module", lambda op, arch: Stub)
+    monkeypatch.setattr(prefill, "_by_config", {})
+    monkeypatch.setattr(prefill, "_by_plan", {})
+    pingpong = prefill.launcher_of(plan_sparse_prefill(4096, 128, 576, 2048, arch="sm_90a", s_kv=8192), True)
+    swapped = prefill.launcher_of(plan_sparse_prefill(4096, 16, 576, 2048, arch="sm_90a", s_kv=8192), True)
+    assert pingpong.cfg.tuning.ffma_exp and not swapped.cfg.tuning.ffma_exp
+    scales = (0.0416, -0.0416, 0.0, 1e-39, 0.5)
+    for launcher in (pingpong, swapped):
+        for x in scales:
+            launcher(SparsePrefillTensors(*[None] * 8, softmax_scale=x))
+    any_form = pingpong.cfg.any_scale()
+    assert ran == ([(pingpong.cfg, pingpong.cfg, 0.0416)] + [(any_form, any_form, x) for x in scales[1:4]]
+                   + [(pingpong.cfg, pingpong.cfg, 0.5)] + [(swapped.cfg, swapped.cfg, x) for x in scales])
+    assert pingpong.any_scale() is prefill._by_config["sm_90a", any_form] and swapped.any_scale() is swapped
+    assert pingpong.any_scale().any_scale() is pingpong.any_scale()
+
+
 def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
     """The argument checks run once per call signature (every layer of a prefill step has the
     same); the scale is checked on every call, an out is kept apart from the inputs on every call,

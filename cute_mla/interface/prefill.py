@@ -127,18 +127,30 @@ def _prepare(q, kv_rows: int, dims, has_attn_sink: bool, has_topk_length: bool, 
 
 class PrefillLauncher:
     """A config's kernel resolved once (kernel module, compiled entry), so that a call only
-    allocates its outputs and launches."""
+    allocates its outputs and launches. A call whose scale the config does not take
+    (``Config.takes_scale``) runs the launcher of its ``any_scale`` form, made on first use."""
 
-    __slots__ = ("mod", "cfg", "compiled")
+    __slots__ = ("arch", "op", "mod", "cfg", "compiled", "_any_scale")
 
     def __init__(self, arch: str, op: str, cfg):
+        self.arch, self.op, self.cfg = arch, op, cfg
         self.mod = registry.kernel_module(op, arch)
-        self.cfg = cfg
         self.compiled = self.mod.compile(cfg)
+        self._any_scale = None
 
     def __call__(self, t: SparsePrefillTensors) -> None:
         """The kernel on ``t`` (heads already the kernel's, s_q >= 1) on the current stream."""
-        self.mod.launch(self.compiled, self.cfg, t)
+        if self.cfg.takes_scale(t.softmax_scale):
+            self.mod.launch(self.compiled, self.cfg, t)
+        else:
+            self.any_scale()(t)
+
+    def any_scale(self) -> "PrefillLauncher":
+        """The launcher of this config's form for every scale (itself where that is this config)."""
+        if self._any_scale is None:
+            cfg = self.cfg.any_scale()
+            self._any_scale = self if cfg == self.cfg else _launcher_of_config(self.arch, self.op, cfg)
+        return self._any_scale
 
 
 _by_config: dict = {}   # (arch, config) -> PrefillLauncher
@@ -156,13 +168,18 @@ def launcher_of(plan: SparsePrefillPlan, has_attn_sink: bool, tuning=None) -> Pr
     key = (plan, has_attn_sink, tuning)
     launcher = _by_plan.get(key)
     if launcher is None:
-        cfg = registry.config_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning)
-        launcher = _by_config.get((plan.arch, cfg))
-        if launcher is None:
-            launcher = _by_config[plan.arch, cfg] = PrefillLauncher(plan.arch, plan.op, cfg)
+        launcher = _launcher_of_config(plan.arch, plan.op,
+                                       registry.config_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning))
         if len(_by_plan) >= _MAX_PLANS:
             _by_plan.clear()
         _by_plan[key] = launcher
+    return launcher
+
+
+def _launcher_of_config(arch: str, op: str, cfg) -> PrefillLauncher:
+    launcher = _by_config.get((arch, cfg))
+    if launcher is None:
+        launcher = _by_config[arch, cfg] = PrefillLauncher(arch, op, cfg)
     return launcher
 
 

@@ -188,6 +188,13 @@ class Sm100SparsePrefillConfig:
     def cache_key(self):
         return ("sm100_sparse_prefill", self)
 
+    def takes_scale(self, softmax_scale: float) -> bool:
+        """Every scale: the softmax scales S before its row max."""
+        return True
+
+    def any_scale(self) -> "Sm100SparsePrefillConfig":
+        return self
+
 
 Config = Sm100SparsePrefillConfig   # the registry's protocol (cute_mla.registry)
 Tuning = Sm100PrefillTuning

@@ -8,7 +8,7 @@ Plain Python (no DSL import): the API, the plan and the tests read it on any mac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Optional
 
@@ -66,11 +66,16 @@ assert max(PrefillBar) < 16 and len({int(b) for b in PrefillBar}) == len(Prefill
 # 64 x 256 fp32 O, S / P of a tile and its bf16 copy; the producer only addresses and indices.
 PINGPONG_REGISTERS = RegisterBudget(softmax=216, pv_right=216, producer=72)
 
+# The least scale ``ffma_exp`` takes: the smallest normal fp32, so that the kernel's scale in log2
+# units is a positive normal number (below it a masked -inf times the scale could be NaN).
+MIN_FFMA_SCALE = 2.0 ** -126
+
 
 @dataclass(frozen=True)
 class Sm90PrefillTuning:
-    """The prefill kernel's variant knobs (part of the compile key; none changes results). A field
-    left None takes the shape's rule (:func:`resolve_tuning`) when a config is made."""
+    """The prefill kernel's variant knobs (part of the compile key; none changes results beyond
+    fp32 rounding). A field left None takes the shape's rule (:func:`resolve_tuning`) when a
+    config is made."""
 
     registers: RegisterBudget = PINGPONG_REGISTERS
     # L2 hint of the cp.async row gather ("" = none).
@@ -98,6 +103,12 @@ class Sm90PrefillTuning:
     # Each MMA warp skips rescaling its O rows where none of them moved its base in this tile
     # (every factor exactly 1, so out is bit-identical): with ``lazy_max`` that is most tiles.
     skip_unit_scale: Optional[bool] = None
+    # The ping-pong's softmax takes the row max of the raw scores and forms each P as
+    # exp2(fma(S, scale_log2, -m)): one FFMA an element where scaling S in place (FMUL) and
+    # subtracting the max (FADD) take two. Exact only for a scale that stays a positive normal
+    # fp32 number (the max of scaled scores is then the scaled max, and a masked -inf times it
+    # stays -inf): the config's ``takes_scale``; other scales run its ``any_scale`` form.
+    ffma_exp: Optional[bool] = None
 
     def __post_init__(self):
         if not isinstance(self.registers, RegisterBudget):
@@ -114,6 +125,8 @@ class Sm90PrefillTuning:
             raise ValueError(f"Sm90PrefillTuning: lazy_max takes a bool, got {self.lazy_max!r}")
         if self.skip_unit_scale is not None and not isinstance(self.skip_unit_scale, bool):
             raise ValueError(f"Sm90PrefillTuning: skip_unit_scale takes a bool, got {self.skip_unit_scale!r}")
+        if self.ffma_exp is not None and not isinstance(self.ffma_exp, bool):
+            raise ValueError(f"Sm90PrefillTuning: ffma_exp takes a bool, got {self.ffma_exp!r}")
         if self.staging not in (None,) + STAGINGS:
             raise ValueError(f"Sm90PrefillTuning: staging takes one of {', '.join(STAGINGS)}, got {self.staging!r}")
         if self.qo_policy not in (None, "") + L2_POLICIES:
@@ -137,13 +150,14 @@ def resolve_tuning(tuning: Sm90PrefillTuning, h_q: int, d_qk: int, kv_fits_l2: b
     it ("q_reload"). The swap-AB tile stages in its Q buffer ("q"). The ping-pong keeps its
     running max lazily and skips O's rescale in a warp where no row moved: together they save
     WG0's drain before P0's hand-over and most of O's rescales, for the pair's bookkeeping (true
-    maxima, WG1's flags, a vote and a branch)."""
+    maxima, WG1's flags, a vote and a branch). Its softmax forms P with one FFMA an element
+    (``ffma_exp``; a call whose scale it cannot take runs the config's ``any_scale`` form)."""
     pair = h_q > TILE.heads
     pingpong = h_q not in SMALL_HEADS
     rule = {"gather_l2": "L2::256B" if pair else "", "prefetch_rows": pair and d_qk == V32.d_qk and not kv_fits_l2,
             "qo_policy": "evict_first" if pingpong else "",
             "staging": ("ring" if d_qk == V4.d_qk else "q_reload") if pingpong else "q",
-            "lazy_max": pingpong, "skip_unit_scale": pingpong}
+            "lazy_max": pingpong, "skip_unit_scale": pingpong, "ffma_exp": pingpong}
     return fill_unset(tuning, rule)
 
 
@@ -188,6 +202,8 @@ class Sm90SparsePrefillConfig:
             raise ValueError(f"skip_unit_scale: a knob of the ping-pong tile (64 and 128 heads), got h_q {self.h_q}")
         if self.tuning.lazy_max and self.swapped:
             raise ValueError(f"lazy_max: a knob of the ping-pong tile (64 and 128 heads), got h_q {self.h_q}")
+        if self.tuning.ffma_exp and self.swapped:
+            raise ValueError(f"ffma_exp: a knob of the ping-pong tile (64 and 128 heads), got h_q {self.h_q}")
         if self.tuning.staging == "ring" and self.d_qk != V4.d_qk:
             raise ValueError(f"staging: the 'ring' is built for d_qk {V4.d_qk} (no room in shared memory "
                              f"otherwise), got h_q {self.h_q}, d_qk {self.d_qk}")
@@ -207,6 +223,15 @@ class Sm90SparsePrefillConfig:
     def swapped(self) -> bool:
         """The swap-AB tile (:func:`kernel_tile`): 8, 16 or 32 heads on the MMA's N side."""
         return self.h_q in SMALL_HEADS
+
+    def takes_scale(self, softmax_scale: float) -> bool:
+        """Whether this kernel is exact at ``softmax_scale``: every scale, except with ``ffma_exp``
+        only a scale of at least :data:`MIN_FFMA_SCALE`."""
+        return not self.tuning.ffma_exp or softmax_scale >= MIN_FFMA_SCALE
+
+    def any_scale(self) -> "Sm90SparsePrefillConfig":
+        """This config in the form that takes every scale (``ffma_exp`` off)."""
+        return replace(self, tuning=replace(self.tuning, ffma_exp=False)) if self.tuning.ffma_exp else self
 
 
 Config = Sm90SparsePrefillConfig   # the registry's protocol (cute_mla.registry)

@@ -535,6 +535,40 @@ def exp2(x):
     return cute.math.exp2(x, fastmath=True)
 
 
+def tile_row_max(cfg: Sm90SparsePrefillConfig, v: "MmaWg", lo, hi, scale_log2: Float32):
+    """This thread's two rows' maxima of the tile (masked, scaled by ``scale_log2``). With
+    ``ffma_exp`` S stays raw (masked) and only the maxima are scaled, for :func:`tile_exp`."""
+    if cfg.tuning.ffma_exp:
+        mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, Float32(1.0))
+        return mx0 * scale_log2, mx1 * scale_log2
+    return masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
+
+
+def tile_exp(cfg: Sm90SparsePrefillConfig, v: "MmaWg", scale_log2: Float32, m0: Float32, m1: Float32):
+    """P = exp2(S * scale_log2 - m) in place after :func:`tile_row_max` (one FFMA an element with
+    ``ffma_exp``, where S is raw); returns this thread's partial row sums."""
+    if cfg.tuning.ffma_exp:
+        return exp_rows_fma(v.acc_s, scale_log2, -m0, -m1)
+    return exp_rows(v.acc_s, m0, m1)
+
+
+@cute.jit
+def exp_rows_fma(acc_s: cute.Tensor, scale_log2: Float32, n0: Float32, n1: Float32):
+    """P = exp2(fma(S, scale_log2, n)) in place, ``n`` the rows' negated bases; returns this
+    thread's partial row sums of its two rows."""
+    sum0 = Float32(0.0)
+    sum1 = Float32(0.0)
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        if cutlass.const_expr((i // 2) % 2 == 0):
+            p = exp2(cute.math.fma(acc_s[i], scale_log2, n0))
+            sum0 += p
+        else:
+            p = exp2(cute.math.fma(acc_s[i], scale_log2, n1))
+            sum1 += p
+        acc_s[i] = p
+    return sum0, sum1
+
+
 def new_base(cfg: Sm90SparsePrefillConfig, m, x):
     """A row's running max (its P's base) after a tile whose max is ``x``: max(m, x), or with
     ``lazy_max`` m until x passes it by more than :data:`LAZY_MAX_STEP`."""
@@ -600,7 +634,7 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
         # QK1's late half goes in now: WG0's softmax runs under it, not beside WG1's.
         cute.arch.barrier_arrive(barrier_id=PrefillBar.QK_ORDER, number_of_threads=PAIR_THREADS)
     lo, hi = tile_mask(v.mask_base, 0)
-    mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
+    mx0, mx1 = tile_row_max(cfg, v, lo, hi, scale_log2)
     ma0 = new_base(cfg, m0, mx0)
     ma1 = new_base(cfg, m1, mx1)
     if lazy:
@@ -610,7 +644,7 @@ def wg0_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     cute.arch.barrier_arrive(barrier_id=PrefillBar.MAX_A, number_of_threads=PAIR_THREADS)
     sc0 = exp2(m0 - ma0)
     sc1 = exp2(m1 - ma1)
-    s0, s1 = exp_rows(v.acc_s, ma0, ma1)
+    s0, s1 = tile_exp(cfg, v, scale_log2, ma0, ma1)
     l0 = l0 * sc0 + s0
     l1 = l1 * sc1 + s1
     scale_o(cfg, v, sc0, sc1, (ma0 != m0) | (ma1 != m1))
@@ -702,7 +736,7 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     if odd:
         qk_tile(cfg, ops, v, 1, ph1, after_qk0=True)
         lo, hi = tile_mask(v.mask_base, 1)
-        mx0, mx1 = masked_row_max(v.acc_s, lo, hi, v.quad, scale_log2)
+        mx0, mx1 = tile_row_max(cfg, v, lo, hi, scale_log2)
     cute.arch.barrier(barrier_id=PrefillBar.MAX_A, number_of_threads=PAIR_THREADS)
     mb0 = v.s_max[v.row0]
     mb1 = v.s_max[v.row0 + 8]
@@ -724,7 +758,7 @@ def wg1_pair(cfg: Sm90SparsePrefillConfig, ops: Ops, v: MmaWg, scale_log2: Float
     l0 = l0 * sc0
     l1 = l1 * sc1
     if odd:
-        s0, s1 = exp_rows(v.acc_s, mb0, mb1)
+        s0, s1 = tile_exp(cfg, v, scale_log2, mb0, mb1)
         l0 = l0 + s0
         l1 = l1 + s1
         v.tOrP_as_c.store(v.acc_s.load().to(BFloat16))
