@@ -21,7 +21,7 @@ import torch
 
 from .. import registry
 from ..kernels import SPARSE_PREFILL_INPUTS, SPARSE_PREFILL_OPTIONAL, SparsePrefillTensors
-from ..plan.sparse_prefill import D_V, SparsePrefillPlan, check_problem, plan_sparse_prefill
+from ..plan.sparse_prefill import D_V, OP, SparsePrefillPlan, check_problem, plan_sparse_prefill
 from .launcher import on_device_of
 from . import ops
 from .ops import NAMESPACE
@@ -130,11 +130,11 @@ class PrefillLauncher:
     allocates its outputs and launches. A call whose scale the config does not take
     (``Config.takes_scale``) runs the launcher of its ``any_scale`` form, made on first use."""
 
-    __slots__ = ("arch", "op", "mod", "cfg", "compiled", "_any_scale")
+    __slots__ = ("mod", "cfg", "compiled", "_any_scale")
 
-    def __init__(self, arch: str, op: str, cfg):
-        self.arch, self.op, self.cfg = arch, op, cfg
-        self.mod = registry.kernel_module(op, arch)
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.mod = registry.kernel_module(OP, cfg.arch)
         self.compiled = self.mod.compile(cfg)
         self._any_scale = None
 
@@ -149,7 +149,7 @@ class PrefillLauncher:
         """The launcher of this config's form for every scale (itself where that is this config)."""
         if self._any_scale is None:
             cfg = self.cfg.any_scale()
-            self._any_scale = self if cfg == self.cfg else _launcher_of_config(self.arch, self.op, cfg)
+            self._any_scale = self if cfg == self.cfg else _launcher_of_config(cfg)
         return self._any_scale
 
 
@@ -168,18 +168,17 @@ def launcher_of(plan: SparsePrefillPlan, has_attn_sink: bool, tuning=None) -> Pr
     key = (plan, has_attn_sink, tuning)
     launcher = _by_plan.get(key)
     if launcher is None:
-        launcher = _launcher_of_config(plan.arch, plan.op,
-                                       registry.config_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning))
+        launcher = _launcher_of_config(registry.config_module(plan.op, plan.arch).config_for(plan, has_attn_sink, tuning))
         if len(_by_plan) >= _MAX_PLANS:
             _by_plan.clear()
         _by_plan[key] = launcher
     return launcher
 
 
-def _launcher_of_config(arch: str, op: str, cfg) -> PrefillLauncher:
-    launcher = _by_config.get((arch, cfg))
+def _launcher_of_config(cfg) -> PrefillLauncher:
+    launcher = _by_config.get((cfg.arch, cfg))
     if launcher is None:
-        launcher = _by_config[arch, cfg] = PrefillLauncher(arch, op, cfg)
+        launcher = _by_config[cfg.arch, cfg] = PrefillLauncher(cfg)
     return launcher
 
 
