@@ -30,15 +30,16 @@ path runs while the GPU is busy: the GPU time of the call alone (an iteration wh
 outlasted its sleep is counted in ``<lib>_gpu_exposed``), with its own ratio table.
 ``--sustained S`` adds a third timing: each runner's calls back to back for about S seconds (no
 sync between them, so the GPU never idles and its clock settles under the card's power cap, as
-through an engine's prefill of many layers), the runners in turn, ``SUSTAINED_ROUNDS`` rounds:
-µs per call, mJ per call (NVML's energy counter) and the SM clock, the median over the rounds.
+through an engine's prefill of many layers), the runners in turn, ``SUSTAINED_ROUNDS`` rounds
+(each round starting one runner later, so that no runner always follows the same one): µs per call, mJ per call (NVML's energy counter) and the SM clock, the median over the rounds.
 The idle-GPU call above starts each call from the clock an idle card boosts to; a long sustained
 run sits at the cap, where a call's time follows its energy.
 **Transient**: ``testing.transient_bytes`` around one call, the decode benchmark's measure: the
 peak bytes requested from torch's allocator during the call beyond those held before, less the
 returned out, max_logits and lse. **Check**: ``--sample`` query rows of each library's out,
 max_logits and lse against an fp32 reference (FlashMLA's ``ref.py``) with its prefill tolerances;
-max |out difference| between the libraries over all rows.
+max |out difference| between the libraries over all rows. **Tuning**: the config each of cute-mla's
+runners ran (the shape's rule resolved, ``<runner>_tuning``), said under the table.
 
 **Routes** (``--routes``): a V3.2 FP8 cache (656 B/token, ``formats.quantize_v32``, page block
 64) of ``s_kv`` 65536 tokens, one prefill chunk of ``s_q`` 4096 tokens, top-k 2048 (random
@@ -109,7 +110,7 @@ import torch
 
 import cute_mla
 from cute_mla.formats import V32, dequantize_v32, quantize_v32
-from cute_mla.playground.bench import import_flashmla, measured_copy_tbps, padded, warm_up
+from cute_mla.playground.bench import import_flashmla, measured_copy_tbps, padded, variant_text, warm_up
 from cute_mla.testing import check_allclose, check_out_lse, step_transient_bytes, transient_bytes
 
 from benchmarks.bench_sparse_decode import commit_id
@@ -400,8 +401,9 @@ def sustained_us(runners: Dict[str, List[Tuple[str, Callable]]], seconds: float,
     entry per round (mJ and MHz empty without NVML)."""
     meter = _nvml_meter()
     out = {k: {"us": [], "mj": [], "mhz": []} for k in runners}
-    for _ in range(SUSTAINED_ROUNDS):
-        for k, stages in runners.items():
+    for r in range(SUSTAINED_ROUNDS):
+        for k in rotated(list(runners), r):
+            stages = runners[k]
             n = max(10, int(seconds / (call_us[k] * 1e-6)))
             for _, fn in stages:
                 fn()
@@ -420,6 +422,14 @@ def sustained_us(runners: Dict[str, List[Tuple[str, Callable]]], seconds: float,
                 out[k]["mj"].append((meter()[0] - start[0]) / n)
                 out[k]["mhz"].append(statistics.mean(clocks))
     return out
+
+
+def rotated(keys: list, r: int) -> list:
+    """``keys`` from the ``r``-th on (cyclically): round r of the sustained timing starts with a
+    different runner, so that a runner's place in the round (the clock and heat the one before
+    left) is not the same in every round."""
+    r %= max(1, len(keys))
+    return keys[r:] + keys[:r]
 
 
 def _nvml_meter() -> Optional[Callable[[], Tuple[float, float]]]:
@@ -451,7 +461,17 @@ def variant_fwd(tuning) -> Callable:
     def fwd(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
         return api.eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, None, tuning)
 
+    fwd.tuning = tuning
     return fwd
+
+
+def resolved_tuning(fn: Callable, x: dict) -> str:
+    """The tuning of the config cute-mla's call ``fn`` (the public call, or a :func:`variant_fwd`)
+    runs on ``x``, the rule's choices filled in, as ``key=value`` text."""
+    from cute_mla.interface import prefill as api
+    _, launcher = api.checked_call(x["q"], x["kv"], x["indices"], x["sm_scale"], D_V, x["attn_sink"],
+                                   x["topk_length"], None, getattr(fn, "tuning", None))
+    return variant_text(launcher.cfg.tuning)
 
 
 def run_case(c, libs: Dict[str, Callable], args) -> dict:
@@ -467,6 +487,8 @@ def run_case(c, libs: Dict[str, Callable], args) -> dict:
             res = fwd_call(fn, x)                          # compile (or load)
             torch.cuda.synchronize()
             row[f"{key}_check"] = check_prefill(res, ref, rows) if ref is not None else "not checked"
+            if key != "flashmla":
+                row[f"{key}_tuning"] = resolved_tuning(fn, x)
             outs[key] = res
             del res
             _, transient = transient_bytes(lambda: fwd_call(fn, x))
@@ -530,6 +552,9 @@ def run_of(row: dict) -> dict:
     return {k: row[k] for k in RUN_KEYS if k in row}
 
 
+TUNINGS_SEP = " / "     # between the tunings of a row's runs, where they differ
+
+
 def merge_runs(prev: dict, new: dict) -> dict:
     """A case measured again (``--repeat``, or a saved run of the same settings): ``new`` over
     ``prev`` with the runs of both, its µs the median over the runs of each run's median, its ratios
@@ -558,6 +583,9 @@ def merge_runs(prev: dict, new: dict) -> dict:
             row[f"{key}_tbps"] = row["bytes"] / row[f"{key}_us"] * 1e-6
         if prev.get(f"{key}_check", "ok") not in ("ok", "not checked"):
             row[f"{key}_check"] = prev[f"{key}_check"]
+        tunings = [t for r in (prev, new) if f"{key}_tuning" in r for t in r[f"{key}_tuning"].split(TUNINGS_SEP)]
+        if tunings:                                 # runs of one case on different configs: each said
+            row[f"{key}_tuning"] = TUNINGS_SEP.join(dict.fromkeys(tunings))
     ratios = [r["ratio"] for r in runs if "ratio" in r]
     if ratios:
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
@@ -596,6 +624,11 @@ def cases_table(meta: dict, rows: Sequence[dict]) -> str:
         cells.append(ratio)
         lines.append("| " + " | ".join(cells) + " |")
     names = {**LIBS, "variant": "the variant"}
+    if any("cute_tuning" in r for r in rows):
+        lines += ["", "The tuning each row's kernel ran (the shape's rule resolved; the fields apart from the "
+                  "default): " + "; ".join(f"{r['case']} {r['cute_tuning']}"
+                                            + (f" (the variant: {r['variant_tuning']})" if "variant_tuning" in r else "")
+                                            for r in rows if "cute_tuning" in r)]
     hosts = {key: [r[f"{key}_host_us"] for r in rows if f"{key}_host_us" in r] for key in names}
     if any(hosts.values()):
         lines += ["", "Host time of a call (its Python and launch path, which the idle GPU waits through inside "
@@ -652,7 +685,7 @@ def cases_main(args) -> dict:
     variant = None
     if args.variant:
         from cute_mla.archs import device_arch
-        from cute_mla.playground.bench import parse_variant, variant_text
+        from cute_mla.playground.bench import parse_variant
         tuning = parse_variant(args.variant, arch=device_arch(torch.device("cuda")), op="sparse_prefill")
         libs["variant"] = variant_fwd(tuning)
         variant = variant_text(tuning)

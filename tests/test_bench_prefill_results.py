@@ -121,3 +121,31 @@ def test_sustained_timing_adds_its_table_and_merges_by_run(tmp_path):
     md = (tmp_path / "h100-abc1234-sparse-prefill.md").read_text()
     assert "Sustained time of a call (the calls back to back for about 1.5 s" in md
     assert "| 576/128/2048/32768 | 4050.0 | 2835 | 1500 | 4415.0 | 3090 | 1450 | 1.090 (1.080-1.100, 2) |" in md
+
+
+def test_the_sustained_rounds_rotate_the_runners():
+    """Each sustained round starts one runner later, so every runner takes every place once over
+    as many rounds as runners (a fixed order would time the last runner always after the others)."""
+    keys = ["cute", "flashmla", "variant"]
+    orders = [bench.rotated(keys, r) for r in range(3)]
+    assert orders[0] == keys and all(sorted(o) == keys for o in orders)
+    assert all({o.index(k) for o in orders} == {0, 1, 2} for k in keys)
+    assert bench.rotated([], 2) == []
+
+
+def test_a_row_says_each_tuning_its_runs_ran(tmp_path):
+    """The resolved tuning of cute-mla's runners is kept in the row and said under the table; runs
+    of one case on different configs (a launcher keyed by less than its config) keep both."""
+    d = str(tmp_path)
+    first = {**_row("576/128/2048/65536", 600.0, 660.0), "cute_tuning": "prefetch_rows=True"}
+    bench.save(_section("cases", [first]), d)
+    bench.save(_section("cases", [{**_row("576/128/2048/65536", 610.0, 660.0), "cute_tuning": "prefetch_rows=True"}]), d)
+    path, = tmp_path.glob("*-sparse-prefill.json")
+    r, = json.load(open(path))["cases"]["results"]
+    assert r["cute_tuning"] == "prefetch_rows=True"
+    bench.save(_section("cases", [{**_row("576/128/2048/65536", 640.0, 660.0), "cute_tuning": "prefetch_rows=False"}]), d)
+    bench.save(_section("cases", [{**_row("576/128/2048/65536", 640.0, 660.0), "cute_tuning": "prefetch_rows=True"}]), d)
+    r, = json.load(open(path))["cases"]["results"]
+    assert r["cute_tuning"] == "prefetch_rows=True / prefetch_rows=False"
+    md = (tmp_path / "h100-abc1234-sparse-prefill.md").read_text()
+    assert "576/128/2048/65536 prefetch_rows=True / prefetch_rows=False" in md
