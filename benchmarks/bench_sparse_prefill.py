@@ -31,7 +31,8 @@ outlasted its sleep is counted in ``<lib>_gpu_exposed``), with its own ratio tab
 ``--sustained S`` adds a third timing: each runner's calls back to back for about S seconds (no
 sync between them, so the GPU never idles and its clock settles under the card's power cap, as
 through an engine's prefill of many layers), the runners in turn, ``SUSTAINED_ROUNDS`` rounds
-(each round starting one runner later, so that no runner always follows the same one): µs per call, mJ per call (NVML's energy counter) and the SM clock, the median over the rounds.
+(each round starting one runner later, so that no runner always follows the same one): µs per
+call, mJ per call (NVML's energy counter) and the SM clock, the median over the rounds.
 The idle-GPU call above starts each call from the clock an idle card boosts to; a long sustained
 run sits at the cap, where a call's time follows its energy.
 **Transient**: ``testing.transient_bytes`` around one call, the decode benchmark's measure: the

@@ -121,7 +121,7 @@ from .cta import Cta
 from .epilogue import BlockStore, chunk_lane, finalize_row, put_chunk
 from .mma import Ops, c_layout_to_a_layout, k_tensors_for_pv, scale_rows
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
-from .softmax import exp_rows, load_q, masked_row_max
+from .softmax import exp_rows, exp_rows_fma, load_q, masked_row_max
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 TOKENS_PER_PASS = 4                      # rows a producer warp gathers per pass: 8 lanes x 16 B per 128-B chunk
@@ -550,23 +550,6 @@ def tile_exp(cfg: Sm90SparsePrefillConfig, v: "MmaWg", scale_log2: Float32, m0: 
     if cfg.tuning.ffma_exp:
         return exp_rows_fma(v.acc_s, scale_log2, -m0, -m1)
     return exp_rows(v.acc_s, m0, m1)
-
-
-@cute.jit
-def exp_rows_fma(acc_s: cute.Tensor, scale_log2: Float32, n0: Float32, n1: Float32):
-    """P = exp2(fma(S, scale_log2, n)) in place, ``n`` the rows' negated bases; returns this
-    thread's partial row sums of its two rows."""
-    sum0 = Float32(0.0)
-    sum1 = Float32(0.0)
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
-        if cutlass.const_expr((i // 2) % 2 == 0):
-            p = exp2(cute.math.fma(acc_s[i], scale_log2, n0))
-            sum0 += p
-        else:
-            p = exp2(cute.math.fma(acc_s[i], scale_log2, n1))
-            sum1 += p
-        acc_s[i] = p
-    return sum0, sum1
 
 
 def new_base(cfg: Sm90SparsePrefillConfig, m, x):

@@ -227,6 +227,25 @@ def exp_rows(acc_s: cute.Tensor, m0: Float32, m1: Float32):
 
 
 @cute.jit
+def exp_rows_fma(acc_s: cute.Tensor, scale_log2: Float32, n0: Float32, n1: Float32):
+    """P = exp2(fma(S, scale_log2, n)) in place (S raw and masked, ``n`` the rows' negated bases in
+    log2 units): :func:`exp_rows` with the scale folded into one FFMA an element; returns this
+    thread's partial row sums of its two rows (fp32 P)."""
+    sum0 = Float32(0.0)
+    sum1 = Float32(0.0)
+    for v in cutlass.range_constexpr(cute.size(acc_s)):
+        if cutlass.const_expr((v // 2) % 2 == 0):
+            p = cute.math.exp2(cute.math.fma(acc_s[v], scale_log2, n0), fastmath=True)
+            sum0 += p
+            acc_s[v] = p
+        else:
+            p = cute.math.exp2(cute.math.fma(acc_s[v], scale_log2, n1), fastmath=True)
+            sum1 += p
+            acc_s[v] = p
+    return sum0, sum1
+
+
+@cute.jit
 def online_softmax(acc_s, mask_lo, mask_hi, quad, scale_log2: Float32, m0: Float32, m1: Float32, l0: Float32,
                    l1: Float32):
     """Mask S with the tile's 64-bit validity mask (``mask_lo``: tokens 0-31, ``mask_hi``: 32-63,
