@@ -96,8 +96,9 @@ _checked: dict = {}
 def checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning=None):
     """(plan, launcher, launch) of a call, its arguments checked: :func:`check_call`, out apart from
     the inputs, the device check and what the signature fixes (:func:`_prepare`: the plan, the
-    kernel and its launch bound to the signature) once per call signature and ``tuning`` (``validate.known_call`` / ``remember``); the
-    scale and out's addresses against the inputs' on every call."""
+    kernel and its launch bound to the signature) once per call signature and ``tuning``
+    (``validate.known_call`` / ``remember``); the scale and out's addresses against the inputs' on
+    every call."""
     key = call_key(d_v, q, kv, indices, attn_sink, topk_length, out)
     if tuning is not None and key is not None:
         key = key, tuning
