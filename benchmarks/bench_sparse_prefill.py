@@ -470,7 +470,7 @@ def resolved_tuning(fn: Callable, x: dict) -> str:
     """The tuning of the config cute-mla's call ``fn`` (the public call, or a :func:`variant_fwd`)
     runs on ``x``, the rule's choices filled in, as ``key=value`` text."""
     from cute_mla.interface import prefill as api
-    _, launcher = api.checked_call(x["q"], x["kv"], x["indices"], x["sm_scale"], D_V, x["attn_sink"],
+    _, launcher, _ = api.checked_call(x["q"], x["kv"], x["indices"], x["sm_scale"], D_V, x["attn_sink"],
                                    x["topk_length"], None, getattr(fn, "tuning", None))
     return variant_text(launcher.cfg.tuning)
 

@@ -22,7 +22,10 @@ Every module named here keeps one protocol (checked by ``tests/test_registry.py`
   plan's calls compile), ``tensor_maps(cfg)`` (the TMA descriptors it builds) and, for an op with a
   split-KV workspace, ``ACCUM_DTYPE`` (what its split variant writes). A sparse prefill ``Config``
   also says which scales it is exact at (``takes_scale(softmax_scale)``) and gives the form of
-  itself that takes every scale (``any_scale()``), which the launcher runs for the others.
+  itself that takes every scale (``any_scale()``), which the launcher runs for the others; its
+  kernel module also binds a launch to a call signature (``bind(compiled, cfg, s_q, num_sms)``: a
+  function of the ``ENTRY`` tensors and the scale, its grid fixed), which the API keeps per
+  signature.
 
 Nothing here imports a kernel module until asked (:func:`kernel_module`), and plans read only the
 config modules (:func:`config_module`): ``import cute_mla`` stays cheap and plans work without the

@@ -65,6 +65,7 @@ def test_kernel_modules_keep_the_protocol(op, arch):
         assert hasattr(mod, "ACCUM_DTYPE")
     if op == "sparse_prefill":                   # the scales a config is exact at, and its form for all
         assert callable(mod.Config.takes_scale) and callable(mod.Config.any_scale)
+        assert callable(mod.bind)                # a launch bound to a call signature
 
 
 @pytest.mark.parametrize("op, arch", ENTRIES)

@@ -216,6 +216,53 @@ def test_launcher_runs_a_scale_its_config_does_not_take_on_the_any_scale_form(mo
     assert pingpong.any_scale().any_scale() is pingpong.any_scale()
 
 
+def test_a_call_signature_launches_through_its_bound_launch(monkeypatch):
+    """A call signature binds its launch once (the kernel module's ``bind``: s_q and the device's SMs
+    fixed) and its calls launch through it, heads padded where the arch's kernel wants them (SM100's
+    at 16 heads); a scale the config does not take goes through the launcher's bundle to the
+    ``any_scale`` form, and s_q 0 launches nothing. The kernel module is stubbed: each launch
+    records what it ran (how, the config's arch and one-FFMA softmax, the heads it saw)."""
+    from cute_mla.interface import prefill
+
+    ran, binds = [], []
+
+    def what(how, cfg, q):
+        return how, cfg.arch, getattr(cfg.tuning, "ffma_exp", None), q.shape[1]
+
+    class Stub:
+        compile = staticmethod(lambda cfg: cfg)
+        launch = staticmethod(lambda compiled, cfg, t: ran.append(what("bundle", cfg, t.q)))
+
+        @staticmethod
+        def bind(compiled, cfg, s_q, num_sms):
+            binds.append((cfg.arch, s_q, num_sms))
+            return lambda q, kv, indices, topk_length, attn_sink, out, max_logits, lse, softmax_scale: ran.append(
+                what("bound", cfg, q))
+
+    arch = ["sm_90a"]
+    monkeypatch.setattr(prefill, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(prefill.ops, "device_facts", lambda device: (arch[0], 132))
+    monkeypatch.setattr(prefill.registry, "kernel_module", lambda op, arch: Stub)
+    for table in ("_by_config", "_by_plan", "_checked"):
+        monkeypatch.setattr(prefill, table, {})
+    for _ in range(3):
+        call(sm_scale=0.5)
+    assert binds == [("sm_90a", S_Q, 132)] and ran == [("bound", "sm_90a", True, H_Q)] * 3
+    call(sm_scale=-0.5)                                        # the any_scale form, through the bundle
+    call(sm_scale=0.0)
+    assert len(binds) == 1 and ran[3:] == [("bundle", "sm_90a", False, H_Q)] * 2
+    ran.clear()
+    call(q=torch.zeros(S_Q, 16, D_QK, dtype=BF16), attn_sink=torch.zeros(16))      # SM90's swap-AB tile
+    assert ran == [("bound", "sm_90a", False, 16)]
+    call(q=torch.zeros(0, H_Q, D_QK, dtype=BF16), indices=torch.zeros(0, 1, TOPK, dtype=I32))
+    assert len(ran) == 1 and len(binds) == 2
+    prefill._checked.clear()
+    arch[0] = "sm_100a"
+    out, max_logits, lse = call(q=torch.zeros(S_Q, 16, D_QK, dtype=BF16), attn_sink=torch.zeros(16))
+    assert ran[1:] == [("bound", "sm_100a", None, 64)] and binds[-1] == ("sm_100a", S_Q, 132)    # padded to 64
+    assert out.shape == (S_Q, 16, 512) and max_logits.shape == lse.shape == (S_Q, 16)
+
+
 def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
     """The argument checks run once per call signature (every layer of a prefill step has the
     same); the scale is checked on every call, an out is kept apart from the inputs on every call,
@@ -227,8 +274,12 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
     monkeypatch.setattr(prefill, "_require_cuda", lambda q: None)
     monkeypatch.setattr(prefill.ops, "device_facts", lambda device: ("sm_90a", 132))
     plans = []
-    monkeypatch.setattr(prefill, "launcher_of", lambda plan, has_attn_sink, tuning=None: plans.append(plan))
-    monkeypatch.setattr(prefill, "_run", lambda plan, launcher, *args: (None, None, None))
+
+    class Launcher:
+        bind = staticmethod(lambda s_q, num_sms: None)
+
+    monkeypatch.setattr(prefill, "launcher_of", lambda plan, has_attn_sink, tuning=None: plans.append(plan) or Launcher)
+    monkeypatch.setattr(prefill, "_run", lambda plan, launcher, launch, *args: (None, None, None))
     monkeypatch.setattr(prefill, "_checked", {})
     runs = []
     full = prefill.check_call

@@ -94,10 +94,11 @@ _checked: dict = {}
 
 
 def checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning=None):
-    """(plan, launcher) of a call, its arguments checked: :func:`check_call`, out apart from the
-    inputs, the device check and what the signature fixes (:func:`_prepare`: the plan, the
-    kernel) once per call signature and ``tuning`` (``validate.known_call`` / ``remember``); the
-    scale and out's addresses against the inputs' on every call."""
+    """(plan, launcher, launch) of a call, its arguments checked: :func:`check_call`, out apart from
+    the inputs, the device check and what the signature fixes (:func:`_prepare`: the plan, the
+    kernel and its launch bound to the signature) once per call signature and ``tuning``
+    (``validate.known_call`` / ``remember``); the scale and out's addresses against the inputs' on
+    every call."""
     key = call_key(d_v, q, kv, indices, attn_sink, topk_length, out)
     if tuning is not None and key is not None:
         key = key, tuning
@@ -112,14 +113,16 @@ def checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tun
 
 
 def _prepare(q, kv_rows: int, dims, has_attn_sink: bool, has_topk_length: bool, tuning) -> tuple:
-    """(plan, launcher) of a checked call of ``dims`` (s_q, h_q, d_qk, topk) and kv's rows on q's
-    device, after the device check: all of it follows from the call signature (the device is
-    part of it)."""
+    """(plan, launcher, launch) of a checked call of ``dims`` (s_q, h_q, d_qk, topk) and kv's rows
+    on q's device, after the device check: all of it follows from the call signature (the device is
+    part of it). ``launch``: the launcher's kernel bound to the signature's s_q and device
+    (:meth:`PrefillLauncher.bind`), None for s_q 0."""
     _require_cuda(q)
     s_q, h_q, d_qk, topk = dims
-    arch, _ = ops.device_facts(q.device)
+    arch, num_sms = ops.device_facts(q.device)
     plan = plan_sparse_prefill(s_q, h_q, d_qk, topk, arch=arch, has_topk_length=has_topk_length, s_kv=kv_rows)
-    return plan, launcher_of(plan, has_attn_sink, tuning)
+    launcher = launcher_of(plan, has_attn_sink, tuning)
+    return plan, launcher, launcher.bind(s_q, num_sms) if s_q else None
 
 
 # ----------------------------------------------------------------------------------- launches
@@ -128,7 +131,9 @@ def _prepare(q, kv_rows: int, dims, has_attn_sink: bool, has_topk_length: bool, 
 class PrefillLauncher:
     """A config's kernel resolved once (kernel module, compiled entry), so that a call only
     allocates its outputs and launches. A call whose scale the config does not take
-    (``Config.takes_scale``) runs the launcher of its ``any_scale`` form, made on first use."""
+    (``Config.takes_scale``) runs the launcher of its ``any_scale`` form, made on first use. A call
+    signature keeps its launch bound (:meth:`bind`), so that a repeated call skips the bundle and the
+    grid."""
 
     __slots__ = ("mod", "cfg", "compiled", "_any_scale")
 
@@ -144,6 +149,11 @@ class PrefillLauncher:
             self.mod.launch(self.compiled, self.cfg, t)
         else:
             self.any_scale()(t)
+
+    def bind(self, s_q: int, num_sms: int):
+        """This config's launch for calls of ``s_q`` (>= 1) tokens on a device of ``num_sms`` SMs (the
+        kernel module's ``bind``): a function of the entry's tensors and a scale the config takes."""
+        return self.mod.bind(self.compiled, self.cfg, s_q, num_sms)
 
     def any_scale(self) -> "PrefillLauncher":
         """The launcher of this config's form for every scale (itself where that is this config)."""
@@ -182,12 +192,13 @@ def _launcher_of_config(cfg) -> PrefillLauncher:
     return launcher
 
 
-def _run(plan: SparsePrefillPlan, launcher: PrefillLauncher, q, kv, indices, softmax_scale: float, attn_sink,
+def _run(plan: SparsePrefillPlan, launcher: PrefillLauncher, launch, q, kv, indices, softmax_scale: float, attn_sink,
          topk_length, out) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The call on checked tensors (kv and indices with their unit head dim), launched by
-    ``launcher``; returns (out, max_logits, lse), out allocated when not given. Heads padded where
-    the plan says: q and the sink copied with zero / -inf heads, the kernel's out, max_logits and
-    lse of the padded heads, the first h_q copied back."""
+    ``launch`` (``launcher`` bound to the call signature; None: ``launcher`` on the call's bundle) or,
+    for a scale the config does not take, by ``launcher``; returns (out, max_logits, lse), out
+    allocated when not given. Heads padded where the plan says: q and the sink copied with zero /
+    -inf heads, the kernel's out, max_logits and lse of the padded heads, the first h_q copied back."""
     s_q, h = plan.s_q, plan.kernel_h_q
     device = q.device
     if out is None:
@@ -196,16 +207,24 @@ def _run(plan: SparsePrefillPlan, launcher: PrefillLauncher, q, kv, indices, sof
     lse = torch.empty((s_q, h), dtype=torch.float32, device=device)
     if not s_q:
         return out, max_logits[:, :plan.h_q], lse[:, :plan.h_q]
+    if launch is None or not launcher.cfg.takes_scale(softmax_scale):
+        launch = _launch_bundle(launcher)
     if not plan.padded:
-        launcher(SparsePrefillTensors(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, softmax_scale))
+        launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, softmax_scale)
         return out, max_logits, lse
     pad = h - plan.h_q
     q = torch.nn.functional.pad(q, (0, 0, 0, pad))        # zero heads: scores 0, harmless, dropped below
     sink = None if attn_sink is None else torch.nn.functional.pad(attn_sink, (0, pad), value=float("-inf"))
     out_k = torch.empty((s_q, h, plan.d_v), dtype=torch.bfloat16, device=device)
-    launcher(SparsePrefillTensors(q, kv, indices, topk_length, sink, out_k, max_logits, lse, softmax_scale))
+    launch(q, kv, indices, topk_length, sink, out_k, max_logits, lse, softmax_scale)
     out.copy_(out_k[:, :plan.h_q])
     return out, max_logits[:, :plan.h_q].contiguous(), lse[:, :plan.h_q].contiguous()
+
+
+def _launch_bundle(launcher: PrefillLauncher):
+    """``launcher`` as a bound launch (the entry's tensors and the scale): the call's bundle made
+    and launched, the scale routed by the launcher."""
+    return lambda *tensors_and_scale: launcher(SparsePrefillTensors(*tensors_and_scale))
 
 
 def flash_mla_sparse_fwd(
@@ -245,9 +264,9 @@ def eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tunin
     per call signature, then launched on q's device. ``tuning``: the kernel's variant knobs (the
     arch's tuning type; None: the shape's rule), so that a benchmark's variant pays the same host
     path as the call."""
-    plan, launcher = checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning)
+    plan, launcher, launch = checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning)
     with on_device_of(q):
-        return _run(plan, launcher, q, kv, indices, float(sm_scale), attn_sink, topk_length, out)
+        return _run(plan, launcher, launch, q, kv, indices, float(sm_scale), attn_sink, topk_length, out)
 
 
 # ------------------------------------------------------------------------------ the traced form
@@ -273,7 +292,7 @@ def _op_impl(q, kv, indices, topk_length, attn_sink, out, softmax_scale, arch):
     plan = plan_sparse_prefill(s_q, h, d_qk, indices.shape[-1], arch=arch, has_topk_length=topk_length is not None,
                                s_kv=kv.shape[0])
     with on_device_of(q):
-        _, max_logits, lse = _run(plan, launcher_of(plan, attn_sink is not None), q, kv, indices, softmax_scale,
+        _, max_logits, lse = _run(plan, launcher_of(plan, attn_sink is not None), None, q, kv, indices, softmax_scale,
                                   attn_sink, topk_length, out)
     return max_logits, lse
 

@@ -192,8 +192,10 @@ def call_key(d_v, t0, t1, t2, t3, t4, t5, t6=None, t7=None, t8=None) -> Optional
     if type(d_v) is not int:
         return None
     sig = tensor_signature
-    try:
-        return d_v, sig(t0), sig(t1), sig(t2), sig(t3), sig(t4), sig(t5), sig(t6), sig(t7), sig(t8)
+    try:     # (an absent optional's None inline: a call's key pays no frame for it)
+        return (d_v, sig(t0), sig(t1), sig(t2), None if t3 is None else sig(t3), None if t4 is None else sig(t4),
+                None if t5 is None else sig(t5), None if t6 is None else sig(t6), None if t7 is None else sig(t7),
+                None if t8 is None else sig(t8))
     except _SIGNATURE_ERRORS:
         return None
 

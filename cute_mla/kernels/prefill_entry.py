@@ -12,6 +12,8 @@ from . import SparsePrefillTensors, entry_getter, fake_entry
 
 ENTRY = ("q", "kv", "indices", "topk_length", "attn_sink", "out", "max_logits", "lse")
 entry_of = entry_getter(ENTRY, SparsePrefillTensors)
+# a bound launch (a kernel module's ``bind``) takes the entry's tensors then the scale: the bundle's fields
+assert SparsePrefillTensors._fields == ENTRY + ("softmax_scale",), "the entry's tensors are the bundle's, in order"
 
 
 def fake_tensors(h_q: int, d_qk: int, d_v: int, has_topk_length: bool, has_attn_sink: bool) -> list:

@@ -20,7 +20,9 @@ of 232,448 at d_qk 576 (Q 72 KiB, K 4 x 36 KiB), 201,728 B at 512.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import inspect
+from typing import Callable, Optional
 
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
@@ -194,12 +196,26 @@ def compile(cfg: Sm100SparsePrefillConfig, dump_dir: Optional[str] = None) -> Co
     return compile_cached(cfg.cache_key, build, dump_dir)
 
 
+def _go(fn, q, kv, indices, topk_length, attn_sink, out, max_logits, lse, softmax_scale: float) -> None:
+    if kv.shape[0] == 1 and kv.stride(0) % 8:
+        # one row: its stride is free to the caller, but the gather4 tensor map takes it (16-B multiple)
+        kv = kv.as_strided(tuple(kv.shape), (kv.shape[2], kv.shape[2], 1))
+    fn(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, softmax_scale)
+
+
+assert tuple(inspect.signature(_go).parameters)[1:-1] == prefill_entry.ENTRY, "_go takes the entry's tensors in order"
+
+
+def bind(compiled: CompiledKernel, cfg: Sm100SparsePrefillConfig, s_q: int, num_sms: int) -> Callable:
+    """The launch of calls of ``s_q`` (>= 1) tokens on a device of ``num_sms`` SMs (a call
+    signature's): a function of the entry's tensors (``ENTRY``, in order) and the softmax scale (a
+    float) that launches on torch's current stream. Its grid (x = s_q * h_q / 64) follows from the
+    tensors, so nothing is fixed here. No host sync, no allocation."""
+    return functools.partial(_go, compiled.fn)
+
+
 def launch(compiled: CompiledKernel, cfg: Sm100SparsePrefillConfig, t: SparsePrefillTensors) -> None:
     """Launch on torch's current stream: no host sync, no allocation. ``t``: the call's
     :class:`~cute_mla.kernels.SparsePrefillTensors` (heads already the kernel's), its optional
-    fields None exactly where the config takes none. Grid x = s_q * h_q / 64."""
-    kv = t.kv
-    if kv.shape[0] == 1 and kv.stride(0) % 8:
-        # one row: its stride is free to the caller, but the gather4 tensor map takes it (16-B multiple)
-        t = t._replace(kv=kv.as_strided(tuple(kv.shape), (kv.shape[2], kv.shape[2], 1)))
-    compiled.fn(*prefill_entry.entry_of(t), float(t.softmax_scale))
+    fields None exactly where the config takes none (:func:`bind` for one call)."""
+    bind(compiled, cfg, t.q.shape[0], 0)(*prefill_entry.entry_of(t), float(t.softmax_scale))

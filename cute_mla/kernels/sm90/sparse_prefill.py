@@ -16,7 +16,9 @@ tiles in order for it, and its K buffers are released by both groups).
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import inspect
+from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -218,9 +220,23 @@ def grid_ctas(cfg: Sm90SparsePrefillConfig, s_q: int, num_sms: int) -> int:
     return max(1, min(s_q * cfg.n_hblk, num_sms // 2 * 2))
 
 
+def _go(fn, ctas: int, q, kv, indices, topk_length, attn_sink, out, max_logits, lse, softmax_scale: float) -> None:
+    fn(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, ctas, softmax_scale)
+
+
+assert tuple(inspect.signature(_go).parameters)[2:-1] == prefill_entry.ENTRY, "_go takes the entry's tensors in order"
+
+
+def bind(compiled: CompiledKernel, cfg: Sm90SparsePrefillConfig, s_q: int, num_sms: int) -> Callable:
+    """The launch of calls of ``s_q`` (>= 1) tokens on a device of ``num_sms`` SMs, both fixed by a
+    call signature: a function of the entry's tensors (``ENTRY``, in order) and the softmax scale
+    (a float) that launches on torch's current stream, its grid (:func:`grid_ctas`) computed here,
+    so that a call pays the compiled entry alone. No host sync, no allocation."""
+    return functools.partial(_go, compiled.fn, grid_ctas(cfg, s_q, num_sms))
+
+
 def launch(compiled: CompiledKernel, cfg: Sm90SparsePrefillConfig, t: SparsePrefillTensors) -> None:
     """Launch on torch's current stream: no host sync, no allocation. ``t``: the call's
     :class:`~cute_mla.kernels.SparsePrefillTensors` (s_q >= 1), its optional fields None exactly
-    where the config takes none. Grid: :func:`grid_ctas` of the device's SMs."""
-    ctas = grid_ctas(cfg, t.q.shape[0], device_num_sms(t.q.device))
-    compiled.fn(*prefill_entry.entry_of(t), ctas, float(t.softmax_scale))
+    where the config takes none (:func:`bind` for one call)."""
+    bind(compiled, cfg, t.q.shape[0], device_num_sms(t.q.device))(*prefill_entry.entry_of(t), float(t.softmax_scale))
