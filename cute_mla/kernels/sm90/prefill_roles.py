@@ -121,7 +121,7 @@ from .cta import Cta
 from .epilogue import BlockStore, chunk_lane, finalize_row, put_chunk
 from .mma import Ops, c_layout_to_a_layout, k_tensors_for_pv, scale_rows
 from .prefill_config import PrefillBar, Sm90SparsePrefillConfig
-from .softmax import exp_rows, exp_rows_fma, load_q, masked_row_max
+from .softmax import exp_rows, load_q, masked_row_max
 
 PAIR_THREADS = 2 * TILE.threads_per_wg   # the named barriers WG0 and WG1 share
 TOKENS_PER_PASS = 4                      # rows a producer warp gathers per pass: 8 lanes x 16 B per 128-B chunk
@@ -547,9 +547,7 @@ def tile_row_max(cfg: Sm90SparsePrefillConfig, v: "MmaWg", lo, hi, scale_log2: F
 def tile_exp(cfg: Sm90SparsePrefillConfig, v: "MmaWg", scale_log2: Float32, m0: Float32, m1: Float32):
     """P = exp2(S * scale_log2 - m) in place after :func:`tile_row_max` (one FFMA an element with
     ``ffma_exp``, where S is raw); returns this thread's partial row sums."""
-    if cfg.tuning.ffma_exp:
-        return exp_rows_fma(v.acc_s, scale_log2, -m0, -m1)
-    return exp_rows(v.acc_s, m0, m1)
+    return exp_rows(v.acc_s, m0, m1, scale_log2 if cfg.tuning.ffma_exp else None)
 
 
 def new_base(cfg: Sm90SparsePrefillConfig, m, x):

@@ -209,39 +209,25 @@ def masked_row_max(acc_s: cute.Tensor, mask_lo, mask_hi, quad, scale_log2: Float
 
 
 @cute.jit
-def exp_rows(acc_s: cute.Tensor, m0: Float32, m1: Float32):
-    """P = exp2(S - m) in place (S already scaled and masked); returns this thread's partial row
-    sums of its two rows (fp32 P)."""
+def exp_rows(acc_s: cute.Tensor, m0: Float32, m1: Float32, scale_log2=None):
+    """P = exp2(S - m) in place (S already scaled and masked); with ``scale_log2``, P =
+    exp2(fma(S, scale_log2, -m)) (S raw and masked, m in log2 units: the scale folded into one FFMA
+    an element). Returns this thread's partial row sums of its two rows (fp32 P)."""
+    if cutlass.const_expr(scale_log2 is not None):
+        m0, m1 = -m0, -m1
     sum0 = Float32(0.0)
     sum1 = Float32(0.0)
     for v in cutlass.range_constexpr(cute.size(acc_s)):
-        if cutlass.const_expr((v // 2) % 2 == 0):
-            p = cute.math.exp2(acc_s[v] - m0, fastmath=True)
-            sum0 += p
-            acc_s[v] = p
+        m = m0 if cutlass.const_expr((v // 2) % 2 == 0) else m1
+        if cutlass.const_expr(scale_log2 is None):
+            p = cute.math.exp2(acc_s[v] - m, fastmath=True)
         else:
-            p = cute.math.exp2(acc_s[v] - m1, fastmath=True)
-            sum1 += p
-            acc_s[v] = p
-    return sum0, sum1
-
-
-@cute.jit
-def exp_rows_fma(acc_s: cute.Tensor, scale_log2: Float32, n0: Float32, n1: Float32):
-    """P = exp2(fma(S, scale_log2, n)) in place (S raw and masked, ``n`` the rows' negated bases in
-    log2 units): :func:`exp_rows` with the scale folded into one FFMA an element; returns this
-    thread's partial row sums of its two rows (fp32 P)."""
-    sum0 = Float32(0.0)
-    sum1 = Float32(0.0)
-    for v in cutlass.range_constexpr(cute.size(acc_s)):
+            p = cute.math.exp2(cute.math.fma(acc_s[v], scale_log2, m), fastmath=True)
         if cutlass.const_expr((v // 2) % 2 == 0):
-            p = cute.math.exp2(cute.math.fma(acc_s[v], scale_log2, n0), fastmath=True)
             sum0 += p
-            acc_s[v] = p
         else:
-            p = cute.math.exp2(cute.math.fma(acc_s[v], scale_log2, n1), fastmath=True)
             sum1 += p
-            acc_s[v] = p
+        acc_s[v] = p
     return sum0, sum1
 
 
