@@ -70,11 +70,14 @@ def test_kernel_modules_keep_the_protocol(op, arch):
 
 @pytest.mark.parametrize("op, arch", ENTRIES)
 def test_the_host_entry_takes_the_bundle_fields_in_entry_order(op, arch):
-    """``ENTRY`` is written once per kernel: the host entry's parameters start with it (then the
-    kernel's own: instrumentation, the scale, the stream), and every name is a bundle field."""
+    """``ENTRY`` is written once per kernel: the host entry's parameters are it (after a grid that a
+    bound launch fixes ahead of the tensors, ``ctas``, where the kernel takes one; then the kernel's
+    own: instrumentation, the scale, the stream), and every name is a bundle field."""
     mod = registry.kernel_module(op, arch)
     params = list(inspect.signature(mod.Kernel.__call__).parameters)[1:]
-    assert tuple(params[:len(mod.ENTRY)]) == mod.ENTRY
+    start = params.index(mod.ENTRY[0])
+    assert params[:start] in ([], ["ctas"])
+    assert tuple(params[start:start + len(mod.ENTRY)]) == mod.ENTRY
     assert set(mod.ENTRY) <= set(registry.bundle_type(op)._fields)
     assert params[-2:] == ["softmax_scale", "stream"]
 
@@ -214,3 +217,26 @@ def test_plans_do_not_load_the_dsl():
             "loaded = [m for m in sys.modules if m == 'cutlass' or m.startswith('cutlass.')]\n"
             "assert not loaded, loaded[:5]\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("arch", [arch for op, arch in ENTRIES if op == "sparse_prefill"])
+def test_a_bound_prefill_launch_hands_the_entry_its_arguments_in_order(arch):
+    """The kernel module's ``bind`` (one per call signature) calls the compiled entry with the
+    entry's tensors, the scale and, where the host entry takes one, the grid fixed by the binding:
+    each in the place the host entry's signature gives it (a stand-in entry records what it got)."""
+    mod = registry.kernel_module("sparse_prefill", arch)
+    s_q, num_sms = 4096, 132
+    cfg = mod.config_for(registry.plan_function("sparse_prefill")(s_q, 64, 512, 512, arch=arch, s_kv=8192), True)
+    got = []
+
+    class Compiled:
+        fn = staticmethod(lambda *args: got.append(args))
+
+    tensors = [torch.zeros(8192, 1, 512) if name == "kv" else object() for name in mod.ENTRY]
+    mod.bind(Compiled, cfg, s_q, num_sms)(*tensors, 0.25)
+    params = list(inspect.signature(mod.Kernel.__call__).parameters)[1:-1]    # not self, not the stream
+    assert len(got) == 1 and len(got[0]) == len(params)
+    passed = dict(zip(params, got[0]))
+    assert all(passed[name] is t for name, t in zip(mod.ENTRY, tensors)) and passed["softmax_scale"] == 0.25
+    if "ctas" in passed:
+        assert passed["ctas"] == mod.grid_ctas(cfg, s_q, num_sms) > 0

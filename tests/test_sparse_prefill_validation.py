@@ -316,3 +316,38 @@ def test_checked_signature_is_not_rechecked_but_any_change_is(monkeypatch):
     past_l2 = archs.SM90.l2_bytes // (D_QK * 2) + 1
     call(q=q, out=beside, kv=torch.zeros(past_l2, 1, D_QK, dtype=BF16))
     assert len(runs) == 2 + len(bad) and [p.kv_fits_l2 for p in plans] == [True, False]
+
+
+def test_a_call_switches_device_only_off_the_current_one(monkeypatch):
+    """The eager call launches inside a device guard only when its tensors are on a CUDA device
+    other than the current one (``launcher.call_on_device_of``); on the current device, or off
+    CUDA, it calls straight through. The device query and the guard are stubbed."""
+    from cute_mla.interface import launcher
+
+    entered = []
+
+    class Guard:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            entered.append("left")
+
+    class On:    # a tensor as far as the guard reads it: its device index (-1 off CUDA)
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    monkeypatch.setattr(launcher, "_current_cuda_device", lambda: 1)
+    monkeypatch.setattr(launcher.torch.cuda, "device", Guard)
+    for index in (-1, 1):
+        assert launcher.call_on_device_of(On(index), lambda *a: a, 2, 3) == (2, 3)
+    assert entered == []
+    assert launcher.call_on_device_of(On(0), lambda: entered.append("ran") or "ran") == "ran"
+    assert entered == [0, "ran", "left"]
+    assert launcher.on_device_of(torch.zeros(1)) is launcher._SAME_DEVICE

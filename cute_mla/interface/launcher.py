@@ -125,13 +125,31 @@ def launcher_of(plan: SparseDecodePlan, has_attn_sink: bool, tuning=None) -> Lau
 
 
 _SAME_DEVICE = contextlib.nullcontext()
+# The current CUDA device from torch's C binding (what torch.cuda.current_device returns after its
+# Python-side lazy init, which a call holding CUDA tensors no longer needs; the binding initializes
+# CUDA itself); a CPU-only torch has no binding and no CUDA tensors reach it.
+_current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def _device_to_switch(q) -> Optional[int]:
+    """q's CUDA device index where a call has to switch to it (not the current device); None for
+    the current device or a tensor off CUDA."""
+    index = q.get_device()    # -1 off CUDA
+    return index if index >= 0 and index != _current_cuda_device() else None
 
 
 def on_device_of(q: torch.Tensor):
     """The kernels launch on the current device's stream and the schedule is made there: a call
     with tensors on another GPU switches to theirs for its duration (no sync)."""
-    if isinstance(q, torch.Tensor):
-        index = q.get_device()    # -1 off CUDA
-        if index >= 0 and index != torch.cuda.current_device():
-            return torch.cuda.device(index)
-    return _SAME_DEVICE
+    index = _device_to_switch(q) if isinstance(q, torch.Tensor) else None
+    return _SAME_DEVICE if index is None else torch.cuda.device(index)
+
+
+def call_on_device_of(q: torch.Tensor, fn, *args):
+    """``fn(*args)`` on q's device (:func:`on_device_of`), for a call whose launch is all it runs
+    there: on the current device it pays no context manager's frames."""
+    index = _device_to_switch(q)
+    if index is None:
+        return fn(*args)
+    with torch.cuda.device(index):
+        return fn(*args)

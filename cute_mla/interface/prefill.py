@@ -22,7 +22,7 @@ import torch
 from .. import registry
 from ..kernels import SPARSE_PREFILL_INPUTS, SPARSE_PREFILL_OPTIONAL, SparsePrefillTensors
 from ..plan.sparse_prefill import D_V, OP, SparsePrefillPlan, check_problem, plan_sparse_prefill
-from .launcher import on_device_of
+from .launcher import call_on_device_of, on_device_of
 from . import ops
 from .ops import NAMESPACE
 from .validate import (FP32_MAX, call_key, check_aligned_strides, check_apart, check_deferred, check_distinct_elements,
@@ -265,8 +265,8 @@ def eager_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tunin
     arch's tuning type; None: the shape's rule), so that a benchmark's variant pays the same host
     path as the call."""
     plan, launcher, launch = checked_call(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, tuning)
-    with on_device_of(q):
-        return _run(plan, launcher, launch, q, kv, indices, float(sm_scale), attn_sink, topk_length, out)
+    return call_on_device_of(q, _run, plan, launcher, launch, q, kv, indices, float(sm_scale), attn_sink, topk_length,
+                             out)
 
 
 # ------------------------------------------------------------------------------ the traced form

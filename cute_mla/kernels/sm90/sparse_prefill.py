@@ -17,7 +17,6 @@ tiles in order for it, and its K buffers are released by both groups).
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Callable, Optional
 
 import cutlass
@@ -60,6 +59,7 @@ class Sm90SparsePrefill:
     @cute.jit
     def __call__(
         self,
+        ctas: Int32,               # the persistent grid: at most the items, even (head halves side by side)
         q: cute.Tensor,            # (s_q, h_q, d_qk) bf16
         kv: cute.Tensor,           # (s_kv, 1, d_qk) bf16
         indices: cute.Tensor,      # (s_q, 1, topk) int32
@@ -68,7 +68,6 @@ class Sm90SparsePrefill:
         out: cute.Tensor,          # (s_q, h_q, 512) bf16
         max_logits: cute.Tensor,   # (s_q, h_q) fp32
         lse: cute.Tensor,          # (s_q, h_q) fp32
-        ctas: Int32,               # the persistent grid: at most the items, even (head halves side by side)
         softmax_scale: Float32,
         stream,
     ):
@@ -188,9 +187,11 @@ ENTRY = prefill_entry.ENTRY
 
 
 def _fake_arguments(cfg: Sm90SparsePrefillConfig) -> list:
-    """The compile's arguments: the entry's fake tensors, the grid, the scale and the stream."""
-    return (prefill_entry.fake_tensors(cfg.h_q, cfg.tile.d_qk, TILE.d_v, cfg.has_topk_length, cfg.has_attn_sink)
-            + [Int32(1), Float32(1.0), prefill_entry.fake_stream()])
+    """The compile's arguments: the grid, the entry's fake tensors, the scale and the stream (the grid
+    first, so that :func:`bind` fixes it with no frame of its own)."""
+    return ([Int32(1)] + prefill_entry.fake_tensors(cfg.h_q, cfg.tile.d_qk, TILE.d_v, cfg.has_topk_length,
+                                                     cfg.has_attn_sink)
+            + [Float32(1.0), prefill_entry.fake_stream()])
 
 
 def storage_struct(cfg: Sm90SparsePrefillConfig):
@@ -220,19 +221,12 @@ def grid_ctas(cfg: Sm90SparsePrefillConfig, s_q: int, num_sms: int) -> int:
     return max(1, min(s_q * cfg.n_hblk, num_sms // 2 * 2))
 
 
-def _go(fn, ctas: int, q, kv, indices, topk_length, attn_sink, out, max_logits, lse, softmax_scale: float) -> None:
-    fn(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, ctas, softmax_scale)
-
-
-assert tuple(inspect.signature(_go).parameters)[2:-1] == prefill_entry.ENTRY, "_go takes the entry's tensors in order"
-
-
 def bind(compiled: CompiledKernel, cfg: Sm90SparsePrefillConfig, s_q: int, num_sms: int) -> Callable:
     """The launch of calls of ``s_q`` (>= 1) tokens on a device of ``num_sms`` SMs, both fixed by a
     call signature: a function of the entry's tensors (``ENTRY``, in order) and the softmax scale
     (a float) that launches on torch's current stream, its grid (:func:`grid_ctas`) computed here,
     so that a call pays the compiled entry alone. No host sync, no allocation."""
-    return functools.partial(_go, compiled.fn, grid_ctas(cfg, s_q, num_sms))
+    return functools.partial(compiled.fn, grid_ctas(cfg, s_q, num_sms))
 
 
 def launch(compiled: CompiledKernel, cfg: Sm90SparsePrefillConfig, t: SparsePrefillTensors) -> None:
