@@ -214,16 +214,17 @@ def exp_rows(acc_s: cute.Tensor, m0: Float32, m1: Float32, scale_log2=None):
     exp2(fma(S, scale_log2, -m)) (S raw and masked, m in log2 units: the scale folded into one FFMA
     an element). Returns this thread's partial row sums of its two rows (fp32 P)."""
     if cutlass.const_expr(scale_log2 is not None):
-        m0, m1 = -m0, -m1
+        m0, m1 = -m0, -m1      # the FFMA's addends
     sum0 = Float32(0.0)
     sum1 = Float32(0.0)
     for v in cutlass.range_constexpr(cute.size(acc_s)):
-        m = m0 if cutlass.const_expr((v // 2) % 2 == 0) else m1
+        first = (v // 2) % 2 == 0      # the thread's two rows alternate by pairs of elements
+        m = m0 if first else m1
         if cutlass.const_expr(scale_log2 is None):
             p = cute.math.exp2(acc_s[v] - m, fastmath=True)
         else:
             p = cute.math.exp2(cute.math.fma(acc_s[v], scale_log2, m), fastmath=True)
-        if cutlass.const_expr((v // 2) % 2 == 0):
+        if cutlass.const_expr(first):
             sum0 += p
         else:
             sum1 += p
